@@ -1,0 +1,26 @@
+# The two commands of the README:
+#   make demo   install what is missing, build, run the driver's part4 (flash) check
+#   make test   install what is missing, build, run the whole test suite
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: deps build demo test bench clean
+
+deps:
+	$(PIP) install -q -r requirements.txt
+
+# The kernels are compiled on first use (JIT, cached under build/); this just triggers it.
+build: deps
+	$(PYTHON) -c "import cs149gpt; print('cs149gpt kernels:', cs149gpt.isa())"
+
+demo: build
+	$(PYTHON) cs149gpt/gpt149.py part4
+
+test: build
+	$(PYTHON) -m pytest -q tests
+
+bench: build
+	$(PYTHON) benchmarks/bench_attention.py
+
+clean:
+	rm -rf build cs149gpt/_C*.so *.egg-info

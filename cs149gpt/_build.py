@@ -1,0 +1,28 @@
+"""The one list of C++ sources and flags, shared by setup.py (pip install) and the JIT build (_ext.py).
+
+Plain Python with no imports beyond the standard library, so setup.py can read it before the package exists.
+"""
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SOURCES = [
+    "csrc/module.cpp",
+    "csrc/dispatch.cpp",
+    # Every kernel, compiled once per instruction set; dispatch.cpp picks one when the module loads.
+    "csrc/isa/kernels_avx512.cpp",
+    "csrc/isa/kernels_avx2.cpp",
+    "csrc/isa/kernels_scalar.cpp",
+]
+
+# No -march: one build must run on any x86-64. Wider ISAs are switched on per file (csrc/isa/).
+CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+LD_FLAGS = ["-fopenmp"]
+
+# Headers the sources include: a change to one of them must rebuild the JIT module too.
+HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".inc"}) + [
+    "csrc/kernels/naive.cpp",
+    "csrc/kernels/blocked.cpp",
+    "csrc/kernels/fused.cpp",
+    "csrc/kernels/flash.cpp",
+]

@@ -1,0 +1,48 @@
+"""Loads the compiled kernels: the module pip built (cs149gpt/_C), or else a JIT build with ninja."""
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import torch  # first: the extension links the OpenMP runtime torch has already loaded
+
+from cs149gpt import _build
+
+_module = None
+
+
+def _newest_source_mtime() -> float:
+    return max(os.path.getmtime(_build.ROOT / f) for f in _build.SOURCES + _build.HEADERS)
+
+
+def _jit_build():
+    from torch.utils.cpp_extension import load
+
+    build_dir = _build.ROOT / "build" / f"jit-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    built = build_dir / "cs149gpt_C.so"
+    if not built.exists() or built.stat().st_mtime < _newest_source_mtime():
+        print(f"cs149gpt: compiling the C++ kernels into {build_dir.relative_to(_build.ROOT)} (once, about a minute)",
+              file=sys.stderr, flush=True)
+    return load(
+        name="cs149gpt_C",
+        sources=[str(_build.ROOT / s) for s in _build.SOURCES],
+        extra_cflags=_build.CXX_FLAGS,
+        extra_ldflags=_build.LD_FLAGS,
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
+def load():
+    """The compiled module (also registers torch.ops.cs149gpt.*). Builds it on first use if pip did not."""
+    global _module
+    if _module is None:
+        try:
+            _module = importlib.import_module("cs149gpt._C")
+            if Path(_module.__file__).stat().st_mtime < _newest_source_mtime():
+                print("cs149gpt: warning: cs149gpt/_C is older than csrc/; rebuild with `pip install -e .`",
+                      file=sys.stderr)
+        except ImportError:
+            _module = _jit_build()
+    return _module

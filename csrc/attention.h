@@ -1,0 +1,87 @@
+// The one contract between the checks in module.cpp and every attention kernel.
+//
+// A kernel reads q, k, v in place through element strides and writes `out` the same way: no tensor is
+// copied, transposed or made contiguous on the way in. Any layout torch can describe with strides works,
+// including the views a GPT makes with x.view(B, T, H, d).transpose(1, 2).
+#pragma once
+
+#include <cstdint>
+
+namespace cs149gpt {
+
+// Strides are in elements, in the order [batch, head, row]. Within a row the head_dim columns are
+// contiguous (module.cpp guarantees it; SIMD loads need it).
+struct AttentionParams {
+  const float* q = nullptr;  // (batch, num_heads,    q_len,  head_dim)
+  const float* k = nullptr;  // (batch, num_kv_heads, kv_len, head_dim)
+  const float* v = nullptr;  // (batch, num_kv_heads, kv_len, head_dim)
+  float* out = nullptr;      // (batch, num_heads,    q_len,  head_dim)
+  int64_t q_strides[3] = {0, 0, 0};
+  int64_t k_strides[3] = {0, 0, 0};
+  int64_t v_strides[3] = {0, 0, 0};
+  int64_t out_strides[3] = {0, 0, 0};
+
+  int64_t batch = 0;
+  int64_t num_heads = 0;     // query heads
+  int64_t num_kv_heads = 0;  // key/value heads; query head h reads kv head h / (num_heads / num_kv_heads)
+  int64_t q_len = 0;
+  int64_t kv_len = 0;
+  int64_t head_dim = 0;
+
+  float scale = 1.0f;  // logits are scale * q·k
+  // Causal mask: query row i sees key j only if j <= i + causal_offset.
+  // offset 0 is torch SDPA's is_causal (top-left); kv_len - q_len aligns the mask to the bottom-right.
+  bool is_causal = false;
+  int64_t causal_offset = 0;
+
+  // Tile sizes: Br x Bc for flash; the cache tile of the matrix multiplies for blocked. Always >= 1.
+  int64_t block_q = 1;
+  int64_t block_k = 1;
+};
+
+// The first row of head `h` in batch `b` of each tensor; row i then starts i * <tensor>_strides[2] further.
+// A query head reads the key/value head of its group (GQA): h / (num_heads / num_kv_heads).
+// Kernels take these once per (batch, head), outside their inner loops.
+inline int64_t kv_head(const AttentionParams& p, int64_t h) { return h / (p.num_heads / p.num_kv_heads); }
+inline const float* q_head(const AttentionParams& p, int64_t b, int64_t h) {
+  return p.q + b * p.q_strides[0] + h * p.q_strides[1];
+}
+inline const float* k_head(const AttentionParams& p, int64_t b, int64_t h) {
+  return p.k + b * p.k_strides[0] + kv_head(p, h) * p.k_strides[1];
+}
+inline const float* v_head(const AttentionParams& p, int64_t b, int64_t h) {
+  return p.v + b * p.v_strides[0] + kv_head(p, h) * p.v_strides[1];
+}
+inline float* out_head(const AttentionParams& p, int64_t b, int64_t h) {
+  return p.out + b * p.out_strides[0] + h * p.out_strides[1];
+}
+
+// Number of keys query row i may attend to: keys [0, visible_keys(i)).
+inline int64_t visible_keys(const AttentionParams& p, int64_t i) {
+  if (!p.is_causal) return p.kv_len;
+  int64_t last = i + p.causal_offset;  // last visible key
+  if (last < 0) return 0;
+  return last + 1 < p.kv_len ? last + 1 : p.kv_len;
+}
+
+// The kernels of one instruction set. Each ISA's translation unit (csrc/isa/) compiles every kernel
+// file once with that ISA's flags and fills one of these tables; dispatch.cpp picks the table at load.
+struct KernelTable {
+  const char* isa;  // "avx512", "avx2", "scalar"
+  void (*naive)(const AttentionParams&, float* scores);  // scores: q_len * kv_len floats
+  void (*blocked)(const AttentionParams&, float* scores);
+  void (*fused)(const AttentionParams&);
+  void (*flash)(const AttentionParams&);
+};
+
+namespace avx512 { extern const KernelTable kernel_table; }
+namespace avx2 { extern const KernelTable kernel_table; }
+namespace scalar { extern const KernelTable kernel_table; }
+
+// The table in use: chosen from the CPU's features when the module loads, or forced with the
+// environment variable CS149GPT_ISA=avx512|avx2|scalar. set_isa() switches it (tests use it).
+const KernelTable& kernels();
+bool cpu_supports(const char* isa);
+void set_isa(const char* isa);  // throws std::invalid_argument if unknown or unsupported
+
+}  // namespace cs149gpt

@@ -1,0 +1,22 @@
+// The attention kernels compiled for AVX-512 (F, BW, VL, DQ) with FMA.
+//
+// Standard and intrinsic headers come first, under the default target, so that inline code from them
+// is never compiled for a wider ISA than the CPU may have; only the kernels below the pragma are.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include "../attention.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c")
+#define CS149_ISA avx512
+#define CS149_ISA_AVX512
+#include "all_kernels.inc"

@@ -1,0 +1,263 @@
+// SIMD helpers shared by every kernel: one float vector type per instruction set, a vectorised exp, and
+// the row operations (dot, axpy, max, exp-and-sum) the attention kernels are written in.
+//
+// This header is compiled once per ISA: the translation units in csrc/isa/ define CS149_ISA (the namespace,
+// e.g. avx512) and one of CS149_ISA_AVX512 / CS149_ISA_AVX2 / CS149_ISA_SCALAR, switch the compiler's
+// target with #pragma GCC target, and then include the kernels. Everything here therefore lives in
+// namespace cs149gpt::CS149_ISA, so the three copies never meet at link time.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(CS149_ISA_AVX512) || defined(CS149_ISA_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace cs149gpt {
+namespace CS149_ISA {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------------------
+// Vec: `width` floats in one register, with the handful of operations the kernels need.
+// load_partial / store_partial touch only the first n < width lanes (the tail of a row).
+// ---------------------------------------------------------------------------------------------------
+#if defined(CS149_ISA_AVX512)
+struct Vec {
+  static constexpr int width = 16;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+  static Vec load_partial(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store_partial(float* p, int64_t n) const { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
+};
+inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b + c
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+
+#elif defined(CS149_ISA_AVX2)
+struct Vec {
+  static constexpr int width = 8;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static __m256i tail_mask(int64_t n) {
+    // lane i is on when i < n
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static Vec load_partial(const float* p, int64_t n) { return {_mm256_maskload_ps(p, tail_mask(n))}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store_partial(float* p, int64_t n) const { _mm256_maskstore_ps(p, tail_mask(n), v); }
+};
+inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline float reduce_add(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#else  // CS149_ISA_SCALAR: portable C++, one lane. The compiler may still vectorise the loops around it.
+struct Vec {
+  static constexpr int width = 1;
+  float v;
+  static Vec zero() { return {0.0f}; }
+  static Vec broadcast(float x) { return {x}; }
+  static Vec load(const float* p) { return {*p}; }
+  static Vec load_partial(const float* p, int64_t n) { return {n > 0 ? *p : 0.0f}; }
+  void store(float* p) const { *p = v; }
+  void store_partial(float* p, int64_t n) const { if (n > 0) *p = v; }
+};
+inline Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
+inline Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
+inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {std::fma(a.v, b.v, c.v)}; }
+inline Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
+inline float reduce_add(Vec a) { return a.v; }
+inline float reduce_max(Vec a) { return a.v; }
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// exp(x) for a whole vector, accurate to a couple of float32 ulps (Cephes' expf scheme).
+//   exp(x) = 2^n · exp(r),  n = round(x·log2(e)),  r = x − n·ln2  with |r| ≤ ln2/2,
+// exp(r) from a degree-6 polynomial, 2^n written straight into the exponent bits.
+// x > 88.38 overflows to +inf as it should; x < −87.34 (where exp(x) < FLT_MIN) and x = −inf give 0;
+// NaN stays NaN.
+// ---------------------------------------------------------------------------------------------------
+namespace exp_constants {
+constexpr float kMaxArg = 88.3762626647949f;
+constexpr float kMinArg = -87.33654475f;  // ln(FLT_MIN): 2^n stays a normal number above this
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;  // ln2 split in two so that n·kLn2Hi is exact
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
+                kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+}  // namespace exp_constants
+
+#if defined(CS149_ISA_AVX512)
+inline Vec exp(Vec x) {
+  using namespace exp_constants;
+  __m512 xc = _mm512_min_ps(_mm512_set1_ps(kMaxArg), x.v);  // NaN passes through (second operand)
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(kP0);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP1));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP2));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP3));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  // y · 2^n; at x = kMaxArg, n = 128 would overflow the exponent field, so scale in two steps.
+  __m512 result = _mm512_scalef_ps(y, n);
+  __mmask16 underflow = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kMinArg), _CMP_LT_OQ);
+  return {_mm512_mask_blend_ps(underflow, result, _mm512_setzero_ps())};
+}
+#elif defined(CS149_ISA_AVX2)
+inline Vec exp(Vec x) {
+  using namespace exp_constants;
+  __m256 xc = _mm256_min_ps(_mm256_set1_ps(kMaxArg), x.v);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(kP0);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP1));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP2));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP3));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP4));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP5));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n as two factors 2^(n - n/2) · 2^(n/2), each a normal float, so n = 128 does not overflow early.
+  __m256i ni = _mm256_cvtps_epi32(n);
+  __m256i half = _mm256_srai_epi32(ni, 1);
+  __m256i rest = _mm256_sub_epi32(ni, half);
+  __m256 pow_half = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  __m256 pow_rest = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
+  __m256 result = _mm256_mul_ps(_mm256_mul_ps(y, pow_half), pow_rest);
+  __m256 underflow = _mm256_cmp_ps(x.v, _mm256_set1_ps(kMinArg), _CMP_LT_OQ);
+  return {_mm256_blendv_ps(result, _mm256_setzero_ps(), underflow)};
+}
+#else
+inline Vec exp(Vec x) {
+  using namespace exp_constants;
+  if (std::isnan(x.v)) return x;
+  if (x.v < kMinArg) return {0.0f};
+  float xc = x.v < kMaxArg ? x.v : kMaxArg;
+  float n = std::nearbyint(xc * kLog2e);
+  float r = std::fma(-n, kLn2Hi, xc);
+  r = std::fma(-n, kLn2Lo, r);
+  float y = kP0;
+  y = std::fma(y, r, kP1);
+  y = std::fma(y, r, kP2);
+  y = std::fma(y, r, kP3);
+  y = std::fma(y, r, kP4);
+  y = std::fma(y, r, kP5);
+  y = std::fma(y, r * r, r + 1.0f);
+  return {std::ldexp(y, (int)n)};
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// Row operations over n contiguous floats.
+// ---------------------------------------------------------------------------------------------------
+
+// Σ a[c]·b[c]
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int W = Vec::width;
+  Vec acc0 = Vec::zero(), acc1 = Vec::zero();  // two chains hide the FMA latency
+  int64_t c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    acc0 = fmadd(Vec::load(a + c), Vec::load(b + c), acc0);
+    acc1 = fmadd(Vec::load(a + c + W), Vec::load(b + c + W), acc1);
+  }
+  for (; c + W <= n; c += W) acc0 = fmadd(Vec::load(a + c), Vec::load(b + c), acc0);
+  if (c < n) acc1 = fmadd(Vec::load_partial(a + c, n - c), Vec::load_partial(b + c, n - c), acc1);
+  return reduce_add(acc0 + acc1);
+}
+
+// y[c] += alpha·x[c]
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  constexpr int W = Vec::width;
+  const Vec a = Vec::broadcast(alpha);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) fmadd(a, Vec::load(x + c), Vec::load(y + c)).store(y + c);
+  if (c < n) fmadd(a, Vec::load_partial(x + c, n - c), Vec::load_partial(y + c, n - c)).store_partial(y + c, n - c);
+}
+
+// x[c] *= alpha
+inline void scale_row(float alpha, float* x, int64_t n) {
+  constexpr int W = Vec::width;
+  const Vec a = Vec::broadcast(alpha);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) (a * Vec::load(x + c)).store(x + c);
+  if (c < n) (a * Vec::load_partial(x + c, n - c)).store_partial(x + c, n - c);
+}
+
+inline void fill_row(float value, float* x, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) x[c] = value;
+}
+
+// max_c x[c]  (−inf for n = 0)
+inline float max_of(const float* x, int64_t n) {
+  constexpr int W = Vec::width;
+  Vec m = Vec::broadcast(kNegInf);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) m = max(m, Vec::load(x + c));
+  float result = reduce_max(m);
+  for (; c < n; ++c) result = x[c] > result ? x[c] : result;
+  return result;
+}
+
+// x[c] = exp(x[c] − shift); returns Σ x[c]. With shift = max_c x[c] every exponent is ≤ 0: no overflow.
+inline float exp_shifted_sum(float* x, float shift, int64_t n) {
+  constexpr int W = Vec::width;
+  const Vec s = Vec::broadcast(shift);
+  Vec sum = Vec::zero();
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    Vec e = exp(Vec::load(x + c) - s);
+    e.store(x + c);
+    sum = sum + e;
+  }
+  if (c < n) {
+    Vec e = exp(Vec::load_partial(x + c, n - c) - s);
+    e.store_partial(x + c, n - c);
+    sum = sum + Vec::load_partial(x + c, n - c);  // masked lanes of e hold exp(0 - s), not 0
+  }
+  return reduce_add(sum);
+}
+
+// Softmax of one row of logits in place: p[c] = exp(x[c] − max) / Σ exp(x[c'] − max).
+// The max shift is what makes it safe: the naive exp(x) of the assignment overflows for logits > 88.
+inline void softmax_row(float* x, int64_t n) {
+  if (n == 0) return;
+  const float m = max_of(x, n);
+  const float sum = exp_shifted_sum(x, m, n);
+  scale_row(1.0f / sum, x, n);
+}
+
+}  // namespace CS149_ISA
+}  // namespace cs149gpt
