@@ -1,0 +1,83 @@
+"""Shared by the test files: the float64 reference, the per-ISA fixture, small input builders.
+
+The reference is written out from the definition, softmax(scale · Q Kᵀ + mask) V in float64, independent of
+the kernels; test_attention.py checks it once against torch's scaled_dot_product_attention.
+"""
+import math
+
+import pytest
+import torch
+
+import cs149gpt
+from cs149gpt import _ext
+
+ALL_ISAS = ("avx512", "avx2", "scalar")
+
+# Max abs error allowed against float64 for unit-scale (torch.randn) inputs.
+TOL = 1e-4
+
+
+def module():
+    return _ext.load()
+
+
+def reference(q, k, v, scale=None, is_causal=False):
+    """softmax(scale · q kᵀ, masked) v in float64. q (..., Nq, d), k/v (..., Nk, d); GQA on dim -3."""
+    q, k, v = q.double(), k.double(), v.double()
+    d = q.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if is_causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        visible = torch.ones(n_q, n_k, dtype=torch.bool).tril()  # query i sees keys j <= i (top-left)
+        s = s.masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def randn(*shape, gen):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def mismatch(out, q, k, v, *, scale=None, is_causal=False, tol=TOL):
+    """None if `out` is a correct attention result for (q, k, v), else a line saying what is wrong."""
+    if not isinstance(out, torch.Tensor):
+        return f"returned {type(out).__name__}, not a tensor"
+    if out.shape != q.shape:
+        return f"output shape {tuple(out.shape)} != q shape {tuple(q.shape)}"
+    if out.dtype != torch.float32:
+        return f"output dtype {out.dtype}"
+    if not out.is_contiguous():
+        return f"output not contiguous (strides {out.stride()})"
+    if not torch.isfinite(out).all():
+        return "output has non-finite values"
+    ref = reference(q, k, v, scale=scale, is_causal=is_causal)
+    err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    if not err <= tol:
+        return f"max abs error {err:.3g} > {tol:g}"
+    return None
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request):
+    """Runs the test with the kernels of one instruction set (skipped where the CPU lacks it); restores the
+    original choice afterwards."""
+    m = module()
+    name = request.param
+    if not m.cpu_supports(name):
+        pytest.skip(f"this CPU does not run the {name} kernels")
+    original = m.isa()
+    m.set_isa(name)
+    try:
+        assert m.isa() == name and cs149gpt.isa() == name
+        yield name
+    finally:
+        m.set_isa(original)
