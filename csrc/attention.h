@@ -9,17 +9,22 @@
 
 namespace cs149gpt {
 
+enum class DType { f32, bf16, f16 };  // q, k, v and out share one; arithmetic is always float32
+
 // Strides are in elements, in the order [batch, head, row]. Within a row the head_dim columns are
 // contiguous (module.cpp guarantees it; SIMD loads need it).
 struct AttentionParams {
-  const float* q = nullptr;  // (batch, num_heads,    q_len,  head_dim)
-  const float* k = nullptr;  // (batch, num_kv_heads, kv_len, head_dim)
-  const float* v = nullptr;  // (batch, num_kv_heads, kv_len, head_dim)
-  float* out = nullptr;      // (batch, num_heads,    q_len,  head_dim)
+  const void* q = nullptr;  // (batch, num_heads,    q_len,  head_dim)
+  const void* k = nullptr;  // (batch, num_kv_heads, kv_len, head_dim)
+  const void* v = nullptr;  // (batch, num_kv_heads, kv_len, head_dim)
+  void* out = nullptr;      // (batch, num_heads,    q_len,  head_dim)
+  float* lse = nullptr;     // (batch, num_heads, q_len) float32 logsumexp of each row's logits; may be null
+  DType dtype = DType::f32;
   int64_t q_strides[3] = {0, 0, 0};
   int64_t k_strides[3] = {0, 0, 0};
   int64_t v_strides[3] = {0, 0, 0};
   int64_t out_strides[3] = {0, 0, 0};
+  int64_t lse_strides[2] = {0, 0};  // [batch, head]; rows contiguous
 
   int64_t batch = 0;
   int64_t num_heads = 0;     // query heads
@@ -37,23 +42,29 @@ struct AttentionParams {
   // Tile sizes: Br x Bc for flash; the cache tile of the matrix multiplies for blocked. Always >= 1.
   int64_t block_q = 1;
   int64_t block_k = 1;
+
+  int num_threads = 1;  // OpenMP threads the kernel may use; its workspace is sized for this many
 };
 
 // The first row of head `h` in batch `b` of each tensor; row i then starts i * <tensor>_strides[2] further.
 // A query head reads the key/value head of its group (GQA): h / (num_heads / num_kv_heads).
-// Kernels take these once per (batch, head), outside their inner loops.
+// Kernels take these once per (batch, head), outside their inner loops. T is the element type.
 inline int64_t kv_head(const AttentionParams& p, int64_t h) { return h / (p.num_heads / p.num_kv_heads); }
-inline const float* q_head(const AttentionParams& p, int64_t b, int64_t h) {
-  return p.q + b * p.q_strides[0] + h * p.q_strides[1];
+template <class T>
+const T* q_head(const AttentionParams& p, int64_t b, int64_t h) {
+  return static_cast<const T*>(p.q) + b * p.q_strides[0] + h * p.q_strides[1];
 }
-inline const float* k_head(const AttentionParams& p, int64_t b, int64_t h) {
-  return p.k + b * p.k_strides[0] + kv_head(p, h) * p.k_strides[1];
+template <class T>
+const T* k_head(const AttentionParams& p, int64_t b, int64_t h) {
+  return static_cast<const T*>(p.k) + b * p.k_strides[0] + kv_head(p, h) * p.k_strides[1];
 }
-inline const float* v_head(const AttentionParams& p, int64_t b, int64_t h) {
-  return p.v + b * p.v_strides[0] + kv_head(p, h) * p.v_strides[1];
+template <class T>
+const T* v_head(const AttentionParams& p, int64_t b, int64_t h) {
+  return static_cast<const T*>(p.v) + b * p.v_strides[0] + kv_head(p, h) * p.v_strides[1];
 }
-inline float* out_head(const AttentionParams& p, int64_t b, int64_t h) {
-  return p.out + b * p.out_strides[0] + h * p.out_strides[1];
+template <class T>
+T* out_head(const AttentionParams& p, int64_t b, int64_t h) {
+  return static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[1];
 }
 
 // Number of keys query row i may attend to: keys [0, visible_keys(i)).
@@ -64,14 +75,22 @@ inline int64_t visible_keys(const AttentionParams& p, int64_t i) {
   return last + 1 < p.kv_len ? last + 1 : p.kv_len;
 }
 
+// One kernel: how much float32 workspace it needs, and the kernel itself. The caller (module.cpp)
+// allocates the workspace through torch's allocator, so the profiler sees it and a failure is a Python
+// exception; kernels allocate nothing.
+struct Kernel {
+  int64_t (*workspace_floats)(const AttentionParams&);
+  void (*run)(const AttentionParams&, float* workspace);
+};
+
 // The kernels of one instruction set. Each ISA's translation unit (csrc/isa/) compiles every kernel
 // file once with that ISA's flags and fills one of these tables; dispatch.cpp picks the table at load.
 struct KernelTable {
   const char* isa;  // "avx512", "avx2", "scalar"
-  void (*naive)(const AttentionParams&, float* scores);  // scores: q_len * kv_len floats
-  void (*blocked)(const AttentionParams&, float* scores);
-  void (*fused)(const AttentionParams&);
-  void (*flash)(const AttentionParams&);
+  Kernel naive, blocked, fused, flash;
+  // FMA throughput probe: runs `iterations` rounds of independent vector FMAs on each of num_threads
+  // threads and returns the floating-point operations done (time it to get the peak).
+  double (*fma_probe)(int64_t iterations, int num_threads);
 };
 
 namespace avx512 { extern const KernelTable kernel_table; }

@@ -9,8 +9,10 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <string>
 
 #include "attention.h"
@@ -18,10 +20,9 @@
 namespace cs149gpt {
 namespace {
 
-// Default tile sizes, measured on the 2-core dev box with benchmarks/bench_attention.py (see README).
+// Default tile of the blocked kernel, measured on the 2-core dev box with benchmarks/bench_attention.py.
+// (flash picks its own tiles from the shape and the ISA unless block_q / block_k are given: flash.cpp.)
 constexpr int64_t kDefaultBlockedTile = 64;
-constexpr int64_t kDefaultFlashBlockQ = 64;
-constexpr int64_t kDefaultFlashBlockK = 128;
 
 enum class Impl { naive, blocked, fused, flash };
 
@@ -31,6 +32,27 @@ Impl parse_impl(const std::string& impl) {
   if (impl == "fused") return Impl::fused;
   if (impl == "flash") return Impl::flash;
   TORCH_CHECK_VALUE(false, "impl must be one of 'naive', 'blocked', 'fused', 'flash'; got '", impl, "'");
+}
+
+// is_causal=True is torch SDPA's top-left alignment; "bottom_right" is causal_lower_right's.
+int64_t parse_causal(const std::string& causal, int64_t q_len, int64_t kv_len, bool* is_causal) {
+  *is_causal = causal != "none";
+  if (causal == "none" || causal == "top_left") return 0;
+  if (causal == "bottom_right") return kv_len - q_len;
+  TORCH_CHECK_VALUE(false, "causal must be 'none', 'top_left' or 'bottom_right'; got '", causal, "'");
+}
+
+DType parse_dtype(const at::Tensor& q, Impl impl) {
+  switch (q.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kBFloat16:
+    case at::kHalf:
+      TORCH_CHECK_TYPE(impl == Impl::flash, "impl='", impl == Impl::naive ? "naive" : impl == Impl::blocked ? "blocked" : "fused",
+                       "' supports float32 only, got ", q.scalar_type(), "; impl='flash' takes bfloat16 and float16");
+      return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
+    default:
+      TORCH_CHECK_TYPE(false, "q must be float32, bfloat16 or float16, got ", q.scalar_type());
+  }
 }
 
 void check_input(const at::Tensor& t, const char* name) {
@@ -63,8 +85,8 @@ int64_t physical_memory_bytes() {
   return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : INT64_MAX;
 }
 
-// Scratch for the N×N score matrix of naive and blocked; refused up front when it cannot fit.
-at::Tensor score_matrix(int64_t q_len, int64_t kv_len, const char* impl) {
+// naive and blocked materialise the q_len × kv_len score matrix: refuse up front when it cannot fit.
+void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
   int64_t elems = 0;
   const bool overflow = __builtin_mul_overflow(q_len, kv_len, &elems);
   const double gib = static_cast<double>(q_len) * static_cast<double>(kv_len) * sizeof(float) / (1 << 30);
@@ -72,7 +94,6 @@ at::Tensor score_matrix(int64_t q_len, int64_t kv_len, const char* impl) {
                    "impl='", impl, "' materialises the q_len x kv_len score matrix (", q_len, " x ", kv_len,
                    " floats = ", gib, " GiB), more than this machine's memory; use impl='fused' or 'flash', "
                    "which need O(N) memory");
-  return at::empty({q_len, kv_len}, at::TensorOptions().dtype(at::kFloat));
 }
 
 int64_t positive_block(std::optional<int64_t> block, const char* name, int64_t fallback) {
@@ -80,19 +101,16 @@ int64_t positive_block(std::optional<int64_t> block, const char* name, int64_t f
   return block.value_or(fallback);
 }
 
-}  // namespace
-
-// attention(q, k, v, impl, scale, is_causal, block_q, block_k) -> out
-//   q: (..., Nq, d); k, v: (..., Nk, d) with the same leading dims, except that the head dim (-3) of k and v
-//   may divide q's (grouped-query attention). out: (..., Nq, d), contiguous.
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl_name,
-                     std::optional<double> scale, bool is_causal, std::optional<int64_t> block_q,
-                     std::optional<int64_t> block_k) {
-  const Impl impl = parse_impl(impl_name);
+// Checks every argument, fills the params and runs one kernel. Returns (out, lse); lse is defined only when
+// asked for (flash only).
+std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 Impl impl, std::optional<double> scale, const std::string& causal,
+                                                 std::optional<int64_t> block_q, std::optional<int64_t> block_k,
+                                                 bool want_lse) {
   check_input(q, "q");
   check_input(k, "k");
   check_input(v, "v");
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat, "q must be float32, got ", q.scalar_type());
+  const DType dtype = parse_dtype(q, impl);
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                    "q, k and v must share one dtype, got q ", q.scalar_type(), ", k ", k.scalar_type(), ", v ",
                    v.scalar_type());
@@ -119,19 +137,28 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
   const double scale_value = scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
   TORCH_CHECK_VALUE(std::isfinite(scale_value), "scale must be finite, got ", scale_value);
+  TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
 
   const at::Tensor q4 = as_4d(q), k4 = as_4d(k), v4 = as_4d(v);
   at::Tensor out = at::empty({q4.size(0), q4.size(1), q_len, d}, q.options());
+  at::Tensor lse;
 
   AttentionParams p;
-  p.q = q4.data_ptr<float>();
-  p.k = k4.data_ptr<float>();
-  p.v = v4.data_ptr<float>();
-  p.out = out.data_ptr<float>();
+  p.q = q4.data_ptr();
+  p.k = k4.data_ptr();
+  p.v = v4.data_ptr();
+  p.out = out.data_ptr();
+  p.dtype = dtype;
   fill_strides(p.q_strides, q4);
   fill_strides(p.k_strides, k4);
   fill_strides(p.v_strides, v4);
   fill_strides(p.out_strides, out);
+  if (want_lse) {
+    lse = at::empty({q4.size(0), q4.size(1), q_len}, q.options().dtype(at::kFloat));
+    p.lse = lse.data_ptr<float>();
+    p.lse_strides[0] = lse.stride(0);
+    p.lse_strides[1] = lse.stride(1);
+  }
   p.batch = q4.size(0);
   p.num_heads = q4.size(1);
   p.num_kv_heads = k4.size(1);
@@ -139,34 +166,60 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.kv_len = kv_len;
   p.head_dim = d;
   p.scale = static_cast<float>(scale_value);
-  p.is_causal = is_causal;
-  p.causal_offset = 0;
+  p.causal_offset = parse_causal(causal, q_len, kv_len, &p.is_causal);
+  p.num_threads = std::max(1, at::get_num_threads());
 
-  if (p.batch * p.num_heads > 0) {
-    const KernelTable& kernels = cs149gpt::kernels();
-    switch (impl) {
-      case Impl::naive:
-        kernels.naive(p, score_matrix(q_len, kv_len, "naive").data_ptr<float>());
-        break;
-      case Impl::blocked: {
-        // blocked has one tile size, for both matrix multiplies: block_q, or else block_k.
-        p.block_q = p.block_k = positive_block(block_q ? block_q : block_k, block_q ? "block_q" : "block_k",
-                                               kDefaultBlockedTile);
-        kernels.blocked(p, score_matrix(q_len, kv_len, "blocked").data_ptr<float>());
-        break;
-      }
-      case Impl::fused:
-        kernels.fused(p);
-        break;
-      case Impl::flash:
-        // Tiles larger than the sequence are the whole sequence: scratch stays O(N).
-        p.block_q = std::min(positive_block(block_q, "block_q", kDefaultFlashBlockQ), q_len);
-        p.block_k = std::min(positive_block(block_k, "block_k", kDefaultFlashBlockK), kv_len);
-        kernels.flash(p);
-        break;
-    }
+  const KernelTable& kernels = cs149gpt::kernels();
+  const Kernel* kernel = nullptr;
+  switch (impl) {
+    case Impl::naive:
+      check_score_matrix_fits(q_len, kv_len, "naive");
+      kernel = &kernels.naive;
+      break;
+    case Impl::blocked:
+      check_score_matrix_fits(q_len, kv_len, "blocked");
+      // blocked has one tile size, for both matrix multiplies: block_q, or else block_k.
+      p.block_q = p.block_k = positive_block(block_q ? block_q : block_k, block_q ? "block_q" : "block_k",
+                                             kDefaultBlockedTile);
+      kernel = &kernels.blocked;
+      break;
+    case Impl::fused:
+      kernel = &kernels.fused;
+      break;
+    case Impl::flash:
+      // 0 lets the kernel choose its tiles (flash.cpp).
+      p.block_q = positive_block(block_q, "block_q", 0);
+      p.block_k = positive_block(block_k, "block_k", 0);
+      kernel = &kernels.flash;
+      break;
   }
-  return out.view(q.sizes());
+  if (p.batch * p.num_heads > 0) {
+    // Through torch's allocator: the profiler counts it, and a failure is a Python exception.
+    at::Tensor workspace = at::empty({kernel->workspace_floats(p)}, q.options().dtype(at::kFloat));
+    kernel->run(p, workspace.data_ptr<float>());
+  }
+  const auto lead = q.sizes().slice(0, rank - 1);
+  return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};
+}
+
+}  // namespace
+
+// attention(q, k, v, impl, scale, causal, block_q, block_k) -> out
+//   q: (..., Nq, d); k, v: (..., Nk, d) with the same leading dims, except that the head dim (-3) of k and v
+//   may divide q's (grouped-query attention). out: (..., Nq, d), contiguous, q's dtype.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
+                     std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                     std::optional<int64_t> block_k) {
+  return std::get<0>(run_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, false));
+}
+
+// flash_attention(q, k, v, scale, causal, block_q, block_k) -> (out, lse)
+//   lse: (..., Nq) float32, the logsumexp of each query row's scaled, masked logits (−inf for a row that
+//   sees no key). The backward pass recomputes P from it.
+std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   std::optional<double> scale, const std::string& causal,
+                                                   std::optional<int64_t> block_q, std::optional<int64_t> block_k) {
+  return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true);
 }
 
 namespace {
@@ -190,7 +243,7 @@ at::Tensor assignment_attention(const char* impl, const at::Tensor& Q, const at:
   check_bhnd(Q, "Q", B, H, N, d);
   check_bhnd(K, "K", B, H, N, d);
   check_bhnd(V, "V", B, H, N, d);
-  return attention(Q, K, V, impl, 1.0, false, block_q, block_k);
+  return attention(Q, K, V, impl, 1.0, "none", block_q, block_k);
 }
 
 at::Tensor myNaiveAttention(at::Tensor Q, at::Tensor K, at::Tensor V, at::Tensor /*QK_t*/, int64_t B, int64_t H,
@@ -242,6 +295,20 @@ float fourDimRead(const std::vector<float>& tensor, int64_t x, int64_t y, int64_
 
 std::string isa() { return kernels().isa; }
 
+// The FMA peak of this machine in GFLOP/s, with the current ISA's vectors on num_threads threads.
+double fma_peak_gflops(int64_t num_threads, double seconds) {
+  TORCH_CHECK_VALUE(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
+  const auto probe = kernels().fma_probe;
+  int64_t iterations = 1 << 16;
+  for (;;) {
+    const auto start = std::chrono::steady_clock::now();
+    const double flops = probe(iterations, static_cast<int>(num_threads));
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed >= seconds) return flops / elapsed * 1e-9;
+    iterations *= 2;
+  }
+}
+
 void set_isa_checked(const std::string& name) {
   try {
     cs149gpt::set_isa(name.c_str());
@@ -256,11 +323,16 @@ void set_isa_checked(const std::string& name) {
 // The operator schema, declared once; the CPU implementation is registered apart, so another backend would
 // be one more TORCH_LIBRARY_IMPL block.
 TORCH_LIBRARY(cs149gpt, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, str impl='flash', float? scale=None, bool is_causal=False, "
+  m.def("attention(Tensor q, Tensor k, Tensor v, str impl='flash', float? scale=None, str causal='none', "
         "int? block_q=None, int? block_k=None) -> Tensor");
+  m.def("flash_attention(Tensor q, Tensor k, Tensor v, float? scale=None, str causal='none', int? block_q=None, "
+        "int? block_k=None) -> (Tensor out, Tensor lse)");
 }
 
-TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) { m.impl("attention", &cs149gpt::attention); }
+TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
+  m.impl("attention", &cs149gpt::attention);
+  m.impl("flash_attention", &cs149gpt::flash_attention);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace cs149gpt;
@@ -274,6 +346,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fourDimRead", &fourDimRead);
   m.def("isa", &isa, "the instruction set the kernels run with: avx512, avx2 or scalar");
   m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (avx512, avx2 or scalar)");
+  m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
+        py::call_guard<py::gil_scoped_release>(),
+        "measured FMA peak in GFLOP/s of the current ISA's vectors on num_threads threads");
   m.def("cpu_supports", [](const std::string& name) { return cpu_supports(name.c_str()); },
         "whether this CPU runs the kernels of the named instruction set");
 }

@@ -9,6 +9,8 @@
 #include <limits>
 #include <vector>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <omp.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>

@@ -15,17 +15,19 @@
 namespace cs149gpt {
 namespace CS149_ISA {
 
+int64_t blocked_workspace_floats(const AttentionParams& p) { return p.q_len * p.kv_len; }
+
 void blocked_attention(const AttentionParams& p, float* S) {
   const int64_t n_q = p.q_len, n_k = p.kv_len, d = p.head_dim;
   const int64_t T = p.block_q;
   const int64_t n_row_tiles = (n_q + T - 1) / T;
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.num_heads; ++h) {
-      const float *Q = q_head(p, b, h), *K = k_head(p, b, h), *V = v_head(p, b, h);
-      float* O = out_head(p, b, h);
+      const float *Q = q_head<float>(p, b, h), *K = k_head<float>(p, b, h), *V = v_head<float>(p, b, h);
+      float* O = out_head<float>(p, b, h);
       const int64_t qs = p.q_strides[2], ks = p.k_strides[2], vs = p.v_strides[2], os = p.out_strides[2];
       // Threads own whole tiles of rows of S (and of O): no two threads write the same line.
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
       for (int64_t it = 0; it < n_row_tiles; ++it) {
         const int64_t i0 = it * T, i1 = std::min(i0 + T, n_q);
 

@@ -9,105 +9,270 @@
 //     l     = exp(m − m_new) · l + rowsum(P_ij)
 //     O_i   = exp(m − m_new) · O_i + P_ij V_j
 //     m     = m_new
-//   O_i = O_i / l
+//   O_i = O_i / l,   lse_i = m + log(l)
 // Every exponent is ≤ 0, so nothing overflows, and rescaling by exp(m − m_new) keeps the result exact.
-// Scratch per thread is S_ij, O_i, m and l: O(Br·(Bc + d)), never N×N.
-// A query row that sees no key at all (bottom-right causal with q_len > kv_len) gets O = 0.
+//
+// How it is made fast on a CPU, without changing the algorithm above:
+// - Both products, S_ij = Q_i K_jᵀ and P_ij V_j, run through one register-blocked micro-kernel
+//   (micro_gemm in simd.h) whose right operand is read a row of vectors at a time. So K is packed once,
+//   transposed, tile by tile (K_jᵀ: d × Bc), before the main loop, by all threads together; V is read in
+//   place, or packed once too when it is not float32 or d is not a whole number of vectors.
+// - Q_i is copied once per tile, pre-multiplied by `scale` (and converted to float32).
+// - A query tile is processed a row group of G rows at a time (G = kRowGroup, all rows of the
+//   micro-kernels): S for G rows stays in L1 while the group goes QKᵀ → online softmax → PV.
+// - Causal: key tiles beyond a query tile's last visible key are never visited; within a tile a row
+//   group stops at its own last visible key; the remaining masked entries are set to −inf.
+// - Threads take (batch, head, query tile) tasks dynamically, costliest first.
+// - The workspace comes from the caller; nothing is allocated here.
+// A query row that sees no key at all (bottom-right causal with q_len > kv_len) gets O = 0, lse = −inf.
 #include "../attention.h"
 #include "simd.h"
 
 #include <algorithm>
 #include <omp.h>
-#include <vector>
 
 namespace cs149gpt {
 namespace CS149_ISA {
-namespace {
+namespace flash {
 
-// Per-thread scratch for one query tile.
-struct FlashScratch {
-  float* S;  // Br × Bc scores, then probabilities
-  float* O;  // Br × d unnormalised output
-  float* m;  // Br running maxima
-  float* l;  // Br running sums
+// Register blocking per ISA: kAccumulators vector registers hold the C block of micro_gemm, at most
+// kMaxVecs vectors wide. Every row count used, kAccumulators / NV for NV = 1..kMaxVecs, divides kRowGroup.
+#if defined(CS149_ISA_AVX512)
+constexpr int kAccumulators = 24, kMaxVecs = 4, kRowGroup = 24;
+#else
+constexpr int kAccumulators = 12, kMaxVecs = 3, kRowGroup = 12;
+#endif
+constexpr int W = Vec::width;
+constexpr int kQkRows = kAccumulators / kMaxVecs;  // rows of the S = Q Kᵀ micro-kernel
+
+// Defaults, measured with benchmarks/bench_attention.py (README): a query tile of 4 row groups; key tiles
+// of 128 keys keep K_jᵀ and V_j (2 · 128 · d floats) in L2 next to the query tile.
+constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
+constexpr int64_t kDefaultBlockK = 128;
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Tile sizes and where each piece of the workspace lives. All sizes in floats.
+struct Layout {
+  int64_t Br, Bc, Tr, Tc;
+  int64_t Br_pad, Bc_pad, d_pad;  // rows to whole row groups, keys and columns to whole vectors
+  bool pack_v;                    // V is converted/padded once rather than read in place
+  int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad
+  int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place)
+  int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, per_thread;  // per-thread scratch
+
+  explicit Layout(const AttentionParams& p) {
+    const int64_t d = p.head_dim;
+    Br = p.block_q > 0 ? p.block_q : kDefaultBlockQ;
+    Bc = p.block_k > 0 ? p.block_k : kDefaultBlockK;
+    if (p.block_q <= 0) {
+      // Enough tasks to keep every thread busy: shrink the query tile (never below one row group).
+      while (Br > kRowGroup && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < 4 * p.num_threads)
+        Br -= kRowGroup;
+    }
+    Br = std::min(Br, p.q_len);
+    Bc = std::min(Bc, p.kv_len);
+    Tr = (p.q_len + Br - 1) / Br;
+    Tc = (p.kv_len + Bc - 1) / Bc;
+    Br_pad = round_up(Br, kRowGroup);
+    Bc_pad = round_up(Bc, W);
+    d_pad = round_up(d, W);
+    pack_v = p.dtype != DType::f32 || d_pad != d;
+    kt_tile = d * Bc_pad;
+    kt_size = p.batch * p.num_kv_heads * Tc * kt_tile;
+    v_size = pack_v ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
+    // Per thread: Q_i (Br_pad × d), S for one row group (G × Bc_pad), O_i (Br_pad × d_pad), m, l, α.
+    // Each piece starts on a cache line (16 floats) so threads never share one.
+    q_off = 0;
+    s_off = q_off + round_up(Br_pad * d, 16);
+    o_off = s_off + round_up(kRowGroup * Bc_pad, 16);
+    m_off = o_off + round_up(Br_pad * d_pad, 16);
+    l_off = m_off + round_up(Br_pad, 16);
+    alpha_off = l_off + round_up(Br_pad, 16);
+    per_thread = alpha_off + round_up(kRowGroup, 16);
+  }
 };
 
-// S_ij = scale · Q_i K_jᵀ for rows [i0, i0 + rows) and keys [j0, j0 + cols); masked entries −inf.
-void tile_scores(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
-                 int64_t cols, float* S, int64_t ldS) {
-  const float* K = k_head(p, b, h) + j0 * p.k_strides[2];
-  const int64_t ks = p.k_strides[2];
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* q = q_head(p, b, h) + (i0 + r) * p.q_strides[2];
-    const int64_t visible = visible_keys(p, i0 + r) - j0;  // keys of this tile the row may see
-    float* s = S + r * ldS;
-    for (int64_t c = 0; c < cols; ++c) s[c] = c < visible ? p.scale * dot(q, K + c * ks, p.head_dim) : kNegInf;
+template <class T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// K_jᵀ for every (batch, kv head, key tile): kt[c * Bc_pad + t] = k[j0 + t][c], zero past the tile's keys.
+// V (when packed): vp[j * d_pad + c] = v[j][c], zero in the padding columns.
+template <class T>
+void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, float* kt_all,
+                  float* v_all) {
+  const int64_t d = p.head_dim, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
+  const int64_t head = b * p.num_kv_heads + kvh;
+  const T* K = static_cast<const T*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
+  float* kt = kt_all + (head * L.Tc + j) * L.kt_tile;
+  for (int64_t c = 0; c < d; ++c) {
+    float* dst = kt + c * L.Bc_pad;
+    for (int64_t t = 0; t < cols; ++t) dst[t] = to_float(K[t * p.k_strides[2] + c]);
+    for (int64_t t = cols; t < L.Bc_pad; ++t) dst[t] = 0.0f;
+  }
+  if (L.pack_v) {
+    const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
+    float* vp = v_all + (head * p.kv_len + j0) * L.d_pad;
+    for (int64_t t = 0; t < cols; ++t) {
+      for (int64_t c = 0; c < d; ++c) vp[t * L.d_pad + c] = to_float(V[t * p.v_strides[2] + c]);
+      for (int64_t c = d; c < L.d_pad; ++c) vp[t * L.d_pad + c] = 0.0f;
+    }
   }
 }
 
-// The online-softmax step for one tile of scores: turns S_ij into P_ij, rescales O_i and l, adds P_ij V_j.
-void online_softmax_update(const AttentionParams& p, int64_t b, int64_t h, int64_t rows, int64_t j0,
-                           int64_t cols, float* S, int64_t ldS, const FlashScratch& t) {
-  const int64_t d = p.head_dim, vs = p.v_strides[2];
-  const float* V = v_head(p, b, h) + j0 * vs;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = S + r * ldS;
-    float* o = t.O + r * d;
-    const float m_new = std::max(t.m[r], max_of(s, cols));
-    if (m_new == kNegInf) continue;  // this row sees no key yet: nothing to add
-    const float alpha = std::exp(t.m[r] - m_new);  // exp(−inf) = 0 on the first visible tile
-    const float row_sum = exp_shifted_sum(s, m_new, cols);
-    t.l[r] = alpha * t.l[r] + row_sum;
-    t.m[r] = m_new;
-    scale_row(alpha, o, d);
-    for (int64_t c = 0; c < cols; ++c) axpy(s[c], V + c * vs, o, d);
+// S[:G, :n_cols] = Q[:G, :d] · KT[:d, :n_cols]            n_cols a whole number of vectors
+template <int NV>
+void qk_block(int64_t d, const float* Q, const float* KT, int64_t ldkt, float* S, int64_t lds) {
+  for (int r = 0; r < kRowGroup; r += kQkRows)
+    micro_gemm<kQkRows, NV>(d, Q + r * d, d, KT, ldkt, S + r * lds, lds, nullptr);
+}
+void qk_group(int64_t d, const float* Q, const float* KT, int64_t ldkt, int64_t n_cols, float* S, int64_t lds) {
+  constexpr int64_t chunk = kMaxVecs * W;
+  int64_t c = 0;
+  for (; c + chunk <= n_cols; c += chunk) qk_block<kMaxVecs>(d, Q, KT + c, ldkt, S + c, lds);
+  switch ((n_cols - c) / W) {
+    case 0: break;
+    case 1: qk_block<1>(d, Q, KT + c, ldkt, S + c, lds); break;
+    case 2: qk_block<2>(d, Q, KT + c, ldkt, S + c, lds); break;
+#if defined(CS149_ISA_AVX512)
+    case 3: qk_block<3>(d, Q, KT + c, ldkt, S + c, lds); break;
+#endif
   }
 }
 
-}  // namespace
+// O[:G, :d_pad] = α · O[:G, :d_pad] + P[:G, :n_keys] · V[:n_keys, :d_pad]
+template <int NV>
+void pv_block(int64_t n_keys, const float* P, int64_t ldp, const float* V, int64_t ldv, float* O, int64_t ldo,
+              const float* alpha) {
+  constexpr int R = kAccumulators / NV;
+  for (int r = 0; r < kRowGroup; r += R) micro_gemm<R, NV>(n_keys, P + r * ldp, ldp, V, ldv, O + r * ldo, ldo, alpha + r);
+}
+void pv_group(int64_t n_keys, const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t d_pad, float* O,
+              int64_t ldo, const float* alpha) {
+  constexpr int64_t chunk = kMaxVecs * W;
+  int64_t c = 0;
+  for (; c + chunk <= d_pad; c += chunk) pv_block<kMaxVecs>(n_keys, P, ldp, V + c, ldv, O + c, ldo, alpha);
+  switch ((d_pad - c) / W) {
+    case 0: break;
+    case 1: pv_block<1>(n_keys, P, ldp, V + c, ldv, O + c, ldo, alpha); break;
+    case 2: pv_block<2>(n_keys, P, ldp, V + c, ldv, O + c, ldo, alpha); break;
+#if defined(CS149_ISA_AVX512)
+    case 3: pv_block<3>(n_keys, P, ldp, V + c, ldv, O + c, ldo, alpha); break;
+#endif
+  }
+}
 
-void flash_attention(const AttentionParams& p) {
-  const int64_t Br = p.block_q, Bc = p.block_k, d = p.head_dim;
-  const int64_t Tr = (p.q_len + Br - 1) / Br;
-  const int64_t n_tasks = p.batch * p.num_heads * Tr;
+// One query tile: rows [i0, i0 + rows) of head h in batch b.
+template <class T>
+void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const float* kt_all,
+                const float* v_all, float* scratch) {
+  const int64_t d = p.head_dim, d_pad = L.d_pad, rows = std::min(L.Br, p.q_len - i0);
+  const int64_t groups = (rows + kRowGroup - 1) / kRowGroup;
+  float *Qi = scratch + L.q_off, *S = scratch + L.s_off, *Oi = scratch + L.o_off;
+  float *m = scratch + L.m_off, *l = scratch + L.l_off, *alpha = scratch + L.alpha_off;
 
-  // Scratch for every thread, allocated before the parallel region and padded to whole cache lines.
-  const int n_threads = omp_get_max_threads();
-  auto pad = [](int64_t n) { return (n + 15) / 16 * 16; };
-  const int64_t per_thread = pad(Br * Bc) + pad(Br * d) + 2 * pad(Br);
-  std::vector<float> scratch(static_cast<size_t>(n_threads) * per_thread);
+  // Q_i = scale · Q[i0 : i0 + rows], zero rows up to whole row groups; m = −inf, l = 0, O_i = 0.
+  const T* Q = q_head<T>(p, b, h) + i0 * p.q_strides[2];
+  for (int64_t r = 0; r < groups * kRowGroup; ++r)
+    for (int64_t c = 0; c < d; ++c) Qi[r * d + c] = r < rows ? p.scale * to_float(Q[r * p.q_strides[2] + c]) : 0.0f;
+  fill_row(kNegInf, m, groups * kRowGroup);
+  fill_row(0.0f, l, groups * kRowGroup);
+  fill_row(0.0f, Oi, groups * kRowGroup * d_pad);
 
-#pragma omp parallel num_threads(n_threads)
+  const int64_t kvh = kv_head(p, h), head = b * p.num_kv_heads + kvh;
+  const float* V_packed = L.pack_v ? v_all + head * p.kv_len * d_pad : nullptr;
+  const T* V_in_place = v_head<T>(p, b, h);
+  const int64_t ldv = L.pack_v ? d_pad : p.v_strides[2];
+
+  const int64_t keys_seen = visible_keys(p, i0 + rows - 1);  // by the tile's last row, which sees most
+  for (int64_t j0 = 0, j = 0; j0 < keys_seen; j0 += L.Bc, ++j) {
+    const int64_t cols = std::min(L.Bc, p.kv_len - j0);
+    const float* KTj = kt_all + (head * L.Tc + j) * L.kt_tile;
+    const float* Vj = L.pack_v ? V_packed + j0 * d_pad
+                               : reinterpret_cast<const float*>(V_in_place) + j0 * p.v_strides[2];
+
+    for (int64_t g0 = 0; g0 < rows; g0 += kRowGroup) {
+      // Keys of this tile that the group's last row sees; the group's other rows see a prefix of them.
+      const int64_t group_last = i0 + std::min(g0 + kRowGroup, rows) - 1;
+      const int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
+      if (n_keys == 0) continue;
+
+      // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors)
+      qk_group(d, Qi + g0 * d, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad);
+
+      // Online softmax, row by row: S becomes P = exp(S − m_new); l and α = exp(m − m_new) updated.
+      for (int64_t r = 0; r < kRowGroup; ++r) {
+        float* s = S + r * L.Bc_pad;
+        const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
+        fill_row(kNegInf, s + visible, n_keys - visible);
+        const float m_old = m[g0 + r];
+        const float m_new = std::max(m_old, max_of(s, n_keys));
+        if (m_new == kNegInf) {  // no key visible to this row yet: P = 0, O and l unchanged
+          fill_row(0.0f, s, n_keys);
+          alpha[r] = 1.0f;
+          continue;
+        }
+        alpha[r] = std::exp(m_old - m_new);
+        l[g0 + r] = alpha[r] * l[g0 + r] + exp_shifted_sum(s, m_new, n_keys);
+        m[g0 + r] = m_new;
+      }
+
+      // O_g = α · O_g + P V_j
+      pv_group(n_keys, S, L.Bc_pad, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
+    }
+  }
+
+  // O = O_i / l, lse = m + log(l); rows that saw no key: O = 0, lse = −inf.
+  T* out = out_head<T>(p, b, h) + i0 * p.out_strides[2];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv_l = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t c = 0; c < d; ++c) out[r * p.out_strides[2] + c] = static_cast<T>(Oi[r * d_pad + c] * inv_l);
+  }
+  if (p.lse) {
+    float* lse = p.lse + b * p.lse_strides[0] + h * p.lse_strides[1] + i0;
+    for (int64_t r = 0; r < rows; ++r) lse[r] = l[r] > 0.0f ? m[r] + std::log(l[r]) : kNegInf;
+  }
+}
+
+template <class T>
+void run(const AttentionParams& p, float* workspace) {
+  const Layout L(p);
+  float* kt_all = workspace;
+  float* v_all = workspace + L.kt_size;
+  float* thread_scratch = v_all + L.v_size;
+  const int64_t n_pack = p.batch * p.num_kv_heads * L.Tc;
+  const int64_t n_tasks = p.batch * p.num_heads * L.Tr;
+
+#pragma omp parallel num_threads(p.num_threads)
   {
-    float* base = scratch.data() + omp_get_thread_num() * per_thread;
-    FlashScratch t{base, base + pad(Br * Bc), base + pad(Br * Bc) + pad(Br * d),
-                   base + pad(Br * Bc) + pad(Br * d) + pad(Br)};
+    // 1. Pack every K tile (and V) once, all threads together.
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_pack; ++t)
+      pack_kv_tile<T>(p, L, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc, kt_all, v_all);
+    // (implicit barrier: every tile is packed before any is read)
 
-    // Causal tiles differ in cost (later query tiles see more keys): hand them out dynamically.
+    // 2. Query tiles. Causal tiles differ in cost (later ones see more keys): the costliest go first.
+    float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t i = task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
-      const int64_t i0 = i * Br, rows = std::min(Br, p.q_len - i0);
-
-      fill_row(0.0f, t.O, rows * d);
-      fill_row(kNegInf, t.m, rows);
-      fill_row(0.0f, t.l, rows);
-
-      // Key tiles past the last key that the tile's last row sees are skipped entirely.
-      const int64_t keys_seen = visible_keys(p, i0 + rows - 1);
-      for (int64_t j0 = 0; j0 < keys_seen; j0 += Bc) {
-        const int64_t cols = std::min(Bc, p.kv_len - j0);
-        tile_scores(p, b, h, i0, rows, j0, cols, t.S, Bc);
-        online_softmax_update(p, b, h, rows, j0, cols, t.S, Bc, t);
-      }
-
-      // O_i = O_i / l   (l = 0 only for rows that saw no key: their output is 0)
-      for (int64_t r = 0; r < rows; ++r) {
-        float* out = out_head(p, b, h) + (i0 + r) * p.out_strides[2];
-        const float inv_l = t.l[r] > 0.0f ? 1.0f / t.l[r] : 0.0f;
-        for (int64_t c = 0; c < d; ++c) out[c] = t.O[r * d + c] * inv_l;
-      }
+      const int64_t i = L.Tr - 1 - task % L.Tr, h = (task / L.Tr) % p.num_heads, b = task / (L.Tr * p.num_heads);
+      query_tile<T>(p, L, b, h, i * L.Br, kt_all, v_all, scratch);
     }
+  }
+}
+
+}  // namespace flash
+
+int64_t flash_workspace_floats(const AttentionParams& p) {
+  const flash::Layout L(p);
+  return L.kt_size + L.v_size + p.num_threads * L.per_thread;
+}
+
+void flash_attention(const AttentionParams& p, float* workspace) {
+  switch (p.dtype) {
+    case DType::f32: flash::run<float>(p, workspace); break;
+    case DType::bf16: flash::run<c10::BFloat16>(p, workspace); break;
+    case DType::f16: flash::run<c10::Half>(p, workspace); break;
   }
 }
 

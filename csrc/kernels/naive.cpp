@@ -13,15 +13,17 @@
 namespace cs149gpt {
 namespace CS149_ISA {
 
+int64_t naive_workspace_floats(const AttentionParams& p) { return p.q_len * p.kv_len; }
+
 void naive_attention(const AttentionParams& p, float* S) {
   const int64_t n_q = p.q_len, n_k = p.kv_len, d = p.head_dim;
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.num_heads; ++h) {
-      const float *Q = q_head(p, b, h), *K = k_head(p, b, h), *V = v_head(p, b, h);
-      float* O = out_head(p, b, h);
+      const float *Q = q_head<float>(p, b, h), *K = k_head<float>(p, b, h), *V = v_head<float>(p, b, h);
+      float* O = out_head<float>(p, b, h);
       const int64_t qs = p.q_strides[2], ks = p.k_strides[2], vs = p.v_strides[2], os = p.out_strides[2];
       // The rows of S are independent: each thread takes whole rows through all three steps.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(p.num_threads)
       for (int64_t i = 0; i < n_q; ++i) {
         float* s_row = S + i * n_k;
         const int64_t visible = visible_keys(p, i);

@@ -92,7 +92,8 @@ struct Vec {
 inline Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
 inline Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
 inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return {std::fma(a.v, b.v, c.v)}; }
+// a*b + c rounded twice: std::fma would be a slow library call on CPUs without the instruction.
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
 inline Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
 inline float reduce_add(Vec a) { return a.v; }
 inline float reduce_max(Vec a) { return a.v; }
@@ -167,15 +168,16 @@ inline Vec exp(Vec x) {
   if (x.v < kMinArg) return {0.0f};
   float xc = x.v < kMaxArg ? x.v : kMaxArg;
   float n = std::nearbyint(xc * kLog2e);
-  float r = std::fma(-n, kLn2Hi, xc);
-  r = std::fma(-n, kLn2Lo, r);
+  // The split ln2 keeps r = x − n·ln2 exact without an FMA: n·kLn2Hi has few enough bits to be exact.
+  float r = xc - n * kLn2Hi;
+  r = r - n * kLn2Lo;
   float y = kP0;
-  y = std::fma(y, r, kP1);
-  y = std::fma(y, r, kP2);
-  y = std::fma(y, r, kP3);
-  y = std::fma(y, r, kP4);
-  y = std::fma(y, r, kP5);
-  y = std::fma(y, r * r, r + 1.0f);
+  y = y * r + kP1;
+  y = y * r + kP2;
+  y = y * r + kP3;
+  y = y * r + kP4;
+  y = y * r + kP5;
+  y = y * (r * r) + (r + 1.0f);
   return {std::ldexp(y, (int)n)};
 }
 #endif
@@ -257,6 +259,44 @@ inline void softmax_row(float* x, int64_t n) {
   const float m = max_of(x, n);
   const float sum = exp_shifted_sum(x, m, n);
   scale_row(1.0f / sum, x, n);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The register-blocked micro-kernel of every matrix multiply in the flash kernel.
+//
+//   C[r, 0:NV·W] = α_r · C[r, 0:NV·W] + Σ_{k<K} A[r, k] · B[k, 0:NV·W]       for r < R
+//
+// with α_r = alpha[r], or α_r = 0 (C is overwritten) when alpha is null. A is read one element at a time
+// and broadcast; B one row of NV vectors at a time; the R × NV block of C stays in registers for the
+// whole k loop, so each loaded B vector feeds R FMAs and each broadcast A element feeds NV.
+// R · NV accumulators + NV B vectors + 1 broadcast must fit the register file (32 zmm, 16 ymm).
+// ---------------------------------------------------------------------------------------------------
+template <int R, int NV>
+inline void micro_gemm(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                       int64_t ldc, const float* alpha) {
+  constexpr int W = Vec::width;
+  Vec acc[R][NV];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) {
+    const Vec a = Vec::broadcast(alpha ? alpha[r] : 0.0f);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[r][v] = alpha ? a * Vec::load(C + r * ldc + v * W) : Vec::zero();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    Vec b[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) b[v] = Vec::load(B + k * ldb + v * W);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const Vec a = Vec::broadcast(A[r * lda + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[r][v].store(C + r * ldc + v * W);
 }
 
 }  // namespace CS149_ISA
