@@ -96,11 +96,6 @@ void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
                    "which need O(N) memory");
 }
 
-int64_t positive_block(std::optional<int64_t> block, const char* name, int64_t fallback) {
-  if (block) TORCH_CHECK_VALUE(*block >= 1, name, " must be >= 1, got ", *block);
-  return block.value_or(fallback);
-}
-
 // Checks every argument, fills the params and runs one kernel. Returns (out, lse); lse is defined only when
 // asked for (flash only).
 std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -136,7 +131,11 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
                       "got q ", q.sizes(), ", k ", k.sizes());
   }
   const double scale_value = scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
-  TORCH_CHECK_VALUE(std::isfinite(scale_value), "scale must be finite, got ", scale_value);
+  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale_value)), "scale must be a finite float32, got ",
+                    scale_value);
+  // Tile sizes are checked whatever the impl, so a typo is never silently ignored.
+  if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
+  if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
   TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
 
   const at::Tensor q4 = as_4d(q), k4 = as_4d(k), v4 = as_4d(v);
@@ -178,18 +177,19 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
       break;
     case Impl::blocked:
       check_score_matrix_fits(q_len, kv_len, "blocked");
-      // blocked has one tile size, for both matrix multiplies: block_q, or else block_k.
-      p.block_q = p.block_k = positive_block(block_q ? block_q : block_k, block_q ? "block_q" : "block_k",
-                                             kDefaultBlockedTile);
+      // blocked has one tile size, for both matrix multiplies: block_q, or else block_k. A tile larger than
+      // every dimension is the whole matrix.
+      p.block_q = p.block_k = std::min(block_q.value_or(block_k.value_or(kDefaultBlockedTile)),
+                                       std::max({q_len, kv_len, d}));
       kernel = &kernels.blocked;
       break;
     case Impl::fused:
       kernel = &kernels.fused;
       break;
     case Impl::flash:
-      // 0 lets the kernel choose its tiles (flash.cpp).
-      p.block_q = positive_block(block_q, "block_q", 0);
-      p.block_k = positive_block(block_k, "block_k", 0);
+      // 0 lets the kernel choose its tiles (flash.cpp); it clamps them to the sequence lengths.
+      p.block_q = block_q.value_or(0);
+      p.block_k = block_k.value_or(0);
       kernel = &kernels.flash;
       break;
   }
