@@ -91,6 +91,8 @@ struct KernelTable {
   // FMA throughput probe: runs `iterations` rounds of independent vector FMAs on each of num_threads
   // threads and returns the floating-point operations done (time it to get the peak).
   double (*fma_probe)(int64_t iterations, int num_threads);
+  // The vectorised exp the kernels use, over a row in place (exposed so tests can check it).
+  void (*exp_row)(float* x, int64_t n);
 };
 
 namespace avx512 { extern const KernelTable kernel_table; }

@@ -295,6 +295,14 @@ float fourDimRead(const std::vector<float>& tensor, int64_t x, int64_t y, int64_
 
 std::string isa() { return kernels().isa; }
 
+// exp of every element of a float32 tensor, by the current ISA's vectorised exp (a test hook).
+at::Tensor vector_exp(const at::Tensor& x) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  at::Tensor y = x.contiguous().clone();
+  kernels().exp_row(y.data_ptr<float>(), y.numel());
+  return y;
+}
+
 // The FMA peak of this machine in GFLOP/s, with the current ISA's vectors on num_threads threads.
 double fma_peak_gflops(int64_t num_threads, double seconds) {
   TORCH_CHECK_VALUE(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
@@ -349,6 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured FMA peak in GFLOP/s of the current ISA's vectors on num_threads threads");
+  m.def("vector_exp", &vector_exp, "exp by the kernels' vectorised exp (current ISA), for tests");
   m.def("cpu_supports", [](const std::string& name) { return cpu_supports(name.c_str()); },
         "whether this CPU runs the kernels of the named instruction set");
 }

@@ -35,15 +35,15 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
 
-// Register blocking per ISA: kAccumulators vector registers hold the C block of micro_gemm, at most
-// kMaxVecs vectors wide. Every row count used, kAccumulators / NV for NV = 1..kMaxVecs, divides kRowGroup.
+// Register blocking per ISA: kAccumulators vector registers hold the C block of micro_gemm, NV ≤ 3 or 4
+// vectors wide and kAccumulators / NV rows tall; every such row count divides kRowGroup.
+// kQkVecs and kPvVecs are the widths the two products use where the columns allow.
 #if defined(CS149_ISA_AVX512)
-constexpr int kAccumulators = 24, kMaxVecs = 4, kRowGroup = 24;
+constexpr int kAccumulators = 24, kRowGroup = 24, kQkVecs = 2, kPvVecs = 4;
 #else
-constexpr int kAccumulators = 12, kMaxVecs = 3, kRowGroup = 12;
+constexpr int kAccumulators = 12, kRowGroup = 12, kQkVecs = 3, kPvVecs = 3;
 #endif
 constexpr int W = Vec::width;
-constexpr int kQkRows = kAccumulators / kMaxVecs;  // rows of the S = Q Kᵀ micro-kernel
 
 // Defaults, measured with benchmarks/bench_attention.py (README): a query tile of 4 row groups; key tiles
 // of 128 keys keep K_jᵀ and V_j (2 · 128 · d floats) in L2 next to the query tile.
@@ -89,7 +89,7 @@ struct Layout {
     m_off = o_off + round_up(Br_pad * d_pad, 16);
     l_off = m_off + round_up(Br_pad, 16);
     alpha_off = l_off + round_up(Br_pad, 16);
-    per_thread = alpha_off + round_up(kRowGroup, 16);
+    per_thread = alpha_off + round_up(2 * kRowGroup, 16);  // α and m_new of one row group
   }
 };
 
@@ -120,45 +120,27 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
   }
 }
 
-// S[:G, :n_cols] = Q[:G, :d] · KT[:d, :n_cols]            n_cols a whole number of vectors
+// C[:G, :n_cols] = α · C[:G, :n_cols] + A[:G, :K] · B[:K, :n_cols]   (α = 0 when alpha is null)
+// for one row group, through micro_gemm blocks of kAccumulators / NV rows × NV vectors; n_cols is a
+// whole number of vectors, taken kVecs at a time, then the remainder.
 template <int NV>
-void qk_block(int64_t d, const float* Q, const float* KT, int64_t ldkt, float* S, int64_t lds) {
-  for (int r = 0; r < kRowGroup; r += kQkRows)
-    micro_gemm<kQkRows, NV>(d, Q + r * d, d, KT, ldkt, S + r * lds, lds, nullptr);
+void gemm_block(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                const float* alpha) {
+  constexpr int R = kAccumulators / NV;
+  for (int r = 0; r < kRowGroup; r += R)
+    micro_gemm<R, NV>(K, A + r * lda, lda, B, ldb, C + r * ldc, ldc, alpha ? alpha + r : nullptr);
 }
-void qk_group(int64_t d, const float* Q, const float* KT, int64_t ldkt, int64_t n_cols, float* S, int64_t lds) {
-  constexpr int64_t chunk = kMaxVecs * W;
+template <int kVecs>
+void group_gemm(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t n_cols, float* C,
+                int64_t ldc, const float* alpha) {
+  constexpr int64_t chunk = kVecs * W;
   int64_t c = 0;
-  for (; c + chunk <= n_cols; c += chunk) qk_block<kMaxVecs>(d, Q, KT + c, ldkt, S + c, lds);
+  for (; c + chunk <= n_cols; c += chunk) gemm_block<kVecs>(K, A, lda, B + c, ldb, C + c, ldc, alpha);
   switch ((n_cols - c) / W) {
     case 0: break;
-    case 1: qk_block<1>(d, Q, KT + c, ldkt, S + c, lds); break;
-    case 2: qk_block<2>(d, Q, KT + c, ldkt, S + c, lds); break;
-#if defined(CS149_ISA_AVX512)
-    case 3: qk_block<3>(d, Q, KT + c, ldkt, S + c, lds); break;
-#endif
-  }
-}
-
-// O[:G, :d_pad] = α · O[:G, :d_pad] + P[:G, :n_keys] · V[:n_keys, :d_pad]
-template <int NV>
-void pv_block(int64_t n_keys, const float* P, int64_t ldp, const float* V, int64_t ldv, float* O, int64_t ldo,
-              const float* alpha) {
-  constexpr int R = kAccumulators / NV;
-  for (int r = 0; r < kRowGroup; r += R) micro_gemm<R, NV>(n_keys, P + r * ldp, ldp, V, ldv, O + r * ldo, ldo, alpha + r);
-}
-void pv_group(int64_t n_keys, const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t d_pad, float* O,
-              int64_t ldo, const float* alpha) {
-  constexpr int64_t chunk = kMaxVecs * W;
-  int64_t c = 0;
-  for (; c + chunk <= d_pad; c += chunk) pv_block<kMaxVecs>(n_keys, P, ldp, V + c, ldv, O + c, ldo, alpha);
-  switch ((d_pad - c) / W) {
-    case 0: break;
-    case 1: pv_block<1>(n_keys, P, ldp, V + c, ldv, O + c, ldo, alpha); break;
-    case 2: pv_block<2>(n_keys, P, ldp, V + c, ldv, O + c, ldo, alpha); break;
-#if defined(CS149_ISA_AVX512)
-    case 3: pv_block<3>(n_keys, P, ldp, V + c, ldv, O + c, ldo, alpha); break;
-#endif
+    case 1: gemm_block<1>(K, A, lda, B + c, ldb, C + c, ldc, alpha); break;
+    case 2: gemm_block<2>(K, A, lda, B + c, ldb, C + c, ldc, alpha); break;
+    case 3: gemm_block<3>(K, A, lda, B + c, ldb, C + c, ldc, alpha); break;
   }
 }
 
@@ -169,7 +151,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   const int64_t d = p.head_dim, d_pad = L.d_pad, rows = std::min(L.Br, p.q_len - i0);
   const int64_t groups = (rows + kRowGroup - 1) / kRowGroup;
   float *Qi = scratch + L.q_off, *S = scratch + L.s_off, *Oi = scratch + L.o_off;
-  float *m = scratch + L.m_off, *l = scratch + L.l_off, *alpha = scratch + L.alpha_off;
+  float *m = scratch + L.m_off, *l = scratch + L.l_off;
+  float *alpha = scratch + L.alpha_off, *m_new = alpha + kRowGroup;  // per row of the current group
 
   // Q_i = scale · Q[i0 : i0 + rows], zero rows up to whole row groups; m = −inf, l = 0, O_i = 0.
   const T* Q = q_head<T>(p, b, h) + i0 * p.q_strides[2];
@@ -198,27 +181,32 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (n_keys == 0) continue;
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors)
-      qk_group(d, Qi + g0 * d, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad);
+      group_gemm<kQkVecs>(d, Qi + g0 * d, d, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad, nullptr);
 
-      // Online softmax, row by row: S becomes P = exp(S − m_new); l and α = exp(m − m_new) updated.
+      // Online softmax for the group's rows: mask, m_new = max(m, rowmax S), α = exp(m − m_new),
+      // S becomes P = exp(S − m_new), l = α · l + rowsum P. A row that sees no key yet (m_new = −inf)
+      // keeps P = 0, α = 1.
+      float* m_g = m + g0;
       for (int64_t r = 0; r < kRowGroup; ++r) {
         float* s = S + r * L.Bc_pad;
         const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
         fill_row(kNegInf, s + visible, n_keys - visible);
-        const float m_old = m[g0 + r];
-        const float m_new = std::max(m_old, max_of(s, n_keys));
-        if (m_new == kNegInf) {  // no key visible to this row yet: P = 0, O and l unchanged
+        m_new[r] = std::max(m_g[r], max_of(s, n_keys));
+        alpha[r] = m_new[r] == kNegInf ? 0.0f : m_g[r] - m_new[r];  // exponent of α; −inf on a first tile
+      }
+      exp_row(alpha, kRowGroup);
+      for (int64_t r = 0; r < kRowGroup; ++r) {
+        float* s = S + r * L.Bc_pad;
+        if (m_new[r] == kNegInf) {
           fill_row(0.0f, s, n_keys);
-          alpha[r] = 1.0f;
           continue;
         }
-        alpha[r] = std::exp(m_old - m_new);
-        l[g0 + r] = alpha[r] * l[g0 + r] + exp_shifted_sum(s, m_new, n_keys);
-        m[g0 + r] = m_new;
+        l[g0 + r] = alpha[r] * l[g0 + r] + exp_shifted_sum(s, m_new[r], n_keys);
+        m_g[r] = m_new[r];
       }
 
       // O_g = α · O_g + P V_j
-      pv_group(n_keys, S, L.Bc_pad, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
+      group_gemm<kPvVecs>(n_keys, S, L.Bc_pad, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
     }
   }
 

@@ -103,12 +103,14 @@ inline float reduce_max(Vec a) { return a.v; }
 // exp(x) for a whole vector, accurate to a couple of float32 ulps (Cephes' expf scheme).
 //   exp(x) = 2^n · exp(r),  n = round(x·log2(e)),  r = x − n·ln2  with |r| ≤ ln2/2,
 // exp(r) from a degree-6 polynomial, 2^n written straight into the exponent bits.
-// x > 88.38 overflows to +inf as it should; x < −87.34 (where exp(x) < FLT_MIN) and x = −inf give 0;
+// x > 88.72 overflows to +inf as it should; x = −inf gives 0, and so does x < −87.34 (where exp(x) < FLT_MIN;
+// AVX-512 returns the subnormal there, the others 0);
 // NaN stays NaN.
 // ---------------------------------------------------------------------------------------------------
 namespace exp_constants {
-constexpr float kMaxArg = 88.3762626647949f;
+constexpr float kMaxArg = 89.0f;  // above ln(FLT_MAX) = 88.72: y · 2^n overflows to +inf, as exp does
 constexpr float kMinArg = -87.33654475f;  // ln(FLT_MIN): 2^n stays a normal number above this
+constexpr float kScalefMinArg = -150.0f;  // AVX-512: y · 2^n (n ≤ −216) underflows to exactly 0
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f;  // ln2 split in two so that n·kLn2Hi is exact
 constexpr float kLn2Lo = -2.12194440e-4f;
@@ -119,7 +121,9 @@ constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.33345190
 #if defined(CS149_ISA_AVX512)
 inline Vec exp(Vec x) {
   using namespace exp_constants;
-  __m512 xc = _mm512_min_ps(_mm512_set1_ps(kMaxArg), x.v);  // NaN passes through (second operand)
+  // Clamped to [kScalefMinArg, kMaxArg]: below, scalef's 2^n flushes to exactly 0 (also for −inf).
+  // NaN passes through both (the second operand of min/max is returned for NaN).
+  __m512 xc = _mm512_max_ps(_mm512_set1_ps(kScalefMinArg), _mm512_min_ps(_mm512_set1_ps(kMaxArg), x.v));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
@@ -131,10 +135,8 @@ inline Vec exp(Vec x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  // y · 2^n; at x = kMaxArg, n = 128 would overflow the exponent field, so scale in two steps.
-  __m512 result = _mm512_scalef_ps(y, n);
-  __mmask16 underflow = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kMinArg), _CMP_LT_OQ);
-  return {_mm512_mask_blend_ps(underflow, result, _mm512_setzero_ps())};
+  // y · 2^n with scalef: no exponent-field overflow at n = 128, and an exact 0 far below FLT_MIN.
+  return {_mm512_scalef_ps(y, n)};
 }
 #elif defined(CS149_ISA_AVX2)
 inline Vec exp(Vec x) {
@@ -250,6 +252,14 @@ inline float exp_shifted_sum(float* x, float shift, int64_t n) {
     sum = sum + Vec::load_partial(x + c, n - c);  // masked lanes of e hold exp(0 - s), not 0
   }
   return reduce_add(sum);
+}
+
+// x[c] = exp(x[c])
+inline void exp_row(float* x, int64_t n) {
+  constexpr int W = Vec::width;
+  int64_t c = 0;
+  for (; c + W <= n; c += W) exp(Vec::load(x + c)).store(x + c);
+  if (c < n) exp(Vec::load_partial(x + c, n - c)).store_partial(x + c, n - c);
 }
 
 // Softmax of one row of logits in place: p[c] = exp(x[c] − max) / Σ exp(x[c'] − max).
