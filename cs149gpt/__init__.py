@@ -7,7 +7,7 @@ The entry points of Stanford CS149's assignment 4 (myNaiveAttention, myUnfusedAt
 myFusedAttention, myFlashAttention, twoDimRead, fourDimRead) are re-exported here from the compiled module,
 which is loaded (and, from a fresh checkout, compiled) on first use.
 """
-from cs149gpt.ops import IMPLS, attention, isa
+from cs149gpt.ops import IMPLS, attention, isa, scaled_dot_product_attention, uses_our_kernel
 
 ASSIGNMENT_ENTRY_POINTS = (
     "myNaiveAttention",
@@ -18,12 +18,13 @@ ASSIGNMENT_ENTRY_POINTS = (
     "fourDimRead",
 )
 
-__all__ = ["attention", "isa", "IMPLS", *ASSIGNMENT_ENTRY_POINTS]
+__all__ = ["attention", "scaled_dot_product_attention", "uses_our_kernel", "isa", "IMPLS", *ASSIGNMENT_ENTRY_POINTS]
 
 
 def __getattr__(name):
     if name in ASSIGNMENT_ENTRY_POINTS:
-        from cs149gpt import _ext
+        from cs149gpt import _ext, ops
 
-        return getattr(_ext.load(), name)
+        ops._load()
+        return getattr(_ext._module, name)
     raise AttributeError(f"module 'cs149gpt' has no attribute {name!r}")

@@ -1,11 +1,32 @@
-"""The Python face of cs149gpt: typed, documented wrappers over the compiled operators."""
+"""The Python face of cs149gpt: typed, documented wrappers over the compiled operators.
+
+The operators themselves are declared in C++ (csrc/module.cpp, `TORCH_LIBRARY(cs149gpt, m)`) and reachable as
+`torch.ops.cs149gpt.*`. This module adds what makes them first-class PyTorch: autograd for the flash kernel
+(`torch.library.register_autograd`, backward from the saved lse) and fake implementations
+(`torch.library.register_fake`) so `torch.compile(fullgraph=True)` traces through them.
+"""
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 
 from cs149gpt import _ext
 
 IMPLS = ("naive", "blocked", "fused", "flash")
+_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+_registered = False
+
+
+def _load() -> None:
+    """Loads the compiled operators (building them on first use) and registers their Python parts, once."""
+    global _registered
+    # A plain global test, which torch.compile treats as a constant: no graph break after the first call.
+    if not _registered:
+        _ext.load()
+        _register_python_parts()
+        _registered = True
 
 
 def attention(
@@ -23,21 +44,21 @@ def attention(
     """softmax(scale · q kᵀ [+ causal mask]) v, computed by one of the four kernels.
 
     Args:
-        q: (..., Nq, d) float32 queries, any strides (the last dim is read in place when contiguous).
-        k, v: (..., Nk, d) keys and values with q's leading dims; their head dim (-3) may divide q's (GQA).
+        q: (..., Nq, d) queries, any strides (the last dim is read in place when contiguous).
+        k, v: (..., Nk, d) keys and values with q's leading dims; their head dim (-3) may divide q's (GQA:
+            query head h reads kv head h // (Hq // Hkv)), read without expanding.
         impl: "naive" (N×N scores), "blocked" (tiled matmuls), "fused" (a row at a time) or "flash".
         scale: multiplies q·k; None means 1/sqrt(d), as in torch's scaled_dot_product_attention.
         is_causal: False; True or "top_left": query i sees keys j <= i (torch SDPA's is_causal);
             "bottom_right": query i sees keys j <= i + Nk - Nq (torch.nn.attention.bias.causal_lower_right,
             what decoding with a KV cache needs). A query row that sees no key gets 0.
         block_q, block_k: flash's Br × Bc tile (blocked: its one tile size); None picks measured defaults.
-
         return_lse: also return lse, the float32 logsumexp of each query row's scaled logits, (..., Nq)
             (flash only).
 
     Returns:
-        out: (..., Nq, d), contiguous, in q's dtype (float32, or bfloat16/float16 with impl="flash");
-        or (out, lse) with return_lse=True.
+        out: (..., Nq, d), contiguous, in q's dtype (float32; also bfloat16/float16 with impl="flash");
+        or (out, lse) with return_lse=True. With impl="flash" out is differentiable in q, k and v.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -45,12 +66,60 @@ def attention(
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(repr(i) for i in IMPLS)}; got {impl!r}")
     causal = _causal_mode(is_causal)
-    _ext.load()
+    _load()
+    if impl == "flash":
+        out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k)
+        return (out, lse) if return_lse else out
     if return_lse:
-        if impl != "flash":
-            raise ValueError(f"return_lse=True needs impl='flash', got impl={impl!r}")
-        return torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k)
+        raise ValueError(f"return_lse=True needs impl='flash', got impl={impl!r}")
     return torch.ops.cs149gpt.attention(q, k, v, impl, scale, causal, block_q, block_k)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention, with its signature and meaning, on our flash kernel.
+
+    Our kernel runs when it computes exactly what torch would: no attn_mask, dropout_p == 0, CPU tensors of
+    one dtype among float32/bfloat16/float16, k and v with q's head dim, and equal head counts unless
+    enable_gqa=True. Anything else (an arbitrary mask, dropout, a GPU tensor, ...) falls back to
+    torch.nn.functional.scaled_dot_product_attention itself, so this is a drop-in replacement: same results,
+    same errors, ours faster where it applies. `uses_our_kernel(...)` tells which path a call takes.
+    """
+    if not uses_our_kernel(query, key, value, attn_mask, dropout_p, enable_gqa):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return attention(query, key, value, impl="flash", scale=scale, is_causal=bool(is_causal))
+
+
+def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, enable_gqa=False) -> bool:
+    """Whether scaled_dot_product_attention(...) with these arguments runs our kernel (else torch's)."""
+    tensors = (query, key, value)
+    if attn_mask is not None or dropout_p != 0.0:
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() >= 3 for t in tensors):
+        return False
+    if query.dtype not in _FLASH_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return False
+    if not (query.dim() == key.dim() == value.dim()) or key.shape != value.shape:
+        return False
+    if key.shape[-1] != query.shape[-1] or key.shape[:-3] != query.shape[:-3] or min(query.shape[-2:]) == 0:
+        return False
+    h_q, h_kv = query.shape[-3], key.shape[-3]
+    return h_q == h_kv or (enable_gqa and h_kv > 0 and h_q % h_kv == 0)
+
+
+def isa() -> str:
+    """The instruction set the kernels run with: 'avx512', 'avx2' or 'scalar'."""
+    _load()
+    return _ext._module.isa()
 
 
 def _causal_mode(is_causal: Union[bool, str]) -> str:
@@ -63,6 +132,37 @@ def _causal_mode(is_causal: Union[bool, str]) -> str:
     raise ValueError(f"is_causal must be False, True, 'top_left' or 'bottom_right'; got {is_causal!r}")
 
 
-def isa() -> str:
-    """The instruction set the kernels run with: 'avx512', 'avx2' or 'scalar'."""
-    return _ext.load().isa()
+# ---------------------------------------------------------------------------------------------------------
+# Autograd and fake (meta) implementations of the C++ operators. Registered once, when the module loads.
+# ---------------------------------------------------------------------------------------------------------
+def _flash_setup_context(ctx, inputs, output):
+    q, k, v, scale, causal, block_q, block_k = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)  # lse (O(N)), never P (O(N²))
+    ctx.scale, ctx.causal, ctx.block_q, ctx.block_k = scale, causal, block_q, block_k
+    ctx.mark_non_differentiable(lse)
+
+
+def _flash_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cs149gpt.flash_attention_backward(
+        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k)
+    return dq, dk, dv, None, None, None, None
+
+
+def _register_python_parts() -> None:
+    lib = "cs149gpt::"
+
+    @torch.library.register_fake(lib + "attention")
+    def _(q, k, v, impl="flash", scale=None, causal="none", block_q=None, block_k=None):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake(lib + "flash_attention")
+    def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "flash_attention_backward")
+    def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)

@@ -75,6 +75,20 @@ inline int64_t visible_keys(const AttentionParams& p, int64_t i) {
   return last + 1 < p.kv_len ? last + 1 : p.kv_len;
 }
 
+// The backward pass: reads the forward's inputs, its output and lse (fwd.out, fwd.lse) and dL/dout; writes
+// dL/dq, dL/dk, dL/dv (dk and dv have the kv heads' shape: the query heads of a group are summed).
+struct AttentionBackwardParams {
+  AttentionParams fwd;  // q, k, v, out, lse (all read), sizes, scale, mask, tiles, threads
+  const void* dout = nullptr;  // (batch, num_heads, q_len, head_dim)
+  void* dq = nullptr;          // like q
+  void* dk = nullptr;          // like k
+  void* dv = nullptr;          // like v
+  int64_t dout_strides[3] = {0, 0, 0};
+  int64_t dq_strides[3] = {0, 0, 0};
+  int64_t dk_strides[3] = {0, 0, 0};
+  int64_t dv_strides[3] = {0, 0, 0};
+};
+
 // One kernel: how much float32 workspace it needs, and the kernel itself. The caller (module.cpp)
 // allocates the workspace through torch's allocator, so the profiler sees it and a failure is a Python
 // exception; kernels allocate nothing.
@@ -83,11 +97,17 @@ struct Kernel {
   void (*run)(const AttentionParams&, float* workspace);
 };
 
+struct BackwardKernel {
+  int64_t (*workspace_floats)(const AttentionBackwardParams&);
+  void (*run)(const AttentionBackwardParams&, float* workspace);
+};
+
 // The kernels of one instruction set. Each ISA's translation unit (csrc/isa/) compiles every kernel
 // file once with that ISA's flags and fills one of these tables; dispatch.cpp picks the table at load.
 struct KernelTable {
   const char* isa;  // "avx512", "avx2", "scalar"
   Kernel naive, blocked, fused, flash;
+  BackwardKernel flash_backward;
   // FMA throughput probe: runs `iterations` rounds of independent vector FMAs on each of num_threads
   // threads and returns the floating-point operations done (time it to get the peak).
   double (*fma_probe)(int64_t iterations, int num_threads);

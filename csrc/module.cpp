@@ -96,12 +96,16 @@ void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
                    "which need O(N) memory");
 }
 
-// Checks every argument, fills the params and runs one kernel. Returns (out, lse); lse is defined only when
-// asked for (flash only).
-std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 Impl impl, std::optional<double> scale, const std::string& causal,
-                                                 std::optional<int64_t> block_q, std::optional<int64_t> block_k,
-                                                 bool want_lse) {
+// q, k, v checked and seen as (batch, heads, N, d), with the params of a call on them (all but out and lse).
+struct Prepared {
+  at::Tensor q4, k4, v4;  // views (or, for a strided last dim, copies) that the params point into
+  AttentionParams p;
+};
+
+// Checks every argument of an attention call and fills the params.
+Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
+                 std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                 std::optional<int64_t> block_k) {
   check_input(q, "q");
   check_input(k, "k");
   check_input(v, "v");
@@ -136,70 +140,91 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
   // Tile sizes are checked whatever the impl, so a typo is never silently ignored.
   if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
   if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
-  TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
 
-  const at::Tensor q4 = as_4d(q), k4 = as_4d(k), v4 = as_4d(v);
-  at::Tensor out = at::empty({q4.size(0), q4.size(1), q_len, d}, q.options());
-  at::Tensor lse;
-
-  AttentionParams p;
-  p.q = q4.data_ptr();
-  p.k = k4.data_ptr();
-  p.v = v4.data_ptr();
-  p.out = out.data_ptr();
+  Prepared prep{as_4d(q), as_4d(k), as_4d(v), {}};
+  AttentionParams& p = prep.p;
+  p.q = prep.q4.data_ptr();
+  p.k = prep.k4.data_ptr();
+  p.v = prep.v4.data_ptr();
   p.dtype = dtype;
-  fill_strides(p.q_strides, q4);
-  fill_strides(p.k_strides, k4);
-  fill_strides(p.v_strides, v4);
-  fill_strides(p.out_strides, out);
-  if (want_lse) {
-    lse = at::empty({q4.size(0), q4.size(1), q_len}, q.options().dtype(at::kFloat));
-    p.lse = lse.data_ptr<float>();
-    p.lse_strides[0] = lse.stride(0);
-    p.lse_strides[1] = lse.stride(1);
-  }
-  p.batch = q4.size(0);
-  p.num_heads = q4.size(1);
-  p.num_kv_heads = k4.size(1);
+  fill_strides(p.q_strides, prep.q4);
+  fill_strides(p.k_strides, prep.k4);
+  fill_strides(p.v_strides, prep.v4);
+  p.batch = prep.q4.size(0);
+  p.num_heads = prep.q4.size(1);
+  p.num_kv_heads = prep.k4.size(1);
   p.q_len = q_len;
   p.kv_len = kv_len;
   p.head_dim = d;
   p.scale = static_cast<float>(scale_value);
   p.causal_offset = parse_causal(causal, q_len, kv_len, &p.is_causal);
   p.num_threads = std::max(1, at::get_num_threads());
-
-  const KernelTable& kernels = cs149gpt::kernels();
-  const Kernel* kernel = nullptr;
   switch (impl) {
     case Impl::naive:
-      check_score_matrix_fits(q_len, kv_len, "naive");
-      kernel = &kernels.naive;
+    case Impl::fused:
       break;
     case Impl::blocked:
-      check_score_matrix_fits(q_len, kv_len, "blocked");
       // blocked has one tile size, for both matrix multiplies: block_q, or else block_k. A tile larger than
       // every dimension is the whole matrix.
       p.block_q = p.block_k = std::min(block_q.value_or(block_k.value_or(kDefaultBlockedTile)),
                                        std::max({q_len, kv_len, d}));
-      kernel = &kernels.blocked;
-      break;
-    case Impl::fused:
-      kernel = &kernels.fused;
       break;
     case Impl::flash:
       // 0 lets the kernel choose its tiles (flash.cpp); it clamps them to the sequence lengths.
       p.block_q = block_q.value_or(0);
       p.block_k = block_k.value_or(0);
-      kernel = &kernels.flash;
       break;
   }
-  if (p.batch * p.num_heads > 0) {
-    // Through torch's allocator: the profiler counts it, and a failure is a Python exception.
-    at::Tensor workspace = at::empty({kernel->workspace_floats(p)}, q.options().dtype(at::kFloat));
-    kernel->run(p, workspace.data_ptr<float>());
+  return prep;
+}
+
+// A kernel's workspace, through torch's allocator: the profiler counts it, and a failure is a Python exception.
+at::Tensor workspace(int64_t floats) { return at::empty({floats}, at::TensorOptions().dtype(at::kFloat)); }
+
+// Runs one forward kernel. Returns (out, lse); lse is defined only when asked for (flash only).
+std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 Impl impl, std::optional<double> scale, const std::string& causal,
+                                                 std::optional<int64_t> block_q, std::optional<int64_t> block_k,
+                                                 bool want_lse) {
+  TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
+  Prepared prep = prepare(q, k, v, impl, scale, causal, block_q, block_k);
+  AttentionParams& p = prep.p;
+  at::Tensor out = at::empty({p.batch, p.num_heads, p.q_len, p.head_dim}, q.options());
+  p.out = out.data_ptr();
+  fill_strides(p.out_strides, out);
+  at::Tensor lse;
+  if (want_lse) {
+    lse = at::empty({p.batch, p.num_heads, p.q_len}, q.options().dtype(at::kFloat));
+    p.lse = lse.data_ptr<float>();
+    p.lse_strides[0] = lse.stride(0);
+    p.lse_strides[1] = lse.stride(1);
   }
-  const auto lead = q.sizes().slice(0, rank - 1);
+
+  const KernelTable& kernels = cs149gpt::kernels();
+  const Kernel* kernel = nullptr;
+  switch (impl) {
+    case Impl::naive:
+      check_score_matrix_fits(p.q_len, p.kv_len, "naive");
+      kernel = &kernels.naive;
+      break;
+    case Impl::blocked:
+      check_score_matrix_fits(p.q_len, p.kv_len, "blocked");
+      kernel = &kernels.blocked;
+      break;
+    case Impl::fused: kernel = &kernels.fused; break;
+    case Impl::flash: kernel = &kernels.flash; break;
+  }
+  if (p.batch * p.num_heads > 0) kernel->run(p, workspace(kernel->workspace_floats(p)).data_ptr<float>());
+  const auto lead = q.sizes().slice(0, q.dim() - 1);
   return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};
+}
+
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
+  TORCH_CHECK_VALUE(t.defined() && t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", like_name, ", ", like.sizes(),
+                    "; got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", like_name, ", ",
+                   like.scalar_type(), "; got ", t.scalar_type());
 }
 
 }  // namespace
@@ -220,6 +245,47 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
                                                    std::optional<double> scale, const std::string& causal,
                                                    std::optional<int64_t> block_q, std::optional<int64_t> block_k) {
   return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true);
+}
+
+// flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
+//   The gradients of flash_attention's out with respect to q, k, v, given dout = ∂L/∂out and the forward's
+//   out and lse; P is recomputed tile by tile from lse (flash_backward.cpp). dk, dv have k's and v's shape.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+    std::optional<int64_t> block_k) {
+  Prepared prep = prepare(q, k, v, Impl::flash, scale, causal, block_q, block_k);
+  check_like(dout, "dout", q, "q");
+  check_like(out, "out", q, "q");
+  TORCH_CHECK_VALUE(lse.defined() && lse.sizes() == q.sizes().slice(0, q.dim() - 1), "lse must have shape ",
+                    q.sizes().slice(0, q.dim() - 1), " (q's without the last dim); got ",
+                    lse.defined() ? lse.sizes() : at::IntArrayRef{});
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+
+  AttentionBackwardParams bp;
+  bp.fwd = prep.p;
+  const at::Tensor dout4 = as_4d(dout), out4 = as_4d(out);
+  const at::Tensor lse3 = lse.reshape({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len}).contiguous();
+  bp.fwd.out = out4.data_ptr();
+  fill_strides(bp.fwd.out_strides, out4);
+  bp.fwd.lse = const_cast<float*>(lse3.data_ptr<float>());
+  bp.fwd.lse_strides[0] = lse3.stride(0);
+  bp.fwd.lse_strides[1] = lse3.stride(1);
+  bp.dout = dout4.data_ptr();
+  fill_strides(bp.dout_strides, dout4);
+  at::Tensor dq = at::empty(prep.q4.sizes(), q.options()), dk = at::empty(prep.k4.sizes(), k.options()),
+             dv = at::empty(prep.v4.sizes(), v.options());
+  bp.dq = dq.data_ptr();
+  bp.dk = dk.data_ptr();
+  bp.dv = dv.data_ptr();
+  fill_strides(bp.dq_strides, dq);
+  fill_strides(bp.dk_strides, dk);
+  fill_strides(bp.dv_strides, dv);
+  if (bp.fwd.batch * bp.fwd.num_heads > 0) {
+    const BackwardKernel& kernel = kernels().flash_backward;
+    kernel.run(bp, workspace(kernel.workspace_floats(bp)).data_ptr<float>());
+  }
+  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
 }
 
 namespace {
@@ -335,11 +401,15 @@ TORCH_LIBRARY(cs149gpt, m) {
         "int? block_q=None, int? block_k=None) -> Tensor");
   m.def("flash_attention(Tensor q, Tensor k, Tensor v, float? scale=None, str causal='none', int? block_q=None, "
         "int? block_k=None) -> (Tensor out, Tensor lse)");
+  m.def("flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "float? scale=None, str causal='none', int? block_q=None, int? block_k=None) -> (Tensor dq, Tensor dk, "
+        "Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
   m.impl("attention", &cs149gpt::attention);
   m.impl("flash_attention", &cs149gpt::flash_attention);
+  m.impl("flash_attention_backward", &cs149gpt::flash_attention_backward);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

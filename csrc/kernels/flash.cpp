@@ -26,7 +26,7 @@
 // - The workspace comes from the caller; nothing is allocated here.
 // A query row that sees no key at all (bottom-right causal with q_len > kv_len) gets O = 0, lse = −inf.
 #include "../attention.h"
-#include "simd.h"
+#include "flash_common.h"
 
 #include <algorithm>
 #include <omp.h>
@@ -35,22 +35,10 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
 
-// Register blocking per ISA: kAccumulators vector registers hold the C block of micro_gemm, NV ≤ 3 or 4
-// vectors wide and kAccumulators / NV rows tall; every such row count divides kRowGroup.
-// kQkVecs and kPvVecs are the widths the two products use where the columns allow.
-#if defined(CS149_ISA_AVX512)
-constexpr int kAccumulators = 24, kRowGroup = 24, kQkVecs = 2, kPvVecs = 4;
-#else
-constexpr int kAccumulators = 12, kRowGroup = 12, kQkVecs = 3, kPvVecs = 3;
-#endif
-constexpr int W = Vec::width;
-
 // Defaults, measured with benchmarks/bench_attention.py (README): a query tile of 4 row groups; key tiles
 // of 128 keys keep K_jᵀ and V_j (2 · 128 · d floats) in L2 next to the query tile.
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
 constexpr int64_t kDefaultBlockK = 128;
-
-inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // Tile sizes and where each piece of the workspace lives. All sizes in floats.
 struct Layout {
@@ -93,9 +81,6 @@ struct Layout {
   }
 };
 
-template <class T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
 // K_jᵀ for every (batch, kv head, key tile): kt[c * Bc_pad + t] = k[j0 + t][c], zero past the tile's keys.
 // V (when packed): vp[j * d_pad + c] = v[j][c], zero in the padding columns.
 template <class T>
@@ -117,30 +102,6 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
       for (int64_t c = 0; c < d; ++c) vp[t * L.d_pad + c] = to_float(V[t * p.v_strides[2] + c]);
       for (int64_t c = d; c < L.d_pad; ++c) vp[t * L.d_pad + c] = 0.0f;
     }
-  }
-}
-
-// C[:G, :n_cols] = α · C[:G, :n_cols] + A[:G, :K] · B[:K, :n_cols]   (α = 0 when alpha is null)
-// for one row group, through micro_gemm blocks of kAccumulators / NV rows × NV vectors; n_cols is a
-// whole number of vectors, taken kVecs at a time, then the remainder.
-template <int NV>
-void gemm_block(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
-                const float* alpha) {
-  constexpr int R = kAccumulators / NV;
-  for (int r = 0; r < kRowGroup; r += R)
-    micro_gemm<R, NV>(K, A + r * lda, lda, B, ldb, C + r * ldc, ldc, alpha ? alpha + r : nullptr);
-}
-template <int kVecs>
-void group_gemm(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, int64_t n_cols, float* C,
-                int64_t ldc, const float* alpha) {
-  constexpr int64_t chunk = kVecs * W;
-  int64_t c = 0;
-  for (; c + chunk <= n_cols; c += chunk) gemm_block<kVecs>(K, A, lda, B + c, ldb, C + c, ldc, alpha);
-  switch ((n_cols - c) / W) {
-    case 0: break;
-    case 1: gemm_block<1>(K, A, lda, B + c, ldb, C + c, ldc, alpha); break;
-    case 2: gemm_block<2>(K, A, lda, B + c, ldb, C + c, ldc, alpha); break;
-    case 3: gemm_block<3>(K, A, lda, B + c, ldb, C + c, ldc, alpha); break;
   }
 }
 
@@ -181,7 +142,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (n_keys == 0) continue;
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors)
-      group_gemm<kQkVecs>(d, Qi + g0 * d, d, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad, nullptr);
+      group_gemm<kQkVecs>(kRowGroup, d, Qi + g0 * d, d, 1, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad, nullptr);
 
       // Online softmax for the group's rows: mask, m_new = max(m, rowmax S), α = exp(m − m_new),
       // S becomes P = exp(S − m_new), l = α · l + rowsum P. A row that sees no key yet (m_new = −inf)
@@ -206,7 +167,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       }
 
       // O_g = α · O_g + P V_j
-      group_gemm<kPvVecs>(n_keys, S, L.Bc_pad, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
+      group_gemm<kPvVecs>(kRowGroup, n_keys, S, L.Bc_pad, 1, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
     }
   }
 

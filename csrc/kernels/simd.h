@@ -272,18 +272,19 @@ inline void softmax_row(float* x, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The register-blocked micro-kernel of every matrix multiply in the flash kernel.
+// The register-blocked micro-kernel of every matrix product in the flash kernels.
 //
 //   C[r, 0:NV·W] = α_r · C[r, 0:NV·W] + Σ_{k<K} A[r, k] · B[k, 0:NV·W]       for r < R
 //
-// with α_r = alpha[r], or α_r = 0 (C is overwritten) when alpha is null. A is read one element at a time
-// and broadcast; B one row of NV vectors at a time; the R × NV block of C stays in registers for the
-// whole k loop, so each loaded B vector feeds R FMAs and each broadcast A element feeds NV.
+// with α_r = alpha[r], or α_r = 0 (C is overwritten) when alpha is null. A[r, k] sits at
+// A + r·a_row + k·a_col, so A may be a transposed view (a_row = 1); it is read one element at a time and
+// broadcast. B is read one row of NV vectors at a time, rows ldb apart. The R × NV block of C stays in
+// registers for the whole k loop, so each loaded B vector feeds R FMAs and each broadcast A element NV.
 // R · NV accumulators + NV B vectors + 1 broadcast must fit the register file (32 zmm, 16 ymm).
 // ---------------------------------------------------------------------------------------------------
 template <int R, int NV>
-inline void micro_gemm(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                       int64_t ldc, const float* alpha) {
+inline void micro_gemm(int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
+                       float* C, int64_t ldc, const float* alpha) {
   constexpr int W = Vec::width;
   Vec acc[R][NV];
 #pragma GCC unroll 32
@@ -292,13 +293,13 @@ inline void micro_gemm(int64_t K, const float* A, int64_t lda, const float* B, i
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) acc[r][v] = alpha ? a * Vec::load(C + r * ldc + v * W) : Vec::zero();
   }
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = 0; k < K; ++k, A += a_col, B += ldb) {
     Vec b[NV];
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) b[v] = Vec::load(B + k * ldb + v * W);
+    for (int v = 0; v < NV; ++v) b[v] = Vec::load(B + v * W);
 #pragma GCC unroll 32
     for (int r = 0; r < R; ++r) {
-      const Vec a = Vec::broadcast(A[r * lda + k]);
+      const Vec a = Vec::broadcast(A[r * a_row]);
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
     }

@@ -1,0 +1,273 @@
+// FlashAttention-2 backward (Dao, 2023, Algorithm 2), recomputing P tile by tile from the saved lse.
+//
+// With S = scale · Q Kᵀ (masked), P = exp(S − lse) (the forward's softmax, never stored) and dO = ∂L/∂O:
+//   D   = rowsum(dO ∘ O)                 one number per query row
+//   dV  = Pᵀ dO
+//   dP  = dO Vᵀ
+//   dS  = P ∘ (dP − D)                    the softmax's Jacobian applied row by row
+//   dQ  = scale · dS K
+//   dK  = scale · dSᵀ Q
+// All in O(N) memory: P, dP and dS exist one row group × one key tile at a time.
+//
+// Threads must never write the same rows of dQ, dK or dV, so the work is split in two passes that
+// recompute the small tiles of S and dP instead of sharing accumulators:
+//   pass 1, one task per (batch, kv head, key tile j): dK_j and dV_j over every query row of every query
+//           head of the group (GQA: the group's heads are summed here, no atomics);
+//   pass 2, one task per (batch, head, query tile i): dQ_i over every key tile.
+// Before them, all threads pack the operands once: Q pre-scaled, dO and D per query row; Kᵀ and Vᵀ per key
+// tile (the right operand of S = Q Kᵀ and dP = dO Vᵀ), K by rows (of dQ = dS K). Products go through the
+// forward's micro-kernel (flash_common.h); Pᵀ and dSᵀ are read transposed in place.
+#include "flash_common.h"
+
+#include <algorithm>
+#include <numeric>
+#include <omp.h>
+
+namespace cs149gpt {
+namespace CS149_ISA {
+namespace flash_backward {
+
+using namespace flash;
+
+// Key tiles hold whole row groups (they are the rows of dK, dV) and whole vectors (the columns of S).
+constexpr int64_t kKeyAlign = kRowGroup / std::gcd(kRowGroup, W) * W;  // lcm(kRowGroup, W)
+constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
+constexpr int64_t kDefaultBlockK = 4 * kRowGroup;
+
+struct Layout {
+  int64_t Br, Bc, Tr, Tc, q_pad, k_pad, d_pad, n_tiles_k;
+  // shared, packed once: Q·scale, dO (q_pad × d_pad per head), D and lse (q_pad per head);
+  // Kᵀ and Vᵀ tiles (d × Bc each); K rows (k_pad × d_pad per kv head)
+  int64_t qs_off, do_off, delta_off, lse_off, kt_off, vt_off, kr_off, shared;
+  // per thread: S/P and dP/dS for one row group × one key tile; dK_j, dV_j; dQ for one row group; ones
+  int64_t s_off, ds_off, dk_off, dv_off, dq_off, ones_off, per_thread;
+
+  explicit Layout(const AttentionBackwardParams& bp) {
+    const AttentionParams& p = bp.fwd;
+    const int64_t threads_wanted = 4 * p.num_threads;
+    Br = p.block_q > 0 ? round_up(p.block_q, kRowGroup) : kDefaultBlockQ;
+    Bc = p.block_k > 0 ? round_up(p.block_k, kKeyAlign) : round_up(kDefaultBlockK, kKeyAlign);
+    if (p.block_q <= 0)
+      while (Br > kRowGroup && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < threads_wanted) Br -= kRowGroup;
+    if (p.block_k <= 0)
+      while (Bc > kKeyAlign && p.batch * p.num_kv_heads * ((p.kv_len + Bc - 1) / Bc) < threads_wanted) Bc -= kKeyAlign;
+    Br = std::min(Br, round_up(p.q_len, kRowGroup));
+    Bc = std::min(Bc, round_up(p.kv_len, kKeyAlign));
+    Tr = (p.q_len + Br - 1) / Br;
+    Tc = (p.kv_len + Bc - 1) / Bc;
+    q_pad = round_up(p.q_len, kRowGroup);
+    k_pad = Tc * Bc;
+    d_pad = round_up(p.head_dim, W);
+    const int64_t q_heads = p.batch * p.num_heads, kv_heads = p.batch * p.num_kv_heads;
+    qs_off = 0;
+    do_off = qs_off + q_heads * q_pad * d_pad;
+    delta_off = do_off + q_heads * q_pad * d_pad;
+    lse_off = delta_off + q_heads * q_pad;
+    kt_off = lse_off + q_heads * q_pad;
+    vt_off = kt_off + kv_heads * Tc * p.head_dim * Bc;
+    kr_off = vt_off + kv_heads * Tc * p.head_dim * Bc;
+    shared = round_up(kr_off + kv_heads * k_pad * d_pad, 16);
+    s_off = 0;
+    ds_off = s_off + kRowGroup * Bc;
+    dk_off = ds_off + kRowGroup * Bc;
+    dv_off = dk_off + Bc * d_pad;
+    dq_off = dv_off + Bc * d_pad;
+    ones_off = dq_off + kRowGroup * d_pad;
+    per_thread = round_up(ones_off + std::max<int64_t>(Bc, kRowGroup), 16);
+  }
+};
+
+// Packs query row i of head h: Q·scale and dO padded to d_pad columns, D = Σ dO ∘ O, lse (0 past q_len,
+// where Q and dO are 0 too, so padding rows contribute nothing).
+template <class T>
+void pack_query_row(const AttentionBackwardParams& bp, const Layout& L, float* ws, int64_t b, int64_t h, int64_t i) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t d = p.head_dim, head = b * p.num_heads + h;
+  float* qs = ws + L.qs_off + (head * L.q_pad + i) * L.d_pad;
+  float* dO = ws + L.do_off + (head * L.q_pad + i) * L.d_pad;
+  fill_row(0.0f, qs, L.d_pad);
+  fill_row(0.0f, dO, L.d_pad);
+  float delta = 0.0f, lse = 0.0f;
+  if (i < p.q_len) {
+    const T* q = q_head<T>(p, b, h) + i * p.q_strides[2];
+    const T* o = out_head<T>(p, b, h) + i * p.out_strides[2];
+    const T* g = static_cast<const T*>(bp.dout) + b * bp.dout_strides[0] + h * bp.dout_strides[1] + i * bp.dout_strides[2];
+    for (int64_t c = 0; c < d; ++c) {
+      qs[c] = p.scale * to_float(q[c]);
+      dO[c] = to_float(g[c]);
+      delta += dO[c] * to_float(o[c]);
+    }
+    lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
+  }
+  ws[L.delta_off + head * L.q_pad + i] = delta;
+  ws[L.lse_off + head * L.q_pad + i] = lse;
+}
+
+// Packs key tile j of kv head kvh: Kᵀ and Vᵀ (d × Bc, zero past the keys), K rows (Bc × d_pad).
+template <class T>
+void pack_key_tile(const AttentionBackwardParams& bp, const Layout& L, float* ws, int64_t b, int64_t kvh, int64_t j) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t d = p.head_dim, head = b * p.num_kv_heads + kvh, j0 = j * L.Bc;
+  const int64_t cols = std::max<int64_t>(0, std::min(L.Bc, p.kv_len - j0));
+  const T* K = static_cast<const T*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
+  const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
+  float* kt = ws + L.kt_off + (head * L.Tc + j) * d * L.Bc;
+  float* vt = ws + L.vt_off + (head * L.Tc + j) * d * L.Bc;
+  float* kr = ws + L.kr_off + (head * L.k_pad + j0) * L.d_pad;
+  fill_row(0.0f, kt, d * L.Bc);
+  fill_row(0.0f, vt, d * L.Bc);
+  fill_row(0.0f, kr, L.Bc * L.d_pad);
+  for (int64_t t = 0; t < cols; ++t)
+    for (int64_t c = 0; c < d; ++c) {
+      const float kv = to_float(K[t * p.k_strides[2] + c]);
+      kt[c * L.Bc + t] = kv;
+      kr[t * L.d_pad + c] = kv;
+      vt[c * L.Bc + t] = to_float(V[t * p.v_strides[2] + c]);
+    }
+}
+
+// For the row group of query rows [i0, i0 + G) of head h against keys [j0, j0 + n_cols) (n_cols whole
+// vectors, row groups; keys past n_keys, or hidden by the mask, get P = dS = 0):
+//   S = Q_g K_jᵀ, P = exp(S − lse) into `P`;  dP = dO_g V_jᵀ, dS = P ∘ (dP − D) into `dS`.
+void recompute_p_and_ds(const AttentionParams& p, const Layout& L, const float* ws, int64_t head, int64_t kv_tile,
+                        int64_t i0, int64_t j0, int64_t n_keys, int64_t n_cols, float* P, float* dS) {
+  const int64_t d = p.head_dim;
+  const float* Qg = ws + L.qs_off + (head * L.q_pad + i0) * L.d_pad;
+  const float* dOg = ws + L.do_off + (head * L.q_pad + i0) * L.d_pad;
+  const float* KTj = ws + L.kt_off + kv_tile * d * L.Bc;
+  const float* VTj = ws + L.vt_off + kv_tile * d * L.Bc;
+  group_gemm<kQkVecs>(kRowGroup, d, Qg, L.d_pad, 1, KTj, L.Bc, n_cols, P, L.Bc, nullptr);
+  group_gemm<kQkVecs>(kRowGroup, d, dOg, L.d_pad, 1, VTj, L.Bc, n_cols, dS, L.Bc, nullptr);
+  const float* lse = ws + L.lse_off + head * L.q_pad + i0;
+  const float* delta = ws + L.delta_off + head * L.q_pad + i0;
+  for (int64_t r = 0; r < kRowGroup; ++r) {
+    float* pr = P + r * L.Bc;
+    float* dsr = dS + r * L.Bc;
+    const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + r) - j0, 0, n_keys);
+    exp_shifted_sum(pr, lse[r], visible);  // P = exp(S − lse)
+    fill_row(0.0f, pr + visible, n_cols - visible);
+    const Vec D = Vec::broadcast(delta[r]);
+    for (int64_t c = 0; c < n_cols; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
+  }
+}
+
+// Pass 1: dK_j, dV_j for key tile j of kv head kvh, summed over the query heads of its group.
+template <class T>
+void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* ws, int64_t b, int64_t kvh, int64_t j,
+              float* scratch) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t d = p.head_dim, d_pad = L.d_pad, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
+  float *P = scratch + L.s_off, *dS = scratch + L.ds_off, *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
+  const float* ones = scratch + L.ones_off;
+  fill_row(0.0f, dK, L.Bc * d_pad);
+  fill_row(0.0f, dV, L.Bc * d_pad);
+  const int64_t group_size = p.num_heads / p.num_kv_heads, kv_tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
+
+  // Query rows before first_row see no key of this tile (causal): start at its row group.
+  const int64_t first_row = p.is_causal ? std::clamp<int64_t>(j0 - p.causal_offset, 0, p.q_len) : 0;
+  for (int64_t h = kvh * group_size; h < (kvh + 1) * group_size; ++h) {
+    const int64_t head = b * p.num_heads + h;
+    for (int64_t i0 = first_row / kRowGroup * kRowGroup; i0 < p.q_len; i0 += kRowGroup) {
+      const int64_t group_last = std::min(i0 + kRowGroup, p.q_len) - 1;
+      const int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
+      if (n_keys == 0) continue;
+      const int64_t n_cols = round_up(n_keys, kKeyAlign);
+      recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols, P, dS);
+      const float* dOg = ws + L.do_off + (head * L.q_pad + i0) * d_pad;
+      const float* Qg = ws + L.qs_off + (head * L.q_pad + i0) * d_pad;
+      // dV_j += Pᵀ dO_g;  dK_j += dSᵀ (scale · Q_g)      (Pᵀ, dSᵀ read transposed: a_row = 1)
+      group_gemm<kPvVecs>(n_cols, kRowGroup, P, 1, L.Bc, dOg, d_pad, d_pad, dV, d_pad, ones);
+      group_gemm<kPvVecs>(n_cols, kRowGroup, dS, 1, L.Bc, Qg, d_pad, d_pad, dK, d_pad, ones);
+    }
+  }
+
+  T* dk_out = static_cast<T*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] + j0 * bp.dk_strides[2];
+  T* dv_out = static_cast<T*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] + j0 * bp.dv_strides[2];
+  for (int64_t t = 0; t < cols; ++t)
+    for (int64_t c = 0; c < d; ++c) {
+      dk_out[t * bp.dk_strides[2] + c] = static_cast<T>(dK[t * d_pad + c]);
+      dv_out[t * bp.dv_strides[2] + c] = static_cast<T>(dV[t * d_pad + c]);
+    }
+}
+
+// Pass 2: dQ for query tile [i_begin, i_end) of head h, a row group at a time, over every visible key tile.
+template <class T>
+void query_tile(const AttentionBackwardParams& bp, const Layout& L, const float* ws, int64_t b, int64_t h,
+                int64_t i_begin, int64_t i_end, float* scratch) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t d = p.head_dim, d_pad = L.d_pad, head = b * p.num_heads + h, kvh = kv_head(p, h);
+  float *P = scratch + L.s_off, *dS = scratch + L.ds_off, *dQ = scratch + L.dq_off;
+  const float* ones = scratch + L.ones_off;
+  for (int64_t i0 = i_begin; i0 < i_end; i0 += kRowGroup) {
+    fill_row(0.0f, dQ, kRowGroup * d_pad);
+    const int64_t rows = std::min<int64_t>(kRowGroup, p.q_len - i0);
+    const int64_t keys_seen = visible_keys(p, i0 + rows - 1);
+    for (int64_t j = 0, j0 = 0; j0 < keys_seen; ++j, j0 += L.Bc) {
+      const int64_t n_keys = std::min(L.Bc, keys_seen - j0);
+      const int64_t n_cols = round_up(n_keys, kKeyAlign);
+      const int64_t kv_tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
+      recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols, P, dS);
+      // dQ_g += dS K_j   (scale applied once below)
+      const float* Kj = ws + L.kr_off + ((b * p.num_kv_heads + kvh) * L.k_pad + j0) * d_pad;
+      group_gemm<kPvVecs>(kRowGroup, n_keys, dS, L.Bc, 1, Kj, d_pad, d_pad, dQ, d_pad, ones);
+    }
+    T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i0 * bp.dq_strides[2];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < d; ++c) dq_out[r * bp.dq_strides[2] + c] = static_cast<T>(p.scale * dQ[r * d_pad + c]);
+  }
+}
+
+template <class T>
+void run(const AttentionBackwardParams& bp, float* ws) {
+  const AttentionParams& p = bp.fwd;
+  const Layout L(bp);
+  float* thread_scratch = ws + L.shared;
+  const int64_t n_query_rows = p.batch * p.num_heads * L.q_pad;
+  const int64_t n_key_tiles = p.batch * p.num_kv_heads * L.Tc;
+  const int64_t n_query_tiles = p.batch * p.num_heads * L.Tr;
+
+#pragma omp parallel num_threads(p.num_threads)
+  {
+    float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
+    fill_row(1.0f, scratch + L.ones_off, std::max<int64_t>(L.Bc, kRowGroup));
+
+    // 0. Pack the operands once, all threads together.
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < n_query_rows; ++t)
+      pack_query_row<T>(bp, L, ws, t / (p.num_heads * L.q_pad), (t / L.q_pad) % p.num_heads, t % L.q_pad);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_key_tiles; ++t)
+      pack_key_tile<T>(bp, L, ws, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc);
+    // (implicit barrier)
+
+    // 1. dK, dV: one task per key tile. Causal: early key tiles meet the most query rows, so go first.
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t t = 0; t < n_key_tiles; ++t)
+      key_tile<T>(bp, L, ws, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc, scratch);
+
+    // 2. dQ: one task per query tile; the costliest (last, under a causal mask) first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_query_tiles; ++t) {
+      const int64_t i = L.Tr - 1 - t % L.Tr, h = (t / L.Tr) % p.num_heads, b = t / (L.Tr * p.num_heads);
+      query_tile<T>(bp, L, ws, b, h, i * L.Br, std::min((i + 1) * L.Br, p.q_len), scratch);
+    }
+  }
+}
+
+}  // namespace flash_backward
+
+int64_t flash_backward_workspace_floats(const AttentionBackwardParams& bp) {
+  const flash_backward::Layout L(bp);
+  return L.shared + bp.fwd.num_threads * L.per_thread;
+}
+
+void flash_attention_backward(const AttentionBackwardParams& bp, float* workspace) {
+  switch (bp.fwd.dtype) {
+    case DType::f32: flash_backward::run<float>(bp, workspace); break;
+    case DType::bf16: flash_backward::run<c10::BFloat16>(bp, workspace); break;
+    case DType::f16: flash_backward::run<c10::Half>(bp, workspace); break;
+  }
+}
+
+}  // namespace CS149_ISA
+}  // namespace cs149gpt
