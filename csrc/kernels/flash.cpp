@@ -212,16 +212,27 @@ void run(const AttentionParams& p, float* workspace) {
 
 }  // namespace flash
 
+// A handful of query rows (decoding with a KV cache) go to flash-decoding (flash_decode.cpp), which splits
+// the keys across threads instead of the queries.
 int64_t flash_workspace_floats(const AttentionParams& p) {
+  if (flash_decode::applies(p)) return flash_decode::workspace_floats(p);
   const flash::Layout L(p);
   return L.kt_size + L.v_size + p.num_threads * L.per_thread;
 }
 
+template <class T>
+void flash_dispatch(const AttentionParams& p, float* workspace) {
+  if (flash_decode::applies(p))
+    flash_decode::run<T>(p, workspace);
+  else
+    flash::run<T>(p, workspace);
+}
+
 void flash_attention(const AttentionParams& p, float* workspace) {
   switch (p.dtype) {
-    case DType::f32: flash::run<float>(p, workspace); break;
-    case DType::bf16: flash::run<c10::BFloat16>(p, workspace); break;
-    case DType::f16: flash::run<c10::Half>(p, workspace); break;
+    case DType::f32: flash_dispatch<float>(p, workspace); break;
+    case DType::bf16: flash_dispatch<c10::BFloat16>(p, workspace); break;
+    case DType::f16: flash_dispatch<c10::Half>(p, workspace); break;
   }
 }
 
