@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Generation speed of the shipped GPT with our attention against PyTorch SDPA, prefill and decode apart.
+
+For each context length N (the models shakes128, shakes1024, shakes2048) and thread count:
+
+    prefill  one forward of an N-token prompt into an empty KV cache: N queries, causal    -> N / time
+    decode   the last D of the N tokens, one forward each against the cache: 1 query vs ~N keys -> D / time
+
+with the model's attention SDPA (part0), flash (part4) and, by default, fused (part3). Everything else in the
+model is the same PyTorch code, so the ratio ×SDPA is what the attention kernel buys end to end. Medians of
+--repeats measurements, taken in rounds that alternate the order of the implementations.
+
+    python benchmarks/bench_generate.py                          # contexts 128,1024,2048; threads 1,all
+    python benchmarks/bench_generate.py --contexts 2048 --threads all --impls flash --repeats 3
+    python benchmarks/bench_generate.py --agreement 2000         # also: how often a part samples another token
+
+--agreement N writes N tokens with SDPA from a fixed seed, then replays them through each part (same prompt,
+same random numbers) and reports, per decoding step, the largest |logit difference| from SDPA and whether the
+sampled token would flip; then lets each part write freely and reports where its text first differs.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+import cs149gpt  # noqa: E402
+from cs149gpt.model import GPT, load_pretrained, sample_next  # noqa: E402
+
+MODEL_FOR_CONTEXT = {128: "shakes128", 256: "shakes256", 1024: "shakes1024", 2048: "shakes2048"}
+
+
+def time_prefill(model: GPT, prompt: torch.Tensor) -> float:
+    caches = model.new_kv_caches(prompt.size(0))
+    start = time.perf_counter()
+    model(prompt, kv_caches=caches)
+    return time.perf_counter() - start
+
+
+def time_decode(model: GPT, tokens: torch.Tensor, decode: int) -> float:
+    """Seconds to decode the last `decode` of tokens (1, N) one at a time, after prefilling the rest (untimed)."""
+    caches = model.new_kv_caches(tokens.size(0))
+    model(tokens[:, :-decode], kv_caches=caches)
+    start = time.perf_counter()
+    for t in range(tokens.size(1) - decode, tokens.size(1)):
+        model(tokens[:, t:t + 1], kv_caches=caches)
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def bench(contexts: List[int], threads: List[int], impls: List[str], decode: int, repeats: int) -> List[Dict]:
+    rows = []
+    for n in contexts:
+        model, vocab = load_pretrained(MODEL_FOR_CONTEXT[n])
+        tokens = torch.randint(len(vocab), (1, n), generator=torch.Generator().manual_seed(0))
+        for t in threads:
+            torch.set_num_threads(t)
+            for phase in ("prefill", "decode"):
+                seconds = {impl: [] for impl in impls}
+                order = list(impls)
+                for _ in range(repeats + 1):  # the first round warms up: caches, pages, OpenMP's threads
+                    for impl in order:
+                        model.set_attention(impl)
+                        s = time_prefill(model, tokens) if phase == "prefill" else time_decode(model, tokens, decode)
+                        seconds[impl].append(s)
+                    order.reverse()
+                count = n if phase == "prefill" else decode
+                rate = {impl: count / statistics.median(s[1:]) for impl, s in seconds.items()}
+                rows.append(dict(context=n, threads=t, phase=phase, rate=rate))
+                print(f"  context {n:>4}, {t} thread(s), {phase:<7}: " +
+                      ", ".join(f"{impl} {r:,.0f} tok/s" for impl, r in rate.items()), file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown_table(rows: List[Dict], impls: List[str], decode: int) -> str:
+    ours = [i for i in impls if i != "sdpa"]
+    header = ["context", "threads", "phase", "SDPA tok/s"] + [c for i in ours for c in (f"{i} tok/s", f"{i} ×SDPA")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+    for r in rows:
+        cells = [str(r["context"]), str(r["threads"]),
+                 r["phase"] if r["phase"] == "prefill" else f"decode ({decode})", f"{r['rate']['sdpa']:,.0f}"]
+        for i in ours:
+            cells += [f"{r['rate'][i]:,.0f}", f"{r['rate'][i] / r['rate']['sdpa']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def agreement(model_name: str, tokens: int, seed: int = 0) -> str:
+    """How far each part's logits stray from SDPA's along one generation, and whether a sampled token flips."""
+    model, vocab = load_pretrained(model_name)
+    prompt = torch.tensor([vocab.encode("\n")])
+
+    def replay(impl: str, written: List[int]):
+        """Per step: logits of every part along SDPA's text, and the token each would sample with SDPA's draw."""
+        model.set_attention(impl)
+        caches = model.new_kv_caches(1)
+        generator = torch.Generator().manual_seed(seed)
+        logits, _ = model(prompt, kv_caches=caches)
+        steps = []
+        for t in range(tokens):
+            last = logits[:, -1, :]
+            steps.append((last, int(sample_next(last, generator=generator))))
+            if t + 1 < tokens:
+                logits, _ = model(torch.tensor([[written[t]]]), kv_caches=caches)
+        return steps
+
+    def free_run(impl: str) -> List[int]:
+        model.set_attention(impl)
+        return [int(t) for t in model.generate(prompt, tokens, generator=torch.Generator().manual_seed(seed))]
+
+    assert tokens < model.config.block_size, "replay keeps every token in the cache: stay inside the context"
+    written = free_run("sdpa")
+    reference = replay("sdpa", written)
+    lines = [f"{model_name}, seed {seed}, {tokens} tokens (temperature 1): each part against SDPA",
+             "| part | max \\|Δlogit\\| | median per-step max | steps where the token flips | text first differs at |",
+             "|---|---:|---:|---:|---:|"]
+    for impl in cs149gpt.IMPLS:
+        steps = replay(impl, written)
+        per_step = torch.tensor([(ours - ref).abs().max().item() for (ours, _), (ref, _) in zip(steps, reference)])
+        flips = sum(a != b for (_, a), (_, b) in zip(steps, reference))
+        own = free_run(impl)
+        differs = next((i for i, (a, b) in enumerate(zip(own, written)) if a != b), None)
+        lines.append(f"| {impl} | {per_step.max().item():.2e} | {per_step.median().item():.2e} | {flips} / {tokens} | "
+                     f"{'never' if differs is None else differs} |")
+    return "\n".join(lines)
+
+
+def parse_list(text: str, all_value: int) -> List[int]:
+    return [all_value if x == "all" else int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="128,1024,2048", help="comma-separated, of 128,256,1024,2048")
+    parser.add_argument("--threads", default="1,all", help="comma-separated thread counts; all = every core")
+    parser.add_argument("--impls", default="flash,fused", help=f"ours, comma-separated, of {','.join(cs149gpt.IMPLS)}")
+    parser.add_argument("--decode", type=int, default=64, help="decoded tokens per measurement (default 64)")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements per cell, median taken (default 5)")
+    parser.add_argument("--agreement", type=int, default=0, metavar="N",
+                        help="also compare each part's sampling with SDPA's over N tokens of shakes2048")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    unknown = [c for c in contexts if c not in MODEL_FOR_CONTEXT]
+    if unknown:
+        parser.error(f"no model for context {unknown}; choose from {sorted(MODEL_FOR_CONTEXT)}")
+    threads = parse_list(args.threads, torch.get_num_threads())
+    impls = ["sdpa"] + args.impls.split(",")
+
+    print(f"cs149gpt {cs149gpt.isa()}, torch {torch.__version__}, {torch.get_num_threads()} cores", file=sys.stderr)
+    rows = bench(contexts, threads, impls, args.decode, args.repeats)
+    print(f"\nGeneration tokens/s, median of {args.repeats}; prefill: the whole N-token prompt in one forward; "
+          f"decode: the last {args.decode} tokens of N, one forward each against the KV cache.\n")
+    print(markdown_table(rows, impls, args.decode))
+    if args.agreement:
+        print()
+        print(agreement("shakes2048", args.agreement))
+
+
+if __name__ == "__main__":
+    main()
