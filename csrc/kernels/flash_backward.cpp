@@ -14,9 +14,11 @@
 //   pass 1, one task per (batch, kv head, key tile j): dK_j and dV_j over every query row of every query
 //           head of the group (GQA: the group's heads are summed here, no atomics);
 //   pass 2, one task per (batch, head, query tile i): dQ_i over every key tile.
-// Before them, all threads pack the operands once: Q pre-scaled, dO and D per query row; Kᵀ and Vᵀ per key
-// tile (the right operand of S = Q Kᵀ and dP = dO Vᵀ), K by rows (of dQ = dS K). Products go through the
-// forward's micro-kernel (flash_common.h); Pᵀ and dSᵀ are read transposed in place.
+// Pass 1 works on the transposed tiles — Sᵀ = K_j Qᵀ, dPᵀ = V_j dOᵀ, keys as rows — so that its products
+// dV_j += Pᵀ dO and dK_j += dSᵀ Q run along a long chunk of query rows, and lse and D come as vectors.
+// Before the passes, all threads pack the operands once: per query row Q·scale, dO, D, lse, and Qᵀ, dOᵀ;
+// per key tile K and V by rows and Kᵀ, Vᵀ. Every product goes through the forward's micro-kernel
+// (flash_common.h).
 #include "flash_common.h"
 
 #include <algorithm>
@@ -33,13 +35,15 @@ using namespace flash;
 constexpr int64_t kKeyAlign = kRowGroup / std::gcd(kRowGroup, W) * W;  // lcm(kRowGroup, W)
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
 constexpr int64_t kDefaultBlockK = 4 * kRowGroup;
+constexpr int64_t kQueryChunk = 2 * kKeyAlign;  // query rows per step of pass 1
 
 struct Layout {
-  int64_t Br, Bc, Tr, Tc, q_pad, k_pad, d_pad, n_tiles_k;
-  // shared, packed once: Q·scale, dO (q_pad × d_pad per head), D and lse (q_pad per head);
-  // Kᵀ and Vᵀ tiles (d × Bc each); K rows (k_pad × d_pad per kv head)
-  int64_t qs_off, do_off, delta_off, lse_off, kt_off, vt_off, kr_off, shared;
-  // per thread: S/P and dP/dS for one row group × one key tile; dK_j, dV_j; dQ for one row group; ones
+  int64_t Br, Bc, Tr, Tc, q_pad, k_pad, d_pad;
+  // shared, packed once: Q·scale and dO by rows (q_pad × d_pad per head) and transposed (d × q_pad), D and
+  // lse (q_pad per head); Kᵀ and Vᵀ tiles (d × Bc each); K and V by rows (k_pad × d_pad per kv head)
+  int64_t qs_off, do_off, qt_off, dot_off, delta_off, lse_off, kt_off, vt_off, kr_off, vr_off, shared;
+  // per thread: S/P and dP/dS for one row group × one key tile (pass 2) or one key tile × one chunk of
+  // kQueryChunk query rows (pass 1, transposed); dK_j, dV_j; dQ for one row group; a row of ones
   int64_t s_off, ds_off, dk_off, dv_off, dq_off, ones_off, per_thread;
 
   explicit Layout(const AttentionBackwardParams& bp) {
@@ -55,21 +59,25 @@ struct Layout {
     Bc = std::min(Bc, round_up(p.kv_len, kKeyAlign));
     Tr = (p.q_len + Br - 1) / Br;
     Tc = (p.kv_len + Bc - 1) / Bc;
-    q_pad = round_up(p.q_len, kRowGroup);
+    q_pad = round_up(p.q_len, kKeyAlign);  // whole row groups (pass 2) and whole vectors (pass 1)
     k_pad = Tc * Bc;
     d_pad = round_up(p.head_dim, W);
     const int64_t q_heads = p.batch * p.num_heads, kv_heads = p.batch * p.num_kv_heads;
     qs_off = 0;
     do_off = qs_off + q_heads * q_pad * d_pad;
-    delta_off = do_off + q_heads * q_pad * d_pad;
+    qt_off = do_off + q_heads * q_pad * d_pad;
+    dot_off = qt_off + q_heads * p.head_dim * q_pad;
+    delta_off = dot_off + q_heads * p.head_dim * q_pad;
     lse_off = delta_off + q_heads * q_pad;
     kt_off = lse_off + q_heads * q_pad;
     vt_off = kt_off + kv_heads * Tc * p.head_dim * Bc;
     kr_off = vt_off + kv_heads * Tc * p.head_dim * Bc;
-    shared = round_up(kr_off + kv_heads * k_pad * d_pad, 16);
+    vr_off = kr_off + kv_heads * k_pad * d_pad;
+    shared = round_up(vr_off + kv_heads * k_pad * d_pad, 16);
+    const int64_t tile = std::max(kRowGroup * Bc, Bc * kQueryChunk);
     s_off = 0;
-    ds_off = s_off + kRowGroup * Bc;
-    dk_off = ds_off + kRowGroup * Bc;
+    ds_off = s_off + tile;
+    dk_off = ds_off + tile;
     dv_off = dk_off + Bc * d_pad;
     dq_off = dv_off + Bc * d_pad;
     ones_off = dq_off + kRowGroup * d_pad;
@@ -85,6 +93,8 @@ void pack_query_row(const AttentionBackwardParams& bp, const Layout& L, float* w
   const int64_t d = p.head_dim, head = b * p.num_heads + h;
   float* qs = ws + L.qs_off + (head * L.q_pad + i) * L.d_pad;
   float* dO = ws + L.do_off + (head * L.q_pad + i) * L.d_pad;
+  float* qt = ws + L.qt_off + head * d * L.q_pad + i;   // column i of Qᵀ, rows q_pad apart
+  float* dot = ws + L.dot_off + head * d * L.q_pad + i;
   fill_row(0.0f, qs, L.d_pad);
   fill_row(0.0f, dO, L.d_pad);
   float delta = 0.0f, lse = 0.0f;
@@ -99,11 +109,15 @@ void pack_query_row(const AttentionBackwardParams& bp, const Layout& L, float* w
     }
     lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
   }
+  for (int64_t c = 0; c < d; ++c) {
+    qt[c * L.q_pad] = qs[c];
+    dot[c * L.q_pad] = dO[c];
+  }
   ws[L.delta_off + head * L.q_pad + i] = delta;
   ws[L.lse_off + head * L.q_pad + i] = lse;
 }
 
-// Packs key tile j of kv head kvh: Kᵀ and Vᵀ (d × Bc, zero past the keys), K rows (Bc × d_pad).
+// Packs key tile j of kv head kvh: Kᵀ and Vᵀ (d × Bc, zero past the keys), K and V rows (Bc × d_pad).
 template <class T>
 void pack_key_tile(const AttentionBackwardParams& bp, const Layout& L, float* ws, int64_t b, int64_t kvh, int64_t j) {
   const AttentionParams& p = bp.fwd;
@@ -114,15 +128,16 @@ void pack_key_tile(const AttentionBackwardParams& bp, const Layout& L, float* ws
   float* kt = ws + L.kt_off + (head * L.Tc + j) * d * L.Bc;
   float* vt = ws + L.vt_off + (head * L.Tc + j) * d * L.Bc;
   float* kr = ws + L.kr_off + (head * L.k_pad + j0) * L.d_pad;
+  float* vr = ws + L.vr_off + (head * L.k_pad + j0) * L.d_pad;
   fill_row(0.0f, kt, d * L.Bc);
   fill_row(0.0f, vt, d * L.Bc);
   fill_row(0.0f, kr, L.Bc * L.d_pad);
+  fill_row(0.0f, vr, L.Bc * L.d_pad);
   for (int64_t t = 0; t < cols; ++t)
     for (int64_t c = 0; c < d; ++c) {
-      const float kv = to_float(K[t * p.k_strides[2] + c]);
-      kt[c * L.Bc + t] = kv;
-      kr[t * L.d_pad + c] = kv;
-      vt[c * L.Bc + t] = to_float(V[t * p.v_strides[2] + c]);
+      const float k_tc = to_float(K[t * p.k_strides[2] + c]), v_tc = to_float(V[t * p.v_strides[2] + c]);
+      kt[c * L.Bc + t] = kr[t * L.d_pad + c] = k_tc;
+      vt[c * L.Bc + t] = vr[t * L.d_pad + c] = v_tc;
     }
 }
 
@@ -151,33 +166,56 @@ void recompute_p_and_ds(const AttentionParams& p, const Layout& L, const float* 
   }
 }
 
-// Pass 1: dK_j, dV_j for key tile j of kv head kvh, summed over the query heads of its group.
+// Pass 1: dK_j, dV_j for key tile j of kv head kvh, summed over the query heads of its group. Transposed:
+// for a chunk of query rows [c0, c0 + n_q),
+//   Sᵀ = K_j (scale·Q)ᵀ,  Pᵀ = exp(Sᵀ − lse),  dPᵀ = V_j dOᵀ,  dSᵀ = Pᵀ ∘ (dPᵀ − D)   (Bc × n_q; lse, D per column)
+//   dV_j += Pᵀ dO,  dK_j += dSᵀ (scale·Q)                                             (long k loop: n_q)
 template <class T>
 void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* ws, int64_t b, int64_t kvh, int64_t j,
               float* scratch) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
-  float *P = scratch + L.s_off, *dS = scratch + L.ds_off, *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
+  float *PT = scratch + L.s_off, *dST = scratch + L.ds_off, *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
   const float* ones = scratch + L.ones_off;
   fill_row(0.0f, dK, L.Bc * d_pad);
   fill_row(0.0f, dV, L.Bc * d_pad);
-  const int64_t group_size = p.num_heads / p.num_kv_heads, kv_tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
+  const int64_t group_size = p.num_heads / p.num_kv_heads, kv = b * p.num_kv_heads + kvh;
+  const float* Kj = ws + L.kr_off + (kv * L.k_pad + j0) * d_pad;
+  const float* Vj = ws + L.vr_off + (kv * L.k_pad + j0) * d_pad;
+  const int64_t rows = round_up(cols, kRowGroup);  // key rows computed (padding keys are zero)
 
-  // Query rows before first_row see no key of this tile (causal): start at its row group.
+  // Query rows before first_row see no key of this tile (causal); chunks start on whole vectors.
   const int64_t first_row = p.is_causal ? std::clamp<int64_t>(j0 - p.causal_offset, 0, p.q_len) : 0;
   for (int64_t h = kvh * group_size; h < (kvh + 1) * group_size; ++h) {
     const int64_t head = b * p.num_heads + h;
-    for (int64_t i0 = first_row / kRowGroup * kRowGroup; i0 < p.q_len; i0 += kRowGroup) {
-      const int64_t group_last = std::min(i0 + kRowGroup, p.q_len) - 1;
-      const int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
-      if (n_keys == 0) continue;
-      const int64_t n_cols = round_up(n_keys, kKeyAlign);
-      recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols, P, dS);
-      const float* dOg = ws + L.do_off + (head * L.q_pad + i0) * d_pad;
-      const float* Qg = ws + L.qs_off + (head * L.q_pad + i0) * d_pad;
-      // dV_j += Pᵀ dO_g;  dK_j += dSᵀ (scale · Q_g)      (Pᵀ, dSᵀ read transposed: a_row = 1)
-      group_gemm<kPvVecs>(n_cols, kRowGroup, P, 1, L.Bc, dOg, d_pad, d_pad, dV, d_pad, ones);
-      group_gemm<kPvVecs>(n_cols, kRowGroup, dS, 1, L.Bc, Qg, d_pad, d_pad, dK, d_pad, ones);
+    const float* lse = ws + L.lse_off + head * L.q_pad;
+    const float* delta = ws + L.delta_off + head * L.q_pad;
+    for (int64_t c0 = first_row / W * W; c0 < p.q_len; c0 += kQueryChunk) {
+      const int64_t n_q = std::min(kQueryChunk, L.q_pad - c0);  // whole vectors: q_pad is
+      const float* QT = ws + L.qt_off + head * d * L.q_pad + c0;
+      const float* dOT = ws + L.dot_off + head * d * L.q_pad + c0;
+      group_gemm<kQkVecs>(rows, d, Kj, d_pad, 1, QT, L.q_pad, n_q, PT, kQueryChunk, nullptr);
+      group_gemm<kQkVecs>(rows, d, Vj, d_pad, 1, dOT, L.q_pad, n_q, dST, kQueryChunk, nullptr);
+      for (int64_t t = 0; t < rows; ++t) {
+        float* pt = PT + t * kQueryChunk;
+        float* dst = dST + t * kQueryChunk;
+        // Key j0 + t is visible to query i when i >= j0 + t − causal_offset: a prefix of the chunk is masked.
+        const int64_t masked = t >= cols ? n_q
+                               : p.is_causal ? std::clamp<int64_t>(j0 + t - p.causal_offset - c0, 0, n_q) : 0;
+        const int64_t start = masked / W * W;
+        for (int64_t c = start; c < n_q; c += W) {
+          const Vec P = exp(Vec::load(pt + c) - Vec::load(lse + c0 + c));
+          const Vec dS = P * (Vec::load(dst + c) - Vec::load(delta + c0 + c));
+          P.store(pt + c);
+          dS.store(dst + c);
+        }
+        fill_row(0.0f, pt, masked);
+        fill_row(0.0f, dst, masked);
+      }
+      const float* dOc = ws + L.do_off + (head * L.q_pad + c0) * d_pad;
+      const float* Qc = ws + L.qs_off + (head * L.q_pad + c0) * d_pad;
+      group_gemm<kPvVecs>(rows, n_q, PT, kQueryChunk, 1, dOc, d_pad, d_pad, dV, d_pad, ones);
+      group_gemm<kPvVecs>(rows, n_q, dST, kQueryChunk, 1, Qc, d_pad, d_pad, dK, d_pad, ones);
     }
   }
 
@@ -229,7 +267,7 @@ void run(const AttentionBackwardParams& bp, float* ws) {
 #pragma omp parallel num_threads(p.num_threads)
   {
     float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
-    fill_row(1.0f, scratch + L.ones_off, std::max<int64_t>(L.Bc, kRowGroup));
+    fill_row(1.0f, scratch + L.ones_off, std::max<int64_t>(L.Bc, kRowGroup));  // α = 1: accumulate
 
     // 0. Pack the operands once, all threads together.
 #pragma omp for schedule(static) nowait
