@@ -93,10 +93,13 @@ def scaled_dot_product_attention(
     torch.nn.functional.scaled_dot_product_attention itself, so this is a drop-in replacement: same results,
     same errors, ours faster where it applies. `uses_our_kernel(...)` tells which path a call takes.
     """
+    if not isinstance(is_causal, bool):  # as torch: our attention's "bottom_right" is not SDPA's to accept
+        raise TypeError(f"scaled_dot_product_attention(): argument 'is_causal' must be bool, not "
+                        f"{type(is_causal).__name__}")
     if not uses_our_kernel(query, key, value, attn_mask, dropout_p, enable_gqa):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    return attention(query, key, value, impl="flash", scale=scale, is_causal=bool(is_causal))
+    return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal)
 
 
 def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, enable_gqa=False) -> bool:
@@ -150,6 +153,14 @@ def _flash_backward(ctx, dout, _dlse):
     return dq, dk, dv, None, None, None, None
 
 
+def _not_differentiable(what: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{what} is not differentiable: only cs149gpt.attention(impl='flash') "
+                           "(torch.ops.cs149gpt.flash_attention) has a backward pass")
+
+    return backward
+
+
 def _register_python_parts() -> None:
     lib = "cs149gpt::"
 
@@ -166,3 +177,7 @@ def _register_python_parts() -> None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)
+    # Gradients that would otherwise be silently missing (None) or zero raise instead.
+    torch.library.register_autograd(lib + "attention", _not_differentiable("torch.ops.cs149gpt.attention"))
+    torch.library.register_autograd(lib + "flash_attention_backward", _not_differentiable(
+        "the flash backward itself (a double backward)"))
