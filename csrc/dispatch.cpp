@@ -20,7 +20,12 @@ const KernelTable* table_named(const std::string& isa) {
 }
 
 const KernelTable* checked_table(const std::string& isa, const char* origin) {
-  const KernelTable* table = table_named(isa);
+  const KernelTable* table = nullptr;
+  try {
+    table = table_named(isa);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(origin) + ": " + e.what());
+  }
   if (!cpu_supports(isa.c_str()))
     throw std::invalid_argument(std::string(origin) + " asks for ISA '" + isa + "', which this CPU does not support");
   return table;
