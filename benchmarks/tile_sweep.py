@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Sweeps the tile sizes of one kernel: how the defaults in csrc/ were chosen.
+
+    python benchmarks/tile_sweep.py --impl flash --block-q 24,48,96,192 --block-k 64,128,256,512
+    python benchmarks/tile_sweep.py --impl blocked --block-q 16,32,64,128,256
+
+Prints GFLOP/s per (shape, block_q, block_k), best first per shape, and the kernel's own default
+(block_q = block_k = None) for comparison. Times are the best of --repeats calls.
+"""
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cs149gpt  # noqa: E402
+
+
+def best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--impl", choices=("blocked", "flash"), default="flash")
+    parser.add_argument("--shapes", nargs="+", default=["1,4,1024,32", "1,12,1024,64", "1,16,1024,128"],
+                        metavar="B,H,N,d")
+    parser.add_argument("--block-q", default="24,48,96,192")
+    parser.add_argument("--block-k", default="64,128,256,512", help="ignored by blocked (one tile size)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    block_qs = [int(x) for x in args.block_q.split(",")]
+    block_ks = [int(x) for x in args.block_k.split(",")] if args.impl == "flash" else [None]
+    print(f"# {args.impl}, {args.threads} threads, isa {cs149gpt.isa()}, causal={args.causal}")
+    for text in args.shapes:
+        B, H, N, d = (int(x) for x in text.split(","))
+        q, k, v = (torch.randn(B, H, N, d) for _ in range(3))
+        flops = 4 * B * H * N * N * d * (0.5 if args.causal else 1.0)
+        results = []
+        for bq, bk in [(None, None)] + [(bq, bk) for bq in block_qs for bk in block_ks]:
+            t = best_time(lambda: cs149gpt.attention(q, k, v, impl=args.impl, is_causal=args.causal,
+                                                     block_q=bq, block_k=bk), args.repeats)
+            results.append((flops / t * 1e-9, bq, bk))
+        default = results[0][0]
+        print(f"{text}: default {default:.0f} GFLOP/s; best: " + ", ".join(
+            f"{g:.0f}@{bq}x{bk}" if bk else f"{g:.0f}@{bq}" for g, bq, bk in sorted(results[1:], reverse=True)[:6]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
