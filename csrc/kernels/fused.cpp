@@ -3,7 +3,7 @@
 // For each query row i of each (batch, head), independently and in parallel:
 //   s_j = scale · q_i · k_j            (a row of kv_len scores, in this thread's scratch)
 //   p   = softmax(s)
-//   o_i = Σ_j p_j · v_j
+//   o_i = Σ_j p_j · v_j                (o_i held in registers over all j)
 // The N×N matrix never exists: the workspace is one row per thread, O(threads · kv_len).
 #include "../attention.h"
 #include "simd.h"
@@ -37,8 +37,7 @@ void fused_attention(const AttentionParams& p, float* workspace) {
 
       for (int64_t j = 0; j < visible; ++j) s[j] = p.scale * dot(q, K + j * ks, d);
       softmax_row(s, visible);
-      fill_row(0.0f, o, d);
-      for (int64_t j = 0; j < visible; ++j) axpy(s[j], V + j * vs, o, d);
+      weighted_row_sum(s, V, vs, visible, o, d);
     }
   }
 }

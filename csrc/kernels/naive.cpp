@@ -38,9 +38,7 @@ void naive_attention(const AttentionParams& p, float* S) {
         fill_row(0.0f, s_row + visible, n_k - visible);
 
         // O[i, :] = Σ_j P[i, j] · v_j
-        float* o = O + i * os;
-        fill_row(0.0f, o, d);
-        for (int64_t j = 0; j < n_k; ++j) axpy(s_row[j], V + j * vs, o, d);
+        weighted_row_sum(s_row, V, vs, n_k, O + i * os, d);
       }
     }
   }

@@ -254,6 +254,41 @@ inline float exp_shifted_sum(float* x, float shift, int64_t n) {
   return reduce_add(sum);
 }
 
+// o[c] = Σ_{j<n} w[j] · V[j·ldv + c]   for c < d, overwriting o.
+// o is held in registers (up to 4 vectors at a time) across the whole j loop, where an axpy per row of V
+// would load and store it n times.
+inline void weighted_row_sum(const float* w, const float* V, int64_t ldv, int64_t n, float* o, int64_t d) {
+  constexpr int W = Vec::width, NV = 4;
+  for (int64_t c0 = 0; c0 < d; c0 += NV * W) {
+    const int64_t width = d - c0 < NV * W ? d - c0 : NV * W;
+    Vec acc[NV] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+    if (width == NV * W) {
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec wj = Vec::broadcast(w[j]);
+        const float* v = V + j * ldv + c0;
+        for (int k = 0; k < NV; ++k) acc[k] = fmadd(wj, Vec::load(v + k * W), acc[k]);
+      }
+      for (int k = 0; k < NV; ++k) acc[k].store(o + c0 + k * W);
+    } else {  // the last columns: partial vectors
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec wj = Vec::broadcast(w[j]);
+        const float* v = V + j * ldv + c0;
+        for (int k = 0; k * W < width; ++k) {
+          const int64_t m = width - k * W;  // columns left from this vector on
+          acc[k] = fmadd(wj, m >= W ? Vec::load(v + k * W) : Vec::load_partial(v + k * W, m), acc[k]);
+        }
+      }
+      for (int k = 0; k * W < width; ++k) {
+        const int64_t m = width - k * W;
+        if (m >= W)
+          acc[k].store(o + c0 + k * W);
+        else
+          acc[k].store_partial(o + c0 + k * W, m);
+      }
+    }
+  }
+}
+
 // x[c] = exp(x[c])
 inline void exp_row(float* x, int64_t n) {
   constexpr int W = Vec::width;
