@@ -331,13 +331,6 @@ def test_large_logits_monotone(isa, impl):
 # ---------------------------------------------------------------------------------------------------------
 # Threads: torch.set_num_threads controls the kernels; results do not depend on the thread count
 # ---------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("impl", cs149gpt.IMPLS)
 def test_one_and_two_threads_bitwise_equal(isa, impl, restore_threads):
     g = gen(11)

@@ -369,13 +369,6 @@ def test_fully_masked_rows(isa, dtype):
 # ---------------------------------------------------------------------------------------------------------
 # Determinism
 # ---------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads):
     """dq, dk, dv are torch.equal for 1, 2 and 3 threads (including GQA, where dk/dv sum over a group of query
     heads, and tiles that give several tasks per thread), and for two runs on the same thread count."""

@@ -505,13 +505,6 @@ def test_strided_inputs(isa, dtype):
 # ---------------------------------------------------------------------------------------------------------
 # Threads
 # ---------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_thread_count_does_not_change_bits(isa, dtype, restore_threads):
     """torch.equal results for 1, 2 and 3 threads, with several query tiles and tasks per thread. The default
