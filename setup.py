@@ -11,6 +11,7 @@ setup(
     version="0.1.0",
     description="CPU attention kernels for PyTorch: naive, blocked, fused and flash",
     packages=["cs149gpt"],
+    package_data={"cs149gpt": ["models/*.pt", "models/README.md"]},
     ext_modules=[
         CppExtension(
             "cs149gpt._C",

@@ -6,6 +6,8 @@
     python cs149gpt/gpt149.py part4 -br 64 -bc 128    flash, with a Br x Bc tile (default: the kernel's own)
     python cs149gpt/gpt149.py 4Daccess                fourDimRead / twoDimRead against tensor indexing
     python cs149gpt/gpt149.py all                     part0..part4, then one summary table
+    python cs149gpt/gpt149.py part4 --inference       a shipped GPT writes Shakespeare through flash attention,
+                                                      then its tokens/s against PyTorch SDPA (-m list: the models)
 
 Shape: -N (sequence length), -d (head dim), -B (batch), -H (heads); defaults 1024, 32, 1, 4 as upstream.
 --threads sets torch.set_num_threads, which the kernels' OpenMP loops obey; --causal adds the causal mask.
@@ -304,6 +306,97 @@ def shape_line(cfg: Config) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# --inference: a GPT that writes through the part's attention
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Generation:
+    text: str
+    prefill_s: float  # the prompt's forward, to the first sampled token
+    decode_s: float  # the other tokens, one forward each against the KV cache
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.prefill_s + self.decode_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (self.tokens - 1) / self.decode_s if self.tokens > 1 else float("nan")
+
+
+def timed_generation(model, vocab, prompt: str, tokens: int, seed: int, stream: bool = False) -> Generation:
+    """tokens characters after prompt, sampled with a generator seeded by seed; printed as they come if stream."""
+    idx = torch.tensor([vocab.encode(prompt)], dtype=torch.long)  # (1, T)
+    generator = torch.Generator().manual_seed(seed)
+    pieces = []
+    start = time.perf_counter()
+    first = None
+    for token in model.generate(idx, tokens, generator=generator):
+        first = first or time.perf_counter()
+        pieces.append(vocab.decode(token.tolist()))
+        if stream:
+            print(pieces[-1], end="", flush=True)
+    end = time.perf_counter()
+    return Generation("".join(pieces), prefill_s=first - start, decode_s=end - first, tokens=tokens)
+
+
+def list_models(file=None) -> None:
+    from cs149gpt.model import PRETRAINED
+
+    file = file or sys.stdout
+    print("models (-m NAME):", file=file)
+    for name, entry in PRETRAINED.items():
+        print(f"  {name:<11} context {entry.block_size:>4}: {entry.description}", file=file)
+
+
+def run_inference(part: Part, model_name: str, prompt: str, tokens: int, seed: int, repeats: int) -> int:
+    """Streams a sample written through part's attention, then times it against PyTorch SDPA in this run."""
+    from cs149gpt.model import PRETRAINED, load_pretrained
+
+    if model_name not in PRETRAINED:
+        print(f"gpt149.py: no model {model_name!r}", file=sys.stderr)
+        list_models(sys.stderr)
+        return 2
+    model, vocab = load_pretrained(model_name)
+    vocab.encode(prompt)  # a character the model does not know: say so before anything else
+    impl = part.impl or "sdpa"
+    attention = "PyTorch SDPA" if part.impl is None else f"cs149gpt {part.impl}"
+    print(f"Running inference using model {model_name}: {model.num_params() / 1e6:.2f}M parameters, "
+          f"context {model.config.block_size} characters; attention: {part.name} ({attention}); seed {seed}; "
+          f"threads={torch.get_num_threads()}\n")
+    print("-" * 20)
+    print(prompt, end="")
+    ours = timed_generation(model.set_attention(impl), vocab, prompt, tokens, seed, stream=True)
+    print("\n" + "-" * 20 + "\n")
+
+    # Time both attentions on the same generation, interleaved so that a busy moment of the machine hits both.
+    runs = {impl: [], "sdpa": []}
+    for _ in range(repeats):
+        for name in runs:
+            runs[name].append(timed_generation(model.set_attention(name), vocab, prompt, tokens, seed))
+    print(f"{tokens} tokens after a {len(prompt)}-character prompt, median of {repeats} generations "
+          f"(prefill: the prompt's forward; decode: one token at a time against the KV cache)")
+    rows = [(f"{part.name} {attention}", runs[impl])]
+    if impl != "sdpa":
+        rows.append(("part0 PyTorch SDPA", runs["sdpa"]))
+    width = max(len(label) for label, _ in rows)
+    print(f"{'attention':<{width}}  {'prefill ms':>10}  {'decode tokens/s':>15}  {'tokens/s':>9}")
+    tokens_per_s = []
+    for label, gens in rows:
+        tokens_per_s.append(statistics.median(g.tokens_per_s for g in gens))
+        print(f"{label:<{width}}  {statistics.median(g.prefill_s for g in gens) * 1e3:>10.2f}  "
+              f"{statistics.median(g.decode_tokens_per_s for g in gens):>15.1f}  {tokens_per_s[-1]:>9.1f}")
+    if impl != "sdpa":
+        print(f"{part.impl} / SDPA: {tokens_per_s[0] / tokens_per_s[1]:.2f}x tokens/s")
+        sdpa_text = runs["sdpa"][0].text
+        same = next((i for i, (a, b) in enumerate(zip(ours.text, sdpa_text)) if a != b), None)
+        print("the same seed with PyTorch SDPA writes " + ("the same text" if same is None else
+              f"different text from character {same} on: a near-tie of the logits, which agree to float32 "
+              f"rounding, fell on the other side of the sampled number"))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
 COMMANDS = [*PARTS, "4Daccess", "all"]
@@ -316,6 +409,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
     return value
 
 
@@ -357,7 +460,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="unprofiled calls after the profiled one, whose median time is reported (default 5)")
     parser.add_argument("--inference", action="store_true",
-                        help="generate text with the cs149gpt model (not implemented yet)")
+                        help="generate text with a shipped GPT through the part's attention, streamed as it is "
+                             "sampled, then compare its tokens/s with PyTorch SDPA")
+    parser.add_argument("-m", "--model", default="shakes128",
+                        help="--inference: the model, shakes128/256/1024/2048 by context length; -m list lists them "
+                             "(default shakes128)")
+    parser.add_argument("--prompt", default="\n", help="--inference: the text to continue (default a newline)")
+    parser.add_argument("--tokens", type=positive_int, default=500,
+                        help="--inference: characters to generate (default 500)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="--inference: seeds the sampling; the same seed and model write the same text (default 0)")
     return parser
 
 
@@ -372,9 +484,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.inference:
-        print("gpt149.py: --inference (text generation with the cs149gpt model) is not implemented yet; "
-              "it arrives in a later issue", file=sys.stderr)
-        return 2
+        if args.model == "list":
+            list_models()
+            return 0
+        if args.command not in PARTS:
+            parser.error(f"--inference runs one part: choose one of {', '.join(PARTS)}")
+        if not args.prompt:
+            parser.error("--prompt: give at least one character to continue")
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        try:
+            return run_inference(PARTS[args.command], args.model, args.prompt, args.tokens, args.seed, args.repeats)
+        except (RuntimeError, ValueError) as e:  # a prompt character the model does not know, a failed build
+            print(f"gpt149.py: error: {e}", file=sys.stderr)
+            return 1
     if args.command is None:
         parser.error(f"choose what to run: {', '.join(COMMANDS)}")
 

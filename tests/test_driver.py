@@ -60,10 +60,42 @@ def test_4d_access_script():
     assert "twoDimRead == tensor indexing True" in result.stdout
 
 
-def test_inference_is_refused_clearly():
-    result = run_script("part4", "--inference")
-    assert result.returncode == 2
-    assert "not implemented yet" in result.stderr
+INFERENCE = ["--inference", "--tokens", "40", "--repeats", "1", "--threads", "1"]
+
+
+def test_inference_streams_text_then_compares_with_sdpa():
+    result = run_script("part4", *INFERENCE, "-m", "shakes256", "--prompt", "ROMEO:", "--seed", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "Running inference using model shakes256" in out and "attention: part4 (cs149gpt flash)" in out
+    sample = out.split("-" * 20)[1]
+    assert sample.startswith("\nROMEO:") and len(sample.strip()) > len("ROMEO:")
+    assert "part4 cs149gpt flash" in out and "part0 PyTorch SDPA" in out and "flash / SDPA:" in out
+    assert "tokens/s" in out
+
+
+@pytest.mark.parametrize("part", ["part0", "part3"])
+def test_inference_is_the_same_text_for_a_seed(part, capsys):
+    def sample():
+        assert gpt149.main([part, *INFERENCE, "--seed", "5"]) == 0
+        return capsys.readouterr().out.split("-" * 20)[1]
+
+    first = sample()
+    assert first == sample() and first.strip()
+
+
+def test_inference_lists_the_models(capsys):
+    assert gpt149.main(["part4", "--inference", "-m", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("shakes128", "shakes256", "shakes1024", "shakes2048"))
+    assert gpt149.main(["part4", "--inference", "-m", "shakes99"]) == 2
+    err = capsys.readouterr().err
+    assert "no model 'shakes99'" in err and "shakes2048" in err
+
+
+def test_inference_refuses_unknown_characters(capsys):
+    assert gpt149.main(["part4", *INFERENCE, "--prompt", "#"]) == 1
+    assert "not in the model's vocabulary: '#'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("part", ["part0", "part1", "part2", "part3", "part4"])
@@ -111,6 +143,8 @@ def test_a_wrong_kernel_fails_with_the_error_and_exit_code_1(monkeypatch, capsys
     (["part9"], "invalid choice: 'part9'"),
     ([], "choose what to run"),
     (["part1", "-N", "100000000"], "more than this machine's"),
+    (["all", "--inference"], "--inference runs one part"),
+    (["part4", "--inference", "--tokens", "0"], "argument --tokens: expected a positive integer, got 0"),
 ])
 def test_usage_errors_are_argparse_messages(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
