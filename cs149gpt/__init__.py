@@ -5,7 +5,7 @@
 
 The entry points of Stanford CS149's assignment 4 (myNaiveAttention, myUnfusedAttentionBlocked,
 myFusedAttention, myFlashAttention, twoDimRead, fourDimRead) are re-exported here from the compiled module,
-which is loaded (and, from a fresh checkout, compiled) on first use.
+which is loaded when the package is imported (and, from a fresh checkout, compiled then, once).
 """
 from cs149gpt.ops import IMPLS, attention, isa, scaled_dot_product_attention, uses_our_kernel
 

@@ -195,3 +195,8 @@ def _register_python_parts() -> None:
     torch.library.register_autograd(lib + "attention", _not_differentiable("torch.ops.cs149gpt.attention"))
     torch.library.register_autograd(lib + "flash_attention_backward", _not_differentiable(
         "the flash backward itself (a double backward)"))
+
+
+# Loaded when the package is imported (compiled then, the first time): code that torch.compile traces must not be
+# the first to call into the extension, since loading it cannot happen inside a traced graph.
+_load()

@@ -12,7 +12,11 @@ flash_attention_backward. Each main gradient test runs on every ISA (the `isa` f
 Inputs come from fixed seeds. Loops collect every mismatch and report them all at once.
 """
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -746,3 +750,21 @@ def test_sdpa_is_causal_must_be_bool_like_torch():
         F.scaled_dot_product_attention(q, k, v, is_causal="bottom_right")
     with pytest.raises(TypeError):
         cs149gpt.scaled_dot_product_attention(q, k, v, is_causal="bottom_right")
+
+
+def test_compile_fullgraph_as_the_first_call_in_a_fresh_process():
+    """Inference code compiled before any eager call: loading the kernels must not happen inside the trace."""
+    code = (
+        "import torch, cs149gpt\n"
+        "q = torch.randn(1, 2, 9, 8)\n"
+        "f = torch.compile(lambda q: cs149gpt.attention(q, q, q, is_causal=True), fullgraph=True)\n"
+        "with torch.no_grad():\n"
+        "    out = f(q)\n"
+        "ref = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double(), is_causal=True)\n"
+        "print((out.double() - ref).abs().max().item())\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) < 1e-5
