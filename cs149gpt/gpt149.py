@@ -402,24 +402,23 @@ def run_inference(part: Part, model_name: str, prompt: str, tokens: int, seed: i
 COMMANDS = [*PARTS, "4Daccess", "all"]
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def int_at_least(minimum: int, what: str):
+    """An argparse type: an integer >= minimum, else an error saying what was expected."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
+positive_int = int_at_least(1, "positive")
+non_negative_int = int_at_least(0, "non-negative")
 
 
 def finite_float(text: str) -> float:

@@ -81,3 +81,11 @@ def isa(request):
         yield name
     finally:
         m.set_isa(original)
+
+
+def visible_mask(n_q, n_k, is_causal):
+    """Bool (n_q, n_k): query i sees key j. None when nothing is masked."""
+    if is_causal is False:
+        return None
+    offset = 0 if is_causal in (True, "top_left") else n_k - n_q  # bottom_right: j <= i + Nk − Nq
+    return torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + offset

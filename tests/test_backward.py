@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import gen, isa, randn  # noqa: F401  (isa: fixture)
+from tests._helpers import gen, isa, randn, visible_mask  # noqa: F401  (isa: fixture)
 
 # Max abs error of float32 out/dq/dk/dv against float64 autograd, for unit-scale (randn) q, k, v and dout
 # and the default scale (grad_tol() widens it for sharper explicit scales). Measured on every ISA over the
@@ -51,14 +51,6 @@ CAUSAL_MODES = [False, True, "bottom_right"]
 # The reference: softmax(scale · q kᵀ, masked) v in float64, differentiable by torch's autograd. A query row
 # that sees no key gets out = 0 (the kernel's documented behaviour), hence zero gradient through that row.
 # ---------------------------------------------------------------------------------------------------------
-def visible_mask(n_q, n_k, is_causal):
-    """Bool (n_q, n_k): query i sees key j. None when nothing is masked."""
-    if is_causal is False:
-        return None
-    offset = 0 if is_causal in (True, "top_left") else n_k - n_q  # bottom_right: j <= i + Nk − Nq
-    return torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + offset
-
-
 def ref_forward(q, k, v, scale=None, is_causal=False):
     """float64 q, k, v (..., N, d), GQA on dim -3 (repeat_interleave, so autograd sums dk/dv per group)."""
     if scale is None:

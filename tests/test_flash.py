@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import TOL, gen, isa, module, randn, reference  # noqa: F401  (isa: fixture)
+from tests._helpers import TOL, gen, isa, module, randn, reference, visible_mask  # noqa: F401  (isa: fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,14 +54,6 @@ CAUSAL_MODES = [False, True, "top_left", "bottom_right"]
 # The reference: (out, lse) in float64 with either causal alignment; a row that sees no key gets out 0 and
 # lse −inf (the kernel's documented behaviour).
 # ---------------------------------------------------------------------------------------------------------
-def visible_mask(n_q, n_k, is_causal):
-    """Bool (n_q, n_k): query i sees key j. None when nothing is masked."""
-    if is_causal is False:
-        return None
-    offset = 0 if is_causal in (True, "top_left") else n_k - n_q  # bottom_right: j <= i + Nk − Nq
-    return torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + offset
-
-
 def ref_attention(q, k, v, scale=None, is_causal=False):
     q, k, v = q.double(), k.double(), v.double()
     if scale is None:
