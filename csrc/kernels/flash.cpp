@@ -35,8 +35,9 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
 
-// Defaults, measured with benchmarks/bench_attention.py (README): a query tile of 4 row groups; key tiles
-// of 128 keys keep K_jᵀ and V_j (2 · 128 · d floats) in L2 next to the query tile.
+// Defaults, from tile sweeps (benchmarks/tile_sweep.py) on the 2-core dev box, where query tiles of 24–192 rows
+// and key tiles of 64–512 keys came within ~10 % of each other: a query tile of 4 row groups; key tiles of 128
+// keys keep K_jᵀ and V_j (2 · 128 · d floats) in L2 next to the query tile.
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
 constexpr int64_t kDefaultBlockK = 128;
 
