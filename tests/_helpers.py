@@ -89,3 +89,15 @@ def visible_mask(n_q, n_k, is_causal):
         return None
     offset = 0 if is_causal in (True, "top_left") else n_k - n_q  # bottom_right: j <= i + Nk − Nq
     return torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + offset
+
+
+def scaled_scores(q, k, v, scale=None):
+    """(scale · q kᵀ, v) with GQA expanded by repeat_interleave on dim -3 (autograd then sums dk/dv per group);
+    scale None means 1/sqrt(d). The references build their softmax on this."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    return (q @ k.transpose(-1, -2)) * scale, v

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import gen, isa, randn, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import gen, isa, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
 
 # Max abs error of float32 out/dq/dk/dv against float64 autograd, for unit-scale (randn) q, k, v and dout
 # and the default scale (grad_tol() widens it for sharper explicit scales). Measured on every ISA over the
@@ -53,13 +53,7 @@ CAUSAL_MODES = [False, True, "bottom_right"]
 # ---------------------------------------------------------------------------------------------------------
 def ref_forward(q, k, v, scale=None, is_causal=False):
     """float64 q, k, v (..., N, d), GQA on dim -3 (repeat_interleave, so autograd sums dk/dv per group)."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
-        group = q.shape[-3] // k.shape[-3]
-        k = k.repeat_interleave(group, dim=-3)
-        v = v.repeat_interleave(group, dim=-3)
-    s = (q @ k.transpose(-1, -2)) * scale
+    s, v = scaled_scores(q, k, v, scale)
     mask = visible_mask(q.shape[-2], k.shape[-2], is_causal)
     if mask is None:
         return torch.softmax(s, dim=-1) @ v

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import TOL, gen, isa, module, randn, reference, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import TOL, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,13 +56,7 @@ CAUSAL_MODES = [False, True, "top_left", "bottom_right"]
 # ---------------------------------------------------------------------------------------------------------
 def ref_attention(q, k, v, scale=None, is_causal=False):
     q, k, v = q.double(), k.double(), v.double()
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
-        group = q.shape[-3] // k.shape[-3]
-        k = k.repeat_interleave(group, dim=-3)
-        v = v.repeat_interleave(group, dim=-3)
-    s = (q @ k.transpose(-1, -2)) * scale
+    s, v = scaled_scores(q, k, v, scale)
     mask = visible_mask(q.shape[-2], k.shape[-2], is_causal)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
