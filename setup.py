@@ -2,9 +2,28 @@
 import runpy
 
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 build = runpy.run_path("cs149gpt/_build.py")
+
+# The CUDA kernels only where torch has CUDA and nvcc is found; elsewhere the CPU extension, unchanged.
+if build["cuda_build_wanted"](torch.version.cuda, CUDA_HOME):
+    extension = CUDAExtension(
+        "cs149gpt._C",
+        build["SOURCES"] + build["CUDA_SOURCES"],
+        extra_compile_args={"cxx": build["CXX_FLAGS"], "nvcc": build["NVCC_FLAGS"]},
+        extra_link_args=build["LD_FLAGS"],
+        depends=build["HEADERS"],
+    )
+else:
+    extension = CppExtension(
+        "cs149gpt._C",
+        build["SOURCES"],
+        extra_compile_args=build["CXX_FLAGS"],
+        extra_link_args=build["LD_FLAGS"],
+        depends=build["HEADERS"],
+    )
 
 setup(
     name="cs149gpt",
@@ -12,15 +31,7 @@ setup(
     description="CPU attention kernels for PyTorch: naive, blocked, fused and flash",
     packages=["cs149gpt"],
     package_data={"cs149gpt": ["models/*.pt", "models/README.md"]},
-    ext_modules=[
-        CppExtension(
-            "cs149gpt._C",
-            build["SOURCES"],
-            extra_compile_args=build["CXX_FLAGS"],
-            extra_link_args=build["LD_FLAGS"],
-            depends=build["HEADERS"],
-        )
-    ],
+    ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension},
     install_requires=["torch>=2.4"],
     python_requires=">=3.9",

@@ -1,7 +1,8 @@
-"""The one list of C++ sources and flags, shared by setup.py (pip install) and the JIT build (_ext.py).
+"""The one list of C++ (and CUDA) sources and flags, shared by setup.py (pip install) and the JIT build (_ext.py).
 
 Plain Python with no imports beyond the standard library, so setup.py can read it before the package exists.
 """
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,8 +20,32 @@ SOURCES = [
 CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 LD_FLAGS = ["-fopenmp"]
 
+# The CUDA kernels (csrc/cuda/), built in only where torch has CUDA and nvcc is found (_ext.py, setup.py decide);
+# elsewhere the build is the CPU one above, unchanged. The .cu files include no torch header (so
+# tests/test_cuda_compile.py compile-checks them with a bare nvcc); flash_api.cpp alone touches Tensors.
+CUDA_KERNEL_SOURCES = [
+    "csrc/cuda/flash_teaching.cu",
+    "csrc/cuda/flash_dispatch.cu",
+    "csrc/cuda/flash_fwd_hdim64.cu",
+    "csrc/cuda/flash_fwd_hdim128.cu",
+    "csrc/cuda/flash_bwd_hdim64.cu",
+    "csrc/cuda/flash_bwd_hdim128.cu",
+]
+CUDA_SOURCES = ["csrc/cuda/flash_api.cpp"] + CUDA_KERNEL_SOURCES
+
+# sm_80 (Ampere: mma.sync, ldmatrix, cp.async) and sm_90a (Hopper). CS149GPT_CUDA_ARCHS="90a" (say) builds one
+# only, which halves the build time on a known GPU.
+CUDA_ARCHS = os.environ.get("CS149GPT_CUDA_ARCHS", "80;90a").split(";")
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"] + [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
+
+
+def cuda_build_wanted(torch_cuda_version, cuda_home) -> bool:
+    """Whether to build the CUDA kernels: torch was built with CUDA, nvcc is there, and CS149GPT_NO_CUDA is unset."""
+    return bool(torch_cuda_version) and bool(cuda_home) and not os.environ.get("CS149GPT_NO_CUDA")
+
+
 # Headers the sources include: a change to one of them must rebuild the JIT module too.
-HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".inc"}) + [
+HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".inc", ".cuh"}) + [
     "csrc/kernels/naive.cpp",
     "csrc/kernels/blocked.cpp",
     "csrc/kernels/fused.cpp",

@@ -11,25 +11,42 @@ from cs149gpt import _build
 _module = None
 
 
+def _with_cuda() -> bool:
+    """Whether this build carries the CUDA kernels: only where torch has CUDA and nvcc is found."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return _build.cuda_build_wanted(torch.version.cuda, CUDA_HOME)
+
+
+def _sources() -> list:
+    return _build.SOURCES + (_build.CUDA_SOURCES if _with_cuda() else [])
+
+
 def _newest_source_mtime() -> float:
-    return max(os.path.getmtime(_build.ROOT / f) for f in _build.SOURCES + _build.HEADERS)
+    return max(os.path.getmtime(_build.ROOT / f) for f in _sources() + _build.HEADERS)
 
 
 def _jit_build():
     from torch.utils.cpp_extension import load
 
+    with_cuda = _with_cuda()
     build_dir = _build.ROOT / "build" / f"jit-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+    if with_cuda:
+        build_dir = build_dir.with_name(build_dir.name + "-cuda")
     build_dir.mkdir(parents=True, exist_ok=True)
     built = build_dir / "cs149gpt_C.so"
     if not built.exists() or built.stat().st_mtime < _newest_source_mtime():
-        print(f"cs149gpt: compiling the C++ kernels into {build_dir.relative_to(_build.ROOT)} (once, about a minute)",
-              file=sys.stderr, flush=True)
+        what = "C++ and CUDA" if with_cuda else "C++"
+        print(f"cs149gpt: compiling the {what} kernels into {build_dir.relative_to(_build.ROOT)} (once, a minute or "
+              "more)", file=sys.stderr, flush=True)
     return load(
         name="cs149gpt_C",
-        sources=[str(_build.ROOT / s) for s in _build.SOURCES],
+        sources=[str(_build.ROOT / s) for s in _sources()],
         extra_cflags=_build.CXX_FLAGS,
+        extra_cuda_cflags=_build.NVCC_FLAGS if with_cuda else None,
         extra_ldflags=_build.LD_FLAGS,
         build_directory=str(build_dir),
+        with_cuda=with_cuda,
         verbose=False,
     )
 

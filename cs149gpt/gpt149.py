@@ -6,6 +6,9 @@
     python cs149gpt/gpt149.py part4 -br 64 -bc 128    flash, with a Br x Bc tile (default: the kernel's own)
     python cs149gpt/gpt149.py 4Daccess                fourDimRead / twoDimRead against tensor indexing
     python cs149gpt/gpt149.py all                     part0..part4, then one summary table
+    python cs149gpt/gpt149.py part4 --device cuda     flash on the GPU (float32: the teaching kernel; --dtype bfloat16
+                                                      or float16: FlashAttention-2 on tensor cores), checked against
+                                                      PyTorch SDPA on the GPU, timed with CUDA events
     python cs149gpt/gpt149.py part4 --inference       a shipped GPT writes Shakespeare through flash attention,
                                                       then its tokens/s against PyTorch SDPA (-m list: the models)
 
@@ -305,6 +308,38 @@ def shape_line(cfg: Config) -> str:
             f"threads={torch.get_num_threads()}, SIMD={cs149gpt.isa()}")
 
 
+def run_part4_cuda(cfg: Config, dtype: torch.dtype, repeats: int) -> bool:
+    """part4 on the GPU: cs149gpt.attention (csrc/cuda/) against PyTorch SDPA on the same device and inputs."""
+    print(f"\nRunning Part 4 Test: Flash Attention on {torch.cuda.get_device_name()} ({str(dtype)[6:]})\n")
+    Q, K, V = (t.to("cuda", dtype) for t in make_qkv(cfg))
+    ref = torch.nn.functional.scaled_dot_product_attention(Q.float(), K.float(), V.float(), is_causal=cfg.causal,
+                                                           scale=cfg.scale)
+    ours = cs149gpt.attention(Q, K, V, scale=cfg.scale, is_causal=cfg.causal, block_q=cfg.br, block_k=cfg.bc)
+    # float32 runs the teaching kernel in float32; bf16/f16 round P and the output to 16 bits.
+    atol = ATOL if dtype == torch.float32 else (2e-2 if dtype == torch.bfloat16 else 2e-3)
+    max_error = (ours.float() - ref).abs().max().item()
+    passed = bool(max_error <= atol)
+    print(f"manual attention == pytorch attention {passed} (max abs error {max_error:.3g}, atol {atol:g})")
+    times = {}
+    for name, fn in (("PyTorch SDPA", lambda: torch.nn.functional.scaled_dot_product_attention(
+            Q, K, V, is_causal=cfg.causal, scale=cfg.scale)),
+                     ("cs149gpt flash", lambda: cs149gpt.attention(Q, K, V, scale=cfg.scale, is_causal=cfg.causal,
+                                                                   block_q=cfg.br, block_k=cfg.bc))):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        times[name] = statistics.median(samples)
+        print(f"{name:<15} median of {repeats}: {times[name]:.3f} ms, "
+              f"{cfg.flops() / (times[name] * 1e-3) / 1e12:.1f} TFLOP/s")
+    return passed
+
+
 # ---------------------------------------------------------------------------------------------------------
 # --inference: a GPT that writes through the part's attention
 # ---------------------------------------------------------------------------------------------------------
@@ -458,6 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="multiplies Q·K before the softmax (default 1, the assignment's math)")
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="unprofiled calls after the profiled one, whose median time is reported (default 5)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="part4 only: where to run flash (default cpu; cuda needs a GPU and a CUDA build)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="--device cuda: the inputs' dtype (float32: the teaching kernel; default float32)")
     parser.add_argument("--inference", action="store_true",
                         help="generate text with a shipped GPT through the part's attention, streamed as it is "
                              "sampled, then compare its tokens/s with PyTorch SDPA")
@@ -502,6 +541,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     cfg = Config(B=args.B, H=args.H, N=args.N, d=args.d, scale=args.scale, causal=args.causal, br=args.br,
                  bc=args.bc)
+    if args.dtype != "float32" and args.device != "cuda":
+        parser.error("--dtype is for --device cuda (the CPU driver checks float32)")
+    if args.device == "cuda":
+        if args.command != "part4":
+            parser.error("--device cuda runs part4 (flash) only: the other parts are CPU kernels")
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA GPU here")
+        try:
+            passed = run_part4_cuda(cfg, getattr(torch, args.dtype), args.repeats)
+        except (RuntimeError, ValueError) as e:
+            print(f"gpt149.py: error: {e}", file=sys.stderr)
+            return 1
+        return 0 if passed else 1
     if args.command != "4Daccess":
         # The reference holds B·H·N² scores and as many probabilities; refuse here rather than be OOM-killed.
         needed = 2 * cfg.B * cfg.H * cfg.N * cfg.N * 4

@@ -102,7 +102,7 @@ def scaled_dot_product_attention(
     """torch.nn.functional.scaled_dot_product_attention, with its signature and meaning, on our flash kernel.
 
     Our kernel runs when it computes exactly what torch would: no attn_mask, dropout_p == 0, CPU tensors of
-    one dtype among float32/bfloat16/float16, k and v with q's head dim, and equal head counts unless
+    one dtype among float32/bfloat16/float16 (CUDA tensors: bfloat16/float16 with head dim 64 or 128), k and v with q's head dim, and equal head counts unless
     enable_gqa=True. Anything else (an arbitrary mask, dropout, a GPU tensor, ...) falls back to
     torch.nn.functional.scaled_dot_product_attention itself, so this is a drop-in replacement: same results,
     same errors, ours faster where it applies. `uses_our_kernel(...)` tells which path a call takes.
@@ -121,7 +121,13 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, enable_gqa
     tensors = (query, key, value)
     if attn_mask is not None or dropout_p != 0.0:
         return False
-    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() >= 3 for t in tensors):
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in tensors):
+        return False
+    if not all(t.device == query.device for t in tensors) or query.device.type not in ("cpu", "cuda"):
+        return False
+    # On the GPU: the tensor-core kernels (bfloat16/float16, d 64 or 128); float32 there is the teaching kernel,
+    # slower than torch's, so torch keeps it.
+    if query.device.type == "cuda" and (query.dtype == torch.float32 or query.shape[-1] not in (64, 128)):
         return False
     if query.dtype not in _FLASH_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return False

@@ -1,0 +1,270 @@
+// The CUDA face of the operators: checks, shape decisions, launches. The only CUDA file that touches a Tensor.
+//
+// The same three operators as csrc/module.cpp (schemas declared there, once), registered for the CUDA
+// dispatch key, so autograd, fake tensors and torch.compile (cs149gpt/ops.py) work unchanged:
+//   attention / flash_attention     impl="flash" only (the other rungs are CPU teaching kernels):
+//       bfloat16, float16 -> FlashAttention-2 on tensor cores (flash_fwd.cuh), head_dim 64 or 128, sm_80+;
+//       float32           -> the teaching kernel, one thread per query row (flash_teaching.cu), any head_dim
+//                            whose tiles fit in shared memory; block_q x block_k is its Br x Bc.
+//   flash_attention_backward        bfloat16, float16 (flash_bwd.cuh).
+// The argument checks say the same things, in the same words, as module.cpp's.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "../attention.h"
+#include "flash_cuda.h"
+
+namespace cs149gpt {
+namespace cuda {
+namespace {
+
+constexpr int64_t kTeachingBlockQ = 64, kTeachingBlockK = 32;  // Br (threads per block) x Bc
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "cs149gpt: launching the CUDA ", what, " failed: ", cudaGetErrorString(err));
+}
+
+int device_attribute(cudaDeviceAttr attr, int device) {
+  int value = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&value, attr, device);
+  TORCH_CHECK(err == cudaSuccess, "cs149gpt: cudaDeviceGetAttribute failed: ", cudaGetErrorString(err));
+  return value;
+}
+
+void check_input(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be on the GPU like q, got a tensor on ", t.device());
+  TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on q's device, ", q.device(), "; got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() >= 2, name, " must have shape (..., N, d), at least 2 dims; got shape ", t.sizes());
+}
+
+// (..., N, d) as (batch, heads, N, d), a view where strides allow. The tensor-core kernels copy rows with
+// 16-byte loads: a last dim that is not contiguous, or rows, heads or batches not 16-byte aligned, are the
+// cases where a copy is made.
+at::Tensor as_4d(const at::Tensor& t, bool aligned_rows) {
+  at::Tensor t4;
+  switch (t.dim()) {
+    case 2: t4 = t.unsqueeze(0).unsqueeze(0); break;
+    case 3: t4 = t.unsqueeze(0); break;
+    case 4: t4 = t; break;
+    default: t4 = t.flatten(0, t.dim() - 4);
+  }
+  if (t4.size(3) > 1 && t4.stride(3) != 1) t4 = t4.contiguous();
+  if (aligned_rows) {
+    const int64_t vec = 16 / static_cast<int64_t>(t4.element_size());
+    bool ok = reinterpret_cast<uintptr_t>(t4.data_ptr()) % 16 == 0;
+    for (int i = 0; i < 3; ++i) ok = ok && (t4.size(i) == 1 || t4.stride(i) % vec == 0);
+    if (!ok) t4 = t4.contiguous();
+  }
+  return t4;
+}
+
+void fill_strides(int64_t (&strides)[3], const at::Tensor& t4) {
+  for (int i = 0; i < 3; ++i) strides[i] = t4.stride(i);
+}
+
+struct Prepared {
+  at::Tensor q4, k4, v4;
+  AttentionParams p;
+  bool fast;  // tensor cores (bf16/f16) rather than the teaching kernel (f32)
+};
+
+Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
+                 std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                 std::optional<int64_t> block_k) {
+  TORCH_CHECK_VALUE(impl == "naive" || impl == "blocked" || impl == "fused" || impl == "flash",
+                    "impl must be one of 'naive', 'blocked', 'fused', 'flash'; got '", impl, "'");
+  TORCH_CHECK_VALUE(impl == "flash", "impl='", impl, "' runs on the CPU only; on CUDA tensors use impl='flash' "
+                    "(float32: the one-thread-per-row teaching kernel; bfloat16/float16: FlashAttention-2)");
+  check_input(q, "q", q);
+  check_input(k, "k", q);
+  check_input(v, "v", q);
+  const at::ScalarType st = q.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+                   "q must be float32, bfloat16 or float16, got ", st);
+  TORCH_CHECK_TYPE(k.scalar_type() == st && v.scalar_type() == st, "q, k and v must share one dtype, got q ", st,
+                   ", k ", k.scalar_type(), ", v ", v.scalar_type());
+  TORCH_CHECK_VALUE(k.dim() == q.dim() && v.dim() == q.dim(), "q, k and v must have the same number of dims, got q ",
+                    q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  const int64_t rank = q.dim();
+  const int64_t d = q.size(-1), q_len = q.size(-2), kv_len = k.size(-2);
+  TORCH_CHECK_VALUE(d >= 1, "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sizes());
+  TORCH_CHECK_VALUE(q_len >= 1, "q must have at least one query row (dim -2), got shape ", q.sizes());
+  TORCH_CHECK_VALUE(kv_len >= 1, "k must have at least one key row (dim -2), got shape ", k.sizes());
+  TORCH_CHECK_VALUE(k.size(-1) == d && v.size(-1) == d, "k and v must have head dim d = ", d,
+                    " (the last dim of q), got k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_VALUE(v.size(-2) == kv_len, "k and v must have the same length (dim -2), got k ", k.sizes(), ", v ",
+                    v.sizes());
+  for (int64_t i = 0; i + 3 < rank; ++i)
+    TORCH_CHECK_VALUE(k.size(i) == q.size(i) && v.size(i) == q.size(i), "q, k and v must have the same leading dims, "
+                      "got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  if (rank >= 3) {
+    const int64_t hq = q.size(-3), hkv = k.size(-3);
+    TORCH_CHECK_VALUE(v.size(-3) == hkv, "k and v must have the same number of heads (dim -3), got k ", k.sizes(),
+                      ", v ", v.sizes());
+    TORCH_CHECK_VALUE(hkv >= 1 && hq % hkv == 0, "the heads of q (dim -3) must be a multiple of those of k and v, "
+                      "got q ", q.sizes(), ", k ", k.sizes());
+  }
+  const double scale_value = scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
+  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale_value)), "scale must be a finite float32, got ",
+                    scale_value);
+  if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
+  if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
+
+  const bool fast = st != at::kFloat;
+  const int device = q.device().index();
+  if (fast) {
+    const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
+    TORCH_CHECK_VALUE(fast_path_supports(d), "CUDA flash attention in ", st, " supports head dim d = 64 or 128, "
+                      "got d = ", d, " (float32 runs the teaching kernel, for any d)");
+    TORCH_CHECK(major >= 8, "CUDA flash attention in ", st, " needs a GPU of compute capability 8.0 or newer "
+                "(tensor-core mma.sync, cp.async); this one is ", major, ".x");
+  }
+
+  Prepared prep{as_4d(q, fast), as_4d(k, fast), as_4d(v, fast), {}, fast};
+  AttentionParams& p = prep.p;
+  p.q = prep.q4.data_ptr();
+  p.k = prep.k4.data_ptr();
+  p.v = prep.v4.data_ptr();
+  p.dtype = st == at::kFloat ? DType::f32 : st == at::kBFloat16 ? DType::bf16 : DType::f16;
+  fill_strides(p.q_strides, prep.q4);
+  fill_strides(p.k_strides, prep.k4);
+  fill_strides(p.v_strides, prep.v4);
+  p.batch = prep.q4.size(0);
+  p.num_heads = prep.q4.size(1);
+  p.num_kv_heads = prep.k4.size(1);
+  p.q_len = q_len;
+  p.kv_len = kv_len;
+  p.head_dim = d;
+  p.scale = static_cast<float>(scale_value);
+  p.is_causal = causal != "none";
+  if (causal == "none" || causal == "top_left") p.causal_offset = 0;
+  else if (causal == "bottom_right") p.causal_offset = kv_len - q_len;
+  else TORCH_CHECK_VALUE(false, "causal must be 'none', 'top_left' or 'bottom_right'; got '", causal, "'");
+  TORCH_CHECK_VALUE(p.batch * p.num_heads <= 65535, "CUDA flash attention takes at most 65535 (batch x heads), got ",
+                    p.batch * p.num_heads);
+  if (!fast) {
+    // The teaching kernel: Br threads, each a query row; tiles clamped to the sequences; they must fit in
+    // shared memory.
+    p.block_q = std::min<int64_t>(block_q.value_or(kTeachingBlockQ), std::min<int64_t>(q_len, 1024));
+    p.block_k = std::min<int64_t>(block_k.value_or(kTeachingBlockK), kv_len);
+    const size_t smem_limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (!block_q && !block_k)
+      while (teaching_smem_bytes(p) > smem_limit && p.block_k > 1) p.block_k /= 2;
+    TORCH_CHECK_VALUE(teaching_smem_bytes(p) <= smem_limit, "the float32 teaching kernel's tiles "
+                      "(block_q ", p.block_q, " x block_k ", p.block_k, ", d = ", d, ") need ", teaching_smem_bytes(p),
+                      " bytes of shared memory, more than this GPU's ", smem_limit,
+                      "; pass smaller block_q / block_k");
+  }
+  return prep;
+}
+
+std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const std::string& impl, std::optional<double> scale,
+                                               const std::string& causal, std::optional<int64_t> block_q,
+                                               std::optional<int64_t> block_k, bool want_lse) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  Prepared prep = prepare(q, k, v, impl, scale, causal, block_q, block_k);
+  AttentionParams& p = prep.p;
+  at::Tensor out = at::empty({p.batch, p.num_heads, p.q_len, p.head_dim}, q.options());
+  p.out = out.data_ptr();
+  fill_strides(p.out_strides, out);
+  at::Tensor lse;
+  if (want_lse) {
+    lse = at::empty({p.batch, p.num_heads, p.q_len}, q.options().dtype(at::kFloat));
+    p.lse = lse.data_ptr<float>();
+    p.lse_strides[0] = lse.stride(0);
+    p.lse_strides[1] = lse.stride(1);
+  }
+  if (p.batch * p.num_heads > 0) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    check_launch(prep.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
+                 prep.fast ? "flash forward" : "teaching flash forward");
+  }
+  const auto lead = q.sizes().slice(0, q.dim() - 1);
+  return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};
+}
+
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
+  TORCH_CHECK_VALUE(t.defined() && t.is_cuda() && t.device() == like.device(), name, " must be a tensor on ",
+                    like_name, "'s device, ", like.device());
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", like_name, ", ", like.sizes(),
+                    "; got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", like_name, ", ",
+                   like.scalar_type(), "; got ", t.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
+                     std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                     std::optional<int64_t> block_k) {
+  return std::get<0>(run_forward(q, k, v, impl, scale, causal, block_q, block_k, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   std::optional<double> scale, const std::string& causal,
+                                                   std::optional<int64_t> block_q, std::optional<int64_t> block_k) {
+  return run_forward(q, k, v, "flash", scale, causal, block_q, block_k, true);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+    std::optional<int64_t> block_k) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  Prepared prep = prepare(q, k, v, "flash", scale, causal, block_q, block_k);
+  TORCH_CHECK_TYPE(prep.fast, "the CUDA flash backward takes bfloat16 or float16; float32 on CUDA has the "
+                   "teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
+  check_like(dout, "dout", q, "q");
+  check_like(out, "out", q, "q");
+  TORCH_CHECK_VALUE(lse.defined() && lse.sizes() == q.sizes().slice(0, q.dim() - 1), "lse must have shape ",
+                    q.sizes().slice(0, q.dim() - 1), " (q's without the last dim); got ",
+                    lse.defined() ? lse.sizes() : at::IntArrayRef{});
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK_VALUE(lse.device() == q.device(), "lse must be on q's device, ", q.device(), "; got ", lse.device());
+
+  AttentionBackwardParams bp;
+  bp.fwd = prep.p;
+  const at::Tensor dout4 = as_4d(dout, true), out4 = as_4d(out, true);
+  const at::Tensor lse3 = lse.reshape({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len}).contiguous();
+  bp.fwd.out = out4.data_ptr();
+  fill_strides(bp.fwd.out_strides, out4);
+  bp.fwd.lse = const_cast<float*>(lse3.data_ptr<float>());
+  bp.fwd.lse_strides[0] = lse3.stride(0);
+  bp.fwd.lse_strides[1] = lse3.stride(1);
+  bp.dout = dout4.data_ptr();
+  fill_strides(bp.dout_strides, dout4);
+  at::Tensor dk = at::empty(prep.k4.sizes(), k.options()), dv = at::empty(prep.v4.sizes(), v.options());
+  bp.dk = dk.data_ptr();
+  bp.dv = dv.data_ptr();
+  fill_strides(bp.dk_strides, dk);
+  fill_strides(bp.dv_strides, dv);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = at::zeros({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len, bp.fwd.head_dim}, f32);
+  at::Tensor delta = at::empty({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len}, f32);
+  if (bp.fwd.batch * bp.fwd.num_heads > 0) {
+    check_launch(flash_bwd(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(),
+                           c10::cuda::getCurrentCUDAStream()),
+                 "flash backward");
+  }
+  at::Tensor dq = dq_accum.mul_(bp.fwd.scale).to(q.scalar_type());
+  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
+}
+
+}  // namespace cuda
+}  // namespace cs149gpt
+
+// The schemas are declared once, in csrc/module.cpp; this is the CUDA implementation of the same operators.
+TORCH_LIBRARY_IMPL(cs149gpt, CUDA, m) {
+  m.impl("attention", &cs149gpt::cuda::attention);
+  m.impl("flash_attention", &cs149gpt::cuda::flash_attention);
+  m.impl("flash_attention_backward", &cs149gpt::cuda::flash_attention_backward);
+}

@@ -1,0 +1,292 @@
+// FlashAttention-2 backward on tensor cores (the paper's Algorithm 2; csrc/kernels/flash_backward.cpp on the CPU).
+//
+// From the forward's lse, P is recomputed tile by tile; nothing N x N is ever stored:
+//   D_i  = rowsum(dO_i ∘ O_i)                                      (flash_bwd_delta_kernel)
+//   for each key tile j (one thread block, block_k keys; dK_j, dV_j in registers):
+//     for each query head of j's kv head and each query tile i that sees these keys:
+//       Sᵀ  = K_j Q_iᵀ;   Pᵀ = exp(scale·Sᵀ − lse_i)               (each warp: 16 keys x block_q queries)
+//       dV_j += Pᵀ dO_i
+//       dPᵀ = V_j dO_iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
+//       dK_j += dSᵀ Q_i
+//       dQ_i += dS K_j                                             (float32 atomics: blocks share dQ_i)
+//   dK *= scale (here); dQ = scale·dQ (flash_api.cpp, when it converts dQ to the input dtype).
+// Working on Sᵀ (keys as rows) keeps dK and dV in the C fragments of the warp that owns their rows.
+#pragma once
+
+#include <cmath>
+
+#include "flash_common.cuh"
+#include "kernel_traits.cuh"
+
+namespace cs149gpt {
+namespace cuda {
+
+// D_i = sum_d dO[i, d] O[i, d], one warp per row; rows past q_len are never read.
+template <class T, int kHeadDim>
+__global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* delta) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.batch * p.num_heads * p.q_len) return;
+  const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.num_heads, h = bh % p.num_heads;
+  const T* o = head_ptr(static_cast<const T*>(p.out), p.out_strides, b, h) + i * p.out_strides[2];
+  const T* dout = head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + i * bp.dout_strides[2];
+  float sum = 0.f;
+#pragma unroll
+  for (int c = lane * 2; c < kHeadDim; c += 64) {
+    const float2 a = unpack2<T>(*reinterpret_cast<const uint32_t*>(o + c));
+    const float2 g = unpack2<T>(*reinterpret_cast<const uint32_t*>(dout + c));
+    sum += a.x * g.x + a.y * g.y;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (lane == 0) delta[row] = sum;
+}
+
+// C (16 x kBlockM per warp) = A Bᵀ, A = the warp's 16 rows of sA (K or V), B = the rows of sB (Q or dO):
+// Sᵀ = K Qᵀ and dPᵀ = V dOᵀ.
+template <class Traits>
+__device__ __forceinline__ void gemm_rows_bt(float (&c)[Traits::kBlockM / 8][4], const typename Traits::T* sA,
+                                             const typename Traits::T* sB, int warp, int lane) {
+  using T = typename Traits::T;
+  constexpr int kStrideA = Traits::KVTile::kStride, kStrideB = Traits::QTile::kStride;
+#pragma unroll
+  for (int n = 0; n < Traits::kBlockM / 8; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    uint32_t a[4];
+    ldmatrix_x4(a, sA + (warp * 16 + lane % 16) * kStrideA + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+    for (int nn = 0; nn < Traits::kBlockM / 16; ++nn) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sB + (nn * 16 + (lane % 8) + (lane / 16) * 8) * kStrideB + kk * 16 + ((lane / 8) % 2) * 8);
+      mma_16x8x16<T>(c[2 * nn], a, b[0], b[1]);
+      mma_16x8x16<T>(c[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc (16 x head_dim per warp) += A B, A = the C fragments of Pᵀ or dSᵀ (16 x kBlockM, rounded to T),
+// B = sB (dO or Q, kBlockM x head_dim, row-major): dV += Pᵀ dO and dK += dSᵀ Q.
+template <class Traits>
+__device__ __forceinline__ void gemm_frag_b(float (&acc)[Traits::kHeadDim / 8][4],
+                                            const float (&a_frag)[Traits::kBlockM / 8][4],
+                                            const typename Traits::T* sB, int lane) {
+  using T = typename Traits::T;
+  constexpr int kStride = Traits::QTile::kStride;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
+    const uint32_t a[4] = {pack2<T>(a_frag[2 * kk][0], a_frag[2 * kk][1]),
+                           pack2<T>(a_frag[2 * kk][2], a_frag[2 * kk][3]),
+                           pack2<T>(a_frag[2 * kk + 1][0], a_frag[2 * kk + 1][1]),
+                           pack2<T>(a_frag[2 * kk + 1][2], a_frag[2 * kk + 1][3])};
+#pragma unroll
+    for (int dn = 0; dn < Traits::kHeadDim / 16; ++dn) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride + dn * 16 + (lane / 16) * 8);
+      mma_16x8x16<T>(acc[2 * dn], a, b[0], b[1]);
+      mma_16x8x16<T>(acc[2 * dn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// dQ_i += dS K_j for this warp's slice (16 query rows x kDqCols), 32 columns at a time, added to the
+// float32 dq_accum with atomics. dS is read from sdS, stored transposed (keys x queries).
+template <class Traits>
+__device__ __forceinline__ void accumulate_dq(float* dq_accum, int64_t q_len, int64_t m0, const typename Traits::T* sdS,
+                                              const typename Traits::T* sK, int warp, int lane) {
+  using T = typename Traits::T;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int m_slice = warp % (Traits::kBlockM / 16), col0 = (warp / (Traits::kBlockM / 16)) * Traits::kDqCols;
+#pragma unroll
+  for (int c0 = col0; c0 < col0 + Traits::kDqCols; c0 += 32) {
+    float acc[4][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+      // A = dS (queries x keys) from dSᵀ (keys x queries): transposed loads. Matrices: (queries 0-7, keys 0-7)
+      // (queries 8-15, keys 0-7) (queries 0-7, keys 8-15) (queries 8-15, keys 8-15).
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, sdS + (kk * 16 + (lane % 8) + (lane / 16) * 8) * Traits::DSTile::kStride + m_slice * 16 +
+                               ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int dn = 0; dn < 2; ++dn) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sK + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Traits::KVTile::kStride + c0 +
+                                 dn * 16 + (lane / 16) * 8);
+        mma_16x8x16<T>(acc[2 * dn], a, b[0], b[1]);
+        mma_16x8x16<T>(acc[2 * dn + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = m0 + m_slice * 16 + lane / 4 + r * 8;
+      if (i < q_len) {
+        float* row = dq_accum + i * kHeadDim + c0 + (lane % 4) * 2;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          atomicAdd(row + n * 8, acc[n][2 * r]);
+          atomicAdd(row + n * 8 + 1, acc[n][2 * r + 1]);
+        }
+      }
+    }
+  }
+}
+
+template <class Traits, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_kernel(const AttentionBackwardParams bp, const float* delta, float* dq_accum) {
+  using T = typename Traits::T;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kNThreads = Traits::kNThreads;
+  const AttentionParams& p = bp.fwd;
+  extern __shared__ __align__(16) char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + Traits::KVTile::kElems;
+  T* sQ = sV + Traits::KVTile::kElems;   // [2]
+  T* sdO = sQ + 2 * Traits::QTile::kElems;  // [2]
+  T* sdS = sdO + 2 * Traits::QTile::kElems;
+  float* sLse = reinterpret_cast<float*>(sdS + Traits::DSTile::kElems);  // [2][kBlockM], in exp2 units
+  float* sDelta = sLse + 2 * kBlockM;                                     // [2][kBlockM]
+
+  const int n_block = blockIdx.x;
+  const int64_t b = blockIdx.y / p.num_kv_heads, hk = blockIdx.y % p.num_kv_heads;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t n0 = static_cast<int64_t>(n_block) * kBlockN;
+  const int keys_valid = static_cast<int>(min64(kBlockN, p.kv_len - n0));
+  const float scale_log2 = p.scale * kLog2e;
+
+  // The query tiles that see some key of this block: all, or under the causal mask those with a row
+  // i >= n0 - causal_offset.
+  const int64_t m_tiles_all = (p.q_len + kBlockM - 1) / kBlockM;
+  const int64_t m_first = kIsCausal ? min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM) : 0;
+  const int64_t m_tiles = m_tiles_all - m_first;
+  const int64_t steps = group * m_tiles;  // (query head of the group, query tile) pairs
+
+  const T* k = head_ptr(static_cast<const T*>(p.k), p.k_strides, b, hk) + n0 * p.k_strides[2];
+  const T* v = head_ptr(static_cast<const T*>(p.v), p.v_strides, b, hk) + n0 * p.v_strides[2];
+  copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], keys_valid);
+  copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], keys_valid);
+
+  // Copies step s's Q, dO (asynchronously) and lse, D (plainly) into buffer s % 2.
+  auto load_step = [&](int64_t s) {
+    const int64_t h = hk * group + s / m_tiles, m0 = (m_first + s % m_tiles) * kBlockM;
+    const int buf = static_cast<int>(s % 2);
+    const int rows = static_cast<int>(min64(kBlockM, p.q_len - m0));
+    copy_tile_async<typename Traits::QTile, kNThreads>(
+        sQ + buf * Traits::QTile::kElems, head_ptr(static_cast<const T*>(p.q), p.q_strides, b, h) + m0 * p.q_strides[2],
+        p.q_strides[2], rows);
+    copy_tile_async<typename Traits::QTile, kNThreads>(
+        sdO + buf * Traits::QTile::kElems,
+        head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + m0 * bp.dout_strides[2], bp.dout_strides[2],
+        rows);
+    for (int r = threadIdx.x; r < kBlockM; r += kNThreads) {
+      float lse2 = INFINITY, d = 0.f;  // rows past q_len, and rows that see no key: P = 0
+      if (r < rows) {
+        const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + m0 + r];
+        if (lse != -INFINITY) lse2 = lse * kLog2e;
+        d = delta[(b * p.num_heads + h) * p.q_len + m0 + r];
+      }
+      sLse[buf * kBlockM + r] = lse2;
+      sDelta[buf * kBlockM + r] = d;
+    }
+  };
+  if (steps > 0) load_step(0);
+  cp_async_commit();
+
+  float dk[kD / 8][4], dv[kD / 8][4];
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+
+  for (int64_t s = 0; s < steps; ++s) {
+    cp_async_wait<0>();
+    __syncthreads();  // step s is in buffer s % 2; every warp is done with the other buffer and with sdS
+    if (s + 1 < steps) load_step(s + 1);
+    cp_async_commit();
+    const int64_t h = hk * group + s / m_tiles, m0 = (m_first + s % m_tiles) * kBlockM;
+    const int buf = static_cast<int>(s % 2);
+    const T* sQs = sQ + buf * Traits::QTile::kElems;
+    const T* sdOs = sdO + buf * Traits::QTile::kElems;
+    const float* lse2 = sLse + buf * kBlockM;
+    const float* d_row = sDelta + buf * kBlockM;
+
+    // Pᵀ = exp2(scale·log2e · Sᵀ − lse·log2e), masked keys and queries 0.
+    float pt[kBlockM / 8][4];
+    gemm_rows_bt<Traits>(pt, sK, sQs, warp, lane);
+    const bool needs_mask = n0 + kBlockN > p.kv_len || m0 + kBlockM > p.q_len ||
+                            (kIsCausal && n0 + kBlockN - 1 > m0 + p.causal_offset);
+#pragma unroll
+    for (int n = 0; n < kBlockM / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = n * 8 + (lane % 4) * 2 + (e % 2);  // query within the tile
+        float x = exp2_approx(fmaf(pt[n][e], scale_log2, -lse2[qi]));
+        if (needs_mask) {
+          const int64_t key = n0 + warp * 16 + lane / 4 + (e / 2) * 8, i = m0 + qi;
+          if (!(i < p.q_len && key < p.kv_len && (!kIsCausal || key <= i + p.causal_offset))) x = 0.f;
+        }
+        pt[n][e] = x;
+      }
+
+    gemm_frag_b<Traits>(dv, pt, sdOs, lane);  // dV += Pᵀ dO
+
+    // dSᵀ = Pᵀ ∘ (dPᵀ − D), into dp in place.
+    float dp[kBlockM / 8][4];
+    gemm_rows_bt<Traits>(dp, sV, sdOs, warp, lane);
+#pragma unroll
+    for (int n = 0; n < kBlockM / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[n][e] = pt[n][e] * (dp[n][e] - d_row[n * 8 + (lane % 4) * 2 + (e % 2)]);
+
+    gemm_frag_b<Traits>(dk, dp, sQs, lane);  // dK += dSᵀ Q
+
+    // dSᵀ to shared memory, for dQ = dS K, which needs every warp's keys.
+#pragma unroll
+    for (int n = 0; n < kBlockM / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<uint32_t*>(sdS + (warp * 16 + lane / 4 + r * 8) * Traits::DSTile::kStride + n * 8 +
+                                     (lane % 4) * 2) = pack2<T>(dp[n][2 * r], dp[n][2 * r + 1]);
+    __syncthreads();
+    accumulate_dq<Traits>(dq_accum + (b * p.num_heads + h) * p.q_len * kD, p.q_len, m0, sdS, sK, warp, lane);
+  }
+
+  // dK (scaled) and dV of this block's keys, summed over the group's query heads.
+  T* dk_out = head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, b, hk) + n0 * bp.dk_strides[2];
+  T* dv_out = head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, b, hk) + n0 * bp.dv_strides[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = warp * 16 + lane / 4 + r * 8;
+    if (key < keys_valid) {
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        const int col = n * 8 + (lane % 4) * 2;
+        *reinterpret_cast<uint32_t*>(dk_out + key * bp.dk_strides[2] + col) =
+            pack2<T>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dv_out + key * bp.dv_strides[2] + col) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+      }
+    }
+  }
+}
+
+template <class Traits>
+cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* delta, float* dq_accum, cudaStream_t stream) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t rows = p.batch * p.num_heads * p.q_len;
+  flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
+      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, delta);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN),
+                  static_cast<unsigned>(p.batch * p.num_kv_heads));
+  auto kernel = p.is_causal ? flash_bwd_kernel<Traits, true> : flash_bwd_kernel<Traits, false>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, delta, dq_accum);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace cs149gpt

@@ -1,0 +1,31 @@
+// The CUDA kernels' entry points, as flash_api.cpp calls them: plain params structs in, no Tensor in sight.
+// Each returns the CUDA error of its launches (cudaSuccess when all went well); the caller turns it into an
+// exception. All work is queued on `stream`.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../attention.h"
+
+namespace cs149gpt {
+namespace cuda {
+
+// The teaching rung: one thread per query row, float32, any head_dim whose tiles fit in shared memory
+// (flash_teaching.cu). Uses p.block_q x p.block_k (>= 1) as Br x Bc. Writes out and, if p.lse, lse.
+size_t teaching_smem_bytes(const AttentionParams& p);
+cudaError_t flash_teaching_fwd(const AttentionParams& p, cudaStream_t stream);
+
+// FlashAttention-2 on tensor cores (sm_80+): bfloat16 / float16 in and out, float32 accumulation.
+// head_dim must be one of kFastHeadDims; q, k, v, out rows 16-byte aligned (base pointers and strides
+// multiples of 8 elements). Writes out and, if p.lse, lse.
+constexpr int kFastHeadDims[] = {64, 128};
+inline bool fast_path_supports(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+cudaError_t flash_fwd(const AttentionParams& p, cudaStream_t stream);
+
+// Backward of flash_fwd. `delta` (batch, num_heads, q_len) float32 workspace; `dq_accum` (batch, num_heads,
+// q_len, head_dim) float32, contiguous, zeroed by the caller: dq = scale * dq_accum afterwards (the caller
+// converts). Writes dk, dv (summed over the query heads of each kv head's group, already scaled).
+cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace cs149gpt

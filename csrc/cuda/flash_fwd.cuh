@@ -1,0 +1,220 @@
+// FlashAttention-2 forward on tensor cores: the same loop as csrc/kernels/flash.cpp and the paper's
+// Algorithm 1, for one Br x d block of queries per thread block, with S = Q Kᵀ and O += P V on mma.sync.
+//
+//   for each key tile j (Bc rows), K_j and V_j copied to shared memory while tile j-1 is multiplied:
+//     S    = Q K_jᵀ                                (16 query rows per warp; Q held in registers)
+//     m'   = max(m, rowmax(S));   P = exp(scale·(S − m'))
+//     l    = e^{scale(m − m')} l + rowsum(P);   O = e^{scale(m − m')} O + P V_j;   m = m'
+//   O /= l;   lse = scale·m + log l
+//
+// Everything below is in exp2: scale·log2(e) is folded into one multiply-add per score.
+#pragma once
+
+#include <cmath>
+
+#include "flash_common.cuh"
+#include "kernel_traits.cuh"
+
+namespace cs149gpt {
+namespace cuda {
+
+// S (16 x kBlockN per warp, C fragments) = Q (A fragments in registers) K_jᵀ (K_j rows in shared memory).
+template <class Traits>
+__device__ __forceinline__ void gemm_q_kt(float (&s)[Traits::kBlockN / 8][4],
+                                          const uint32_t (&q_frag)[Traits::kHeadDim / 16][4],
+                                          const typename Traits::T* sK, int lane) {
+  using T = typename Traits::T;
+  constexpr int kStride = Traits::KVTile::kStride;
+#pragma unroll
+  for (int n = 0; n < Traits::kBlockN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+#pragma unroll
+    for (int nn = 0; nn < Traits::kBlockN / 16; ++nn) {
+      // Keys nn*16 .. +15 as two n8 tiles; matrices: (keys 0-7, d 0-7) (keys 0-7, d 8-15) (keys 8-15, ...).
+      uint32_t b[4];
+      ldmatrix_x4(b, sK + (nn * 16 + (lane % 8) + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+      mma_16x8x16<T>(s[2 * nn], q_frag[kk], b[0], b[1]);
+      mma_16x8x16<T>(s[2 * nn + 1], q_frag[kk], b[2], b[3]);
+    }
+  }
+}
+
+// O (16 x head_dim per warp) += P (the C fragments of S, rounded to T) V_j (rows in shared memory).
+template <class Traits>
+__device__ __forceinline__ void gemm_p_v(float (&o)[Traits::kHeadDim / 8][4], const float (&p)[Traits::kBlockN / 8][4],
+                                         const typename Traits::T* sV, int lane) {
+  using T = typename Traits::T;
+  constexpr int kStride = Traits::KVTile::kStride;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    const uint32_t a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                           pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+    for (int dn = 0; dn < Traits::kHeadDim / 16; ++dn) {
+      // V is (key, d) row-major, B needs (k = key, n = d): transposed loads. Matrices: (keys 0-7, d 0-7)
+      // (keys 8-15, d 0-7) (keys 0-7, d 8-15) (keys 8-15, d 8-15).
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sV + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride + dn * 16 + (lane / 16) * 8);
+      mma_16x8x16<T>(o[2 * dn], a, b[0], b[1]);
+      mma_16x8x16<T>(o[2 * dn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Masks keys past the end and, under the causal mask, keys past each row's diagonal: S = -inf there.
+// row0: the thread's first row within the block (its second is row0 + 8); n0: the tile's first key.
+template <class Traits, bool kIsCausal>
+__device__ __forceinline__ void mask_scores(float (&s)[Traits::kBlockN / 8][4], const AttentionParams& p, int64_t m0,
+                                            int row0, int64_t n0, int lane) {
+#pragma unroll
+  for (int n = 0; n < Traits::kBlockN / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t i = m0 + row0 + (e / 2) * 8;
+      const int64_t key = n0 + n * 8 + (lane % 4) * 2 + (e % 2);
+      if (!(key < p.kv_len && (!kIsCausal || key <= i + p.causal_offset))) s[n][e] = -INFINITY;
+    }
+}
+
+// The online-softmax step on one tile of scores, for the thread's rows r = 0 (g) and r = 1 (g + 8):
+//   m' = max(m, rowmax S);  P = exp(scale (S - m'));  l = e^{scale(m - m')} l + rowsum P;  O *= e^{scale(m - m')}
+// In place: S becomes P. m is in raw logits; a row that has seen no key keeps m = -inf and P = 0, no NaN.
+// l is this thread's part of the row sum; the quad's four parts are added once, at the end.
+template <class Traits>
+__device__ __forceinline__ void online_softmax(float (&s)[Traits::kBlockN / 8][4], float (&o)[Traits::kHeadDim / 8][4],
+                                               float (&m)[2], float (&l)[2], float scale_log2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float row_max = m[r];
+#pragma unroll
+    for (int n = 0; n < Traits::kBlockN / 8; ++n) row_max = fmaxf(row_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+    row_max = quad_max(row_max);
+    // The shift in exp2 units; 0 while the row has seen nothing (then every P is exp2(-inf) = 0).
+    const float shift = row_max == -INFINITY ? 0.f : row_max * scale_log2;
+    const float alpha = exp2_approx(m[r] * scale_log2 - shift);  // 0 when m = -inf
+    m[r] = row_max;
+    float row_sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < Traits::kBlockN / 8; ++n) {
+      s[n][2 * r] = exp2_approx(fmaf(s[n][2 * r], scale_log2, -shift));
+      s[n][2 * r + 1] = exp2_approx(fmaf(s[n][2 * r + 1], scale_log2, -shift));
+      row_sum += s[n][2 * r] + s[n][2 * r + 1];
+    }
+    l[r] = l[r] * alpha + row_sum;
+#pragma unroll
+    for (int n = 0; n < Traits::kHeadDim / 8; ++n) {
+      o[n][2 * r] *= alpha;
+      o[n][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+template <class Traits, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const AttentionParams p) {
+  using T = typename Traits::T;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kNThreads = Traits::kNThreads;
+  extern __shared__ __align__(16) char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + Traits::QTile::kElems;  // [2] buffers
+  T* sV = sK + 2 * Traits::KVTile::kElems;
+
+  // The costliest query blocks (the last ones, under a causal mask) first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int64_t b = blockIdx.y / p.num_heads, h = blockIdx.y % p.num_heads;
+  const int64_t hk = h / (p.num_heads / p.num_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
+  const int rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
+
+  const T* q = head_ptr(static_cast<const T*>(p.q), p.q_strides, b, h) + m0 * p.q_strides[2];
+  const T* k = head_ptr(static_cast<const T*>(p.k), p.k_strides, b, hk);
+  const T* v = head_ptr(static_cast<const T*>(p.v), p.v_strides, b, hk);
+  T* out = head_ptr(static_cast<T*>(p.out), p.out_strides, b, h) + m0 * p.out_strides[2];
+
+  // Keys [0, n_end) are visible to some row of this block.
+  int64_t n_end = p.kv_len;
+  if (kIsCausal) n_end = max64(0, min64(p.kv_len, m0 + kBlockM + p.causal_offset));
+  const int n_tiles = static_cast<int>((n_end + kBlockN - 1) / kBlockN);
+
+  // Tr x Tc: this block is one of the Tr; it walks the Tc key tiles.
+  if (n_tiles > 0) {
+    copy_tile_async<typename Traits::QTile, kNThreads>(sQ, q, p.q_strides[2], rows_valid);
+    copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], static_cast<int>(min64(kBlockN, p.kv_len)));
+    copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], static_cast<int>(min64(kBlockN, p.kv_len)));
+    cp_async_commit();
+  }
+
+  const float scale_log2 = p.scale * kLog2e;
+  float o[kD / 8][4];
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  uint32_t q_frag[kD / 16][4];
+  // The thread's two rows within the block: g and g + 8 of its warp's 16.
+  const int row0 = warp * 16 + lane / 4;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile j is in buffer j % 2, and every warp is done with buffer (j + 1) % 2
+    if (j == 0) {
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        ldmatrix_x4(q_frag[kk], sQ + (warp * 16 + lane % 16) * Traits::QTile::kStride + kk * 16 + (lane / 16) * 8);
+    }
+    if (j + 1 < n_tiles) {  // copy tile j + 1 while tile j is multiplied
+      const int64_t n1 = static_cast<int64_t>(j + 1) * kBlockN;
+      const int keys = static_cast<int>(min64(kBlockN, p.kv_len - n1));
+      const int buf = (j + 1) % 2;
+      copy_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k + n1 * p.k_strides[2],
+                                                          p.k_strides[2], keys);
+      copy_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v + n1 * p.v_strides[2],
+                                                          p.v_strides[2], keys);
+      cp_async_commit();
+    }
+    const T* sKj = sK + (j % 2) * Traits::KVTile::kElems;
+    const T* sVj = sV + (j % 2) * Traits::KVTile::kElems;
+
+    float s[kBlockN / 8][4];
+    gemm_q_kt<Traits>(s, q_frag, sKj, lane);
+
+    const int64_t n0 = static_cast<int64_t>(j) * kBlockN;
+    if (n0 + kBlockN > p.kv_len || (kIsCausal && n0 + kBlockN - 1 > m0 + p.causal_offset))
+      mask_scores<Traits, kIsCausal>(s, p, m0, row0, n0, lane);
+    online_softmax<Traits>(s, o, m, l, scale_log2);
+    gemm_p_v<Traits>(o, s, sVj, lane);
+  }
+
+  // O /= l, written in T; lse = scale·m + log l (−inf, and O = 0, for a row that saw no key).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float row_l = quad_sum(l[r]);
+    const float inv_l = row_l > 0.f ? 1.f / row_l : 0.f;
+    const int row = row0 + r * 8;
+    if (row < rows_valid) {
+      T* out_row = out + row * p.out_strides[2];
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n)
+        *reinterpret_cast<uint32_t*>(out_row + n * 8 + (lane % 4) * 2) =
+            pack2<T>(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
+      if (p.lse != nullptr && lane % 4 == 0)
+        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + m0 + row] =
+            row_l > 0.f ? m[r] * p.scale + logf(row_l) : -INFINITY;
+    }
+  }
+}
+
+template <class Traits>
+cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM),
+                  static_cast<unsigned>(p.batch * p.num_heads));
+  auto kernel = p.is_causal ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace cs149gpt
