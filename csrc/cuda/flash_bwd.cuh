@@ -253,6 +253,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     accumulate_dq<Traits>(dq_accum + (b * p.num_heads + h) * p.q_len * kD, p.q_len, m0, sdS, sK, warp, lane);
   }
 
+  cp_async_wait<0>();  // (when no query tile sees these keys, K and V were copied and never waited for)
+
   // dK (scaled) and dV of this block's keys, summed over the group's query heads.
   T* dk_out = head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, b, hk) + n0 * bp.dk_strides[2];
   T* dv_out = head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, b, hk) + n0 * bp.dv_strides[2];
