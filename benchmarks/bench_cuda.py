@@ -139,24 +139,57 @@ def format_row(r):
             f"{r['bwd_vs_fa2']:5.2f} {r['bwd_vs_sdpa']:6.2f} | {r.get('correct', '-')}")
 
 
+def sweep_configs():
+    """Times ours alone under each compiled tile configuration (CS149GPT_FWD_CONFIG / CS149GPT_BWD_CONFIG)."""
+    import os
+
+    print("# tile configurations (csrc/cuda/flash_launch.cuh), ours only, bf16, TFLOP/s")
+    rows = [(torch.bfloat16, TOKENS // n, MODEL_DIM // d, MODEL_DIM // d, n, d, c)
+            for d in (64, 128) for n in (2048, 8192) for c in (False, True)]
+    out = []
+    for pass_, configs in (("fwd", range(4)), ("bwd", range(3))):
+        for (dtype, B, Hq, Hkv, N, d, causal) in rows:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, dout = (torch.randn(B, h, N, d, device="cuda", generator=g, dtype=dtype)
+                             for h in (Hq, Hkv, Hkv, Hq))
+            q.requires_grad_()
+            fl = flops(B, Hq, N, d, causal) * (1.0 if pass_ == "fwd" else 2.5)
+            line = []
+            for c in configs:
+                os.environ[f"CS149GPT_{pass_.upper()}_CONFIG"] = str(c)
+                if pass_ == "fwd":
+                    t = bench(lambda: ours(q, k, v, causal))
+                else:
+                    o = ours(q, k, v, causal)
+                    t = bench(lambda: torch.autograd.grad(o, (q,), dout, retain_graph=True))
+                line.append(fl / t * 1e-12)
+            os.environ.pop(f"CS149GPT_{pass_.upper()}_CONFIG")
+            out.append(dict(pass_=pass_, B=B, H=Hq, N=N, d=d, causal=causal, tflops=line))
+            print(f"{pass_} B={B} H={Hq} N={N} d={d} causal={causal!s:5}: " +
+                  "  ".join(f"c{c} {x:5.0f}" for c, x in zip(configs, line)), flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few rows only")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check of each row")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--configs", action="store_true", help="first sweep the compiled tile configurations")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_cuda.py needs a CUDA GPU")
     prop = torch.cuda.get_device_properties(0)
     print(f"# {prop.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"cuDNN {torch.backends.cudnn.version()}; TFLOP/s (fwd 4·B·H·N²·d, causal half; bwd 2.5x)")
+    sweep = sweep_configs() if args.configs else None
     print(HEADER)
     results = []
     for s in shapes(args.quick):
         run_row(*s, results, check=not args.no_check)
         torch.cuda.empty_cache()
     if args.json:
-        args.json.write_text(json.dumps(dict(device=prop.name, torch=torch.__version__, rows=results), indent=1))
+        args.json.write_text(json.dumps(dict(device=prop.name, torch=torch.__version__, rows=results, configs=sweep), indent=1))
     for p in ("fwd", "bwd"):
         fa2 = [r[f"{p}_vs_fa2"] for r in results]
         cud = [r[f"{p}_vs_sdpa"] for r in results]

@@ -11,9 +11,21 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.bac
 start=$(date +%s)
 timeout 240 python3 -c "import cs149gpt, torch; q=torch.randn(1,1,8,64,device='cuda',dtype=torch.bfloat16); print(cs149gpt.attention(q,q,q).shape)" 2>&1 | tee "$out/build.txt"
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$out/build.txt"
-timeout 150 python3 -m pytest tests/test_cuda.py -q --maxfail=30 --tb=line -p no:cacheprovider 2>&1 | tail -40 | tee "$out/cuda_tests.txt"
+# the error checks first, each in its own process (a crash here once took the whole pytest run down)
+timeout 60 python3 -X faulthandler -c "
+import torch, cs149gpt
+for d, dt in ((96, torch.bfloat16), (64, torch.float32)):
+    q = torch.randn(1, 2, 16, d, device='cuda', dtype=dt)
+    for kw in (dict(), dict(impl='naive')):
+        try:
+            cs149gpt.attention(q, q, q, **kw); print('no error', d, dt, kw)
+        except Exception as e:
+            print(type(e).__name__, str(e).splitlines()[0][:150])
+" 2>&1 | tee "$out/errors.txt"
+timeout ${TEST_TIMEOUT:-170} python3 -m pytest tests/test_cuda.py -q -n 4 --tb=short -p no:cacheprovider 2>&1 | tail -150 > "$out/cuda_tests.txt"
+tail -25 "$out/cuda_tests.txt"
 for dt in float32 bfloat16; do
   timeout 30 python3 cs149gpt/gpt149.py part4 --device cuda --dtype $dt -B 4 -H 16 -N 2048 -d 64 --causal --scale 0.125 2>&1 | tee -a "$out/driver.txt"
 done
-args="--json $out/bench.json"; [ "$mode" = quick ] && args="$args --quick"
+args="--json $out/bench.json"; [ "$mode" = quick ] && args="$args --quick"; [ "${CONFIGS:-0}" = 1 ] && args="$args --configs"
 timeout ${BENCH_TIMEOUT:-120} python3 benchmarks/bench_cuda.py $args 2>&1 | tee "$out/bench.txt"

@@ -26,11 +26,7 @@ LD_FLAGS = ["-fopenmp"]
 CUDA_KERNEL_SOURCES = [
     "csrc/cuda/flash_teaching.cu",
     "csrc/cuda/flash_dispatch.cu",
-    "csrc/cuda/flash_fwd_hdim64.cu",
-    "csrc/cuda/flash_fwd_hdim128.cu",
-    "csrc/cuda/flash_bwd_hdim64.cu",
-    "csrc/cuda/flash_bwd_hdim128.cu",
-]
+] + [f"csrc/cuda/flash_{pass_}_hdim{d}_{t}.cu" for pass_ in ("fwd", "bwd") for d in (64, 128) for t in ("bf16", "fp16")]
 CUDA_SOURCES = ["csrc/cuda/flash_api.cpp"] + CUDA_KERNEL_SOURCES
 
 # sm_80 (Ampere: mma.sync, ldmatrix, cp.async) and sm_90a (Hopper). CS149GPT_CUDA_ARCHS="90a" (say) builds one

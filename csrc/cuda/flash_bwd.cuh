@@ -117,17 +117,18 @@ __device__ __forceinline__ void accumulate_dq(float* dq_accum, int64_t q_len, in
         mma_16x8x16<T>(acc[2 * dn + 1], a, b[2], b[3]);
       }
     }
+    // Four adjacent columns per atomic: lanes t and t ^ 1 of a quad swap halves so that the even lane holds
+    // row g, columns 4(t/2) .. +3 and the odd lane row g + 8, the same columns.
+    const bool odd = lane % 2;
+    const int64_t i = m0 + m_slice * 16 + lane / 4 + (odd ? 8 : 0);
+    const int col = c0 + (lane % 4 / 2) * 4;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t i = m0 + m_slice * 16 + lane / 4 + r * 8;
-      if (i < q_len) {
-        float* row = dq_accum + i * kHeadDim + c0 + (lane % 4) * 2;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          atomicAdd(row + n * 8, acc[n][2 * r]);
-          atomicAdd(row + n * 8 + 1, acc[n][2 * r + 1]);
-        }
-      }
+    for (int n = 0; n < 4; ++n) {
+      // even lane sends its row g + 8 pair and keeps row g; odd lane sends its row g pair and keeps row g + 8
+      const float send0 = odd ? acc[n][0] : acc[n][2], send1 = odd ? acc[n][1] : acc[n][3];
+      const float got0 = __shfl_xor_sync(0xffffffff, send0, 1), got1 = __shfl_xor_sync(0xffffffff, send1, 1);
+      const float4 v = odd ? make_float4(got0, got1, acc[n][2], acc[n][3]) : make_float4(acc[n][0], acc[n][1], got0, got1);
+      if (i < q_len) atomic_add4(dq_accum + i * kHeadDim + col + n * 8, v);
     }
   }
 }

@@ -91,6 +91,21 @@ __device__ __forceinline__ void mma_16x8x16<__half>(float (&c)[4], const uint32_
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---- float32 reductions into global memory ------------------------------------------------------------
+// dst[0..3] += v, one vector reduction on sm_90 (dst 16-byte aligned), four scalar atomics before it.
+__device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w)
+               : "memory");
+#else
+  atomicAdd(dst, v.x);
+  atomicAdd(dst + 1, v.y);
+  atomicAdd(dst + 2, v.z);
+  atomicAdd(dst + 3, v.w);
+#endif
+}
+
 // ---- fast math -----------------------------------------------------------------------------------------
 // 2^x by the special-function unit (relative error ~2^-22; ex2(-inf) = 0).
 __device__ __forceinline__ float exp2_approx(float x) {

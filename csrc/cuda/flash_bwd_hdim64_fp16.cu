@@ -1,0 +1,17 @@
+// The backward kernels for head_dim 64, fp16 (one file per head dim and dtype, so they compile in parallel).
+#include "flash_bwd.cuh"
+#include "flash_launch.cuh"
+
+namespace cs149gpt {
+namespace cuda {
+template <>
+cudaError_t flash_bwd_run<64, __half>(const AttentionBackwardParams& p, float* delta, float* dq_accum,
+                                  cudaStream_t stream) {
+  switch (config_from_env("CS149GPT_BWD_CONFIG")) {
+    case 1: return launch_flash_bwd<BwdConfig<64, 1, __half>>(p, delta, dq_accum, stream);
+    case 2: return launch_flash_bwd<BwdConfig<64, 2, __half>>(p, delta, dq_accum, stream);
+    default: return launch_flash_bwd<BwdConfig<64, 0, __half>>(p, delta, dq_accum, stream);
+  }
+}
+}  // namespace cuda
+}  // namespace cs149gpt

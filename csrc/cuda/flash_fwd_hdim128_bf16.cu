@@ -1,0 +1,17 @@
+// The forward kernels for head_dim 128, bf16 (one file per head dim and dtype, so they compile in parallel).
+#include "flash_fwd.cuh"
+#include "flash_launch.cuh"
+
+namespace cs149gpt {
+namespace cuda {
+template <>
+cudaError_t flash_fwd_run<128, __nv_bfloat16>(const AttentionParams& p, cudaStream_t stream) {
+  switch (config_from_env("CS149GPT_FWD_CONFIG")) {
+    case 1: return launch_flash_fwd<FwdConfig<128, 1, __nv_bfloat16>>(p, stream);
+    case 2: return launch_flash_fwd<FwdConfig<128, 2, __nv_bfloat16>>(p, stream);
+    case 3: return launch_flash_fwd<FwdConfig<128, 3, __nv_bfloat16>>(p, stream);
+    default: return launch_flash_fwd<FwdConfig<128, 0, __nv_bfloat16>>(p, stream);
+  }
+}
+}  // namespace cuda
+}  // namespace cs149gpt

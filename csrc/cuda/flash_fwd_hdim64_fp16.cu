@@ -1,0 +1,17 @@
+// The forward kernels for head_dim 64, fp16 (one file per head dim and dtype, so they compile in parallel).
+#include "flash_fwd.cuh"
+#include "flash_launch.cuh"
+
+namespace cs149gpt {
+namespace cuda {
+template <>
+cudaError_t flash_fwd_run<64, __half>(const AttentionParams& p, cudaStream_t stream) {
+  switch (config_from_env("CS149GPT_FWD_CONFIG")) {
+    case 1: return launch_flash_fwd<FwdConfig<64, 1, __half>>(p, stream);
+    case 2: return launch_flash_fwd<FwdConfig<64, 2, __half>>(p, stream);
+    case 3: return launch_flash_fwd<FwdConfig<64, 3, __half>>(p, stream);
+    default: return launch_flash_fwd<FwdConfig<64, 0, __half>>(p, stream);
+  }
+}
+}  // namespace cuda
+}  // namespace cs149gpt
