@@ -18,46 +18,75 @@
 namespace cs149gpt {
 namespace cuda {
 
-// S (16 x kBlockN per warp, C fragments) = Q (A fragments in registers) K_jᵀ (K_j rows in shared memory).
+// S (kMi m16 tiles x kBlockN per warp, C fragments) = Q K_jᵀ. Q's A fragments come from registers
+// (kQInRegs) or from the warp's rows of sQ; K_j's rows are in shared memory.
 template <class Traits>
-__device__ __forceinline__ void gemm_q_kt(float (&s)[Traits::kBlockN / 8][4],
-                                          const uint32_t (&q_frag)[Traits::kHeadDim / 16][4],
-                                          const typename Traits::T* sK, int lane) {
+__device__ __forceinline__ void gemm_q_kt(float (&s)[Traits::kMi][Traits::kBlockN / 8][4],
+                                          const uint32_t (&q_frag)[Traits::kMi][Traits::kHeadDim / 16][4],
+                                          const typename Traits::T* sQ, const typename Traits::T* sK, int warp,
+                                          int lane) {
   using T = typename Traits::T;
+  constexpr int kMi = Traits::kMi;
   constexpr int kStride = Traits::KVTile::kStride;
 #pragma unroll
-  for (int n = 0; n < Traits::kBlockN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+  for (int mi = 0; mi < kMi; ++mi)
+#pragma unroll
+    for (int n = 0; n < Traits::kBlockN / 8; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    uint32_t a[kMi][4];
+#pragma unroll
+    for (int mi = 0; mi < kMi; ++mi) {
+      if (Traits::kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[mi][e] = q_frag[mi][kk][e];
+      } else {
+        ldmatrix_x4(a[mi], sQ + ((warp * kMi + mi) * 16 + lane % 16) * Traits::QTile::kStride + kk * 16 + (lane / 16) * 8);
+      }
+    }
 #pragma unroll
     for (int nn = 0; nn < Traits::kBlockN / 16; ++nn) {
       // Keys nn*16 .. +15 as two n8 tiles; matrices: (keys 0-7, d 0-7) (keys 0-7, d 8-15) (keys 8-15, ...).
       uint32_t b[4];
       ldmatrix_x4(b, sK + (nn * 16 + (lane % 8) + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
-      mma_16x8x16<T>(s[2 * nn], q_frag[kk], b[0], b[1]);
-      mma_16x8x16<T>(s[2 * nn + 1], q_frag[kk], b[2], b[3]);
+#pragma unroll
+      for (int mi = 0; mi < kMi; ++mi) {
+        mma_16x8x16<T>(s[mi][2 * nn], a[mi], b[0], b[1]);
+        mma_16x8x16<T>(s[mi][2 * nn + 1], a[mi], b[2], b[3]);
+      }
     }
   }
 }
 
-// O (16 x head_dim per warp) += P (the C fragments of S, rounded to T) V_j (rows in shared memory).
+// O (kMi m16 tiles x head_dim per warp) += P (the C fragments of S, rounded to T) V_j (rows in shared memory).
 template <class Traits>
-__device__ __forceinline__ void gemm_p_v(float (&o)[Traits::kHeadDim / 8][4], const float (&p)[Traits::kBlockN / 8][4],
+__device__ __forceinline__ void gemm_p_v(float (&o)[Traits::kMi][Traits::kHeadDim / 8][4],
+                                         const float (&p)[Traits::kMi][Traits::kBlockN / 8][4],
                                          const typename Traits::T* sV, int lane) {
   using T = typename Traits::T;
+  constexpr int kMi = Traits::kMi;
   constexpr int kStride = Traits::KVTile::kStride;
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-    const uint32_t a[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
-                           pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    uint32_t a[kMi][4];
+#pragma unroll
+    for (int mi = 0; mi < kMi; ++mi) {
+      a[mi][0] = pack2<T>(p[mi][2 * kk][0], p[mi][2 * kk][1]);
+      a[mi][1] = pack2<T>(p[mi][2 * kk][2], p[mi][2 * kk][3]);
+      a[mi][2] = pack2<T>(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
+      a[mi][3] = pack2<T>(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int dn = 0; dn < Traits::kHeadDim / 16; ++dn) {
       // V is (key, d) row-major, B needs (k = key, n = d): transposed loads. Matrices: (keys 0-7, d 0-7)
       // (keys 8-15, d 0-7) (keys 0-7, d 8-15) (keys 8-15, d 8-15).
       uint32_t b[4];
       ldmatrix_x4_trans(b, sV + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride + dn * 16 + (lane / 16) * 8);
-      mma_16x8x16<T>(o[2 * dn], a, b[0], b[1]);
-      mma_16x8x16<T>(o[2 * dn + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mi = 0; mi < kMi; ++mi) {
+        mma_16x8x16<T>(o[mi][2 * dn], a[mi], b[0], b[1]);
+        mma_16x8x16<T>(o[mi][2 * dn + 1], a[mi], b[2], b[3]);
+      }
     }
   }
 }
@@ -146,22 +175,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
     cp_async_commit();
   }
 
+  constexpr int kMi = Traits::kMi;
   const float scale_log2 = p.scale * kLog2e;
-  float o[kD / 8][4];
+  float o[kMi][kD / 8][4];
+  float m[kMi][2], l[kMi][2];
 #pragma unroll
-  for (int n = 0; n < kD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  uint32_t q_frag[kD / 16][4];
-  // The thread's two rows within the block: g and g + 8 of its warp's 16.
-  const int row0 = warp * 16 + lane / 4;
+  for (int mi = 0; mi < kMi; ++mi) {
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.f;
+    m[mi][0] = m[mi][1] = -INFINITY;
+    l[mi][0] = l[mi][1] = 0.f;
+  }
+  uint32_t q_frag[kMi][kD / 16][4];
+  // The thread's rows within the block: g and g + 8 of each of its warp's kMi m16 tiles.
+  const int row0 = warp * 16 * kMi + lane / 4;
 
   for (int j = 0; j < n_tiles; ++j) {
     cp_async_wait<0>();
     __syncthreads();  // tile j is in buffer j % 2, and every warp is done with buffer (j + 1) % 2
-    if (j == 0) {
+    if (Traits::kQInRegs && j == 0) {
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
-        ldmatrix_x4(q_frag[kk], sQ + (warp * 16 + lane % 16) * Traits::QTile::kStride + kk * 16 + (lane / 16) * 8);
+      for (int mi = 0; mi < kMi; ++mi)
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk)
+          ldmatrix_x4(q_frag[mi][kk],
+                      sQ + ((warp * kMi + mi) * 16 + lane % 16) * Traits::QTile::kStride + kk * 16 + (lane / 16) * 8);
     }
     if (j + 1 < n_tiles) {  // copy tile j + 1 while tile j is multiplied
       const int64_t n1 = static_cast<int64_t>(j + 1) * kBlockN;
@@ -176,33 +214,38 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
     const T* sKj = sK + (j % 2) * Traits::KVTile::kElems;
     const T* sVj = sV + (j % 2) * Traits::KVTile::kElems;
 
-    float s[kBlockN / 8][4];
-    gemm_q_kt<Traits>(s, q_frag, sKj, lane);
+    float s[kMi][kBlockN / 8][4];
+    gemm_q_kt<Traits>(s, q_frag, sQ, sKj, warp, lane);
 
     const int64_t n0 = static_cast<int64_t>(j) * kBlockN;
-    if (n0 + kBlockN > p.kv_len || (kIsCausal && n0 + kBlockN - 1 > m0 + p.causal_offset))
-      mask_scores<Traits, kIsCausal>(s, p, m0, row0, n0, lane);
-    online_softmax<Traits>(s, o, m, l, scale_log2);
+    const bool needs_mask = n0 + kBlockN > p.kv_len || (kIsCausal && n0 + kBlockN - 1 > m0 + p.causal_offset);
+#pragma unroll
+    for (int mi = 0; mi < kMi; ++mi) {
+      if (needs_mask) mask_scores<Traits, kIsCausal>(s[mi], p, m0, row0 + mi * 16, n0, lane);
+      online_softmax<Traits>(s[mi], o[mi], m[mi], l[mi], scale_log2);
+    }
     gemm_p_v<Traits>(o, s, sVj, lane);
   }
 
   // O /= l, written in T; lse = scale·m + log l (−inf, and O = 0, for a row that saw no key).
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float row_l = quad_sum(l[r]);
-    const float inv_l = row_l > 0.f ? 1.f / row_l : 0.f;
-    const int row = row0 + r * 8;
-    if (row < rows_valid) {
-      T* out_row = out + row * p.out_strides[2];
+  for (int mi = 0; mi < kMi; ++mi)
 #pragma unroll
-      for (int n = 0; n < kD / 8; ++n)
-        *reinterpret_cast<uint32_t*>(out_row + n * 8 + (lane % 4) * 2) =
-            pack2<T>(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
-      if (p.lse != nullptr && lane % 4 == 0)
-        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + m0 + row] =
-            row_l > 0.f ? m[r] * p.scale + logf(row_l) : -INFINITY;
+    for (int r = 0; r < 2; ++r) {
+      const float row_l = quad_sum(l[mi][r]);
+      const float inv_l = row_l > 0.f ? 1.f / row_l : 0.f;
+      const int row = row0 + mi * 16 + r * 8;
+      if (row < rows_valid) {
+        T* out_row = out + row * p.out_strides[2];
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n)
+          *reinterpret_cast<uint32_t*>(out_row + n * 8 + (lane % 4) * 2) =
+              pack2<T>(o[mi][n][2 * r] * inv_l, o[mi][n][2 * r + 1] * inv_l);
+        if (p.lse != nullptr && lane % 4 == 0)
+          p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + m0 + row] =
+              row_l > 0.f ? m[mi][r] * p.scale + logf(row_l) : -INFINITY;
+      }
     }
-  }
 }
 
 template <class Traits>

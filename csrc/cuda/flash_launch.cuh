@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "../attention.h"
 #include "kernel_traits.cuh"
@@ -21,11 +22,16 @@ inline int config_from_env(const char* name) {
   return value != nullptr ? std::atoi(value) : 0;
 }
 
-// Forward: warps x 16 query rows per block (block_q), block_k keys per tile.
+// Forward: warps x kMi x 16 query rows per block (block_q), block_k keys per tile.
 //   config 0: 8 warps, block_k 128 (d = 64) / 64 (d = 128)     1: 8 warps, block_k 64 / 128
-//   config 2: 4 warps (two blocks per SM), block_k as 0         3: 4 warps, block_k as 1
+//   config 2: 4 warps (two blocks per SM), block_k as 0
+//   config 3: 4 warps of 32 rows (kMi 2: each K, V fragment feeds two mma); d 64: block_k 64, Q in registers;
+//             d 128: block_k 32, Q re-read from shared memory
 template <int kHeadDim, int kConfig, class T>
-using FwdConfig = FwdTraits<kHeadDim, kConfig < 2 ? 8 : 4, ((kHeadDim == 64) == (kConfig % 2 == 0)) ? 128 : 64, T>;
+using FwdConfig = std::conditional_t<
+    kConfig == 3,
+    FwdTraits<kHeadDim, 4, kHeadDim == 64 ? 64 : 32, T, 2, kHeadDim == 64>,
+    FwdTraits<kHeadDim, kConfig < 2 ? 8 : 4, ((kHeadDim == 64) == (kConfig % 2 == 0)) ? 128 : 64, T>>;
 
 // Backward: warps x 16 keys per block, block_q query rows per step.
 //   config 0: d 64: 8 warps, block_q 64;  d 128: 4 warps, block_q 32

@@ -20,16 +20,21 @@ struct SmemTile {
   static constexpr int kBytes = kElems * static_cast<int>(sizeof(T));
 };
 
-// Forward: a block computes block_q = 16 * warps query rows of one (batch, head), looping over key tiles of
-// block_k rows, K and V double-buffered (the next tile is copied while this one is multiplied).
-template <int kHeadDim_, int kNWarps_, int kBlockN_, class T_>
+// Forward: a block computes block_q = 16 * kMi * warps query rows of one (batch, head), looping over key tiles
+// of block_k rows, K and V double-buffered (the next tile is copied while this one is multiplied). Each warp
+// owns kMi m16 row tiles: with 2, every K and V fragment it loads from shared memory feeds two mma.
+// kQInRegs: Q's fragments are loaded once into registers; else re-read from shared memory for every tile
+// (fewer registers, for kMi = 2 at d = 128).
+template <int kHeadDim_, int kNWarps_, int kBlockN_, class T_, int kMi_ = 1, bool kQInRegs_ = true>
 struct FwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = 32 * kNWarps;
-  static constexpr int kBlockM = 16 * kNWarps;  // query rows per block (Br)
-  static constexpr int kBlockN = kBlockN_;      // key rows per tile (Bc)
+  static constexpr int kMi = kMi_;                     // m16 row tiles per warp
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr int kBlockM = 16 * kMi * kNWarps;  // query rows per block (Br)
+  static constexpr int kBlockN = kBlockN_;            // key rows per tile (Bc)
   using QTile = SmemTile<kBlockM, kHeadDim, T>;
   using KVTile = SmemTile<kBlockN, kHeadDim, T>;
   static constexpr int kSmemBytes = QTile::kBytes + 4 * KVTile::kBytes;  // Q, K[2], V[2]
