@@ -88,9 +88,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   check_input(v, "v", q);
   const at::ScalarType st = q.scalar_type();
   TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
-                   "q must be float32, bfloat16 or float16, got ", st);
-  TORCH_CHECK_TYPE(k.scalar_type() == st && v.scalar_type() == st, "q, k and v must share one dtype, got q ", st,
-                   ", k ", k.scalar_type(), ", v ", v.scalar_type());
+                   "q must be float32, bfloat16 or float16, got ", c10::toString(st));
+  TORCH_CHECK_TYPE(k.scalar_type() == st && v.scalar_type() == st, "q, k and v must share one dtype, got q ",
+                   c10::toString(st), ", k ", c10::toString(k.scalar_type()), ", v ", c10::toString(v.scalar_type()));
   TORCH_CHECK_VALUE(k.dim() == q.dim() && v.dim() == q.dim(), "q, k and v must have the same number of dims, got q ",
                     q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   const int64_t rank = q.dim();
@@ -122,9 +122,10 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int device = q.device().index();
   if (fast) {
     const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
-    TORCH_CHECK_VALUE(fast_path_supports(d), "CUDA flash attention in ", st, " supports head dim d = 64 or 128, "
+    TORCH_CHECK_VALUE(fast_path_supports(d), "CUDA flash attention in ", c10::toString(st),
+                      " supports head dim d = 64 or 128, "
                       "got d = ", d, " (float32 runs the teaching kernel, for any d)");
-    TORCH_CHECK(major >= 8, "CUDA flash attention in ", st, " needs a GPU of compute capability 8.0 or newer "
+    TORCH_CHECK(major >= 8, "CUDA flash attention in ", c10::toString(st), " needs a GPU of compute capability 8.0 or newer "
                 "(tensor-core mma.sync, cp.async); this one is ", major, ".x");
   }
 
@@ -198,7 +199,7 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, c
   TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", like_name, ", ", like.sizes(),
                     "; got ", t.sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", like_name, ", ",
-                   like.scalar_type(), "; got ", t.scalar_type());
+                   c10::toString(like.scalar_type()), "; got ", c10::toString(t.scalar_type()));
 }
 
 }  // namespace
@@ -228,7 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   TORCH_CHECK_VALUE(lse.defined() && lse.sizes() == q.sizes().slice(0, q.dim() - 1), "lse must have shape ",
                     q.sizes().slice(0, q.dim() - 1), " (q's without the last dim); got ",
                     lse.defined() ? lse.sizes() : at::IntArrayRef{});
-  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", c10::toString(lse.scalar_type()));
   TORCH_CHECK_VALUE(lse.device() == q.device(), "lse must be on q's device, ", q.device(), "; got ", lse.device());
 
   AttentionBackwardParams bp;

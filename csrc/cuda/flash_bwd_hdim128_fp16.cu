@@ -7,10 +7,12 @@ namespace cuda {
 template <>
 cudaError_t flash_bwd_run<128, __half>(const AttentionBackwardParams& p, float* delta, float* dq_accum,
                                   cudaStream_t stream) {
-  switch (config_from_env("CS149GPT_BWD_CONFIG")) {
+  switch (config_from_env("CS149GPT_BWD_CONFIG", kDefaultBwdConfig<128>)) {
     case 1: return launch_flash_bwd<BwdConfig<128, 1, __half>>(p, delta, dq_accum, stream);
     case 2: return launch_flash_bwd<BwdConfig<128, 2, __half>>(p, delta, dq_accum, stream);
-    default: return launch_flash_bwd<BwdConfig<128, 0, __half>>(p, delta, dq_accum, stream);
+    case 3: return launch_flash_bwd<BwdConfig<128, 3, __half>>(p, delta, dq_accum, stream);
+    case 0: return launch_flash_bwd<BwdConfig<128, 0, __half>>(p, delta, dq_accum, stream);
+    default: return cudaErrorInvalidValue;  // no such configuration
   }
 }
 }  // namespace cuda

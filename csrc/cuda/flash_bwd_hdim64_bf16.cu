@@ -7,10 +7,12 @@ namespace cuda {
 template <>
 cudaError_t flash_bwd_run<64, __nv_bfloat16>(const AttentionBackwardParams& p, float* delta, float* dq_accum,
                                   cudaStream_t stream) {
-  switch (config_from_env("CS149GPT_BWD_CONFIG")) {
+  switch (config_from_env("CS149GPT_BWD_CONFIG", kDefaultBwdConfig<64>)) {
     case 1: return launch_flash_bwd<BwdConfig<64, 1, __nv_bfloat16>>(p, delta, dq_accum, stream);
     case 2: return launch_flash_bwd<BwdConfig<64, 2, __nv_bfloat16>>(p, delta, dq_accum, stream);
-    default: return launch_flash_bwd<BwdConfig<64, 0, __nv_bfloat16>>(p, delta, dq_accum, stream);
+    case 3: return launch_flash_bwd<BwdConfig<64, 3, __nv_bfloat16>>(p, delta, dq_accum, stream);
+    case 0: return launch_flash_bwd<BwdConfig<64, 0, __nv_bfloat16>>(p, delta, dq_accum, stream);
+    default: return cudaErrorInvalidValue;  // no such configuration
   }
 }
 }  // namespace cuda

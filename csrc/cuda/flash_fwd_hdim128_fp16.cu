@@ -6,11 +6,14 @@ namespace cs149gpt {
 namespace cuda {
 template <>
 cudaError_t flash_fwd_run<128, __half>(const AttentionParams& p, cudaStream_t stream) {
-  switch (config_from_env("CS149GPT_FWD_CONFIG")) {
+  switch (config_from_env("CS149GPT_FWD_CONFIG", kDefaultFwdConfig<128>)) {
     case 1: return launch_flash_fwd<FwdConfig<128, 1, __half>>(p, stream);
     case 2: return launch_flash_fwd<FwdConfig<128, 2, __half>>(p, stream);
     case 3: return launch_flash_fwd<FwdConfig<128, 3, __half>>(p, stream);
-    default: return launch_flash_fwd<FwdConfig<128, 0, __half>>(p, stream);
+    case 4: return launch_flash_fwd<FwdConfig<128, 4, __half>>(p, stream);
+    case 5: return launch_flash_fwd<FwdConfig<128, 5, __half>>(p, stream);
+    case 0: return launch_flash_fwd<FwdConfig<128, 0, __half>>(p, stream);
+    default: return cudaErrorInvalidValue;  // no such configuration
   }
 }
 }  // namespace cuda

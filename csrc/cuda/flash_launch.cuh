@@ -1,15 +1,14 @@
 // The tile configurations of the tensor-core kernels, and the dispatch from a params struct to a kernel.
 //
 // Each (head dim, dtype) pair compiles in its own file (flash_{fwd,bwd}_hdim<d>_<dtype>.cu), in parallel.
-// A few configurations are compiled for each; CS149GPT_FWD_CONFIG / CS149GPT_BWD_CONFIG = 0, 1, 2, 3 pick one
-// at run time (benchmarks/bench_cuda.py --configs sweeps them); 0, the default, is the measured best.
+// A few configurations are compiled for each; CS149GPT_FWD_CONFIG / CS149GPT_BWD_CONFIG = 0, 1, ... pick one at
+// run time (benchmarks/bench_cuda.py --configs sweeps them); unset, the measured best (kDefault*Config).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdlib>
-#include <type_traits>
 
 #include "../attention.h"
 #include "kernel_traits.cuh"
@@ -17,28 +16,57 @@
 namespace cs149gpt {
 namespace cuda {
 
-inline int config_from_env(const char* name) {
+inline int config_from_env(const char* name, int default_config) {
   const char* value = std::getenv(name);
-  return value != nullptr ? std::atoi(value) : 0;
+  return value != nullptr && *value != '\0' ? std::atoi(value) : default_config;
 }
 
-// Forward: warps x kMi x 16 query rows per block (block_q), block_k keys per tile.
-//   config 0: 8 warps, block_k 128 (d = 64) / 64 (d = 128)     1: 8 warps, block_k 64 / 128
-//   config 2: 4 warps (two blocks per SM), block_k as 0
-//   config 3: 4 warps of 32 rows (kMi 2: each K, V fragment feeds two mma); d 64: block_k 64, Q in registers;
-//             d 128: block_k 32, Q re-read from shared memory
-template <int kHeadDim, int kConfig, class T>
-using FwdConfig = std::conditional_t<
-    kConfig == 3,
-    FwdTraits<kHeadDim, 4, kHeadDim == 64 ? 64 : 32, T, 2, kHeadDim == 64>,
-    FwdTraits<kHeadDim, kConfig < 2 ? 8 : 4, ((kHeadDim == 64) == (kConfig % 2 == 0)) ? 128 : 64, T>>;
+// The defaults, from the sweep on the H100 (benchmarks/results/cuda_h100_*.txt).
+template <int kHeadDim> constexpr int kDefaultFwdConfig = kHeadDim == 64 ? 3 : 3;
+template <int kHeadDim> constexpr int kDefaultBwdConfig = kHeadDim == 64 ? 0 : 1;
 
-// Backward: warps x 16 keys per block, block_q query rows per step.
-//   config 0: d 64: 8 warps, block_q 64;  d 128: 4 warps, block_q 32
-//   config 1: d 64: 4 warps, d 128: 8 warps; block_q 32        config 2: 4 warps, block_q 64
+// Forward: warps x kMi x 16 query rows per block (block_q), block_k keys per tile; kMi = 2 makes every K, V
+// fragment a warp loads feed two mma. FwdTraits<head_dim, warps, block_k, T, kMi, Q in registers>.
+template <int kHeadDim, int kConfig, class T> struct FwdConfigOf;
+//   config 0: 8 warps, block_k 128 (d = 64) / 64 (d = 128)
+template <class T> struct FwdConfigOf<64, 0, T> { using type = FwdTraits<64, 8, 128, T>; };
+template <class T> struct FwdConfigOf<128, 0, T> { using type = FwdTraits<128, 8, 64, T>; };
+//   config 1: 8 warps, block_k 64 / 128
+template <class T> struct FwdConfigOf<64, 1, T> { using type = FwdTraits<64, 8, 64, T>; };
+template <class T> struct FwdConfigOf<128, 1, T> { using type = FwdTraits<128, 8, 128, T>; };
+//   config 2: 4 warps (two blocks per SM), block_k as 0
+template <class T> struct FwdConfigOf<64, 2, T> { using type = FwdTraits<64, 4, 128, T>; };
+template <class T> struct FwdConfigOf<128, 2, T> { using type = FwdTraits<128, 4, 64, T>; };
+//   config 3: 4 warps of 32 rows; d 64: block_k 64, Q in registers; d 128: block_k 32, Q from shared memory
+template <class T> struct FwdConfigOf<64, 3, T> { using type = FwdTraits<64, 4, 64, T, 2, true>; };
+template <class T> struct FwdConfigOf<128, 3, T> { using type = FwdTraits<128, 4, 32, T, 2, false>; };
+//   config 4: as 3 with 8 warps (block_q 256: K, V copied once for twice the rows)
+template <class T> struct FwdConfigOf<64, 4, T> { using type = FwdTraits<64, 8, 64, T, 2, true>; };
+template <class T> struct FwdConfigOf<128, 4, T> { using type = FwdTraits<128, 8, 32, T, 2, false>; };
+//   config 5: 4 warps of 32 rows, block_k 64, Q from shared memory (d 128 spills a little)
+template <class T> struct FwdConfigOf<64, 5, T> { using type = FwdTraits<64, 4, 64, T, 2, false>; };
+template <class T> struct FwdConfigOf<128, 5, T> { using type = FwdTraits<128, 4, 64, T, 2, false>; };
 template <int kHeadDim, int kConfig, class T>
-using BwdConfig = BwdTraits<kHeadDim, kConfig == 2 ? 4 : kConfig == 1 ? (kHeadDim == 64 ? 4 : 8) : (kHeadDim == 64 ? 8 : 4),
-                            kConfig == 2 ? 64 : kConfig == 1 ? 32 : (kHeadDim == 64 ? 64 : 32), T>;
+using FwdConfig = typename FwdConfigOf<kHeadDim, kConfig, T>::type;
+constexpr int kFwdConfigs = 6;
+
+// Backward: warps x 16 keys per block, block_q query rows per step. BwdTraits<head_dim, warps, block_q, T>.
+template <int kHeadDim, int kConfig, class T> struct BwdConfigOf;
+//   config 0: d 64: 8 warps, block_q 64;  d 128: 4 warps, block_q 32
+template <class T> struct BwdConfigOf<64, 0, T> { using type = BwdTraits<64, 8, 64, T>; };
+template <class T> struct BwdConfigOf<128, 0, T> { using type = BwdTraits<128, 4, 32, T>; };
+//   config 1: d 64: 4 warps, block_q 32;  d 128: 8 warps, block_q 32
+template <class T> struct BwdConfigOf<64, 1, T> { using type = BwdTraits<64, 4, 32, T>; };
+template <class T> struct BwdConfigOf<128, 1, T> { using type = BwdTraits<128, 8, 32, T>; };
+//   config 2: 4 warps, block_q 64
+template <class T> struct BwdConfigOf<64, 2, T> { using type = BwdTraits<64, 4, 64, T>; };
+template <class T> struct BwdConfigOf<128, 2, T> { using type = BwdTraits<128, 4, 64, T>; };
+//   config 3: 8 warps, block_q 64 (d 128 spills a little)
+template <class T> struct BwdConfigOf<64, 3, T> { using type = BwdTraits<64, 8, 64, T>; };
+template <class T> struct BwdConfigOf<128, 3, T> { using type = BwdTraits<128, 8, 64, T>; };
+template <int kHeadDim, int kConfig, class T>
+using BwdConfig = typename BwdConfigOf<kHeadDim, kConfig, T>::type;
+constexpr int kBwdConfigs = 4;
 
 template <int kHeadDim, class T>
 cudaError_t flash_fwd_run(const AttentionParams& p, cudaStream_t stream);
