@@ -11,24 +11,30 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.bac
 start=$(date +%s)
 timeout 240 python3 -c "import cs149gpt, torch; q=torch.randn(1,1,8,64,device='cuda',dtype=torch.bfloat16); print(cs149gpt.attention(q,q,q).shape)" 2>&1 | tee "$out/build.txt"
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$out/build.txt"
-# the error checks first, each in its own process (a crash here once took the whole pytest run down)
-for case in "cpu:impl" "cuda:impl" "cuda:dtype" "cuda:d96" "cuda:f32bwd"; do
+# The error checks first, each in its own process (a bad-argument error on the GPU path crashed the process on
+# the device host: see which call does, and where).
+gdb_done=0
+for case in "cpu:direct" "cpu:wrapped" "cuda:direct" "cuda:wrapped" "cuda:grad" "cuda:f32bwd"; do
   cat > /tmp/err_case.py <<PY
 import torch, cs149gpt
-dev, what = "$case".split(":")
-q = torch.randn(1, 2, 16, 96 if what == "d96" else 64, device=dev, dtype=torch.float32 if what in ("impl", "f32bwd") else torch.bfloat16)
+dev, how = "$case".split(":")
+dt = torch.float32 if dev == "cpu" or how == "f32bwd" else torch.bfloat16
+q = torch.randn(1, 2, 16, 64, device=dev, dtype=dt)
+k = torch.randn(1, 2, 16, 96 if how != "f32bwd" else 64, device=dev, dtype=dt)  # head dims differ: an error
 try:
-    if what == "impl": cs149gpt.attention(q, q, q, impl="bogus")
-    elif what == "dtype": cs149gpt.attention(q, q.half(), q)
-    elif what == "f32bwd": cs149gpt.attention(q.requires_grad_(), q, q).sum().backward()
-    else: cs149gpt.attention(q, q, q)
-    print("$case: no error")
+    if how == "direct": torch.ops.cs149gpt.flash_attention(q, k, k, None, "none", None, None)  # no Python around it
+    elif how == "wrapped": cs149gpt.attention(q, k, k)  # cs149gpt's wrapper (below autograd)
+    elif how == "grad": cs149gpt.attention(q.requires_grad_(), k, k)  # through the autograd layer
+    else: cs149gpt.attention(q.requires_grad_(), k, k).sum().backward()  # float32 backward: raises on the autograd thread
+    print("no error")
 except Exception as e:
-    print("$case:", type(e).__name__, str(e).splitlines()[0][:120])
+    print(type(e).__name__, str(e).splitlines()[0][:100])
 PY
-  timeout 30 python3 /tmp/err_case.py > /tmp/err_out.txt 2>&1; rc=$?; echo "rc=$rc $(grep -v Warning /tmp/err_out.txt | head -3)" | tee -a "$out/errors.txt"
-  if [ $rc -ne 0 ] && [ -n "$(which cuda-gdb)" ]; then
-    timeout 120 cuda-gdb -q -batch -ex run -ex bt --args python3 /tmp/err_case.py 2>&1 | grep -E "^#|SIGSEGV" | head -30 | tee -a "$out/errors.txt"
+  PYTHONPATH=. timeout 30 python3 /tmp/err_case.py > /tmp/err_out.txt 2>&1; rc=$?
+  echo "$case rc=$rc: $(grep -E 'Error|error|no error|Fatal' /tmp/err_out.txt | head -2 | tr '\n' ' ')" | tee -a "$out/errors.txt"
+  if [ $rc -ne 0 ] && [ $gdb_done = 0 ] && [ -n "$(which cuda-gdb)" ]; then
+    gdb_done=1
+    PYTHONPATH=. timeout 60 cuda-gdb -q -batch -ex run -ex bt --args python3 /tmp/err_case.py 2>&1 | grep -E "^#|SIG" | head -40 >> "$out/errors.txt"
   fi
 done
 timeout ${TEST_TIMEOUT:-170} python3 -m pytest tests/test_cuda.py -q -n 4 --tb=short -p no:cacheprovider 2>&1 | tail -150 > "$out/cuda_tests.txt"

@@ -22,8 +22,10 @@ inline int config_from_env(const char* name, int default_config) {
 }
 
 // The defaults, from the sweep on the H100 (benchmarks/results/cuda_h100_*.txt).
-template <int kHeadDim> constexpr int kDefaultFwdConfig = kHeadDim == 64 ? 3 : 3;
-template <int kHeadDim> constexpr int kDefaultBwdConfig = kHeadDim == 64 ? 0 : 1;
+// Forward: d 64 -> 3 (4 warps x 32 rows, block_k 64, Q in registers); d 128 -> 5 (4 warps x 32 rows, block_k 64,
+// Q from shared memory: FlashAttention-2's own shape). Backward: d 64 -> 0; d 128 -> 3 (8 warps, block_q 64).
+template <int kHeadDim> constexpr int kDefaultFwdConfig = kHeadDim == 64 ? 3 : 5;
+template <int kHeadDim> constexpr int kDefaultBwdConfig = kHeadDim == 64 ? 0 : 3;
 
 // Forward: warps x kMi x 16 query rows per block (block_q), block_k keys per tile; kMi = 2 makes every K, V
 // fragment a warp loads feed two mma. FwdTraits<head_dim, warps, block_k, T, kMi, Q in registers>.
