@@ -77,7 +77,8 @@ def rand(shape, dtype, seed):
 
 
 def make_qkv(B, Hq, Hkv, Nq, Nk, d, dtype, seed=0):
-    return rand((B, Hq, Nq, d), dtype, seed), rand((B, Hkv, Nk, d), dtype, seed + 1), rand((B, Hkv, Nk, d), dtype, seed + 2)
+    return (rand((B, Hq, Nq, d), dtype, seed), rand((B, Hkv, Nk, d), dtype, seed + 1),
+            rand((B, Hkv, Nk, d), dtype, seed + 2))
 
 
 def max_err(a, b):

@@ -125,7 +125,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     TORCH_CHECK_VALUE(fast_path_supports(d), "CUDA flash attention in ", c10::toString(st),
                       " supports head dim d = 64 or 128, "
                       "got d = ", d, " (float32 runs the teaching kernel, for any d)");
-    TORCH_CHECK(major >= 8, "CUDA flash attention in ", c10::toString(st), " needs a GPU of compute capability 8.0 or newer "
+    TORCH_CHECK(major >= 8, "CUDA flash attention in ", c10::toString(st),
+                " needs a GPU of compute capability 8.0 or newer "
                 "(tensor-core mma.sync, cp.async); this one is ", major, ".x");
   }
 

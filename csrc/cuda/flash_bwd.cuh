@@ -127,7 +127,8 @@ __device__ __forceinline__ void accumulate_dq(float* dq_accum, int64_t q_len, in
       // even lane sends its row g + 8 pair and keeps row g; odd lane sends its row g pair and keeps row g + 8
       const float send0 = odd ? acc[n][0] : acc[n][2], send1 = odd ? acc[n][1] : acc[n][3];
       const float got0 = __shfl_xor_sync(0xffffffff, send0, 1), got1 = __shfl_xor_sync(0xffffffff, send1, 1);
-      const float4 v = odd ? make_float4(got0, got1, acc[n][2], acc[n][3]) : make_float4(acc[n][0], acc[n][1], got0, got1);
+      const float4 v =
+          odd ? make_float4(got0, got1, acc[n][2], acc[n][3]) : make_float4(acc[n][0], acc[n][1], got0, got1);
       if (i < q_len) atomic_add4(dq_accum + i * kHeadDim + col + n * 8, v);
     }
   }

@@ -41,7 +41,8 @@ __device__ __forceinline__ void gemm_q_kt(float (&s)[Traits::kMi][Traits::kBlock
 #pragma unroll
         for (int e = 0; e < 4; ++e) a[mi][e] = q_frag[mi][kk][e];
       } else {
-        ldmatrix_x4(a[mi], sQ + ((warp * kMi + mi) * 16 + lane % 16) * Traits::QTile::kStride + kk * 16 + (lane / 16) * 8);
+        ldmatrix_x4(a[mi],
+                    sQ + ((warp * kMi + mi) * 16 + lane % 16) * Traits::QTile::kStride + kk * 16 + (lane / 16) * 8);
       }
     }
 #pragma unroll
@@ -170,8 +171,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
   // Tr x Tc: this block is one of the Tr; it walks the Tc key tiles.
   if (n_tiles > 0) {
     copy_tile_async<typename Traits::QTile, kNThreads>(sQ, q, p.q_strides[2], rows_valid);
-    copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], static_cast<int>(min64(kBlockN, p.kv_len)));
-    copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], static_cast<int>(min64(kBlockN, p.kv_len)));
+    const int first_keys = static_cast<int>(min64(kBlockN, p.kv_len));
+    copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], first_keys);
+    copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], first_keys);
     cp_async_commit();
   }
 

@@ -59,7 +59,8 @@ struct BwdTraits {
   static constexpr int kWarpsPerQSlice = kNWarps / (kBlockM / 16);
   static constexpr int kDqCols = kHeadDim / kWarpsPerQSlice;
   static constexpr int kSmemBytes = 2 * KVTile::kBytes + 4 * QTile::kBytes + DSTile::kBytes +
-                                    4 * kBlockM * static_cast<int>(sizeof(float));  // K, V, Q[2], dO[2], dS, lse[2], D[2]
+                                    4 * kBlockM * static_cast<int>(sizeof(float));
+  // (K, V, Q[2], dO[2], dS, lse[2], D[2])
   static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0, "mma tiles are 16 wide");
   static_assert(kNWarps % (kBlockM / 16) == 0 && kDqCols % 32 == 0, "dQ slices must tile the head dim");
 };
