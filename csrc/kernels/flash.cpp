@@ -25,6 +25,8 @@
 // - Threads take (batch, head, query tile) tasks dynamically, costliest first.
 // - The workspace comes from the caller; nothing is allocated here.
 // A query row that sees no key at all (bottom-right causal with q_len > kv_len) gets O = 0, lse = −inf.
+// Non-finite values follow the README's rules ("Non-finite values"): a NaN or +inf logit makes its row NaN,
+// −inf logits weigh 0, and a key hidden by the mask never touches a row.
 #include "../attention.h"
 #include "flash_common.h"
 
@@ -115,6 +117,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   float *Qi = scratch + L.q_off, *S = scratch + L.s_off, *Oi = scratch + L.o_off;
   float *m = scratch + L.m_off, *l = scratch + L.l_off;
   float *alpha = scratch + L.alpha_off, *m_new = alpha + kRowGroup;  // per row of the current group
+  int64_t visible[kRowGroup];  // how many keys of the current tile each row of the group sees
 
   // Q_i = scale · Q[i0 : i0 + rows], zero rows up to whole row groups; m = −inf, l = 0, O_i = 0.
   const T* Q = q_head<T>(p, b, h) + i0 * p.q_strides[2];
@@ -147,13 +150,14 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
 
       // Online softmax for the group's rows: mask, m_new = max(m, rowmax S), α = exp(m − m_new),
       // S becomes P = exp(S − m_new), l = α · l + rowsum P. A row that sees no key yet (m_new = −inf)
-      // keeps P = 0, α = 1.
+      // keeps P = 0, α = 1. The max keeps a NaN (max_nan, max_of): m_new = NaN makes α, P and l NaN, so a
+      // NaN logit turns the whole row NaN; so does +inf, through exp(inf − inf).
       float* m_g = m + g0;
       for (int64_t r = 0; r < kRowGroup; ++r) {
         float* s = S + r * L.Bc_pad;
-        const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-        fill_row(kNegInf, s + visible, n_keys - visible);
-        m_new[r] = std::max(m_g[r], max_of(s, n_keys));
+        visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
+        fill_row(kNegInf, s + visible[r], n_keys - visible[r]);
+        m_new[r] = max_nan(m_g[r], max_of(s, n_keys));
         alpha[r] = m_new[r] == kNegInf ? 0.0f : m_g[r] - m_new[r];  // exponent of α; −inf on a first tile
       }
       exp_row(alpha, kRowGroup);
@@ -167,20 +171,28 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
         m_g[r] = m_new[r];
       }
 
-      // O_g = α · O_g + P V_j
-      group_gemm<kPvVecs>(kRowGroup, n_keys, S, L.Bc_pad, 1, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
+      // O_g = α · O_g + P V_j. The keys that every row of the group sees (all of them, but for the causal
+      // diagonal) go through the micro-kernel; the few that only the later rows see are added row by row,
+      // so that a key hidden from a row never touches it: its P is 0, but 0 · NaN in V would be NaN.
+      const int64_t shared_keys = visible[0];
+      group_gemm<kPvVecs>(kRowGroup, shared_keys, S, L.Bc_pad, 1, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
+      for (int64_t r = 0; r < kRowGroup && g0 + r < rows; ++r)
+        if (visible[r] > shared_keys)
+          weighted_row_sum</*kAccumulate=*/true>(S + r * L.Bc_pad + shared_keys, Vj + shared_keys * ldv, ldv,
+                                                 visible[r] - shared_keys, Oi + (g0 + r) * d_pad, d_pad);
     }
   }
 
-  // O = O_i / l, lse = m + log(l); rows that saw no key: O = 0, lse = −inf.
+  // O = O_i / l, lse = m + log(l); rows that saw no key (l = 0): O = 0, lse = −inf. A NaN l (a NaN or +inf
+  // logit) gives NaN in both: hence `l == 0`, never `l > 0`, which would read NaN as "no key".
   T* out = out_head<T>(p, b, h) + i0 * p.out_strides[2];
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv_l = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float inv_l = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
     for (int64_t c = 0; c < d; ++c) out[r * p.out_strides[2] + c] = static_cast<T>(Oi[r * d_pad + c] * inv_l);
   }
   if (p.lse) {
     float* lse = p.lse + b * p.lse_strides[0] + h * p.lse_strides[1] + i0;
-    for (int64_t r = 0; r < rows; ++r) lse[r] = l[r] > 0.0f ? m[r] + std::log(l[r]) : kNegInf;
+    for (int64_t r = 0; r < rows; ++r) lse[r] = l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);
   }
 }
 
