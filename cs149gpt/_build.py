@@ -10,6 +10,8 @@ SOURCES = [
     "csrc/module.cpp",
     "csrc/dispatch.cpp",
     # Every kernel, compiled once per instruction set; dispatch.cpp picks one when the module loads.
+    "csrc/isa/kernels_amx.cpp",
+    "csrc/isa/kernels_avx512_bf16.cpp",
     "csrc/isa/kernels_avx512.cpp",
     "csrc/isa/kernels_avx2.cpp",
     "csrc/isa/kernels_scalar.cpp",
@@ -25,4 +27,5 @@ HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if
     "csrc/kernels/blocked.cpp",
     "csrc/kernels/fused.cpp",
     "csrc/kernels/flash.cpp",
+    "csrc/kernels/flash_bf16.cpp",
 ]

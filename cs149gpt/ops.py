@@ -134,7 +134,12 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, enable_gqa
 
 
 def isa() -> str:
-    """The instruction set the kernels run with: 'avx512', 'avx2' or 'scalar'."""
+    """The instruction set the kernels run with: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'scalar'.
+
+    amx and avx512_bf16 are avx512 plus bf16 dot-product instructions (AMX tiles, vdpbf16ps), which the flash
+    kernel uses for bfloat16 inputs. On a CPU with AMX whose kernel refuses the tile permission, the reason is
+    in `cs149gpt._ext.load().amx_unavailable_reason()`.
+    """
     _load()
     return _ext._module.isa()
 

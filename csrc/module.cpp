@@ -384,6 +384,21 @@ double fma_peak_gflops(int64_t num_threads, double seconds) {
   }
 }
 
+// The bf16 dot-product peak (AMX or vdpbf16ps) in GFLOP/s on num_threads threads; None where the ISA has none.
+std::optional<double> bf16_peak_gflops(int64_t num_threads, double seconds) {
+  TORCH_CHECK_VALUE(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
+  const auto probe = kernels().bf16_dot_probe;
+  if (!probe) return std::nullopt;
+  int64_t iterations = 1 << 12;
+  for (;;) {
+    const auto start = std::chrono::steady_clock::now();
+    const double flops = probe(iterations, static_cast<int>(num_threads));
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed >= seconds) return flops / elapsed * 1e-9;
+    iterations *= 2;
+  }
+}
+
 void set_isa_checked(const std::string& name) {
   try {
     cs149gpt::set_isa(name.c_str());
@@ -423,11 +438,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("myFlashAttention", &myFlashAttention, py::call_guard<py::gil_scoped_release>());
   m.def("twoDimRead", &twoDimRead);
   m.def("fourDimRead", &fourDimRead);
-  m.def("isa", &isa, "the instruction set the kernels run with: avx512, avx2 or scalar");
-  m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (avx512, avx2 or scalar)");
+  m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
+  m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured FMA peak in GFLOP/s of the current ISA's vectors on num_threads threads");
+  m.def("bf16_peak_gflops", &bf16_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
+        py::call_guard<py::gil_scoped_release>(),
+        "measured bf16 dot-product peak in GFLOP/s (AMX or vdpbf16ps) on num_threads threads; None without one");
+  m.def("amx_unavailable_reason", [] { return std::string(amx_unavailable_reason()); },
+        "why the AMX kernels are not used on a CPU that has AMX (the kernel refused the permission), or ''");
   m.def("vector_exp", &vector_exp, "exp by the kernels' vectorised exp (current ISA), for tests");
   m.def("cpu_supports", [](const std::string& name) { return cpu_supports(name.c_str()); },
         "whether this CPU runs the kernels of the named instruction set");

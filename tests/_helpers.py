@@ -11,7 +11,8 @@ import torch
 import cs149gpt
 from cs149gpt import _ext
 
-ALL_ISAS = ("avx512", "avx2", "scalar")
+# Widest first, as dispatch.cpp tries them. amx and avx512_bf16 differ from avx512 only for bfloat16 inputs.
+ALL_ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "scalar")
 
 # Max abs error allowed against float64 for unit-scale (torch.randn) inputs.
 TOL = 1e-4
