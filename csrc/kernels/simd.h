@@ -249,19 +249,20 @@ inline float max_of(const float* x, int64_t n) {
   return result;
 }
 
-// x[c] = exp(x[c] − shift); returns Σ x[c]. With shift = max_c x[c] every exponent is ≤ 0: no overflow.
-inline float exp_shifted_sum(float* x, float shift, int64_t n) {
+// x[c] = exp(scale·x[c] − shift); returns Σ x[c]. With shift = max_c scale·x[c] every exponent is ≤ 0: no
+// overflow. scale·x − shift is one fused multiply-add (exactly x − shift for scale = 1).
+inline float exp_shifted_sum(float* x, float shift, int64_t n, float scale = 1.0f) {
   constexpr int W = Vec::width;
-  const Vec s = Vec::broadcast(shift);
+  const Vec s = Vec::broadcast(-shift), a = Vec::broadcast(scale);
   Vec sum = Vec::zero();
   int64_t c = 0;
   for (; c + W <= n; c += W) {
-    Vec e = exp(Vec::load(x + c) - s);
+    Vec e = exp(fmadd(Vec::load(x + c), a, s));
     e.store(x + c);
     sum = sum + e;
   }
   if (c < n) {
-    Vec e = exp(Vec::load_partial(x + c, n - c) - s);
+    Vec e = exp(fmadd(Vec::load_partial(x + c, n - c), a, s));
     e.store_partial(x + c, n - c);
     sum = sum + Vec::load_partial(x + c, n - c);  // masked lanes of e hold exp(0 - s), not 0
   }
