@@ -703,3 +703,22 @@ def test_fma_peak_gflops(isa):
         assert isinstance(gflops, float) and math.isfinite(gflops) and gflops > 0, (threads, gflops)
     with pytest.raises(ValueError, match="num_threads must be >= 1"):
         m.fma_peak_gflops(num_threads=0, seconds=0.05)
+
+
+def test_bf16_interleaved_with_torchs_own_bf16_kernels(restore_threads):
+    """Our bf16 path and torch's bf16 matmul/SDPA, alternating on the same threads, both stay right. (With AMX,
+    both configure the per-thread tile registers, and oneDNN does not reload a configuration it believes is still
+    loaded: a kernel that left its own behind made torch's next bf16 matmul write out of bounds.)"""
+    g = gen(120)
+    torch.set_num_threads(min(4, os.cpu_count() or 1))
+    q, k, v = qkv((2, 4, 300, 64), (2, 4, 300, 64), g, torch.bfloat16)
+    a, b = randn(256, 512, gen=g).bfloat16(), randn(512, 384, gen=g).bfloat16()
+    want_mm = a.double() @ b.double()
+    failures = []
+    for i in range(10):
+        run_and_check(q, k, v, failures, f"round {i}", is_causal=bool(i % 2))
+        mm = (a @ b).double()
+        if not (mm - want_mm).abs().max().item() <= 0.02 * want_mm.abs().max().item():
+            failures.append(f"round {i}: torch's bf16 matmul is off after our kernel")
+        F.scaled_dot_product_attention(q, k, v)
+    assert not failures, "\n".join(failures)

@@ -41,7 +41,7 @@ inline int64_t vnni_index(int64_t k, int64_t n, int64_t ldb) { return (k / 2) * 
 #if defined(CS149_ISA_AMX)
 // ---------------------------------------------------------------------------------------------------
 // AMX. Tile registers: 0–3 hold C (a 2 × 2 block of 16×16 float32 tiles), 4–5 A (16 rows × 32 bf16), 6–7 B
-// (16 VNNI rows × 16 pairs). One configuration serves every call; each thread loads it once (dot_begin).
+// (16 VNNI rows × 16 pairs). One configuration serves every call; each thread loads it once (DotScope).
 // ---------------------------------------------------------------------------------------------------
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -51,15 +51,34 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-inline void dot_begin() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;  // 16 float32, 32 bf16 or 16 pairs a row
-    config.rows[t] = 16;
+// The tile configuration is per thread and shared with everyone else in the process: PyTorch's own AMX
+// kernels (oneDNN's brgemm) remember which configuration they loaded last in each thread and do not load it
+// again. So a scope that uses the tiles saves what was configured and puts it back when done (or releases the
+// tiles if nothing was); otherwise torch's next bf16 matmul would run on our tile shapes and write out of
+// bounds.
+class DotScope {
+ public:
+  DotScope() {
+    _tile_storeconfig(&saved_);
+    TileConfig ours;
+    for (int t = 0; t < 8; ++t) {
+      ours.colsb[t] = 64;  // 16 float32, 32 bf16 or 16 pairs a row
+      ours.rows[t] = 16;
+    }
+    _tile_loadconfig(&ours);
   }
-  _tile_loadconfig(&config);
-}
-inline void dot_end() { _tile_release(); }
+  ~DotScope() {
+    if (saved_.palette_id != 0)
+      _tile_loadconfig(&saved_);
+    else
+      _tile_release();
+  }
+  DotScope(const DotScope&) = delete;
+  DotScope& operator=(const DotScope&) = delete;
+
+ private:
+  TileConfig saved_;
+};
 
 // C[0:32, n0:n0+16·NB] (+)= A[0:32, :K] · B[:K, n0:...], NB = 1 or 2 column tiles.
 template <int NB>
@@ -117,8 +136,7 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
 // ---------------------------------------------------------------------------------------------------
 // vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; a VNNI row of B is one zmm of 16 pairs.
 // ---------------------------------------------------------------------------------------------------
-inline void dot_begin() {}
-inline void dot_end() {}
+struct DotScope {};  // vdpbf16ps needs no set-up
 
 template <int R, int NV>
 inline void dot_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,

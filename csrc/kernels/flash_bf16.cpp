@@ -195,13 +195,12 @@ void run(const AttentionParams& p, float* workspace) {
 
     // 2. Query tiles, the costliest (causal: the last) first.
     float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
-    dot_begin();
+    const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t i = L.Tr - 1 - task % L.Tr, h = (task / L.Tr) % p.num_heads, b = task / (L.Tr * p.num_heads);
       query_tile(p, L, b, h, i * L.Br, kt_all, v_all, v_finite, scratch);
     }
-    dot_end();
   }
 }
 

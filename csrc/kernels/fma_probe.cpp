@@ -45,23 +45,24 @@ double bf16_dot_probe(int64_t iterations, int num_threads) {
     alignas(64) bf16_bits operand[16 * 32];
     for (int i = 0; i < 16 * 32; ++i) operand[i] = 0x3F80;  // 1.0
     alignas(64) float c[16 * 16];
-    dot_begin();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(4, operand, 64);
-    _tile_loadd(5, operand, 64);
-    _tile_loadd(6, operand, 64);
-    _tile_loadd(7, operand, 64);
-    for (int64_t it = 0; it < iterations; ++it) {
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+    {
+      const DotScope tiles;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(4, operand, 64);
+      _tile_loadd(5, operand, 64);
+      _tile_loadd(6, operand, 64);
+      _tile_loadd(7, operand, 64);
+      for (int64_t it = 0; it < iterations; ++it) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, 64);
     }
-    _tile_stored(0, c, 64);
-    dot_end();
     sink += c[0];
 #else
     constexpr int kChains = 24;
