@@ -461,7 +461,7 @@ def test_torch_ops_registration_matches_python_api():
 def test_isas_agree(restore_threads):
     """Every supported ISA gives the same answer up to rounding (each is also checked against float64)."""
     m = module()
-    names = [n for n in [n for n in ALL_ISAS if n != "amx"] if m.cpu_supports(n)]
+    names = [n for n in ALL_ISAS if n != "amx" and m.cpu_supports(n)]
     if len(names) < 2:
         pytest.skip("only one ISA here")
     g = gen(13)
