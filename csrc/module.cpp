@@ -13,6 +13,7 @@
 
 #include <array>
 #include <chrono>
+#include <iomanip>
 #include <cmath>
 #include <optional>
 #include <sstream>
@@ -188,15 +189,20 @@ int64_t checked_sum(at::IntArrayRef terms) {
   return sum;
 }
 
+std::string gib(double bytes) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(1) << bytes / (1 << 30);
+  return s.str();
+}
+
 // Refuses, with torch.OutOfMemoryError naming what is allocated and its sizes, `count` elements of `elem_size`
 // bytes that overflow int64 (count -1: the count itself did) or exceed this machine's memory. torch's allocator
 // would raise a RuntimeError at best; a size that wrapped around would be allocated, too small, and overrun.
 void check_fits(int64_t count, int64_t elem_size, const std::string& what) {
   const int64_t bytes = checked_product({count, elem_size});
   TORCH_CHECK_WITH(OutOfMemoryError, bytes >= 0, what, " is beyond any machine's memory: its size overflows int64");
-  TORCH_CHECK_WITH(OutOfMemoryError, bytes <= physical_memory_bytes(), what, " needs ",
-                   static_cast<double>(bytes) / (1 << 30), " GiB, more than this machine's memory (",
-                   static_cast<double>(physical_memory_bytes()) / (1 << 30), " GiB)");
+  TORCH_CHECK_WITH(OutOfMemoryError, bytes <= physical_memory_bytes(), what, " needs ", gib(bytes),
+                   " GiB, more than this machine's memory (", gib(physical_memory_bytes()), " GiB)");
 }
 
 std::string shape_of(const char* name, at::IntArrayRef sizes) {
@@ -239,11 +245,10 @@ void fill_strides(int64_t (&strides)[3], const at::Tensor& t4) {
 void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
   int64_t elems = 0;
   const bool overflow = __builtin_mul_overflow(q_len, kv_len, &elems);
-  const double gib = static_cast<double>(q_len) * static_cast<double>(kv_len) * sizeof(float) / (1 << 30);
   TORCH_CHECK_WITH(OutOfMemoryError, !overflow && elems * static_cast<double>(sizeof(float)) <= physical_memory_bytes(),
                    "impl='", impl, "' materialises the q_len x kv_len score matrix (", q_len, " x ", kv_len,
-                   " floats = ", gib, " GiB), more than this machine's memory; use impl='fused' or 'flash', "
-                   "which need O(N) memory");
+                   " floats = ", gib(static_cast<double>(q_len) * static_cast<double>(kv_len) * sizeof(float)),
+                   " GiB), more than this machine's memory; use impl='fused' or 'flash', which need O(N) memory");
 }
 
 // q, k, v checked and seen as (batch, heads, N, d), with the params of a call on them (all but out and lse).
@@ -360,17 +365,6 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
   const DType dtype = check_attention(q, k, v, impl, scale, causal, block_q, block_k);
   Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k);
   AttentionParams& p = prep.p;
-  at::Tensor out = checked_empty({p.batch, p.num_heads, p.q_len, p.head_dim}, q.options(), "out");
-  p.out = out.data_ptr();
-  fill_strides(p.out_strides, out);
-  at::Tensor lse;
-  if (want_lse) {
-    lse = checked_empty({p.batch, p.num_heads, p.q_len}, q.options().dtype(at::kFloat), "lse");
-    p.lse = lse.data_ptr<float>();
-    p.lse_strides[0] = lse.stride(0);
-    p.lse_strides[1] = lse.stride(1);
-  }
-
   const KernelTable& kernels = cs149gpt::kernels();
   const Kernel* kernel = nullptr;
   const char* impl_name = impl == Impl::naive ? "naive" : impl == Impl::blocked ? "blocked" : impl == Impl::fused ? "fused" : "flash";
@@ -386,6 +380,17 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
     case Impl::fused: kernel = &kernels.fused; break;
     case Impl::flash: kernel = &kernels.flash; break;
   }
+  at::Tensor out = checked_empty({p.batch, p.num_heads, p.q_len, p.head_dim}, q.options(), "out");
+  p.out = out.data_ptr();
+  fill_strides(p.out_strides, out);
+  at::Tensor lse;
+  if (want_lse) {
+    lse = checked_empty({p.batch, p.num_heads, p.q_len}, q.options().dtype(at::kFloat), "lse");
+    p.lse = lse.data_ptr<float>();
+    p.lse_strides[0] = lse.stride(0);
+    p.lse_strides[1] = lse.stride(1);
+  }
+
   if (p.batch * p.num_heads > 0)
     kernel->run(p, workspace(*kernel, p, p, std::string("the workspace of impl='") + impl_name + "'").data_ptr<float>());
   const auto lead = q.sizes().slice(0, q.dim() - 1);
