@@ -40,6 +40,16 @@ Impl parse_impl(const std::string& impl) {
   TORCH_CHECK_VALUE(false, "impl must be one of 'naive', 'blocked', 'fused', 'flash'; got '", impl, "'");
 }
 
+const char* impl_name(Impl impl) {
+  switch (impl) {
+    case Impl::naive: return "naive";
+    case Impl::blocked: return "blocked";
+    case Impl::fused: return "fused";
+    case Impl::flash: return "flash";
+  }
+  return "?";
+}
+
 // is_causal=True is torch SDPA's top-left alignment; "bottom_right" is causal_lower_right's.
 int64_t parse_causal(const std::string& causal, int64_t q_len, int64_t kv_len, bool* is_causal) {
   *is_causal = causal != "none";
@@ -53,7 +63,7 @@ DType parse_dtype(const at::Tensor& q, Impl impl) {
     case at::kFloat: return DType::f32;
     case at::kBFloat16:
     case at::kHalf:
-      TORCH_CHECK_TYPE(impl == Impl::flash, "impl='", impl == Impl::naive ? "naive" : impl == Impl::blocked ? "blocked" : "fused",
+      TORCH_CHECK_TYPE(impl == Impl::flash, "impl='", impl_name(impl),
                        "' supports float32 only, got ", q.scalar_type(), "; impl='flash' takes bfloat16 and float16");
       return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
     default:
@@ -215,7 +225,9 @@ std::string shape_of(const char* name, at::IntArrayRef sizes) {
 // into the batch, which is a view too whenever their strides allow it. A copy (the rare case) is checked first:
 // a stride-0 expanded input of astronomically many elements takes no memory until it is copied.
 at::Tensor as_4d(const at::Tensor& t, const char* name) {
-  const auto copy_fits = [&] { check_fits(t.numel(), t.element_size(), std::string("a copy of ") + shape_of(name, t.sizes())); };
+  const auto copy_fits = [&] {
+    check_fits(t.numel(), t.element_size(), std::string("a copy of ") + shape_of(name, t.sizes()));
+  };
   at::Tensor t4;
   switch (t.dim()) {
     case 2: t4 = t.unsqueeze(0).unsqueeze(0); break;
@@ -367,7 +379,6 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
   AttentionParams& p = prep.p;
   const KernelTable& kernels = cs149gpt::kernels();
   const Kernel* kernel = nullptr;
-  const char* impl_name = impl == Impl::naive ? "naive" : impl == Impl::blocked ? "blocked" : impl == Impl::fused ? "fused" : "flash";
   switch (impl) {
     case Impl::naive:
       check_score_matrix_fits(p.q_len, p.kv_len, "naive");
@@ -392,7 +403,8 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
   }
 
   if (p.batch * p.num_heads > 0)
-    kernel->run(p, workspace(*kernel, p, p, std::string("the workspace of impl='") + impl_name + "'").data_ptr<float>());
+    kernel->run(p, workspace(*kernel, p, p, std::string("the workspace of impl='") + impl_name(impl) + "'")
+                       .data_ptr<float>());
   const auto lead = q.sizes().slice(0, q.dim() - 1);
   return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};
 }
@@ -429,8 +441,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
-  at::Tensor dq = checked_empty(prep.q4.sizes(), q.options(), "dq"), dk = checked_empty(prep.k4.sizes(), k.options(), "dk"),
-             dv = checked_empty(prep.v4.sizes(), v.options(), "dv");
+  at::Tensor dq = checked_empty(prep.q4.sizes(), q.options(), "dq");
+  at::Tensor dk = checked_empty(prep.k4.sizes(), k.options(), "dk");
+  at::Tensor dv = checked_empty(prep.v4.sizes(), v.options(), "dv");
   const at::Tensor dout4 = as_4d(dout, "dout"), out4 = as_4d(out, "out");
   const at::Tensor lse3 = lse.reshape({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len}).contiguous();
   bp.fwd.out = out4.data_ptr();
