@@ -80,9 +80,6 @@ def attention(
         raise ValueError(f"return_lse=True needs impl='flash', got impl={impl!r}")
     _load()
     _refuse_sparse_and_quantized(q, k, v)
-    if _has_tangent(q, k, v):
-        raise NotImplementedError("Trying to use forward AD with cs149gpt attention, which does not support it; "
-                                  "only the backward (reverse mode) is implemented")
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
             out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k)
@@ -98,8 +95,8 @@ def _refuse_sparse_and_quantized(q, k, v) -> None:
 
 
 def _has_tangent(*tensors) -> bool:
-    """Whether a tensor carries a forward-mode AD tangent (torch.autograd.forward_ad, torch.func.jvp). Our ops
-    have no forward derivative, and the autograd layer of a custom op would drop the tangent without a word."""
+    """Whether a tensor carries a forward-mode AD tangent (torch.autograd.forward_ad, torch.func.jvp): our ops
+    refuse it (no forward derivative: module.cpp, refuse_forward_ad); the SDPA drop-in hands it to torch."""
     if fwAD._current_level < 0:  # no dual level open: the common case, one global read
         return False
     return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)

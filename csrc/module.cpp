@@ -275,13 +275,6 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  std::optional<int64_t> block_k) {
   // Meta tensors pass check_attention (the fake implementations share it); the kernels need memory.
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
-  // Forward-mode AD: the tangent would be dropped without a word (the result would have none). torch's words for
-  // an op without a forward derivative. (Under torch.func.jvp the tangents live on wrappers this code never sees;
-  // ops.py checks those.)
-  for (const auto& [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
-    TORCH_CHECK_NOT_IMPLEMENTED(!t->_fw_grad(/*level=*/0).defined(), "Trying to use forward AD with cs149gpt "
-                                "attention, which does not support it (", name, " has a tangent); only the "
-                                "backward (reverse mode) is implemented");
   const int64_t d = q.size(-1), q_len = q.size(-2), kv_len = k.size(-2);
   const double scale_value = scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
 
@@ -582,6 +575,29 @@ void set_isa_checked(const std::string& name) {
 }  // namespace
 }  // namespace cs149gpt
 
+namespace cs149gpt {
+namespace {
+
+// Forward-mode AD (torch.autograd.forward_ad, torch.func.jvp): our ops have no forward derivative, and the autograd
+// layer torch.library builds for a custom op runs it without a word for a tangent that requires no grad: the result
+// would have no tangent (under jvp, a zero one). So every op is refused here, in torch's words for such an op, one
+// dispatch key below Autograd, where the tensors still carry their tangents (functorch's wrappers included: they are
+// unwrapped further down).
+void refuse_forward_ad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& arg = (*stack)[first + i];
+    TORCH_CHECK_NOT_IMPLEMENTED(!arg.isTensor() || !arg.toTensor()._fw_grad(/*level=*/0).defined(),
+                                "Trying to use forward AD with ", op.schema().name(), " that does not support it (",
+                                arguments[i].name(), " has a tangent); only reverse mode (backward) is implemented");
+  }
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+}  // namespace
+}  // namespace cs149gpt
+
 // The operator schema, declared once; the CPU implementation is registered apart, so another backend would
 // be one more TORCH_LIBRARY_IMPL block.
 TORCH_LIBRARY(cs149gpt, m) {
@@ -598,6 +614,11 @@ TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
   m.impl("attention", &cs149gpt::attention);
   m.impl("flash_attention", &cs149gpt::flash_attention);
   m.impl("flash_attention_backward", &cs149gpt::flash_attention_backward);
+}
+
+TORCH_LIBRARY_IMPL(cs149gpt, ADInplaceOrView, m) {
+  for (const char* op : {"attention", "flash_attention", "flash_attention_backward"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad>());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -397,7 +397,7 @@ def test_sparse_csr():
 # Forward-mode AD: our ops have no forward derivative. They say so, as torch does for such an op, instead of
 # returning a result without a tangent (or, under torch.func.jvp, a zero one).
 # ---------------------------------------------------------------------------------------------------------
-FWAD_MESSAGE = "Trying to use forward AD with cs149gpt attention, which does not support it"
+FWAD_MESSAGE = "Trying to use forward AD with cs149gpt::{op} that does not support it ({arg} has a tangent)"
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])
@@ -407,14 +407,31 @@ def test_forward_ad_dual_tensor_raises(which):
         tensors[which] = fwAD.make_dual(tensors[which], torch.randn(1, 2, 5, 8))
         e = _raised(cs149gpt.attention, *tensors.values())
         op_e = _raised(torch.ops.cs149gpt.attention, *tensors.values(), "fused")  # the operator itself, too
-    assert type(e) is NotImplementedError and FWAD_MESSAGE in str(e), repr(e)
-    assert type(op_e) is NotImplementedError and FWAD_MESSAGE in str(op_e) and f"{which} has a tangent" in str(op_e)
+    assert type(e) is NotImplementedError, repr(e)
+    assert FWAD_MESSAGE.format(op="flash_attention", arg=which) in str(e)
+    assert type(op_e) is NotImplementedError and FWAD_MESSAGE.format(op="attention", arg=which) in str(op_e)
 
 
-def test_jvp_raises():
+@pytest.mark.parametrize("entry", ["attention", "operator"])
+def test_jvp_raises(entry):
+    """Under torch.func.jvp the tangents live on functorch's wrappers: refused all the same, not a zero tangent."""
     q = torch.randn(1, 2, 5, 8)
-    e = _raised(torch.func.jvp, lambda x: cs149gpt.attention(x, q, q), (q,), (torch.randn_like(q),))
-    assert type(e) is NotImplementedError and FWAD_MESSAGE in str(e), repr(e)
+    f = ((lambda x: cs149gpt.attention(x, q, q, impl="fused")) if entry == "attention" else
+         (lambda x: torch.ops.cs149gpt.flash_attention(q, x, q)[0]))
+    e = _raised(torch.func.jvp, f, (q,), (torch.randn_like(q),))
+    assert type(e) is NotImplementedError, repr(e)
+    expected = FWAD_MESSAGE.format(op="attention", arg="q") if entry == "attention" else \
+        FWAD_MESSAGE.format(op="flash_attention", arg="k")
+    assert expected in str(e)
+
+
+def test_forward_ad_through_the_backward_op():
+    args = _backward_args({})
+    with fwAD.dual_level():
+        args[0] = fwAD.make_dual(args[0], torch.ones_like(args[0]))
+        e = _raised(torch.ops.cs149gpt.flash_attention_backward, *args)
+    assert type(e) is NotImplementedError, repr(e)
+    assert FWAD_MESSAGE.format(op="flash_attention_backward", arg="dout") in str(e)
 
 
 @pytest.mark.parametrize("how", ["dual", "jvp"])
