@@ -161,7 +161,7 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     if key.shape[-1] != query.shape[-1] or key.shape[:-3] != query.shape[:-3]:
         return False  # torch broadcasts the leading dims; we do not
     if min(query.shape[-2:]) == 0 or key.shape[-2] == 0:
-        return False  # torch returns an empty result, or NaN for no keys
+        return False  # torch returns an empty result, or zeros for no keys
     h_q, h_kv = query.shape[-3], key.shape[-3]
     if h_kv == 0 or not (h_q == h_kv or (enable_gqa and h_q % h_kv == 0)):
         return False
@@ -213,10 +213,10 @@ def _not_differentiable(what: str):
 def _register_python_parts() -> None:
     lib = "cs149gpt::"
 
-    # The fakes (also the meta kernels) check their arguments with the very C++ function the CPU kernels use,
-    # written on symbolic sizes: eager, meta, FakeTensorMode and torch.compile (dynamic shapes included) refuse the
-    # same inputs with the same message, from one source. (C++ Meta kernels would share the code too, but the
-    # fakes would still be needed for torch.compile; a Python copy of the checks would drift from the C++ one.)
+    # One source for the checks: the fakes (which torch.library also installs as the meta kernels) call the very
+    # C++ function the CPU kernels call, written on symbolic sizes, so eager, meta, FakeTensorMode and torch.compile
+    # (dynamic shapes included) refuse the same inputs with the same message. A Python copy of the checks would
+    # drift from the C++ one; C++ Meta kernels would have to compute the output shapes a second time, in C++.
     checks = _ext._module
 
     @torch.library.register_fake(lib + "attention")
