@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   install what is missing, build, run the driver's part4 (flash) check
 #   make test   install what is missing, build, run the whole test suite
-#   make sanitize   the test suite against an AddressSanitizer + UBSan build (.ci/sanitize; 2 cores: ~4 min build, ~8 min run)
+#   make sanitize   the suite against an AddressSanitizer + UBSan build (.ci/sanitize: ~4 min build, ~8 min run)
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 

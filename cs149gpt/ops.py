@@ -79,7 +79,6 @@ def attention(
     if return_lse and impl != "flash":
         raise ValueError(f"return_lse=True needs impl='flash', got impl={impl!r}")
     _load()
-    _refuse_sparse_and_quantized(q, k, v)
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
             out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k)
@@ -88,8 +87,8 @@ def attention(
 
 
 def _refuse_sparse_and_quantized(q, k, v) -> None:
-    """A sparse or quantized tensor would reach the dispatcher, which has no kernel for its backend and says so in
-    its own words; the C++ check (the one source of our messages) names the argument instead, with a TypeError."""
+    """Sparse and quantized tensors: a TypeError naming the argument, from the C++ check (the one source of our
+    messages; the operators raise the same), where torch's SDPA would raise a RuntimeError of its own."""
     if any(t.layout != torch.strided or t.is_quantized for t in (q, k, v)):
         _ext._module.check_attention(q, k, v, "flash", None, "none", None, None)
 

@@ -616,6 +616,19 @@ TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
   m.impl("flash_attention_backward", &cs149gpt::flash_attention_backward);
 }
 
+// Sparse and quantized CPU tensors dispatch to these keys. The CPU implementations refuse them (check_attention: a
+// TypeError naming the argument) before touching memory; without these registrations the dispatcher would answer
+// "Could not run ... with arguments from the 'SparseCPU' backend".
+#define CS149GPT_REFUSING_IMPL(KEY)                                                   \
+  TORCH_LIBRARY_IMPL(cs149gpt, KEY, m) {                                              \
+    m.impl("attention", &cs149gpt::attention);                                        \
+    m.impl("flash_attention", &cs149gpt::flash_attention);                            \
+    m.impl("flash_attention_backward", &cs149gpt::flash_attention_backward);          \
+  }
+CS149GPT_REFUSING_IMPL(SparseCPU)
+CS149GPT_REFUSING_IMPL(SparseCsrCPU)
+CS149GPT_REFUSING_IMPL(QuantizedCPU)
+
 TORCH_LIBRARY_IMPL(cs149gpt, ADInplaceOrView, m) {
   for (const char* op : {"attention", "flash_attention", "flash_attention_backward"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad>());

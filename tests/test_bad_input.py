@@ -367,7 +367,7 @@ def _csr(t):
     return t[0, 0].to_sparse_csr()
 
 
-@pytest.mark.parametrize("entry", ["attention", "sdpa", "myNaiveAttention"])
+@pytest.mark.parametrize("entry", ["attention", "operator", "sdpa", "myNaiveAttention"])
 @pytest.mark.parametrize("make, which, fragment", [
     (_sparse, "q", "q must be a dense (strided) tensor, got layout Sparse"),
     (_sparse, "k", "k must be a dense (strided) tensor, got layout Sparse"),
@@ -380,6 +380,8 @@ def test_sparse_and_quantized(entry, make, which, fragment):
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     if entry == "attention":
         e = _raised(cs149gpt.attention, q, k, v)
+    elif entry == "operator":  # the dispatcher used to answer "Could not run ... from the 'SparseCPU' backend"
+        e = _raised(torch.ops.cs149gpt.flash_attention, q, k, v)
     elif entry == "sdpa":
         e = _raised(cs149gpt.scaled_dot_product_attention, q, k, v)
     else:
@@ -391,6 +393,15 @@ def test_sparse_csr():
     q = torch.randn(1, 2, 5, 8)
     e = _raised(cs149gpt.attention, q, q, _csr(q))
     assert type(e) is TypeError and "v must be a dense (strided) tensor, got layout SparseCsr" in str(e), repr(e)
+
+
+@pytest.mark.parametrize("which", ["dout", "out", "lse"])
+def test_backward_sparse(which):
+    args = _backward_args({})
+    index = ("dout", "q", "k", "v", "out", "lse").index(which)
+    args[index] = args[index].to_sparse()
+    e = _raised(torch.ops.cs149gpt.flash_attention_backward, *args)
+    assert type(e) is TypeError and f"{which} must be a dense (strided) tensor, got layout Sparse" in str(e), repr(e)
 
 
 # ---------------------------------------------------------------------------------------------------------
