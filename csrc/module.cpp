@@ -99,6 +99,18 @@ void check_devices(std::initializer_list<std::pair<const char*, const at::Tensor
   TORCH_CHECK_VALUE(false, names.str(), " must be on one device, got ", devices.str());
 }
 
+// A condition on sizes that may be symbolic (torch.compile): decided now when it can be (concrete sizes; backed
+// symbols, with a guard), else asserted when the compiled graph runs (unbacked sizes, from data-dependent ops such
+// as nonzero, where a guard would fail the trace).
+#define CHECK_SIZES(cond, ...) TORCH_CHECK_VALUE((cond).expect_true(__FILE__, __LINE__), __VA_ARGS__)
+
+c10::SymBool equal_sizes(c10::SymIntArrayRef a, c10::SymIntArrayRef b) {
+  if (a.size() != b.size()) return false;
+  c10::SymBool equal = true;
+  for (size_t i = 0; i < a.size(); ++i) equal = equal.sym_and(a[i].sym_eq(b[i]));
+  return equal;
+}
+
 // Python floats are doubles; the kernels take scale as a float32. Doubles from this bound up round to ±inf
 // (it is FLT_MAX + half an ulp), so the comparison is made in double, without an out-of-range conversion.
 constexpr double kFloat32Overflow = 0x1.ffffffp+127;
@@ -123,23 +135,27 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                     q.sym_sizes(), ", k ", k.sym_sizes(), ", v ", v.sym_sizes());
   const int64_t rank = q.dim();
   const c10::SymInt d = q.sym_size(-1), q_len = q.sym_size(-2), kv_len = k.sym_size(-2);
-  TORCH_CHECK_VALUE(d >= 1, "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
-  TORCH_CHECK_VALUE(q_len >= 1, "q must have at least one query row (dim -2), got shape ", q.sym_sizes());
-  TORCH_CHECK_VALUE(kv_len >= 1, "k must have at least one key row (dim -2), got shape ", k.sym_sizes());
-  TORCH_CHECK_VALUE(k.sym_size(-1) == d && v.sym_size(-1) == d, "k and v must have head dim d = ", d,
-                    " (the last dim of q), got k ", k.sym_sizes(), ", v ", v.sym_sizes());
-  TORCH_CHECK_VALUE(v.sym_size(-2) == kv_len, "k and v must have the same length (dim -2), got k ", k.sym_sizes(),
-                    ", v ", v.sym_sizes());
-  for (int64_t i = 0; i + 3 < rank; ++i)
-    TORCH_CHECK_VALUE(k.sym_size(i) == q.sym_size(i) && v.sym_size(i) == q.sym_size(i),
-                      "q, k and v must have the same leading dims, got q ", q.sym_sizes(), ", k ", k.sym_sizes(),
-                      ", v ", v.sym_sizes());
+  CHECK_SIZES(d.sym_ge(1), "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
+  CHECK_SIZES(q_len.sym_ge(1), "q must have at least one query row (dim -2), got shape ", q.sym_sizes());
+  CHECK_SIZES(kv_len.sym_ge(1), "k must have at least one key row (dim -2), got shape ", k.sym_sizes());
+  CHECK_SIZES(k.sym_size(-1).sym_eq(d).sym_and(v.sym_size(-1).sym_eq(d)), "k and v must have head dim d = ", d,
+              " (the last dim of q), got k ", k.sym_sizes(), ", v ", v.sym_sizes());
+  CHECK_SIZES(v.sym_size(-2).sym_eq(kv_len), "k and v must have the same length (dim -2), got k ", k.sym_sizes(),
+              ", v ", v.sym_sizes());
+  const auto lead = q.sym_sizes().slice(0, std::max<int64_t>(rank - 3, 0));
+  CHECK_SIZES(equal_sizes(k.sym_sizes().slice(0, lead.size()), lead)
+                  .sym_and(equal_sizes(v.sym_sizes().slice(0, lead.size()), lead)),
+              "q, k and v must have the same leading dims, got q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ",
+              v.sym_sizes());
   if (rank >= 3) {
     const c10::SymInt hq = q.sym_size(-3), hkv = k.sym_size(-3);
-    TORCH_CHECK_VALUE(v.sym_size(-3) == hkv, "k and v must have the same number of heads (dim -3), got k ",
-                      k.sym_sizes(), ", v ", v.sym_sizes());
-    TORCH_CHECK_VALUE(hkv >= 1 && hq % hkv == 0, "the heads of q (dim -3) must be a multiple of those of k and v, "
-                      "got q ", q.sym_sizes(), ", k ", k.sym_sizes());
+    CHECK_SIZES(v.sym_size(-3).sym_eq(hkv), "k and v must have the same number of heads (dim -3), got k ",
+                k.sym_sizes(), ", v ", v.sym_sizes());
+    // Two checks, one message: hq % 0 must never be evaluated.
+    CHECK_SIZES(hkv.sym_ge(1), "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
+                q.sym_sizes(), ", k ", k.sym_sizes());
+    CHECK_SIZES((hq % hkv).sym_eq(0), "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
+                q.sym_sizes(), ", k ", k.sym_sizes());
   }
   if (scale)
     TORCH_CHECK_VALUE(std::isfinite(*scale) && std::fabs(*scale) < kFloat32Overflow,
@@ -155,8 +171,8 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // t has like's shape, dtype and device (the backward's dout and out have q's).
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
   check_tensor(t, name);
-  TORCH_CHECK_VALUE(t.sym_sizes() == like.sym_sizes(), name, " must have the shape of ", like_name, ", ",
-                    like.sym_sizes(), "; got ", t.sym_sizes());
+  CHECK_SIZES(equal_sizes(t.sym_sizes(), like.sym_sizes()), name, " must have the shape of ", like_name, ", ",
+              like.sym_sizes(), "; got ", t.sym_sizes());
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", like_name, ", ",
                    like.scalar_type(), "; got ", t.scalar_type());
 }
@@ -173,8 +189,8 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
   TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
   TORCH_CHECK_TYPE(lse.layout() == at::kStrided, "lse must be a dense (strided) tensor, got layout ", lse.layout());
   const auto lead = q.sym_sizes().slice(0, q.dim() - 1);
-  TORCH_CHECK_VALUE(lse.sym_sizes() == lead, "lse must have shape ", lead, " (q's without the last dim); got ",
-                    lse.sym_sizes());
+  CHECK_SIZES(equal_sizes(lse.sym_sizes(), lead), "lse must have shape ", lead, " (q's without the last dim); got ",
+              lse.sym_sizes());
   TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
   check_devices({{"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
   return dtype;

@@ -274,6 +274,25 @@ def test_compile_dynamic_accepts_what_eager_accepts():
             assert torch.equal(f(q, k, v), cs149gpt.attention(q, k, v, is_causal=True))
 
 
+def test_compile_data_dependent_kv_len():
+    """Unbacked sizes (the keys picked by nonzero): the shared check asserts on them when the graph runs instead
+    of guarding, which would fail the trace."""
+    torch._dynamo.reset()
+    torch._dynamo.config.capture_dynamic_output_shape_ops, before = True, \
+        torch._dynamo.config.capture_dynamic_output_shape_ops
+    try:
+        @torch.compile(fullgraph=True)
+        def f(q, keep):
+            kv = q[:, :, keep.nonzero().squeeze(-1)]  # (1, 2, u0, 8)
+            return cs149gpt.attention(q, kv, kv)
+
+        q, keep = torch.randn(1, 2, 5, 8), torch.tensor([1, 0, 1, 1, 0])
+        with torch.no_grad():
+            assert torch.equal(f(q, keep), cs149gpt.attention(q, q[:, :, [0, 2, 3]], q[:, :, [0, 2, 3]]))
+    finally:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = before
+
+
 # The backward op: dout, out and lse are checked by the fake as by the kernel.
 BAD_BACKWARD = [
     ("out shape", {"out": (1, 2, 5, 7)}, ValueError, "out must have the shape of q, [1, 2, 5, 8]; got [1, 2, 5, 7]"),
