@@ -228,17 +228,21 @@ def _raised(f, *args, **kwargs):
     return None
 
 
+def _raised_in(mode, f, tensors, **kwargs):
+    """What f(*tensors, **kwargs) raises; in mode "fake", called on FakeTensors made from them."""
+    if mode != "fake":
+        return _raised(f, *tensors, **kwargs)
+    with FakeTensorMode() as fake:
+        return _raised(f, *(fake.from_tensor(t) for t in tensors), **kwargs)
+
+
 @pytest.mark.parametrize("mode", ["eager", "meta", "fake"])
 @pytest.mark.parametrize("case", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
 def test_fake_and_meta_check_what_eager_checks(case, mode):
     """The operator's CPU kernel, its meta kernel and its fake refuse the same call with the same exception."""
     _, q_shape, k_shape, v_shape, k_dtype, kwargs, exc_type, fragment = case
     q, k, v = _bad_call_tensors(q_shape, k_shape, v_shape, k_dtype, "meta" if mode == "meta" else "cpu")
-    if mode == "fake":
-        with FakeTensorMode() as fake:
-            e = _raised(_flash, *(fake.from_tensor(t) for t in (q, k, v)), **kwargs)
-    else:
-        e = _raised(_flash, q, k, v, **kwargs)
+    e = _raised_in(mode, _flash, (q, k, v), **kwargs)
     assert type(e) is exc_type, repr(e)
     assert fragment in str(e)
     # the same message, word for word, in every mode
@@ -322,11 +326,7 @@ def test_backward_fake_checks_out_and_lse(case, mode):
     _, spec, exc_type, fragment = case
     args = _backward_args(spec, "meta" if mode == "meta" else "cpu")
     op = torch.ops.cs149gpt.flash_attention_backward
-    if mode == "fake":
-        with FakeTensorMode() as fake:
-            e = _raised(op, *(fake.from_tensor(t) for t in args))
-    else:
-        e = _raised(op, *args)
+    e = _raised_in(mode, op, args)
     assert type(e) is exc_type, repr(e)
     assert fragment in str(e)
     assert str(e) == str(_raised(op, *_backward_args(spec)))
@@ -344,11 +344,7 @@ def test_backward_fake_checks_out_and_lse(case, mode):
 def test_mixed_devices(devices, expected, mode):
     """A CPU q with meta k, v used to return an uninitialised CPU tensor (the meta kernel ran)."""
     q, k, v = (torch.randn(1, 2, 5, 8, device=dev) for dev in devices)
-    if mode == "fake":
-        with FakeTensorMode() as fake:
-            e = _raised(cs149gpt.attention, *(fake.from_tensor(t) for t in (q, k, v)))
-    else:
-        e = _raised(cs149gpt.attention, q, k, v)
+    e = _raised_in(mode, cs149gpt.attention, (q, k, v))
     assert type(e) is ValueError and str(e) == expected, repr(e)
 
 
