@@ -27,7 +27,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cs149gpt
 
 ROOT = Path(__file__).resolve().parents[1]
-INT64_MAX = 2**63 - 1
 
 # ---------------------------------------------------------------------------------------------------------
 # Sizes and integer overflow, in a subprocess. Each case: (name, code, exception type name or None, regex).
