@@ -1,10 +1,11 @@
 # The two commands of the README:
 #   make demo   install what is missing, build, run the driver's part4 (flash) check
 #   make test   install what is missing, build, run the whole test suite
+#   make sanitize   the suite against an AddressSanitizer + UBSan build (.ci/sanitize: ~4 min build, ~8 min run)
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: deps build demo test bench clean
+.PHONY: deps build demo test sanitize bench clean
 
 deps:
 	$(PIP) install -q -r requirements.txt
@@ -18,6 +19,9 @@ demo: build
 
 test: build
 	$(PYTHON) -m pytest -q tests
+
+sanitize: deps
+	PYTHON=$(PYTHON) .ci/sanitize
 
 bench: build
 	$(PYTHON) benchmarks/bench_attention.py

@@ -152,28 +152,28 @@ def attention_flops(shape: Shape, causal: bool) -> int:
 
 
 FMA_PROBE_REPEATS = 3  # of about 0.2 s each
-_fma_peak_cache: dict[int, Optional[float]] = {}
+_fma_peak_cache: dict[tuple[int, str], Optional[float]] = {}
 
 
 def fma_peak_gflops(threads: int, dtype: torch.dtype) -> Optional[float]:
-    """This machine's peak multiply-add rate in GFLOP/s (an FMA is 2 FLOPs) on `threads` threads, or None.
+    """This machine's peak rate for `dtype` in GFLOP/s (a multiply-add is 2 FLOPs) on `threads` threads, or None.
 
-    Measured by cs149gpt's FMA probe (independent chains of float32 vector FMAs on the ISA cs149gpt.isa() reports),
-    once per thread count; None where the compiled module has no probe, and then "% FMA peak" is left out.
-    It is the float32 peak for every dtype: the ceiling of kernels that compute in float32 whatever they load.
-    A bfloat16 or float16 path on other instructions (torch's AMX or avx512_bf16/fp16 kernels) can exceed 100%.
+    float32 and float16 (which our kernels compute in float32 FMAs): cs149gpt's FMA probe, independent chains of
+    float32 vector FMAs on the ISA cs149gpt.isa() reports. bfloat16 on an ISA with bf16 dot products (amx,
+    avx512_bf16): its bf16 probe (AMX tiles or vdpbf16ps), the ceiling of our bf16 path. Measured once per
+    (thread count, kind); None where the compiled module has no probe, and then "% of peak" is left out.
     """
-    del dtype  # the same float32 ceiling for all; see above
-    if threads not in _fma_peak_cache:
-        # Public once cs149gpt re-exports it; until then the compiled module has it.
-        probe = getattr(cs149gpt, "fma_peak_gflops", None)
-        if probe is None:
-            from cs149gpt import _ext
+    from cs149gpt import _ext
 
-            probe = getattr(_ext.load(), "fma_peak_gflops", None)
+    module = _ext.load()
+    bf16_probe = getattr(module, "bf16_peak_gflops", None)
+    use_bf16 = dtype == torch.bfloat16 and bf16_probe is not None and bf16_probe(1, 0.01) is not None
+    key = (threads, "bf16" if use_bf16 else "fma")
+    if key not in _fma_peak_cache:
+        probe = bf16_probe if use_bf16 else getattr(module, "fma_peak_gflops", None)
         # Anything else running on the CPUs only lowers a measured peak, never raises it: keep the best of a few.
-        _fma_peak_cache[threads] = max(float(probe(threads)) for _ in range(FMA_PROBE_REPEATS)) if probe else None
-    return _fma_peak_cache[threads]
+        _fma_peak_cache[key] = max(float(probe(threads)) for _ in range(FMA_PROBE_REPEATS)) if probe else None
+    return _fma_peak_cache[key]
 
 
 def read_cpuinfo() -> list[dict[str, str]]:
@@ -491,7 +491,7 @@ def table_columns(show_peak: bool, show_memory: bool) -> list[Column]:
         Column("×SDPA", 6, lambda r: number(r.ratio_to_sdpa, ".2f")),
     ]
     if show_peak:
-        columns.append(Column("% FMA peak", 10, lambda r: number(r.pct_of_peak, ".1f")))
+        columns.append(Column("% of peak", 10, lambda r: number(r.pct_of_peak, ".1f")))
     if show_memory:
         columns.append(Column("peak MiB", 8, lambda r: number(r.peak_extra_bytes and r.peak_extra_bytes / MIB, ".1f")))
     columns.append(Column("note", 0, lambda r: r.note if r.status == "ok" else f"{r.status}: {r.note}",
@@ -682,6 +682,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Measured before any timing, on the same threads the configurations use.
     peaks = {threads: fma_peak_gflops(threads, torch.float32) for threads in args.threads}
     machine["fma_peak_gflops_float32"] = peaks
+    if torch.bfloat16 in args.dtype:
+        machine["bf16_peak_gflops"] = {threads: fma_peak_gflops(threads, torch.bfloat16) for threads in args.threads}
 
     print("cs149gpt attention benchmark")
     print(f"  machine : {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs "
@@ -697,6 +699,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if show_peak:
         print("  peak    : float32 FMA probe, " + ", ".join(f"{peak:.0f} GFLOP/s on {threads} thread(s)"
                                                           for threads, peak in peaks.items() if peak is not None))
+    if machine.get("bf16_peak_gflops"):
+        print("  peak    : bf16 dot-product probe (% of peak of bfloat16 rows), " + ", ".join(
+            f"{peak:.0f} GFLOP/s on {threads} thread(s)" for threads, peak in machine["bf16_peak_gflops"].items()
+            if peak is not None))
     print()
 
     columns = table_columns(show_peak, args.memory)

@@ -39,14 +39,17 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="bfloat16 on amx/avx512_bf16 sweeps the bf16 dot-product path (flash_bf16.cpp)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     block_qs = [int(x) for x in args.block_q.split(",")]
     block_ks = [int(x) for x in args.block_k.split(",")] if args.impl == "flash" else [None]
-    print(f"# {args.impl}, {args.threads} threads, isa {cs149gpt.isa()}, causal={args.causal}")
+    dtype = getattr(torch, args.dtype)
+    print(f"# {args.impl}, {args.threads} threads, isa {cs149gpt.isa()}, causal={args.causal}, {args.dtype}")
     for text in args.shapes:
         B, H, N, d = (int(x) for x in text.split(","))
-        q, k, v = (torch.randn(B, H, N, d) for _ in range(3))
+        q, k, v = (torch.randn(B, H, N, d).to(dtype) for _ in range(3))
         flops = 4 * B * H * N * N * d * (0.5 if args.causal else 1.0)
         results = []
         for bq, bk in [(None, None)] + [(bq, bk) for bq in block_qs for bk in block_ks]:

@@ -11,6 +11,8 @@ SOURCES = [
     "csrc/module.cpp",
     "csrc/dispatch.cpp",
     # Every kernel, compiled once per instruction set; dispatch.cpp picks one when the module loads.
+    "csrc/isa/kernels_amx.cpp",
+    "csrc/isa/kernels_avx512_bf16.cpp",
     "csrc/isa/kernels_avx512.cpp",
     "csrc/isa/kernels_avx2.cpp",
     "csrc/isa/kernels_scalar.cpp",
@@ -19,6 +21,14 @@ SOURCES = [
 # No -march: one build must run on any x86-64. Wider ISAs are switched on per file (csrc/isa/).
 CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 LD_FLAGS = ["-fopenmp"]
+
+# CS149GPT_SANITIZE=1 (make sanitize): AddressSanitizer and UBSan, into a build directory of its own (_ext.py).
+# -O1 -g keeps the reports' stacks readable; the kernels' SIMD paths are still the ones that run.
+SANITIZE = os.environ.get("CS149GPT_SANITIZE") == "1"
+if SANITIZE:
+    _sanitizers = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+    CXX_FLAGS = [f for f in CXX_FLAGS if f != "-O3"] + ["-O1", "-g", *_sanitizers]
+    LD_FLAGS = LD_FLAGS + _sanitizers
 
 # The CUDA kernels (csrc/cuda/), built in only where torch has CUDA and nvcc is found (_ext.py, setup.py decide);
 # elsewhere the build is the CPU one above, unchanged. The .cu files include no torch header (so
@@ -46,4 +56,5 @@ HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if
     "csrc/kernels/blocked.cpp",
     "csrc/kernels/fused.cpp",
     "csrc/kernels/flash.cpp",
+    "csrc/kernels/flash_bf16.cpp",
 ]

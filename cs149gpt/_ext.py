@@ -33,6 +33,8 @@ def _jit_build():
     build_dir = _build.ROOT / "build" / f"jit-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
     if with_cuda:
         build_dir = build_dir.with_name(build_dir.name + "-cuda")
+    if _build.SANITIZE:
+        build_dir = build_dir.with_name(build_dir.name + "-sanitize")
     build_dir.mkdir(parents=True, exist_ok=True)
     built = build_dir / "cs149gpt_C.so"
     if not built.exists() or built.stat().st_mtime < _newest_source_mtime():
@@ -56,6 +58,8 @@ def load():
     global _module
     if _module is None:
         try:
+            if _build.SANITIZE:  # the pip-built module has no sanitizers: always the JIT build then
+                raise ImportError("CS149GPT_SANITIZE=1")
             _module = importlib.import_module("cs149gpt._C")
             if Path(_module.__file__).stat().st_mtime < _newest_source_mtime():
                 print("cs149gpt: warning: cs149gpt/_C is older than csrc/; rebuild with `pip install -e .`",

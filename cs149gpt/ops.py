@@ -6,15 +6,24 @@ The operators themselves are declared in C++ (csrc/module.cpp, `TORCH_LIBRARY(cs
 (`torch.library.register_fake`) so `torch.compile(fullgraph=True)` traces through them.
 """
 import contextlib
+import math
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from cs149gpt import _ext
 
 IMPLS = ("naive", "blocked", "fused", "flash")
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A scale from here up (FLT_MAX + half an ulp) rounds to inf as a float32, which is what the kernels take it as.
+_FLOAT32_OVERFLOW = float.fromhex("0x1.ffffffp+127")
+
+# torch's own SDPA, captured when this module is imported: our drop-in falls back to it. Looking it up on
+# torch.nn.functional at call time would find ourselves once a user installs the drop-in there
+# (F.scaled_dot_product_attention = cs149gpt.scaled_dot_product_attention), and recurse forever.
+_torch_sdpa = F.scaled_dot_product_attention
 
 
 _registered = False
@@ -77,6 +86,21 @@ def attention(
         return torch.ops.cs149gpt.attention(q, k, v, impl, scale, causal, block_q, block_k)
 
 
+def _refuse_sparse_and_quantized(q, k, v) -> None:
+    """Sparse and quantized tensors: a TypeError naming the argument, from the C++ check (the one source of our
+    messages; the operators raise the same), where torch's SDPA would raise a RuntimeError of its own."""
+    if any(t.layout != torch.strided or t.is_quantized for t in (q, k, v)):
+        _ext._module.check_attention(q, k, v, "flash", None, "none", None, None)
+
+
+def _has_tangent(*tensors) -> bool:
+    """Whether a tensor carries a forward-mode AD tangent (torch.autograd.forward_ad, torch.func.jvp): our ops
+    refuse it (no forward derivative: module.cpp, refuse_forward_ad); the SDPA drop-in hands it to torch."""
+    if fwAD._current_level < 0:  # no dual level open: the common case, one global read
+        return False
+    return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def _below_autograd_unless_needed(q, k, v):
     """When no gradient can flow, dispatch straight to the kernel, past the autograd layer.
 
@@ -102,28 +126,34 @@ def scaled_dot_product_attention(
     """torch.nn.functional.scaled_dot_product_attention, with its signature and meaning, on our flash kernel.
 
     Our kernel runs when it computes exactly what torch would: no attn_mask, dropout_p == 0, CPU tensors of
-    one dtype among float32/bfloat16/float16 (CUDA tensors: bfloat16/float16 with head dim 64 or 128), k and v with q's head dim, and equal head counts unless
-    enable_gqa=True. Anything else (an arbitrary mask, dropout, a GPU tensor, ...) falls back to
-    torch.nn.functional.scaled_dot_product_attention itself, so this is a drop-in replacement: same results,
-    same errors, ours faster where it applies. `uses_our_kernel(...)` tells which path a call takes.
+    one dtype among float32/bfloat16/float16 and at least 3 dims, no empty dim, k and v with q's head dim,
+    equal head counts unless enable_gqa=True, a scale that is a finite float32, no forward-AD tangent; CUDA
+    tensors only in bfloat16/float16 with head dim 64 or 128 (float32 there is the teaching kernel, slower than
+    torch's). Any other
+    call goes to torch's own function (captured at import, so installing this one as
+    torch.nn.functional.scaled_dot_product_attention is safe): same results, same errors. Sparse and quantized
+    tensors raise a TypeError naming the argument (torch raises a RuntimeError for them).
+    `uses_our_kernel(...)` tells which path a call takes.
     """
-    if not isinstance(is_causal, bool):  # as torch: our attention's "bottom_right" is not SDPA's to accept
-        raise TypeError(f"scaled_dot_product_attention(): argument 'is_causal' must be bool, not "
-                        f"{type(is_causal).__name__}")
-    if not uses_our_kernel(query, key, value, attn_mask, dropout_p, enable_gqa):
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        _refuse_sparse_and_quantized(query, key, value)
+    if not uses_our_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
     return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal)
 
 
-def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, enable_gqa=False) -> bool:
+def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False) -> bool:
     """Whether scaled_dot_product_attention(...) with these arguments runs our kernel (else torch's)."""
     tensors = (query, key, value)
-    if attn_mask is not None or dropout_p != 0.0:
+    if attn_mask is not None or dropout_p != 0.0 or not isinstance(is_causal, bool):
         return False
-    if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in tensors):
-        return False
-    if not all(t.device == query.device for t in tensors) or query.device.type not in ("cpu", "cuda"):
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                  and abs(scale) < _FLOAT32_OVERFLOW):
+        return False  # torch computes something (NaN, inf, ...) where our check refuses: torch's answer
+    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+               and t.device == query.device and t.dim() >= 3 for t in tensors):
         return False
     # On the GPU: the tensor-core kernels (bfloat16/float16, d 64 or 128); float32 there is the teaching kernel,
     # slower than torch's, so torch keeps it.
@@ -133,14 +163,23 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, enable_gqa
         return False
     if not (query.dim() == key.dim() == value.dim()) or key.shape != value.shape:
         return False
-    if key.shape[-1] != query.shape[-1] or key.shape[:-3] != query.shape[:-3] or min(query.shape[-2:]) == 0:
-        return False
+    if key.shape[-1] != query.shape[-1] or key.shape[:-3] != query.shape[:-3]:
+        return False  # torch broadcasts the leading dims; we do not
+    if min(query.shape[-2:]) == 0 or key.shape[-2] == 0:
+        return False  # torch returns an empty result, or zeros for no keys
     h_q, h_kv = query.shape[-3], key.shape[-3]
-    return h_q == h_kv or (enable_gqa and h_kv > 0 and h_q % h_kv == 0)
+    if h_kv == 0 or not (h_q == h_kv or (enable_gqa and h_q % h_kv == 0)):
+        return False
+    return not _has_tangent(*tensors)  # torch says what forward-mode AD does with its own SDPA
 
 
 def isa() -> str:
-    """The instruction set the kernels run with: 'avx512', 'avx2' or 'scalar'."""
+    """The instruction set the kernels run with: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'scalar'.
+
+    amx and avx512_bf16 are avx512 plus bf16 dot-product instructions (AMX tiles, vdpbf16ps), which the flash
+    kernel uses for bfloat16 inputs. On a CPU with AMX whose kernel refuses the tile permission, the reason is
+    in `cs149gpt._ext.load().amx_unavailable_reason()`.
+    """
     _load()
     return _ext._module.isa()
 
@@ -184,16 +223,25 @@ def _not_differentiable(what: str):
 def _register_python_parts() -> None:
     lib = "cs149gpt::"
 
+    # One source for the checks: the fakes (which torch.library also installs as the meta kernels) call the very
+    # C++ function the CPU kernels call, written on symbolic sizes, so eager, meta, FakeTensorMode and torch.compile
+    # (dynamic shapes included) refuse the same inputs with the same message. A Python copy of the checks would
+    # drift from the C++ one; C++ Meta kernels would have to compute the output shapes a second time, in C++.
+    checks = _ext._module
+
     @torch.library.register_fake(lib + "attention")
     def _(q, k, v, impl="flash", scale=None, causal="none", block_q=None, block_k=None):
+        checks.check_attention(q, k, v, impl, scale, causal, block_q, block_k)
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "flash_attention")
     def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None):
+        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k)
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @torch.library.register_fake(lib + "flash_attention_backward")
     def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None):
+        checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)

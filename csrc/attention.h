@@ -105,24 +105,30 @@ struct BackwardKernel {
 // The kernels of one instruction set. Each ISA's translation unit (csrc/isa/) compiles every kernel
 // file once with that ISA's flags and fills one of these tables; dispatch.cpp picks the table at load.
 struct KernelTable {
-  const char* isa;  // "avx512", "avx2", "scalar"
+  const char* isa;  // "amx", "avx512_bf16", "avx512", "avx2", "scalar"
   Kernel naive, blocked, fused, flash;
   BackwardKernel flash_backward;
   // FMA throughput probe: runs `iterations` rounds of independent vector FMAs on each of num_threads
   // threads and returns the floating-point operations done (time it to get the peak).
   double (*fma_probe)(int64_t iterations, int num_threads);
+  // The same for the bf16 dot-product instructions (AMX tiles, vdpbf16ps); null where the ISA has none.
+  double (*bf16_dot_probe)(int64_t iterations, int num_threads);
   // The vectorised exp the kernels use, over a row in place (exposed so tests can check it).
   void (*exp_row)(float* x, int64_t n);
 };
 
+namespace amx { extern const KernelTable kernel_table; }          // AVX-512 + AMX-BF16 tiles for bf16
+namespace avx512_bf16 { extern const KernelTable kernel_table; }  // AVX-512 + vdpbf16ps for bf16
 namespace avx512 { extern const KernelTable kernel_table; }
 namespace avx2 { extern const KernelTable kernel_table; }
 namespace scalar { extern const KernelTable kernel_table; }
 
 // The table in use: chosen from the CPU's features when the module loads, or forced with the
-// environment variable CS149GPT_ISA=avx512|avx2|scalar. set_isa() switches it (tests use it).
+// environment variable CS149GPT_ISA=amx|avx512_bf16|avx512|avx2|scalar. set_isa() switches it (tests use it).
 const KernelTable& kernels();
 bool cpu_supports(const char* isa);
+// Why AMX is not used although the CPU has it (the kernel refused the tile-data permission), or "".
+const char* amx_unavailable_reason();
 void set_isa(const char* isa);  // throws std::invalid_argument if unknown or unsupported
 
 }  // namespace cs149gpt

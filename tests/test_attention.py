@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import cs149gpt
-from tests._helpers import TOL, gen, isa, mismatch, module, randn, reference  # noqa: F401  (isa: fixture)
+from tests._helpers import ALL_ISAS, TOL, gen, isa, mismatch, module, randn, reference  # noqa: F401  (isa: fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -383,21 +383,24 @@ def test_set_num_threads_controls_the_kernels():
 # ---------------------------------------------------------------------------------------------------------
 def test_isa_api():
     m = module()
-    assert m.isa() in ("avx512", "avx2", "scalar")
+    assert m.isa() in ALL_ISAS
     assert cs149gpt.isa() == m.isa()
     assert m.cpu_supports(m.isa())
     assert m.cpu_supports("scalar")
     assert not m.cpu_supports("neon") and not m.cpu_supports("")
     if m.cpu_supports("avx512"):
         assert m.cpu_supports("avx2"), "an AVX-512 CPU with our feature set also runs the AVX2 kernels"
+    for wider, narrower in (("amx", "avx512_bf16"), ("avx512_bf16", "avx512")):
+        if m.cpu_supports(wider):
+            assert m.cpu_supports(narrower), f"{wider} implies {narrower}"
     with pytest.raises(ValueError, match="unknown ISA 'sse9'"):
         m.set_isa("sse9")
-    assert m.isa() in ("avx512", "avx2", "scalar")
+    assert m.isa() in ALL_ISAS
 
 
 def test_set_isa_unsupported_raises():
     m = module()
-    unsupported = [n for n in ("avx512", "avx2") if not m.cpu_supports(n)]
+    unsupported = [n for n in ALL_ISAS if not m.cpu_supports(n)]
     if not unsupported:
         pytest.skip("this CPU runs every ISA")
     original = m.isa()
@@ -410,7 +413,7 @@ def test_default_isa_is_widest_supported():
     m = module()
     if os.environ.get("CS149GPT_ISA"):
         pytest.skip("CS149GPT_ISA forces the ISA")
-    widest = next(n for n in ("avx512", "avx2", "scalar") if m.cpu_supports(n))
+    widest = next(n for n in ALL_ISAS if n != "amx" and m.cpu_supports(n))  # amx: opt-in
     script = "import cs149gpt; print(cs149gpt.isa())"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -458,7 +461,7 @@ def test_torch_ops_registration_matches_python_api():
 def test_isas_agree(restore_threads):
     """Every supported ISA gives the same answer up to rounding (each is also checked against float64)."""
     m = module()
-    names = [n for n in ("avx512", "avx2", "scalar") if m.cpu_supports(n)]
+    names = [n for n in ALL_ISAS if n != "amx" and m.cpu_supports(n)]
     if len(names) < 2:
         pytest.skip("only one ISA here")
     g = gen(13)

@@ -60,7 +60,9 @@ void blocked_attention(const AttentionParams& p, float* S) {
             for (int64_t i = i0; i < i1; ++i) {
               const float* p_row = S + i * n_k;
               float* o = O + i * os + c0;
-              for (int64_t j = j0; j < j1; ++j) axpy(p_row[j], V + j * vs + c0, o, width);
+              // visible keys only: a hidden key's value row never meets this row (0 · NaN would be NaN)
+              const int64_t j_end = std::min(j1, visible_keys(p, i));
+              for (int64_t j = j0; j < j_end; ++j) axpy(p_row[j], V + j * vs + c0, o, width);
             }
           }
         }

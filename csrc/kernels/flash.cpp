@@ -25,6 +25,8 @@
 // - Threads take (batch, head, query tile) tasks dynamically, costliest first.
 // - The workspace comes from the caller; nothing is allocated here.
 // A query row that sees no key at all (bottom-right causal with q_len > kv_len) gets O = 0, lse = −inf.
+// Non-finite values follow the README's rules ("Non-finite values"): a NaN or +inf logit makes its row NaN,
+// −inf logits weigh 0, and a key hidden by the mask never touches a row.
 #include "../attention.h"
 #include "flash_common.h"
 
@@ -115,6 +117,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   float *Qi = scratch + L.q_off, *S = scratch + L.s_off, *Oi = scratch + L.o_off;
   float *m = scratch + L.m_off, *l = scratch + L.l_off;
   float *alpha = scratch + L.alpha_off, *m_new = alpha + kRowGroup;  // per row of the current group
+  int64_t visible[kRowGroup];  // how many keys of the current tile each row of the group sees
 
   // Q_i = scale · Q[i0 : i0 + rows], zero rows up to whole row groups; m = −inf, l = 0, O_i = 0.
   const T* Q = q_head<T>(p, b, h) + i0 * p.q_strides[2];
@@ -145,43 +148,24 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors)
       group_gemm<kQkVecs>(kRowGroup, d, Qi + g0 * d, d, 1, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad, nullptr);
 
-      // Online softmax for the group's rows: mask, m_new = max(m, rowmax S), α = exp(m − m_new),
-      // S becomes P = exp(S − m_new), l = α · l + rowsum P. A row that sees no key yet (m_new = −inf)
-      // keeps P = 0, α = 1.
-      float* m_g = m + g0;
-      for (int64_t r = 0; r < kRowGroup; ++r) {
-        float* s = S + r * L.Bc_pad;
-        const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-        fill_row(kNegInf, s + visible, n_keys - visible);
-        m_new[r] = std::max(m_g[r], max_of(s, n_keys));
-        alpha[r] = m_new[r] == kNegInf ? 0.0f : m_g[r] - m_new[r];  // exponent of α; −inf on a first tile
-      }
-      exp_row(alpha, kRowGroup);
-      for (int64_t r = 0; r < kRowGroup; ++r) {
-        float* s = S + r * L.Bc_pad;
-        if (m_new[r] == kNegInf) {
-          fill_row(0.0f, s, n_keys);
-          continue;
-        }
-        l[g0 + r] = alpha[r] * l[g0 + r] + exp_shifted_sum(s, m_new[r], n_keys);
-        m_g[r] = m_new[r];
-      }
+      // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
+      for (int64_t r = 0; r < kRowGroup; ++r)
+        visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
+      online_softmax(S, L.Bc_pad, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new);
 
-      // O_g = α · O_g + P V_j
-      group_gemm<kPvVecs>(kRowGroup, n_keys, S, L.Bc_pad, 1, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
+      // O_g = α · O_g + P V_j. The keys that every row of the group sees (all of them, but for the causal
+      // diagonal) go through the micro-kernel; the few that only the later rows see are added row by row,
+      // so that a key hidden from a row never touches it: its P is 0, but 0 · NaN in V would be NaN.
+      const int64_t shared_keys = visible[0];
+      group_gemm<kPvVecs>(kRowGroup, shared_keys, S, L.Bc_pad, 1, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
+      for (int64_t r = 0; r < kRowGroup && g0 + r < rows; ++r)
+        if (visible[r] > shared_keys)
+          weighted_row_sum</*kAccumulate=*/true>(S + r * L.Bc_pad + shared_keys, Vj + shared_keys * ldv, ldv,
+                                                 visible[r] - shared_keys, Oi + (g0 + r) * d_pad, d_pad);
     }
   }
 
-  // O = O_i / l, lse = m + log(l); rows that saw no key: O = 0, lse = −inf.
-  T* out = out_head<T>(p, b, h) + i0 * p.out_strides[2];
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv_l = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int64_t c = 0; c < d; ++c) out[r * p.out_strides[2] + c] = static_cast<T>(Oi[r * d_pad + c] * inv_l);
-  }
-  if (p.lse) {
-    float* lse = p.lse + b * p.lse_strides[0] + h * p.lse_strides[1] + i0;
-    for (int64_t r = 0; r < rows; ++r) lse[r] = l[r] > 0.0f ? m[r] + std::log(l[r]) : kNegInf;
-  }
+  finish_rows<T>(p, b, h, i0, rows, Oi, d_pad, m, l);
 }
 
 template <class T>
@@ -217,6 +201,9 @@ void run(const AttentionParams& p, float* workspace) {
 // the keys across threads instead of the queries.
 int64_t flash_workspace_floats(const AttentionParams& p) {
   if (flash_decode::applies(p)) return flash_decode::workspace_floats(p);
+#if defined(CS149_ISA_BF16_DOT)
+  if (p.dtype == DType::bf16) return flash_bf16::workspace_floats(p);
+#endif
   const flash::Layout L(p);
   return L.kt_size + L.v_size + p.num_threads * L.per_thread;
 }
@@ -232,7 +219,12 @@ void flash_dispatch(const AttentionParams& p, float* workspace) {
 void flash_attention(const AttentionParams& p, float* workspace) {
   switch (p.dtype) {
     case DType::f32: flash_dispatch<float>(p, workspace); break;
-    case DType::bf16: flash_dispatch<c10::BFloat16>(p, workspace); break;
+    case DType::bf16:
+#if defined(CS149_ISA_BF16_DOT)  // bf16 dot-product hardware: both products on bf16 operands (flash_bf16.cpp)
+      if (!flash_decode::applies(p)) return flash_bf16::run(p, workspace);
+#endif
+      flash_dispatch<c10::BFloat16>(p, workspace);
+      break;
     case DType::f16: flash_dispatch<c10::Half>(p, workspace); break;
   }
 }

@@ -108,6 +108,9 @@ void pack_query_row(const AttentionBackwardParams& bp, const Layout& L, float* w
       delta += dO[c] * to_float(o[c]);
     }
     lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
+    // A row whose logits all weigh 0 (lse = −inf) has P = 0, but exp(S − lse) = exp(−inf + inf) is NaN:
+    // with +inf in its place, exp(−inf − inf) = 0. (A NaN lse, from a NaN row, stays NaN and so do its P.)
+    if (lse == kNegInf) lse = std::numeric_limits<float>::infinity();
   }
   for (int64_t c = 0; c < d; ++c) {
     qt[c * L.q_pad] = qs[c];
@@ -163,6 +166,7 @@ void recompute_p_and_ds(const AttentionParams& p, const Layout& L, const float* 
     fill_row(0.0f, pr + visible, n_cols - visible);
     const Vec D = Vec::broadcast(delta[r]);
     for (int64_t c = 0; c < n_cols; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
+    fill_row(0.0f, dsr + visible, n_cols - visible);  // hidden keys: dS = 0 even where dP (0 · NaN) is NaN
   }
 }
 
@@ -192,6 +196,7 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
     const float* delta = ws + L.delta_off + head * L.q_pad;
     for (int64_t c0 = first_row / W * W; c0 < p.q_len; c0 += kQueryChunk) {
       const int64_t n_q = std::min(kQueryChunk, L.q_pad - c0);  // whole vectors: q_pad is
+      const int64_t real_q = std::min(n_q, p.q_len - c0);       // the rest is padding
       const float* QT = ws + L.qt_off + head * d * L.q_pad + c0;
       const float* dOT = ws + L.dot_off + head * d * L.q_pad + c0;
       group_gemm<kQkVecs>(rows, d, Kj, d_pad, 1, QT, L.q_pad, n_q, PT, kQueryChunk, nullptr);
@@ -211,6 +216,9 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
         }
         fill_row(0.0f, pt, masked);
         fill_row(0.0f, dst, masked);
+        // Padding query rows (past q_len) are zero, but 0 · inf in K_j would make their P NaN.
+        fill_row(0.0f, pt + real_q, n_q - real_q);
+        fill_row(0.0f, dst + real_q, n_q - real_q);
       }
       const float* dOc = ws + L.do_off + (head * L.q_pad + c0) * d_pad;
       const float* Qc = ws + L.qs_off + (head * L.q_pad + c0) * d_pad;
@@ -245,9 +253,17 @@ void query_tile(const AttentionBackwardParams& bp, const Layout& L, const float*
       const int64_t n_cols = round_up(n_keys, kKeyAlign);
       const int64_t kv_tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
       recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols, P, dS);
-      // dQ_g += dS K_j   (scale applied once below)
+      // dQ_g += dS K_j   (scale applied once below). As in the forward's P V_j: keys every row sees through
+      // the micro-kernel, the causal diagonal's rest row by row, so a hidden key's K never meets a row.
       const float* Kj = ws + L.kr_off + ((b * p.num_kv_heads + kvh) * L.k_pad + j0) * d_pad;
-      group_gemm<kPvVecs>(kRowGroup, n_keys, dS, L.Bc, 1, Kj, d_pad, d_pad, dQ, d_pad, ones);
+      const int64_t shared_keys = std::clamp<int64_t>(visible_keys(p, i0) - j0, 0, n_keys);
+      group_gemm<kPvVecs>(kRowGroup, shared_keys, dS, L.Bc, 1, Kj, d_pad, d_pad, dQ, d_pad, ones);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + r) - j0, 0, n_keys);
+        if (visible > shared_keys)
+          weighted_row_sum</*kAccumulate=*/true>(dS + r * L.Bc + shared_keys, Kj + shared_keys * d_pad, d_pad,
+                                                 visible - shared_keys, dQ + r * d_pad, d_pad);
+      }
     }
     T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i0 * bp.dq_strides[2];
     for (int64_t r = 0; r < rows; ++r)

@@ -52,6 +52,55 @@ void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t 
   }
 }
 
+
+// One step of the online softmax (the paper's lines 9–11) for a group of G query rows against one key tile
+// of n_keys scores per row, S[r·ld + t]; row r sees the first visible[r] of them:
+//   S = scale · S (scale ≠ 0), −inf past visible[r];   m_new = max(m, rowmax S);   α = exp(m − m_new);
+//   S = P = exp(S − m_new);   l = α · l + rowsum P;   m = m_new.
+// A row that sees no key yet (m_new = −inf) keeps P = 0, α = 1. The max keeps a NaN (max_nan, max_of):
+// m_new = NaN makes α, P and l NaN, so a NaN logit turns the whole row NaN; so does +inf, through
+// exp(inf − inf). alpha and m_new are G floats of scratch; alpha holds α afterwards.
+inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, const int64_t* visible, float scale,
+                           float* m, float* l, float* alpha, float* m_new) {
+  // A positive scale rides along (max of scale·S = scale · max of S; the exp's argument is one FMA);
+  // another is applied to S first.
+  const bool scale_in_exp = scale > 0.0f;
+  for (int64_t r = 0; r < G; ++r) {
+    float* s = S + r * ld;
+    if (!scale_in_exp) scale_row(scale, s, visible[r]);
+    fill_row(kNegInf, s + visible[r], n_keys - visible[r]);
+    m_new[r] = max_nan(m[r], (scale_in_exp ? scale : 1.0f) * max_of(s, n_keys));
+    alpha[r] = m_new[r] == kNegInf ? 0.0f : m[r] - m_new[r];  // exponent of α; −inf on a first tile
+  }
+  exp_row(alpha, G);
+  for (int64_t r = 0; r < G; ++r) {
+    float* s = S + r * ld;
+    if (m_new[r] == kNegInf) {
+      fill_row(0.0f, s, n_keys);
+      continue;
+    }
+    l[r] = alpha[r] * l[r] + exp_shifted_sum(s, m_new[r], n_keys, scale_in_exp ? scale : 1.0f);
+    m[r] = m_new[r];
+  }
+}
+
+// The end of a query tile: rows [i0, i0 + rows) of head h, O = O_i / l and lse = m + log(l), O_i's rows ldo
+// floats apart. Rows that saw no key (l = 0): O = 0, lse = −inf. A NaN l (a NaN or +inf logit) gives NaN in
+// both: hence `l == 0`, never `l > 0`, which would read NaN as "no key".
+template <class T>
+void finish_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t rows, const float* Oi,
+                 int64_t ldo, const float* m, const float* l) {
+  T* out = out_head<T>(p, b, h) + i0 * p.out_strides[2];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv_l = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+    for (int64_t c = 0; c < p.head_dim; ++c) out[r * p.out_strides[2] + c] = static_cast<T>(Oi[r * ldo + c] * inv_l);
+  }
+  if (p.lse) {
+    float* lse = p.lse + b * p.lse_strides[0] + h * p.lse_strides[1] + i0;
+    for (int64_t r = 0; r < rows; ++r) lse[r] = l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);
+  }
+}
+
 }  // namespace flash
 }  // namespace CS149_ISA
 }  // namespace cs149gpt

@@ -70,8 +70,11 @@ void split_partials(const AttentionParams& p, const Layout& L, int64_t b, int64_
     const float* q = as_float(q_head<T>(p, b, h) + i * p.q_strides[2], q_buf, d);
     for (int64_t t = 0; t < n; ++t)
       scores[t] = p.scale * dot(q, as_float(K + (j0 + t) * p.k_strides[2], kv_buf, d), d);
+    // m is NaN if a score is (max_of keeps NaN), and then so are l and O. Scores that are all −inf weigh 0
+    // (m = −inf, l = 0), like keys hidden by the mask; their values are still multiplied by that 0, as the
+    // tiled kernel does, so a NaN value row shows.
     const float m = max_of(scores, n);
-    const float l = exp_shifted_sum(scores, m, n);
+    const float l = m == kNegInf ? (fill_row(0.0f, scores, n), 0.0f) : exp_shifted_sum(scores, m, n);
     for (int64_t t = 0; t < n; ++t) axpy(scores[t], as_float(V + (j0 + t) * p.v_strides[2], kv_buf, d), O, d);
     O[L.d_pad] = m;
     O[L.d_pad + 1] = l;
@@ -86,21 +89,22 @@ void merge_row(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, 
   const float* first = parts + ((b * p.num_heads + h) * L.splits * p.q_len + i) * L.part_row;
   const int64_t split_stride = p.q_len * L.part_row;
   float M = kNegInf;
-  for (int64_t s = 0; s < L.splits; ++s) M = std::max(M, first[s * split_stride + L.d_pad]);
+  for (int64_t s = 0; s < L.splits; ++s) M = max_nan(M, first[s * split_stride + L.d_pad]);
   T* out = out_head<T>(p, b, h) + i * p.out_strides[2];
   float l = 0.0f;
   fill_row(0.0f, O, d);
-  if (M != kNegInf) {
-    for (int64_t s = 0; s < L.splits; ++s) {
-      const float* part = first + s * split_stride;
-      const float w = std::exp(part[L.d_pad] - M);  // 0 for an empty split (m_s = −inf)
-      l += w * part[L.d_pad + 1];
-      axpy(w, part, O, d);
-    }
+  for (int64_t s = 0; s < L.splits; ++s) {
+    const float* part = first + s * split_stride;
+    // 0 for a split with no weight (m_s = −inf); all 0 when no split has any (M = −inf, where exp(−inf + inf)
+    // would be NaN); NaN when M is.
+    const float w = M == kNegInf ? 0.0f : std::exp(part[L.d_pad] - M);
+    l += w * part[L.d_pad + 1];
+    axpy(w, part, O, d);  // even with w = 0: a NaN in O_s (from a NaN value row) must show
   }
-  const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+  // l = 0: no key had any weight, O = 0 (or NaN, above), lse = −inf. A NaN l stays NaN: never test `l > 0`.
+  const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
   for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>(O[c] * inv_l);
-  if (p.lse) p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = l > 0.0f ? M + std::log(l) : kNegInf;
+  if (p.lse) p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = l == 0.0f ? kNegInf : M + std::log(l);
 }
 
 template <class T>

@@ -37,8 +37,9 @@ void naive_attention(const AttentionParams& p, float* S) {
         softmax_row(s_row, visible);
         fill_row(0.0f, s_row + visible, n_k - visible);
 
-        // O[i, :] = Σ_j P[i, j] · v_j
-        weighted_row_sum(s_row, V, vs, n_k, O + i * os, d);
+        // O[i, :] = Σ_j P[i, j] · v_j over the visible keys: a hidden key's value row is never read, so a NaN
+        // there cannot reach this row through 0 · NaN.
+        weighted_row_sum(s_row, V, vs, visible, O + i * os, d);
       }
     }
   }

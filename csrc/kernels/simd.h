@@ -41,9 +41,16 @@ inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b + c
-inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+// max propagates NaN (IEEE maximum): vmaxps alone returns its second operand when either is NaN, so a NaN in
+// the first would be dropped; the lanes where `a` is NaN are put back.
+inline Vec max(Vec a, Vec b) {
+  return {_mm512_mask_mov_ps(_mm512_max_ps(a.v, b.v), _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), a.v)};
+}
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
-inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+inline float reduce_max(Vec a) {  // NaN if any lane is
+  if (_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)) return std::numeric_limits<float>::quiet_NaN();
+  return _mm512_reduce_max_ps(a.v);
+}
 
 #elif defined(CS149_ISA_AVX2)
 struct Vec {
@@ -64,14 +71,17 @@ inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) {  // NaN if either is (see the AVX-512 max)
+  return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), a.v, _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))};
+}
 inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline float reduce_max(Vec a) {
+inline float reduce_max(Vec a) {  // NaN if any lane is
+  if (_mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))) return std::numeric_limits<float>::quiet_NaN();
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
@@ -94,10 +104,14 @@ inline Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
 inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
 // a*b + c rounded twice: std::fma would be a slow library call on CPUs without the instruction.
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
-inline Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
+inline Vec max(Vec a, Vec b) { return {a.v > b.v || a.v != a.v ? a.v : b.v}; }  // NaN if either is
 inline float reduce_add(Vec a) { return a.v; }
 inline float reduce_max(Vec a) { return a.v; }
 #endif
+
+// The larger of a and b, NaN if either is. std::max(a, b) is (a < b ? b : a): it returns a whenever b is NaN,
+// so a running max built on it loses a NaN, and the softmax would then silently ignore it.
+inline float max_nan(float a, float b) { return a > b || a != a ? a : b; }
 
 // ---------------------------------------------------------------------------------------------------
 // exp(x) for a whole vector, accurate to a couple of float32 ulps (Cephes' expf scheme).
@@ -224,44 +238,51 @@ inline void fill_row(float value, float* x, int64_t n) {
   for (int64_t c = 0; c < n; ++c) x[c] = value;
 }
 
-// max_c x[c]  (−inf for n = 0)
+// max_c x[c]  (−inf for n = 0; NaN if any x[c] is NaN)
 inline float max_of(const float* x, int64_t n) {
   constexpr int W = Vec::width;
   Vec m = Vec::broadcast(kNegInf);
   int64_t c = 0;
   for (; c + W <= n; c += W) m = max(m, Vec::load(x + c));
   float result = reduce_max(m);
-  for (; c < n; ++c) result = x[c] > result ? x[c] : result;
+  for (; c < n; ++c) result = max_nan(result, x[c]);
   return result;
 }
 
-// x[c] = exp(x[c] − shift); returns Σ x[c]. With shift = max_c x[c] every exponent is ≤ 0: no overflow.
-inline float exp_shifted_sum(float* x, float shift, int64_t n) {
+// x[c] = exp(scale·x[c] − shift); returns Σ x[c]. With shift = max_c scale·x[c] every exponent is ≤ 0: no
+// overflow. scale·x − shift is one fused multiply-add (exactly x − shift for scale = 1).
+inline float exp_shifted_sum(float* x, float shift, int64_t n, float scale = 1.0f) {
   constexpr int W = Vec::width;
-  const Vec s = Vec::broadcast(shift);
+  const Vec s = Vec::broadcast(-shift), a = Vec::broadcast(scale);
   Vec sum = Vec::zero();
   int64_t c = 0;
   for (; c + W <= n; c += W) {
-    Vec e = exp(Vec::load(x + c) - s);
+    Vec e = exp(fmadd(Vec::load(x + c), a, s));
     e.store(x + c);
     sum = sum + e;
   }
   if (c < n) {
-    Vec e = exp(Vec::load_partial(x + c, n - c) - s);
+    Vec e = exp(fmadd(Vec::load_partial(x + c, n - c), a, s));
     e.store_partial(x + c, n - c);
     sum = sum + Vec::load_partial(x + c, n - c);  // masked lanes of e hold exp(0 - s), not 0
   }
   return reduce_add(sum);
 }
 
-// o[c] = Σ_{j<n} w[j] · V[j·ldv + c]   for c < d, overwriting o.
+// o[c] = Σ_{j<n} w[j] · V[j·ldv + c]   for c < d, overwriting o (kAccumulate: o[c] += the sum).
 // o is held in registers (up to 4 vectors at a time) across the whole j loop, where an axpy per row of V
 // would load and store it n times.
+template <bool kAccumulate = false>
 inline void weighted_row_sum(const float* w, const float* V, int64_t ldv, int64_t n, float* o, int64_t d) {
   constexpr int W = Vec::width, NV = 4;
   for (int64_t c0 = 0; c0 < d; c0 += NV * W) {
     const int64_t width = d - c0 < NV * W ? d - c0 : NV * W;
     Vec acc[NV] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+    if (kAccumulate)
+      for (int k = 0; k * W < width; ++k) {
+        const int64_t m = width - k * W;
+        acc[k] = m >= W ? Vec::load(o + c0 + k * W) : Vec::load_partial(o + c0 + k * W, m);
+      }
     if (width == NV * W) {
       for (int64_t j = 0; j < n; ++j) {
         const Vec wj = Vec::broadcast(w[j]);
@@ -299,9 +320,13 @@ inline void exp_row(float* x, int64_t n) {
 
 // Softmax of one row of logits in place: p[c] = exp(x[c] − max) / Σ exp(x[c'] − max).
 // The max shift is what makes it safe: the naive exp(x) of the assignment overflows for logits > 88.
+// Non-finite logits (README, "Non-finite values"): a NaN or +inf makes the whole row NaN (exp(NaN) and
+// exp(inf − inf) are NaN, and so is their sum); −inf is a weight of 0; a row of −inf only is all 0, as a
+// row that sees no key (exp(−inf − (−inf)) would be NaN).
 inline void softmax_row(float* x, int64_t n) {
   if (n == 0) return;
   const float m = max_of(x, n);
+  if (m == kNegInf) return fill_row(0.0f, x, n);
   const float sum = exp_shifted_sum(x, m, n);
   scale_row(1.0f / sum, x, n);
 }

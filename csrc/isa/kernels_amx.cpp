@@ -1,0 +1,28 @@
+// The attention kernels compiled for AVX-512 with AMX-BF16: bf16 inputs take flash_bf16.cpp's AMX tile path.
+//
+// Standard and intrinsic headers come first, under the default target, so that inline code from them
+// is never compiled for a wider ISA than the CPU may have; only the kernels below the pragma are.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include "../attention.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,bmi2,f16c")
+#define CS149_ISA amx
+#define CS149_ISA_AVX512
+#define CS149_ISA_BF16_DOT
+#define CS149_ISA_AMX
+#include "all_kernels.inc"

@@ -1,0 +1,188 @@
+// The bf16 dot-product micro-kernels of the flash kernel's bf16 path: float32 C (+)= bf16 A · bf16 B.
+//
+// One signature, two instruction sets (chosen by the translation unit, csrc/isa/):
+//   CS149_ISA_AMX          AMX tiles: one tdpbf16ps multiplies a 16×32 bf16 tile by a 32×16 one into a 16×16
+//                          float32 tile (16K FLOPs per instruction); a 32×32 block of C lives in 4 tile registers.
+//   CS149_ISA_AVX512_BF16  vdpbf16ps: each of 16 float32 lanes gains a[0]·b[0] + a[1]·b[1] for a pair of bf16;
+//                          an 8-row × 3-vector block of C lives in 24 zmm registers, as in simd.h's micro_gemm.
+// The attention algorithm (flash_bf16.cpp) calls bf16_gemm and never sees a tile or a vector register.
+//
+// Operand layouts (the packing functions below write them):
+//   A  M × K bf16, row-major, rows lda elements apart.
+//   B  K × N in "VNNI" pairs: K/2 rows, each of N pairs (B[2i][n], B[2i+1][n]) — two bf16 of consecutive k
+//      side by side, so one 32-bit lane holds what one dot-product step needs; rows ldb pairs apart.
+//   C  M × N float32, rows ldc floats apart.
+//   M a multiple of kDotRows, N of kDotCols, K of kDotK (callers pad with zeros).
+#pragma once
+
+#include <cstdint>
+
+#include "simd.h"
+
+#if defined(CS149_ISA_BF16_DOT)
+
+namespace cs149gpt {
+namespace CS149_ISA {
+
+using bf16_bits = uint16_t;  // a bfloat16, as its bits
+
+constexpr int64_t kDotRows = 32, kDotCols = 16, kDotK = 32;
+
+// Round-to-nearest-even float32 → bf16, 16 at a time (NaN stays NaN). n ≤ 16 lanes are written.
+inline void to_bf16(const float* x, bf16_bits* y, int64_t n) {
+  const __mmask16 lanes = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+  const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, x));
+  _mm256_mask_storeu_epi16(y, lanes, packed);
+}
+
+// Element (k, n) of a VNNI-packed B with rows ldb pairs apart.
+inline int64_t vnni_index(int64_t k, int64_t n, int64_t ldb) { return (k / 2) * ldb * 2 + n * 2 + (k % 2); }
+
+#if defined(CS149_ISA_AMX)
+// ---------------------------------------------------------------------------------------------------
+// AMX. Tile registers: 0–3 hold C (a 2 × 2 block of 16×16 float32 tiles), 4–5 A (16 rows × 32 bf16), 6–7 B
+// (16 VNNI rows × 16 pairs). One configuration serves every call; each thread loads it once (DotScope).
+// ---------------------------------------------------------------------------------------------------
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tile configuration is per thread and shared with everyone else in the process: PyTorch's own AMX
+// kernels (oneDNN's brgemm) remember which configuration they loaded last in each thread and do not load it
+// again. So a scope that uses the tiles saves what was configured and puts it back when done (or releases the
+// tiles if nothing was); otherwise torch's next bf16 matmul would run on our tile shapes and write out of
+// bounds.
+class DotScope {
+ public:
+  DotScope() {
+    _tile_storeconfig(&saved_);
+    TileConfig ours;
+    for (int t = 0; t < 8; ++t) {
+      ours.colsb[t] = 64;  // 16 float32, 32 bf16 or 16 pairs a row
+      ours.rows[t] = 16;
+    }
+    _tile_loadconfig(&ours);
+  }
+  ~DotScope() {
+    if (saved_.palette_id != 0)
+      _tile_loadconfig(&saved_);
+    else
+      _tile_release();
+  }
+  DotScope(const DotScope&) = delete;
+  DotScope& operator=(const DotScope&) = delete;
+
+ private:
+  TileConfig saved_;
+};
+
+// C[0:32, n0:n0+16·NB] (+)= A[0:32, :K] · B[:K, n0:...], NB = 1 or 2 column tiles.
+template <int NB>
+inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
+                      int64_t ldc, bool accumulate) {
+  const int64_t a_stride = lda * 2, b_stride = ldb * 4, c_stride = ldc * 4;  // bytes
+  if (accumulate) {
+    _tile_loadd(0, C, c_stride);
+    _tile_loadd(2, C + 16 * ldc, c_stride);
+    if (NB == 2) {
+      _tile_loadd(1, C + 16, c_stride);
+      _tile_loadd(3, C + 16 * ldc + 16, c_stride);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (NB == 2) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t k = 0; k < K; k += kDotK) {
+    _tile_loadd(4, A + k, a_stride);
+    _tile_loadd(5, A + 16 * lda + k, a_stride);
+    const bf16_bits* Bk = B + (k / 2) * ldb * 2;
+    _tile_loadd(6, Bk, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NB == 2) {
+      _tile_loadd(7, Bk + 32, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, C, c_stride);
+  _tile_stored(2, C + 16 * ldc, c_stride);
+  if (NB == 2) {
+    _tile_stored(1, C + 16, c_stride);
+    _tile_stored(3, C + 16 * ldc + 16, c_stride);
+  }
+}
+
+// C (+)= A · B over M × N × K (see the top of this file for layouts and multiples).
+inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B,
+                      int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t m = 0; m < M; m += kDotRows) {
+    int64_t n = 0;
+    for (; n + 32 <= N; n += 32)
+      amx_block<2>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
+    if (n < N) amx_block<1>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
+  }
+}
+
+#else  // CS149_ISA_AVX512_BF16
+// ---------------------------------------------------------------------------------------------------
+// vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; a VNNI row of B is one zmm of 16 pairs.
+// ---------------------------------------------------------------------------------------------------
+struct DotScope {};  // vdpbf16ps needs no set-up
+
+template <int R, int NV>
+inline void dot_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
+                      int64_t ldc, bool accumulate) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? _mm512_loadu_ps(C + r * ldc + v * 16) : _mm512_setzero_ps();
+  const uint32_t* A_pairs = reinterpret_cast<const uint32_t*>(A);
+  const int64_t lda_pairs = lda / 2;
+  for (int64_t kk = 0; kk < K / 2; ++kk) {
+    __m512i b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + kk * ldb * 2 + v * 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(A_pairs[r * lda_pairs + kk]));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)a, (__m512bh)b[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * 16, acc[r][v]);
+}
+
+inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B,
+                      int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  constexpr int R = 8;  // divides kDotRows
+  for (int64_t m = 0; m < M; m += R) {
+    const bf16_bits* Am = A + m * lda;
+    float* Cm = C + m * ldc;
+    int64_t n = 0;
+    for (; n + 48 <= N; n += 48) dot_block<R, 3>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate);
+    switch ((N - n) / 16) {
+      case 1: dot_block<R, 1>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate); break;
+      case 2: dot_block<R, 2>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+}  // namespace CS149_ISA
+}  // namespace cs149gpt
+
+#endif  // CS149_ISA_BF16_DOT

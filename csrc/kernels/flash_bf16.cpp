@@ -1,0 +1,216 @@
+// Rung 4 in bfloat16, on the CPU's bf16 dot-product hardware (AMX tiles, or AVX512-BF16's vdpbf16ps).
+//
+// The same FlashAttention forward as flash.cpp — the same tiles, the same online softmax (flash_common.h) —
+// with both products on bf16 operands and float32 accumulation (bf16_gemm.h):
+//   S_ij = Q_i K_jᵀ                      bf16 · bf16 → float32
+//   S_ij = scale · S_ij, then m, P_ij, l   in float32, as flash.cpp
+//   O_i  = α · O_i + bf16(P_ij) V_j      bf16 · bf16 → float32
+//   O_i  = O_i / l,  lse = m + log(l)
+// Q is multiplied as it is and `scale` applied to S in float32, so the only roundings beyond float32's are
+// P to bf16 (as torch's bf16 SDPA) and the output to bf16.
+//
+// K_jᵀ and V_j are packed once per call into VNNI pairs (bf16_gemm.h) by all threads, and shared by every
+// query tile and every query head of a GQA group. The packing also notes whether a V tile holds a NaN or an
+// infinity: a key hidden from a row by the causal mask has P = 0 there, and 0 · NaN would be NaN, so such a
+// (rare) tile takes P V row by row over each row's visible keys instead (README, "Non-finite values").
+#include "../attention.h"
+#include "bf16_gemm.h"
+#include "flash_common.h"
+
+#include <algorithm>
+#include <omp.h>
+
+#if defined(CS149_ISA_BF16_DOT)
+
+namespace cs149gpt {
+namespace CS149_ISA {
+namespace flash_bf16 {
+
+using flash::finish_rows;
+using flash::online_softmax;
+using flash::round_up;
+constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
+// Defaults: query tiles of 4 row groups (fewer when the threads need more tasks); key tiles of 256 keys
+// (AMX) or 128 (vdpbf16ps): with AMX the products are cheap and each key tile loads and stores the group's
+// O_i, so longer tiles amortise that.
+constexpr int64_t kDefaultBlockQ = 4 * G;
+#if defined(CS149_ISA_AMX)
+constexpr int64_t kDefaultBlockK = 256;
+#else
+constexpr int64_t kDefaultBlockK = 128;
+#endif
+
+inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
+
+struct Layout {
+  int64_t Br, Bc, Tr, Tc;
+  int64_t Br_pad, Bc_pad;   // rows to whole groups; keys to whole dot-product steps (kDotK)
+  int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
+  int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n)
+  int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats)
+  int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, per_thread;  // per-thread scratch (floats)
+
+  explicit Layout(const AttentionParams& p) {
+    Br = p.block_q > 0 ? round_up(p.block_q, G) : kDefaultBlockQ;
+    Bc = p.block_k > 0 ? p.block_k : kDefaultBlockK;
+    if (p.block_q <= 0)
+      while (Br > G && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < 4 * p.num_threads) Br -= G;
+    Br = std::min(Br, round_up(p.q_len, G));
+    Bc = std::min(Bc, p.kv_len);
+    Tr = (p.q_len + Br - 1) / Br;
+    Tc = (p.kv_len + Bc - 1) / Bc;
+    Br_pad = Br;
+    Bc_pad = round_up(Bc, kDotK);
+    d_k = round_up(p.head_dim, kDotK);
+    d_n = round_up(p.head_dim, kDotCols);
+    kt_tile = d_k * Bc_pad;
+    v_tile = Bc_pad * d_n;
+    const int64_t tiles = p.batch * p.num_kv_heads * Tc;
+    kt_floats = floats_for(tiles * kt_tile);
+    v_floats = floats_for(tiles * v_tile);
+    flags_floats = round_up(tiles, 16);
+    q_off = 0;                                        // Q_i, bf16, Br_pad × d_k
+    s_off = q_off + floats_for(Br_pad * d_k);         // S/P of one group, float32, G × Bc_pad
+    p_off = s_off + G * Bc_pad;                       // P of one group, bf16, G × Bc_pad
+    o_off = p_off + floats_for(G * Bc_pad);           // O_i, float32, Br_pad × d_n
+    m_off = o_off + Br_pad * d_n;
+    l_off = m_off + round_up(Br_pad, 16);
+    alpha_off = l_off + round_up(Br_pad, 16);
+    per_thread = alpha_off + round_up(2 * G, 16);     // α and m_new of one group
+  }
+};
+
+inline bool is_finite_bf16(bf16_bits x) { return (x & 0x7F80) != 0x7F80; }  // exponent not all ones
+
+// Key tile j of kv head (b, kvh): K_jᵀ as B of S = Q Kᵀ (k = head dim, n = key), V_j as B of P V (k = key,
+// n = head dim), both VNNI and zero-padded; flag = 1 if V_j holds no NaN or infinity.
+void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, bf16_bits* kt_all,
+                  bf16_bits* v_all, float* v_finite) {
+  const int64_t d = p.head_dim, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
+  const int64_t tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
+  const bf16_bits* K = reinterpret_cast<const bf16_bits*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] +
+                       j0 * p.k_strides[2];
+  const bf16_bits* V = reinterpret_cast<const bf16_bits*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] +
+                       j0 * p.v_strides[2];
+  bf16_bits* kt = kt_all + tile * L.kt_tile;  // d_k/2 rows of Bc_pad pairs
+  bf16_bits* vt = v_all + tile * L.v_tile;    // Bc_pad/2 rows of d_n pairs
+  std::fill(kt, kt + L.kt_tile, bf16_bits{0});
+  std::fill(vt, vt + L.v_tile, bf16_bits{0});
+  bool finite = true;
+  for (int64_t t = 0; t < cols; ++t) {
+    const bf16_bits *k_row = K + t * p.k_strides[2], *v_row = V + t * p.v_strides[2];
+    for (int64_t c = 0; c < d; ++c) {
+      kt[vnni_index(c, t, L.Bc_pad)] = k_row[c];
+      vt[vnni_index(t, c, L.d_n)] = v_row[c];
+      finite &= is_finite_bf16(v_row[c]);
+    }
+  }
+  v_finite[tile] = finite ? 1.0f : 0.0f;
+}
+
+// O_g[r] += Σ_{t < visible[r]} P[r, t] · V_j[t] in float32, row by row: only for a V tile holding NaN or inf.
+void pv_visible_only(int64_t rows, const float* P, int64_t ldp, const int64_t* visible, const bf16_bits* vt,
+                     const Layout& L, int64_t d, float* O, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < visible[r]; ++t)
+      for (int64_t c = 0; c < d; ++c) {
+        const uint32_t bits = static_cast<uint32_t>(vt[vnni_index(t, c, L.d_n)]) << 16;
+        float v;
+        std::memcpy(&v, &bits, sizeof v);
+        O[r * ldo + c] += P[r * ldp + t] * v;
+      }
+}
+
+// One query tile: rows [i0, i0 + rows) of head h in batch b.
+void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const bf16_bits* kt_all,
+                const bf16_bits* v_all, const float* v_finite, float* scratch) {
+  const int64_t d = p.head_dim, rows = std::min(L.Br, p.q_len - i0), groups = (rows + G - 1) / G;
+  bf16_bits* Qi = reinterpret_cast<bf16_bits*>(scratch + L.q_off);
+  bf16_bits* Pb = reinterpret_cast<bf16_bits*>(scratch + L.p_off);
+  float *S = scratch + L.s_off, *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
+  float *alpha = scratch + L.alpha_off, *m_new = alpha + G;
+  int64_t visible[G];
+
+  // Q_i as bf16 (zero past the rows and the head dim); m = −inf, l = 0, O_i = 0.
+  const bf16_bits* Q = reinterpret_cast<const bf16_bits*>(q_head<c10::BFloat16>(p, b, h)) + i0 * p.q_strides[2];
+  std::fill(Qi, Qi + groups * G * L.d_k, bf16_bits{0});
+  for (int64_t r = 0; r < rows; ++r) std::copy(Q + r * p.q_strides[2], Q + r * p.q_strides[2] + d, Qi + r * L.d_k);
+  fill_row(kNegInf, m, groups * G);
+  fill_row(0.0f, l, groups * G);
+  fill_row(0.0f, Oi, groups * G * L.d_n);
+
+  const int64_t first_tile = (b * p.num_kv_heads + kv_head(p, h)) * L.Tc;
+  const int64_t keys_seen = visible_keys(p, i0 + rows - 1);  // by the tile's last row, which sees most
+  for (int64_t j0 = 0, j = 0; j0 < keys_seen; j0 += L.Bc, ++j) {
+    const int64_t cols = std::min(L.Bc, p.kv_len - j0), tile = first_tile + j;
+    const bf16_bits* KTj = kt_all + tile * L.kt_tile;
+    const bf16_bits* Vj = v_all + tile * L.v_tile;
+    for (int64_t g0 = 0; g0 < rows; g0 += G) {
+      const int64_t group_last = i0 + std::min(g0 + G, rows) - 1;
+      const int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
+      if (n_keys == 0) continue;
+
+      // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles)
+      bf16_gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);
+
+      // S = scale · S, then the online softmax: S becomes P; m, l, α updated.
+      for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
+      online_softmax(S, L.Bc_pad, G, n_keys, visible, p.scale, m + g0, l + g0, alpha, m_new);
+
+      // O_g = α · O_g + P V_j
+      float* Og = Oi + g0 * L.d_n;
+      for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
+      if (v_finite[tile] != 0.0f) {
+        const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
+        for (int64_t r = 0; r < G; ++r) {
+          bf16_bits* pr = Pb + r * L.Bc_pad;
+          for (int64_t t = 0; t < n_keys; t += 16) to_bf16(S + r * L.Bc_pad + t, pr + t, std::min<int64_t>(16, n_keys - t));
+          std::fill(pr + n_keys, pr + k_keys, bf16_bits{0});
+        }
+        bf16_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Og, L.d_n, true);
+      } else {
+        pv_visible_only(std::min(G, rows - g0), S, L.Bc_pad, visible, Vj, L, d, Og, L.d_n);
+      }
+    }
+  }
+  finish_rows<c10::BFloat16>(p, b, h, i0, rows, Oi, L.d_n, m, l);
+}
+
+void run(const AttentionParams& p, float* workspace) {
+  const Layout L(p);
+  bf16_bits* kt_all = reinterpret_cast<bf16_bits*>(workspace);
+  bf16_bits* v_all = reinterpret_cast<bf16_bits*>(workspace + L.kt_floats);
+  float* v_finite = workspace + L.kt_floats + L.v_floats;
+  float* thread_scratch = v_finite + L.flags_floats;
+  const int64_t n_pack = p.batch * p.num_kv_heads * L.Tc;
+  const int64_t n_tasks = p.batch * p.num_heads * L.Tr;
+
+#pragma omp parallel num_threads(p.num_threads)
+  {
+    // 1. Pack every K and V tile once, all threads together.
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_pack; ++t)
+      pack_kv_tile(p, L, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc, kt_all, v_all, v_finite);
+    // (implicit barrier: every tile is packed before any is read)
+
+    // 2. Query tiles, the costliest (causal: the last) first.
+    float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
+    const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < n_tasks; ++task) {
+      const int64_t i = L.Tr - 1 - task % L.Tr, h = (task / L.Tr) % p.num_heads, b = task / (L.Tr * p.num_heads);
+      query_tile(p, L, b, h, i * L.Br, kt_all, v_all, v_finite, scratch);
+    }
+  }
+}
+
+inline int64_t workspace_floats(const AttentionParams& p) {
+  const Layout L(p);
+  return L.kt_floats + L.v_floats + L.flags_floats + p.num_threads * L.per_thread;
+}
+
+}  // namespace flash_bf16
+}  // namespace CS149_ISA
+}  // namespace cs149gpt
+
+#endif  // CS149_ISA_BF16_DOT
