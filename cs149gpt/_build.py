@@ -3,6 +3,7 @@
 Plain Python with no imports beyond the standard library, so setup.py can read it before the package exists.
 """
 import os
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +21,10 @@ SOURCES = [
 
 # No -march: one build must run on any x86-64. Wider ISAs are switched on per file (csrc/isa/).
 CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
-LD_FLAGS = ["-fopenmp"]
+# libstdc++ named explicitly: on the device host (Ubuntu, GCC 13, torch 2.11) the default link left the module
+# without a dependency on libstdc++.so.6 and with private copies of iostream templates (std::ostream::_M_insert<long>)
+# that crashed the first error message formatting an integer: every TORCH_CHECK with a number segfaulted.
+LD_FLAGS = ["-fopenmp"] + (["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else [])
 
 # CS149GPT_SANITIZE=1 (make sanitize): AddressSanitizer and UBSan, into a build directory of its own (_ext.py).
 # -O1 -g keeps the reports' stacks readable; the kernels' SIMD paths are still the ones that run.

@@ -62,11 +62,8 @@ const KernelTable* checked_table(const std::string& isa, const char* origin) {
 const KernelTable* best_table() {
   if (const char* forced = std::getenv("CS149GPT_ISA"); forced && *forced)
     return checked_table(forced, "CS149GPT_ISA");
-  // amx is taken only when asked for (CS149GPT_ISA=amx or set_isa): on the device host the test suite, run with
-  // it, crashed at a C++ exception thrown after AMX use (cause not found yet, see README). Until that is
-  // understood, an AMX CPU runs the avx512_bf16 kernels by default.
   for (const char* isa : kIsas)
-    if (std::string(isa) != "amx" && cpu_supports(isa)) return table_named(isa);
+    if (cpu_supports(isa)) return table_named(isa);
   return &scalar::kernel_table;
 }
 

@@ -4,7 +4,6 @@ The reference is written out from the definition, softmax(scale · Q Kᵀ + mask
 the kernels; test_attention.py checks it once against torch's scaled_dot_product_attention.
 """
 import math
-import os
 
 import pytest
 import torch
@@ -14,9 +13,6 @@ from cs149gpt import _ext
 
 # Widest first, as dispatch.cpp tries them. amx and avx512_bf16 differ from avx512 only for bfloat16 inputs.
 ALL_ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "scalar")
-# amx is opt-in (dispatch.cpp): the per-ISA tests run it only with CS149GPT_TEST_AMX=1 (a suite run with it
-# crashed once on the device host; see the README).
-TESTED_ISAS = ALL_ISAS if os.environ.get("CS149GPT_TEST_AMX") else ALL_ISAS[1:]
 
 # Max abs error allowed against float64 for unit-scale (torch.randn) inputs.
 TOL = 1e-4
@@ -71,7 +67,7 @@ def mismatch(out, q, k, v, *, scale=None, is_causal=False, tol=TOL):
     return None
 
 
-@pytest.fixture(params=TESTED_ISAS)
+@pytest.fixture(params=ALL_ISAS)
 def isa(request):
     """Runs the test with the kernels of one instruction set (skipped where the CPU lacks it); restores the
     original choice afterwards."""

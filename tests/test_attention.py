@@ -413,7 +413,7 @@ def test_default_isa_is_widest_supported():
     m = module()
     if os.environ.get("CS149GPT_ISA"):
         pytest.skip("CS149GPT_ISA forces the ISA")
-    widest = next(n for n in ALL_ISAS if n != "amx" and m.cpu_supports(n))  # amx: opt-in
+    widest = next(n for n in ALL_ISAS if m.cpu_supports(n))
     script = "import cs149gpt; print(cs149gpt.isa())"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -461,7 +461,7 @@ def test_torch_ops_registration_matches_python_api():
 def test_isas_agree(restore_threads):
     """Every supported ISA gives the same answer up to rounding (each is also checked against float64)."""
     m = module()
-    names = [n for n in ALL_ISAS if n != "amx" and m.cpu_supports(n)]
+    names = [n for n in ALL_ISAS if m.cpu_supports(n)]
     if len(names) < 2:
         pytest.skip("only one ISA here")
     g = gen(13)

@@ -506,9 +506,21 @@ DELEGATED = [
 ]
 
 
+def _torch_sdpa_survives(q_shape, kv_shape):
+    """Whether torch's own CPU SDPA returns on zero-sized inputs of these shapes (torch 2.11's dies of SIGFPE on
+    some): asked in a subprocess, only for empty shapes on torch older than the 2.13 this project pins."""
+    if torch.__version__ >= "2.13" or all(0 not in s for s in (q_shape, kv_shape)):
+        return True
+    script = (f"import torch; q = torch.randn{q_shape}; k = torch.randn{kv_shape}; "
+              "torch.nn.functional.scaled_dot_product_attention(q, k, k)")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300).returncode == 0
+
+
 @pytest.mark.parametrize("case", DELEGATED, ids=[c[0] for c in DELEGATED])
 def test_sdpa_returns_what_torch_returns(case):
     _, q_shape, kv_shape, kwargs = case
+    if not _torch_sdpa_survives(q_shape, kv_shape):
+        pytest.skip(f"torch {torch.__version__}'s own SDPA crashes on q {q_shape}, k {kv_shape}: nothing to compare")
     kwargs = dict(kwargs)
     q, k, v = _qkv(q_shape, kv_shape, kwargs.pop("dtype", torch.float32))
     assert not cs149gpt.uses_our_kernel(q, k, v, **kwargs)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import ALL_ISAS, TESTED_ISAS, TOL, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import ALL_ISAS, TOL, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -561,7 +561,7 @@ def test_environment_variable_forces_the_isa(tmp_path):
     (an attention and the vectorised exp, which rounds differently on each ISA) is bitwise what
     set_isa(<name>) computes in this process."""
     m = module()
-    names = [n for n in TESTED_ISAS if m.cpu_supports(n)]
+    names = [n for n in ALL_ISAS if m.cpu_supports(n)]
     procs = {}
     for name in names:
         procs[name] = subprocess.Popen([sys.executable, "-c", _FORCED_SCRIPT, str(tmp_path / f"{name}.pt")],

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cs149gpt
-from tests._helpers import TESTED_ISAS, module, visible_mask
+from tests._helpers import ALL_ISAS, module, visible_mask
 
 # CI runs the same examples every time (derandomize); elsewhere each run draws new ones.
 EXAMPLES = settings(max_examples=int(os.environ.get("CS149GPT_HYPOTHESIS_EXAMPLES", 150)), deadline=None,
@@ -95,7 +95,7 @@ def cases(draw, impls=cs149gpt.IMPLS):
     planted = {name: draw(st.lists(place, max_size=2)) for name in "qkv"}
     return dict(impl=impl, dtype=dtype, shapes=((b, h_kv * group, n_q, d), (b, h_kv, n_k, d)), causal=causal,
                 tiles=tiles, planted=planted, transposed=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
-                isa=draw(st.sampled_from(TESTED_ISAS)))
+                isa=draw(st.sampled_from(ALL_ISAS)))
 
 
 def inputs(case):
@@ -143,7 +143,7 @@ def test_forward_follows_the_nonfinite_rule(case):
 # ---------------------------------------------------------------------------------------------------------
 # The classes the rule was written for, each checked explicitly on every impl and ISA.
 # ---------------------------------------------------------------------------------------------------------
-@pytest.fixture(params=TESTED_ISAS)
+@pytest.fixture(params=ALL_ISAS)
 def each_isa(request):
     original = use_isa(request.param)
     if original is None:
