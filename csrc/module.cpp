@@ -116,10 +116,10 @@ c10::SymBool equal_sizes(c10::SymIntArrayRef a, c10::SymIntArrayRef b) {
 constexpr double kFloat32Overflow = 0x1.ffffffp+127;
 
 // Every check of an attention call that needs no data: dtypes, devices, ranks, shapes (GQA divisibility included),
-// scale, mask, tiles. Written on symbolic sizes, so one function serves the CPU kernels (through prepare) and the
-// fake/meta implementations in ops.py (through check_attention_args below, with FakeTensors whose sizes may be
-// SymInts under torch.compile(dynamic=True)): eager, meta, FakeTensorMode and torch.compile refuse the same inputs
-// with the same message. Returns the dtype of the call.
+// scale, causal mode, tiles. Written on symbolic sizes, so one function serves the CPU kernels (run_attention) and
+// the fake/meta implementations in ops.py (the module's check_attention, called with FakeTensors whose sizes are
+// SymInts under torch.compile): eager, meta, FakeTensorMode and torch.compile refuse the same inputs with the same
+// message. Returns the dtype of the call.
 DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
                       std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                       std::optional<int64_t> block_k) {
@@ -168,7 +168,7 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return dtype;
 }
 
-// t has like's shape, dtype and device (the backward's dout and out have q's).
+// t is dense with like's shape and dtype (the backward's dout and out have q's; devices: check_devices).
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
   check_tensor(t, name);
   CHECK_SIZES(equal_sizes(t.sym_sizes(), like.sym_sizes()), name, " must have the shape of ", like_name, ", ",
