@@ -567,15 +567,19 @@ at::Tensor vector_exp(const at::Tensor& x) {
 }
 
 // The FMA peak of this machine in GFLOP/s, with the current ISA's vectors on num_threads threads.
+// Both arguments are range-checked: num_threads is handed to OpenMP as an int, and the doubling of the iterations
+// must stop before it overflows (a minute of probing is far more than any measurement needs).
 double fma_peak_gflops(int64_t num_threads, double seconds) {
-  TORCH_CHECK_VALUE(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
+  TORCH_CHECK_VALUE(num_threads >= 1 && num_threads <= 4096, "num_threads must be >= 1 and <= 4096, got ",
+                    num_threads);
+  TORCH_CHECK_VALUE(seconds > 0 && seconds <= 60, "seconds must be in (0, 60], got ", seconds);
   const auto probe = kernels().fma_probe;
   int64_t iterations = 1 << 16;
   for (;;) {
     const auto start = std::chrono::steady_clock::now();
     const double flops = probe(iterations, static_cast<int>(num_threads));
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (elapsed >= seconds) return flops / elapsed * 1e-9;
+    if (elapsed >= seconds || iterations > INT64_MAX / 2) return flops / elapsed * 1e-9;
     iterations *= 2;
   }
 }
