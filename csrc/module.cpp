@@ -71,11 +71,12 @@ DType parse_dtype(const at::Tensor& q, Impl impl) {
   }
 }
 
-// A plain dense tensor of at least 2 dims. Sparse and quantized tensors are refused here, by name, rather
+// A plain dense tensor of at least 2 dims. Sparse, nested and quantized tensors are refused here, by name, rather
 // than left to the dispatcher's "Could not run ... with arguments from the 'SparseCPU' backend".
 void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_TYPE(!t.is_nested(), name, " must be a dense (strided) tensor, not a nested tensor");
   TORCH_CHECK_TYPE(!t.is_quantized(), name, " must be a float tensor, not quantized; got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() >= 2, name, " must have shape (..., N, d), at least 2 dims; got shape ", t.sym_sizes());
 }
@@ -636,7 +637,7 @@ TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
   m.impl("flash_attention_backward", &cs149gpt::flash_attention_backward);
 }
 
-// Sparse and quantized CPU tensors dispatch to these keys. The CPU implementations refuse them (check_attention: a
+// Sparse, nested and quantized CPU tensors dispatch to these keys. The CPU implementations refuse them (check_attention: a
 // TypeError naming the argument) before touching memory; without these registrations the dispatcher would answer
 // "Could not run ... with arguments from the 'SparseCPU' backend".
 #define CS149GPT_REFUSING_IMPL(KEY)                                                   \
@@ -648,6 +649,7 @@ TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
 CS149GPT_REFUSING_IMPL(SparseCPU)
 CS149GPT_REFUSING_IMPL(SparseCsrCPU)
 CS149GPT_REFUSING_IMPL(QuantizedCPU)
+CS149GPT_REFUSING_IMPL(NestedTensorCPU)
 
 TORCH_LIBRARY_IMPL(cs149gpt, ADInplaceOrView, m) {
   for (const char* op : {"attention", "flash_attention", "flash_attention_backward"})

@@ -416,6 +416,61 @@ def test_sparse_csr():
     assert type(e) is TypeError and "v must be a dense (strided) tensor, got layout SparseCsr" in str(e), repr(e)
 
 
+def _nested(layout):
+    g = torch.Generator().manual_seed(9)
+    rows = [torch.randn(3, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)]  # (j, H, d) per sequence
+    return torch.nested.nested_tensor(rows, layout=layout).transpose(1, 2)  # (B, H, j, d)
+
+
+# (A jagged tensor's own __torch_dispatch__ answers for every operator it meets: attention() checks it first.)
+@pytest.mark.parametrize("entry, layout, fragment", [
+    ("attention", torch.strided, "q must be a dense (strided) tensor, not a nested tensor"),
+    ("operator", torch.strided, "q must be a dense (strided) tensor, not a nested tensor"),
+    ("attention", torch.jagged, "q must be a dense (strided) tensor, got layout Jagged"),
+], ids=["nested", "nested-operator", "jagged"])
+def test_nested(entry, layout, fragment):
+    nt = _nested(layout)
+    f = cs149gpt.attention if entry == "attention" else torch.ops.cs149gpt.flash_attention
+    e = _raised(f, nt, nt, nt)
+    assert type(e) is TypeError and fragment in str(e), repr(e)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["nested", "jagged"])
+def test_sdpa_nested_is_torchs(layout):
+    """Nested tensors are torch's SDPA's to take: ours returns (or raises) exactly what it does."""
+    nt = _nested(layout)
+    assert not cs149gpt.uses_our_kernel(nt, nt, nt)
+    theirs = _raised(F.scaled_dot_product_attention, nt, nt, nt)
+    ours = _raised(cs149gpt.scaled_dot_product_attention, nt, nt, nt)
+    if theirs is not None:
+        assert type(ours) is type(theirs) and str(ours) == str(theirs)
+    else:
+        assert ours is None
+        for a, b in zip(cs149gpt.scaled_dot_product_attention(nt, nt, nt).unbind(),
+                        F.scaled_dot_product_attention(nt, nt, nt).unbind()):
+            assert torch.equal(a, b)
+
+
+class _Logged(torch.Tensor):
+    """A tensor subclass that records the functions called on it through __torch_function__."""
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_sdpa_tensor_subclass_sees_torchs_sdpa():
+    q, k, v = (t.as_subclass(_Logged) for t in _qkv((1, 2, 3, 8)))
+    _Logged.seen.clear()
+    assert not cs149gpt.uses_our_kernel(q, k, v)
+    out = cs149gpt.scaled_dot_product_attention(q, k, v)
+    assert "scaled_dot_product_attention" in _Logged.seen
+    assert torch.equal(out.as_subclass(torch.Tensor), F.scaled_dot_product_attention(
+        *(t.as_subclass(torch.Tensor) for t in (q, k, v))))
+
+
 @pytest.mark.parametrize("which", ["dout", "out", "lse"])
 def test_backward_sparse(which):
     args = _backward_args({})
