@@ -79,6 +79,10 @@ def attention(
     if return_lse and impl != "flash":
         raise ValueError(f"return_lse=True needs impl='flash', got impl={impl!r}")
     _load()
+    if any(t.layout != torch.strided or t.is_nested for t in (q, k, v)):
+        # A jagged nested tensor is a Python subclass whose dispatch never reaches our kernels, which refuse
+        # the other layouts themselves: the check names the argument (TypeError) for every one of them.
+        _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k)
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
             out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k)
@@ -88,8 +92,9 @@ def attention(
 
 def _refuse_sparse_and_quantized(q, k, v) -> None:
     """Sparse and quantized tensors: a TypeError naming the argument, from the C++ check (the one source of our
-    messages; the operators raise the same), where torch's SDPA would raise a RuntimeError of its own."""
-    if any(t.layout != torch.strided or t.is_quantized for t in (q, k, v)):
+    messages; the operators raise the same), where torch's SDPA would raise a RuntimeError of its own. Nested
+    tensors are torch's SDPA's to take."""
+    if any(t.layout not in (torch.strided, torch.jagged) or t.is_quantized for t in (q, k, v)):
         _ext._module.check_attention(q, k, v, "flash", None, "none", None, None)
 
 
@@ -152,13 +157,15 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
                                   and abs(scale) < _FLOAT32_OVERFLOW):
         return False  # torch computes something (NaN, inf, ...) where our check refuses: torch's answer
-    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
-               and t.device == query.device and t.dim() >= 3 for t in tensors):
+    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested
+               and t.device.type in ("cpu", "cuda") and t.device == query.device and t.dim() >= 3 for t in tensors):
         return False
     # On the GPU: the tensor-core kernels (bfloat16/float16, d 64 or 128); float32 there is the teaching kernel,
     # slower than torch's, so torch keeps it.
     if query.device.type == "cuda" and (query.dtype == torch.float32 or query.shape[-1] not in (64, 128)):
         return False
+    if torch.overrides.has_torch_function(tensors):
+        return False  # a tensor subclass sees torch's SDPA in its __torch_function__, as it would without us
     if query.dtype not in _FLASH_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
     if not (query.dim() == key.dim() == value.dim()) or key.shape != value.shape:

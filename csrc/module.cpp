@@ -71,11 +71,12 @@ DType parse_dtype(const at::Tensor& q, Impl impl) {
   }
 }
 
-// A plain dense tensor of at least 2 dims. Sparse and quantized tensors are refused here, by name, rather
+// A plain dense tensor of at least 2 dims. Sparse, nested and quantized tensors are refused here, by name, rather
 // than left to the dispatcher's "Could not run ... with arguments from the 'SparseCPU' backend".
 void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_TYPE(!t.is_nested(), name, " must be a dense (strided) tensor, not a nested tensor");
   TORCH_CHECK_TYPE(!t.is_quantized(), name, " must be a float tensor, not quantized; got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() >= 2, name, " must have shape (..., N, d), at least 2 dims; got shape ", t.sym_sizes());
 }
@@ -118,10 +119,10 @@ c10::SymBool equal_sizes(c10::SymIntArrayRef a, c10::SymIntArrayRef b) {
 constexpr double kFloat32Overflow = 0x1.ffffffp+127;
 
 // Every check of an attention call that needs no data: dtypes, devices, ranks, shapes (GQA divisibility included),
-// scale, mask, tiles. Written on symbolic sizes, so one function serves the CPU kernels (through prepare) and the
-// fake/meta implementations in ops.py (through check_attention_args below, with FakeTensors whose sizes may be
-// SymInts under torch.compile(dynamic=True)): eager, meta, FakeTensorMode and torch.compile refuse the same inputs
-// with the same message. Returns the dtype of the call.
+// scale, causal mode, tiles. Written on symbolic sizes, so one function serves the CPU kernels (run_attention) and
+// the fake/meta implementations in ops.py (the module's check_attention, called with FakeTensors whose sizes are
+// SymInts under torch.compile): eager, meta, FakeTensorMode and torch.compile refuse the same inputs with the same
+// message. Returns the dtype of the call.
 DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
                       std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                       std::optional<int64_t> block_k) {
@@ -170,7 +171,7 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return dtype;
 }
 
-// t has like's shape, dtype and device (the backward's dout and out have q's).
+// t is dense with like's shape and dtype (the backward's dout and out have q's; devices: check_devices).
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
   check_tensor(t, name);
   CHECK_SIZES(equal_sizes(t.sym_sizes(), like.sym_sizes()), name, " must have the shape of ", like_name, ", ",
@@ -569,15 +570,19 @@ at::Tensor vector_exp(const at::Tensor& x) {
 }
 
 // The FMA peak of this machine in GFLOP/s, with the current ISA's vectors on num_threads threads.
+// Both arguments are range-checked: num_threads is handed to OpenMP as an int, and the doubling of the iterations
+// must stop before it overflows (a minute of probing is far more than any measurement needs).
 double fma_peak_gflops(int64_t num_threads, double seconds) {
-  TORCH_CHECK_VALUE(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
+  TORCH_CHECK_VALUE(num_threads >= 1 && num_threads <= 4096, "num_threads must be >= 1 and <= 4096, got ",
+                    num_threads);
+  TORCH_CHECK_VALUE(seconds > 0 && seconds <= 60, "seconds must be in (0, 60], got ", seconds);
   const auto probe = kernels().fma_probe;
   int64_t iterations = 1 << 16;
   for (;;) {
     const auto start = std::chrono::steady_clock::now();
     const double flops = probe(iterations, static_cast<int>(num_threads));
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (elapsed >= seconds) return flops / elapsed * 1e-9;
+    if (elapsed >= seconds || iterations > INT64_MAX / 2) return flops / elapsed * 1e-9;
     iterations *= 2;
   }
 }
@@ -649,7 +654,7 @@ TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
   m.impl("flash_attention_backward", &cs149gpt::flash_attention_backward);
 }
 
-// Sparse and quantized CPU tensors dispatch to these keys. The CPU implementations refuse them (check_attention: a
+// Sparse, nested and quantized CPU tensors dispatch to these keys. The CPU implementations refuse them (check_attention: a
 // TypeError naming the argument) before touching memory; without these registrations the dispatcher would answer
 // "Could not run ... with arguments from the 'SparseCPU' backend".
 #define CS149GPT_REFUSING_IMPL(KEY)                                                   \
@@ -661,6 +666,7 @@ TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
 CS149GPT_REFUSING_IMPL(SparseCPU)
 CS149GPT_REFUSING_IMPL(SparseCsrCPU)
 CS149GPT_REFUSING_IMPL(QuantizedCPU)
+CS149GPT_REFUSING_IMPL(NestedTensorCPU)
 
 TORCH_LIBRARY_IMPL(cs149gpt, ADInplaceOrView, m) {
   for (const char* op : {"attention", "flash_attention", "flash_attention_backward"})

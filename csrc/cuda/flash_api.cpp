@@ -40,7 +40,7 @@ int device_attribute(cudaDeviceAttr attr, int device) {
 
 void check_input(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
-  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be on the GPU like q, got a tensor on ", t.device());
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be on q's device (the GPU), got a tensor on ", t.device());
   TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on q's device, ", q.device(), "; got ", t.device());
   TORCH_CHECK_VALUE(t.dim() >= 2, name, " must have shape (..., N, d), at least 2 dims; got shape ", t.sizes());
 }
