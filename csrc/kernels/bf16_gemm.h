@@ -28,11 +28,21 @@ using bf16_bits = uint16_t;  // a bfloat16, as its bits
 
 constexpr int64_t kDotRows = 32, kDotCols = 16, kDotK = 32;
 
-// Round-to-nearest-even float32 → bf16, 16 at a time (NaN stays NaN). n ≤ 16 lanes are written.
-inline void to_bf16(const float* x, bf16_bits* y, int64_t n) {
-  const __mmask16 lanes = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-  const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, x));
-  _mm256_mask_storeu_epi16(y, lanes, packed);
+// y[c] = bf16(exp(scale·x[c] − shift)) for c < n and 0 for n ≤ c < n_pad; returns the float32 sum of the
+// exponentials (round to nearest even; NaN stays NaN). The online softmax's exp pass and the rounding of P for
+// P·V in one sweep over the scores.
+inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
+                                     int64_t n_pad) {
+  const Vec s = Vec::broadcast(-shift), a = Vec::broadcast(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp(fmadd(Vec{_mm512_maskz_loadu_ps(lanes, x + c)}, a, s)).v);
+    sum = _mm512_add_ps(sum, e);
+    _mm256_mask_storeu_epi16(y + c, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  for (int64_t c = n; c < n_pad; ++c) y[c] = 0;
+  return _mm512_reduce_add_ps(sum);
 }
 
 // Element (k, n) of a VNNI-packed B with rows ldb pairs apart.

@@ -108,18 +108,30 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
   v_finite[tile] = finite ? 1.0f : 0.0f;
 }
 
+inline float from_bf16(bf16_bits x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // O_g[r] += Σ_{t < visible[r]} P[r, t] · V_j[t] in float32, row by row: only for a V tile holding NaN or inf.
-void pv_visible_only(int64_t rows, const float* P, int64_t ldp, const int64_t* visible, const bf16_bits* vt,
+void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t ldp, const int64_t* visible, const bf16_bits* vt,
                      const Layout& L, int64_t d, float* O, int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < visible[r]; ++t)
-      for (int64_t c = 0; c < d; ++c) {
-        const uint32_t bits = static_cast<uint32_t>(vt[vnni_index(t, c, L.d_n)]) << 16;
-        float v;
-        std::memcpy(&v, &bits, sizeof v);
-        O[r * ldo + c] += P[r * ldp + t] * v;
-      }
+      for (int64_t c = 0; c < d; ++c) O[r * ldo + c] += from_bf16(P[r * ldp + t]) * from_bf16(vt[vnni_index(t, c, L.d_n)]);
 }
+
+// The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j.
+struct PToBf16 {
+  bf16_bits* P;
+  int64_t ld, k_keys;
+  float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
+    return exp_shifted_sum_to_bf16(s, shift, n, scale, P + r * ld, k_keys);
+  }
+  void zero(int64_t r, float*, int64_t) const { std::fill(P + r * ld, P + r * ld + k_keys, bf16_bits{0}); }
+};
 
 // One query tile: rows [i0, i0 + rows) of head h in batch b.
 void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const bf16_bits* kt_all,
@@ -153,24 +165,19 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles)
       bf16_gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);
 
-      // S = scale · S, then the online softmax: S becomes P; m, l, α updated.
+      // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16; m, l, α updated.
+      const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      online_softmax(S, L.Bc_pad, G, n_keys, visible, p.scale, m + g0, l + g0, alpha, m_new);
+      online_softmax(S, L.Bc_pad, G, n_keys, visible, p.scale, m + g0, l + g0, alpha, m_new,
+                     PToBf16{Pb, L.Bc_pad, k_keys});
 
       // O_g = α · O_g + P V_j
       float* Og = Oi + g0 * L.d_n;
       for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
-      if (v_finite[tile] != 0.0f) {
-        const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
-        for (int64_t r = 0; r < G; ++r) {
-          bf16_bits* pr = Pb + r * L.Bc_pad;
-          for (int64_t t = 0; t < n_keys; t += 16) to_bf16(S + r * L.Bc_pad + t, pr + t, std::min<int64_t>(16, n_keys - t));
-          std::fill(pr + n_keys, pr + k_keys, bf16_bits{0});
-        }
+      if (v_finite[tile] != 0.0f)
         bf16_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Og, L.d_n, true);
-      } else {
-        pv_visible_only(std::min(G, rows - g0), S, L.Bc_pad, visible, Vj, L, d, Og, L.d_n);
-      }
+      else
+        pv_visible_only(std::min(G, rows - g0), Pb, L.Bc_pad, visible, Vj, L, d, Og, L.d_n);
     }
   }
   finish_rows<c10::BFloat16>(p, b, h, i0, rows, Oi, L.d_n, m, l);

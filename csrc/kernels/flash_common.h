@@ -59,9 +59,20 @@ void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t 
 //   S = P = exp(S − m_new);   l = α · l + rowsum P;   m = m_new.
 // A row that sees no key yet (m_new = −inf) keeps P = 0, α = 1. The max keeps a NaN (max_nan, max_of):
 // m_new = NaN makes α, P and l NaN, so a NaN logit turns the whole row NaN; so does +inf, through
-// exp(inf − inf). alpha and m_new are G floats of scratch; alpha holds α afterwards.
+// exp(inf − inf). alpha and m_new are G floats of scratch; alpha holds α afterwards. P goes where PWriter puts
+// it (over S by default).
+// Where P = exp(S − m_new) goes: over S itself (the float32 kernels), or elsewhere (flash_bf16.cpp writes it in
+// bf16 for the next product). exp_sum writes row r's P and returns its sum; zero writes a row of zeros.
+struct PInPlace {
+  float exp_sum(int64_t, float* s, float shift, int64_t n, float scale) const {
+    return exp_shifted_sum(s, shift, n, scale);
+  }
+  void zero(int64_t, float* s, int64_t n) const { fill_row(0.0f, s, n); }
+};
+
+template <class PWriter = PInPlace>
 inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, const int64_t* visible, float scale,
-                           float* m, float* l, float* alpha, float* m_new) {
+                           float* m, float* l, float* alpha, float* m_new, const PWriter& P = PWriter()) {
   // A positive scale rides along (max of scale·S = scale · max of S; the exp's argument is one FMA);
   // another is applied to S first.
   const bool scale_in_exp = scale > 0.0f;
@@ -76,10 +87,10 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
   for (int64_t r = 0; r < G; ++r) {
     float* s = S + r * ld;
     if (m_new[r] == kNegInf) {
-      fill_row(0.0f, s, n_keys);
+      P.zero(r, s, n_keys);
       continue;
     }
-    l[r] = alpha[r] * l[r] + exp_shifted_sum(s, m_new[r], n_keys, scale_in_exp ? scale : 1.0f);
+    l[r] = alpha[r] * l[r] + P.exp_sum(r, s, m_new[r], n_keys, scale_in_exp ? scale : 1.0f);
     m[r] = m_new[r];
   }
 }
