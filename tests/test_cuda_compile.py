@@ -19,12 +19,17 @@ NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
 
+# nvcc runs in a clean environment: under `make sanitize` this process has libasan preloaded, which nvcc (not built
+# for it) would inherit and crash on.
+NVCC_ENV = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
+
+
 def compile_all(arch, tmp_path, extra):
     def compile_one(src):
         out = tmp_path / (os.path.basename(src) + ".cubin")
         cmd = [NVCC, "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin",
                *extra, "-o", str(out), str(_build.ROOT / src)]
-        return src, subprocess.run(cmd, capture_output=True, text=True)
+        return src, subprocess.run(cmd, capture_output=True, text=True, env=NVCC_ENV)
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         results = list(pool.map(compile_one, _build.CUDA_KERNEL_SOURCES))
