@@ -49,8 +49,9 @@ struct Layout {
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
     const int64_t threads_wanted = 4 * p.num_threads;
-    Br = p.block_q > 0 ? round_up(p.block_q, kRowGroup) : kDefaultBlockQ;
-    Bc = p.block_k > 0 ? round_up(p.block_k, kKeyAlign) : round_up(kDefaultBlockK, kKeyAlign);
+    // A caller's tile is clamped to the sequence before it is rounded up (so round_up cannot overflow).
+    Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kRowGroup) : kDefaultBlockQ;
+    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kKeyAlign) : round_up(kDefaultBlockK, kKeyAlign);
     if (p.block_q <= 0)
       while (Br > kRowGroup && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < threads_wanted) Br -= kRowGroup;
     if (p.block_k <= 0)

@@ -51,7 +51,7 @@ struct Layout {
   int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, per_thread;  // per-thread scratch (floats)
 
   explicit Layout(const AttentionParams& p) {
-    Br = p.block_q > 0 ? round_up(p.block_q, G) : kDefaultBlockQ;
+    Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), G) : kDefaultBlockQ;  // clamped before rounding
     Bc = p.block_k > 0 ? p.block_k : kDefaultBlockK;
     if (p.block_q <= 0)
       while (Br > G && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < 4 * p.num_threads) Br -= G;
