@@ -44,7 +44,7 @@ inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1)
 
 struct Layout {
   int64_t Br, Bc, Tr, Tc;
-  int64_t Br_pad, Bc_pad;   // rows to whole groups; keys to whole dot-product steps (kDotK)
+  int64_t Bc_pad;           // keys to whole dot-product steps (kDotK); Br is already whole groups
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n)
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats)
@@ -59,7 +59,6 @@ struct Layout {
     Bc = std::min(Bc, p.kv_len);
     Tr = (p.q_len + Br - 1) / Br;
     Tc = (p.kv_len + Bc - 1) / Bc;
-    Br_pad = Br;
     Bc_pad = round_up(Bc, kDotK);
     d_k = round_up(p.head_dim, kDotK);
     d_n = round_up(p.head_dim, kDotCols);
@@ -69,13 +68,13 @@ struct Layout {
     kt_floats = floats_for(tiles * kt_tile);
     v_floats = floats_for(tiles * v_tile);
     flags_floats = round_up(tiles, 16);
-    q_off = 0;                                        // Q_i, bf16, Br_pad × d_k
-    s_off = q_off + floats_for(Br_pad * d_k);         // S/P of one group, float32, G × Bc_pad
+    q_off = 0;                                        // Q_i, bf16, Br × d_k
+    s_off = q_off + floats_for(Br * d_k);         // S/P of one group, float32, G × Bc_pad
     p_off = s_off + G * Bc_pad;                       // P of one group, bf16, G × Bc_pad
-    o_off = p_off + floats_for(G * Bc_pad);           // O_i, float32, Br_pad × d_n
-    m_off = o_off + Br_pad * d_n;
-    l_off = m_off + round_up(Br_pad, 16);
-    alpha_off = l_off + round_up(Br_pad, 16);
+    o_off = p_off + floats_for(G * Bc_pad);           // O_i, float32, Br × d_n
+    m_off = o_off + Br * d_n;
+    l_off = m_off + round_up(Br, 16);
+    alpha_off = l_off + round_up(Br, 16);
     per_thread = alpha_off + round_up(2 * G, 16);     // α and m_new of one group
   }
 };
