@@ -178,10 +178,14 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
 #endif
         decode::row_key_dots(rows, n, d, Q, L.d_pad, K, p.k_strides[2], S, kBlockKeys);
 
-      // Online softmax over the block: S becomes P; m, l, α updated (flash_common.h; scale applied there).
-      for (int64_t r = 0; r < rows; ++r)
+      // S = scale · S, rounded before the max is taken, so that the largest logit's weight is exp(0) = 1
+      // exactly (a single visible key returns its value row bitwise). Then the online softmax over the block:
+      // S becomes P; m, l, α updated (flash_common.h).
+      for (int64_t r = 0; r < rows; ++r) {
         visible[r] = std::clamp<int64_t>(visible_keys_of(p, kv_len, (rho0 + r) / L.group) - t0, 0, n);
-      online_softmax(S, kBlockKeys, rows, n, visible, p.scale, m, l, alpha, m_new);
+        scale_row(p.scale, S + r * kBlockKeys, visible[r]);
+      }
+      online_softmax(S, kBlockKeys, rows, n, visible, /*scale=*/1.0f, m, l, alpha, m_new);
 
       // O = α · O + P V_block. Keys every row sees go through the block kernel; the few that only later rows
       // see (the causal diagonal of a chunk) are added row by row, so a hidden key's value never touches a row.
