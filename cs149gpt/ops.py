@@ -27,6 +27,8 @@ _torch_sdpa = F.scaled_dot_product_attention
 
 
 _registered = False
+_Tensor = torch.Tensor
+_has_torch_function = torch._C._has_torch_function
 
 
 def _load() -> None:
@@ -70,6 +72,13 @@ def attention(
         out: (..., Nq, d), contiguous, in q's dtype (float32; also bfloat16/float16 with impl="flash");
         or (out, lse) with return_lse=True. With impl="flash" out is differentiable in q, k and v.
     """
+    if (not torch.compiler.is_compiling() and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+            and _registered and not _has_torch_function((q, k, v))):
+        # Plain tensors in eager mode: the checks, the autograd decision and the call in C++ (module.cpp); None
+        # when this path does not apply (an argument to refuse, autograd to record): then the one below.
+        result = _ext._module.attention_fast(q, k, v, impl, scale, is_causal, block_q, block_k, return_lse)
+        if result is not None:
+            return result
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -176,6 +185,13 @@ def scaled_dot_product_attention(
     tensors raise a TypeError naming the argument (torch raises a RuntimeError for them).
     `uses_our_kernel(...)` tells which path a call takes.
     """
+    if (attn_mask is None and dropout_p == 0.0 and not torch.compiler.is_compiling() and type(query) is _Tensor
+            and type(key) is _Tensor and type(value) is _Tensor and not _has_torch_function((query, key, value))):
+        # The common call, decided and run in C++ (module.cpp, sdpa_fast: the conditions of uses_our_kernel); None
+        # when it is not ours to take there, or autograd must record it: then the path below decides.
+        result = _ext._module.sdpa_fast(query, key, value, is_causal, scale, enable_gqa)
+        if result is not None:
+            return result
     if all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         _refuse_sparse_and_quantized(query, key, value)
     if not uses_our_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

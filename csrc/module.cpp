@@ -200,9 +200,14 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
   return dtype;
 }
 
+// Asked once: sysconf(_SC_PHYS_PAGES) is a system call (sysinfo), a few µs that every call would otherwise pay
+// for each output and workspace it checks.
 int64_t physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : INT64_MAX;
+  static const int64_t bytes = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : INT64_MAX;
+  }();
+  return bytes;
 }
 
 // Sizes arithmetic that says when it leaves int64: -1 then (sizes are never negative, so -1 propagates).
@@ -228,11 +233,14 @@ std::string gib(double bytes) {
 // Refuses, with torch.OutOfMemoryError naming what is allocated and its sizes, `count` elements of `elem_size`
 // bytes that overflow int64 (count -1: the count itself did) or exceed this machine's memory. torch's allocator
 // would raise a RuntimeError at best; a size that wrapped around would be allocated, too small, and overrun.
-void check_fits(int64_t count, int64_t elem_size, const std::string& what) {
+// `what()` says what is allocated; it is called only to word the error (formatting it costs more than the check).
+template <class Describe>
+void check_fits(int64_t count, int64_t elem_size, const Describe& what) {
   const int64_t bytes = checked_product({count, elem_size});
-  TORCH_CHECK_WITH(OutOfMemoryError, bytes >= 0, what, " is beyond any machine's memory: its size overflows int64");
-  TORCH_CHECK_WITH(OutOfMemoryError, bytes <= physical_memory_bytes(), what, " needs ", gib(bytes),
-                   " GiB, more than this machine's memory (", gib(physical_memory_bytes()), " GiB)");
+  if (bytes >= 0 && bytes <= physical_memory_bytes()) return;
+  TORCH_CHECK_WITH(OutOfMemoryError, bytes >= 0, what(), " is beyond any machine's memory: its size overflows int64");
+  TORCH_CHECK_WITH(OutOfMemoryError, false, what(), " needs ", gib(bytes), " GiB, more than this machine's memory (",
+                   gib(physical_memory_bytes()), " GiB)");
 }
 
 std::string shape_of(const char* name, at::IntArrayRef sizes) {
@@ -246,7 +254,7 @@ std::string shape_of(const char* name, at::IntArrayRef sizes) {
 // a stride-0 expanded input of astronomically many elements takes no memory until it is copied.
 at::Tensor as_4d(const at::Tensor& t, const char* name) {
   const auto copy_fits = [&] {
-    check_fits(t.numel(), t.element_size(), std::string("a copy of ") + shape_of(name, t.sizes()));
+    check_fits(t.numel(), t.element_size(), [&] { return std::string("a copy of ") + shape_of(name, t.sizes()); });
   };
   at::Tensor t4;
   switch (t.dim()) {
@@ -369,7 +377,7 @@ at::Tensor workspace(const K& kernel, const Params& params, const AttentionParam
   const int64_t bound = workspace_bound_floats(p);
   const bool formula_fits = bound >= 0 && bound <= INT64_MAX / static_cast<int64_t>(sizeof(float));
   const int64_t floats = formula_fits ? kernel.workspace_floats(params) : -1;
-  check_fits(floats, sizeof(float), what + " for " + sizes_of(p));
+  check_fits(floats, sizeof(float), [&] { return what + " for " + sizes_of(p); });
   return at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
 }
 
@@ -377,7 +385,7 @@ at::Tensor workspace(const K& kernel, const Params& params, const AttentionParam
 at::Tensor checked_empty(at::IntArrayRef sizes, const at::TensorOptions& options, const char* name) {
   check_fits(checked_product(sizes),
              static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(options.dtype()))),
-             shape_of(name, sizes));
+             [&] { return shape_of(name, sizes); });
   return at::empty(sizes, options);
 }
 
@@ -841,6 +849,146 @@ void refuse_forward_ad_and_bump(const c10::OperatorHandle& op, c10::DispatchKeyS
 }  // namespace
 }  // namespace cs149gpt
 
+namespace cs149gpt {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// The eager fast path of cs149gpt.attention() and cs149gpt.scaled_dot_product_attention(): the decisions the
+// Python wrappers would take (is the argument valid, must autograd see the call, does torch's SDPA take it), made
+// here in a fraction of a microsecond, then the operator called through the dispatcher (so the profiler, meta
+// tensors and dispatch modes see it as usual) below autograd. Python calls these only for plain tensors, outside
+// torch.compile and __torch_function__; they return None where the Python wrapper must decide itself (an error to
+// word, autograd to record, a fallback to torch), and the wrapper then runs its own path.
+// ---------------------------------------------------------------------------------------------------
+namespace py = pybind11;
+
+using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::string&,
+                               std::optional<double>, const std::string&, std::optional<int64_t>,
+                               std::optional<int64_t>);
+using FlashFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   std::optional<double>, const std::string&, std::optional<int64_t>,
+                                                   std::optional<int64_t>);
+
+// Whether autograd (reverse or forward mode) must record a call on these tensors: then the wrappers take it.
+bool autograd_needed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    if (at::GradMode::is_enabled() && t->requires_grad()) return true;
+    if (t->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  return false;
+}
+
+bool plain_dense(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && !t.is_nested() && !t.is_quantized();
+}
+
+py::object call_below_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
+                               std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                               std::optional<int64_t> block_k, bool return_lse) {
+  static const auto attention_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("cs149gpt::attention", "").typed<AttentionFn>();
+  static const auto flash_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("cs149gpt::flash_attention", "").typed<FlashFn>();
+  at::Tensor out, lse;
+  {
+    py::gil_scoped_release no_gil;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    if (return_lse)
+      std::tie(out, lse) = flash_op.call(q, k, v, scale, causal, block_q, block_k);
+    else
+      out = attention_op.call(q, k, v, impl, scale, causal, block_q, block_k);
+  }
+  if (return_lse) return py::make_tuple(out, lse);
+  return py::cast(out);
+}
+
+// A Python float or int (not bool) that is a finite float32 into *value; false for anything else.
+bool scale_from(py::handle scale, std::optional<double>* value) {
+  if (scale.is_none()) return true;
+  if (!(PyFloat_CheckExact(scale.ptr()) || PyLong_CheckExact(scale.ptr()))) return false;
+  const double s = PyFloat_AsDouble(scale.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  if (!(std::isfinite(s) && std::fabs(s) < kFloat32Overflow)) return false;
+  *value = s;
+  return true;
+}
+
+// None or a Python int (not bool) that fits int64 into *value; false for anything else.
+bool int_from(py::handle x, std::optional<int64_t>* value) {
+  if (x.is_none()) return true;
+  if (!PyLong_CheckExact(x.ptr())) return false;
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(x.ptr(), &overflow);
+  if (overflow || (n == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  *value = n;
+  return true;
+}
+
+// cs149gpt.attention(q, k, v, impl, scale, is_causal, block_q, block_k, return_lse) for plain tensors, or None.
+// The arguments come as Python objects: anything unexpected (a wrong type too) is the Python wrapper's to word.
+py::object attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, py::handle impl_arg,
+                          py::handle scale_arg, py::handle is_causal, py::handle block_q_arg, py::handle block_k_arg,
+                          py::handle return_lse_arg) {
+  std::string causal;
+  if (is_causal.is_none() || is_causal.ptr() == Py_False)
+    causal = "none";
+  else if (is_causal.ptr() == Py_True)
+    causal = "top_left";
+  else if (PyUnicode_Check(is_causal.ptr()))
+    causal = is_causal.cast<std::string>();
+  if (!(causal == "none" || causal == "top_left" || causal == "bottom_right")) return py::none();
+  if (!PyUnicode_Check(impl_arg.ptr())) return py::none();
+  const std::string impl = impl_arg.cast<std::string>();
+  if (!(impl == "flash" || impl == "naive" || impl == "blocked" || impl == "fused")) return py::none();
+  if (return_lse_arg.ptr() != Py_True && return_lse_arg.ptr() != Py_False) return py::none();
+  const bool return_lse = return_lse_arg.ptr() == Py_True;
+  if (return_lse && impl != "flash") return py::none();
+  std::optional<double> scale;
+  std::optional<int64_t> block_q, block_k;
+  if (!scale_from(scale_arg, &scale) || !int_from(block_q_arg, &block_q) || !int_from(block_k_arg, &block_k))
+    return py::none();
+  if (!plain_dense(q) || !plain_dense(k) || !plain_dense(v) || autograd_needed(q, k, v)) return py::none();
+  return call_below_autograd(q, k, v, impl, scale, causal, block_q, block_k, return_lse);
+}
+
+// cs149gpt.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal, scale,
+// enable_gqa) for plain tensors when our kernel takes it (the conditions of ops.uses_our_kernel without a mask or
+// dropout) and no gradient is recorded; else None.
+py::object sdpa_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, py::handle is_causal,
+                     py::handle scale, py::handle enable_gqa_arg) {
+  if (enable_gqa_arg.ptr() != Py_True && enable_gqa_arg.ptr() != Py_False) return py::none();
+  const bool enable_gqa = enable_gqa_arg.ptr() == Py_True;
+  if (is_causal.ptr() != Py_True && is_causal.ptr() != Py_False) return py::none();
+  std::optional<double> scale_value;
+  if (!scale_from(scale, &scale_value)) return py::none();
+  if (!plain_dense(q) || !plain_dense(k) || !plain_dense(v)) return py::none();
+  const at::Device device = q.device();
+  if (!(device.is_cpu() || device.is_cuda()) || k.device() != device || v.device() != device) return py::none();
+  if (q.dim() < 3 || k.dim() != q.dim() || v.dim() != q.dim() || k.sizes() != v.sizes()) return py::none();
+  const auto dtype = q.scalar_type();
+  if (!(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype)
+    return py::none();
+  const int64_t d = q.size(-1);
+  if (device.is_cuda() && (dtype == at::kFloat || (d != 64 && d != 128))) return py::none();
+  if (k.size(-1) != d || k.sizes().slice(0, k.dim() - 3) != q.sizes().slice(0, q.dim() - 3)) return py::none();
+  if (q.size(-2) == 0 || d == 0 || k.size(-2) == 0) return py::none();
+  const int64_t h_q = q.size(-3), h_kv = k.size(-3);
+  if (h_kv == 0 || !(h_q == h_kv || (enable_gqa && h_q % h_kv == 0))) return py::none();
+  if (autograd_needed(q, k, v)) return py::none();
+  return call_below_autograd(q, k, v, "flash", scale_value, is_causal.ptr() == Py_True ? "top_left" : "none",
+                             std::nullopt, std::nullopt, false);
+}
+
+}  // namespace
+}  // namespace cs149gpt
+
 // The operator schema, declared once; the CPU implementation is registered apart, so another backend would
 // be one more TORCH_LIBRARY_IMPL block.
 TORCH_LIBRARY(cs149gpt, m) {
@@ -911,6 +1059,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                            const std::optional<at::Tensor>& block_table, std::optional<double> scale) {
     check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale);
   }, "raises what torch.ops.cs149gpt.attention_with_kvcache would for these arguments, on sizes alone");
+  m.def("attention_fast", &attention_fast, "cs149gpt.attention's eager path for plain tensors (None: not taken)");
+  m.def("sdpa_fast", &sdpa_fast,
+        "cs149gpt.scaled_dot_product_attention's eager path without mask or dropout (None: not taken)");
   m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
   m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
