@@ -10,9 +10,12 @@ keys, float32 and bfloat16, 1 thread and all of them. For each shape:
               room for more keys, lengths per sequence)
 
 Medians of interleaved repetitions (µs per call). "GB/s" counts the bytes of K and V the call must read
-(2 · B · Hkv · N · d · element size); "% bw" is that against the machine's read bandwidth, measured by a probe in
-the same run (torch's sum over a float32 buffer far larger than the caches, on the same threads), so the column
-says how close the kernel comes to the memory limit. Also the per-call time at 128 keys (overhead-bound).
+(2 · B · Hkv · N · d · element size). The read-bandwidth probe (cs149gpt's read_probe: a float32 buffer of the same
+number of bytes summed with vector loads, 8 independent chains, on the same threads, in the same rounds) says what
+reading those bytes costs at best at that moment, from wherever they live (caches for the small shapes, memory for
+the large ones); "% bw" is the probe's time over ours. The header gives the probe's figure for 1 GiB (memory).
+Also the per-call time at 128 keys (overhead-bound). --extra-isa times our kernel under a second instruction set in
+the same rounds (e.g. avx512 beside amx: bf16 keys converted in registers instead of vdpbf16ps).
 
     python benchmarks/bench_decode.py                      # threads 1,all; the full grid
     python benchmarks/bench_decode.py --threads 16 --keys 4096 --batches 1 --dtypes bfloat16
@@ -29,19 +32,20 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 import cs149gpt  # noqa: E402
+from cs149gpt import _ext  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def read_bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 7) -> float:
-    """GB/s of torch's sum over a float32 buffer of `mib` MiB (far beyond the caches), median of repeats."""
-    torch.set_num_threads(threads)
+    """GB/s of the read probe over a float32 buffer of `mib` MiB (far beyond the caches), median of repeats."""
+    probe = _ext.load().read_probe
     x = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
-    x.sum()
+    probe(x, threads)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        x.sum()
+        probe(x, threads)
         times.append(time.perf_counter() - start)
     return x.numel() * 4 / statistics.median(times) / 1e9
 
@@ -70,7 +74,7 @@ def time_calls(fns: dict, min_seconds: float, max_calls: int = 2000) -> dict:
 
 
 @torch.inference_mode()
-def bench_shape(B, hq, hkv, n, d, dtype, min_seconds):
+def bench_shape(B, hq, hkv, n, d, dtype, min_seconds, threads, extra_isa=None):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, hq, 1, d, generator=g).to(dtype)
     k = torch.randn(B, hkv, n, d, generator=g).to(dtype)
@@ -86,12 +90,27 @@ def bench_shape(B, hq, hkv, n, d, dtype, min_seconds):
                       ("kvcache", cs149gpt.attention_with_kvcache(q, k_cache, v_cache, seqlens, is_causal=False))):
         err = (out.float() - ref).abs().max().item()
         assert err < (1e-4 if dtype == torch.float32 else 3e-2), f"{name} is wrong: max error {err}"
+    nbytes = 2 * B * hkv * n * d * q.element_size()
+    m = _ext.load()
+    probe_buffer = torch.ones(nbytes // 4, dtype=torch.float32)
     fns = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "ours": lambda: cs149gpt.attention(q, k, v),
         "kvcache": lambda: cs149gpt.attention_with_kvcache(q, k_cache, v_cache, seqlens, is_causal=False),
+        "probe": lambda: m.read_probe(probe_buffer, threads),
     }
-    return time_calls(fns, min_seconds), 2 * B * hkv * n * d * q.element_size()
+    if extra_isa:
+        isa = m.isa()
+
+        def ours_extra():
+            m.set_isa(extra_isa)
+            try:
+                return cs149gpt.attention(q, k, v)
+            finally:
+                m.set_isa(isa)
+
+        fns["extra"] = ours_extra
+    return time_calls(fns, min_seconds), nbytes
 
 
 def main():
@@ -104,6 +123,7 @@ def main():
     parser.add_argument("--heads", default="32,8", help="Hq,Hkv")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=0.5, help="time per shape and implementation")
+    parser.add_argument("--extra-isa", default=None, help="also time ours under this ISA (e.g. avx512), same rounds")
     args = parser.parse_args()
     all_threads = torch.get_num_threads()
     threads = [all_threads if t == "all" else int(t) for t in args.threads.split(",")]
@@ -111,20 +131,24 @@ def main():
     d = args.head_dim
     print(f"cs149gpt {cs149gpt.isa()}, torch {torch.__version__}, {all_threads} cores; Hq={hq}, Hkv={hkv}, d={d}")
     for t in threads:
-        bw = read_bandwidth_gbs(t)
         torch.set_num_threads(t)
-        print(f"\n## {t} thread(s): read bandwidth probe {bw:.1f} GB/s\n")
-        print("| dtype | B | keys | SDPA µs | ours µs | kvcache µs | ours ×SDPA | kvcache ×SDPA | ours GB/s | ours % bw |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        bw = read_bandwidth_gbs(t)
+        print(f"\n## {t} thread(s): read bandwidth probe {bw:.1f} GB/s (1 GiB)\n")
+        extra = f" ours@{args.extra_isa} µs | @{args.extra_isa} ×SDPA |" if args.extra_isa else ""
+        print("| dtype | B | keys | SDPA µs | ours µs | kvcache µs | ours ×SDPA | kvcache ×SDPA | ours GB/s | probe GB/s "
+              f"| ours % bw |{extra}")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if extra else ""))
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             for B in (int(b) for b in args.batches.split(",")):
                 for n in [128] + [int(x) for x in args.keys.split(",")]:
-                    us, nbytes = bench_shape(B, hq, hkv, n, d, dtype, args.seconds)
+                    us, nbytes = bench_shape(B, hq, hkv, n, d, dtype, args.seconds, t, args.extra_isa)
                     gbs = nbytes / (us["ours"] * 1e-6) / 1e9
+                    probe_gbs = nbytes / (us["probe"] * 1e-6) / 1e9
+                    extra = (f" {us['extra']:.1f} | {us['sdpa'] / us['extra']:.2f} |" if args.extra_isa else "")
                     print(f"| {dname} | {B} | {n} | {us['sdpa']:.1f} | {us['ours']:.1f} | {us['kvcache']:.1f} | "
                           f"{us['sdpa'] / us['ours']:.2f} | {us['sdpa'] / us['kvcache']:.2f} | {gbs:.1f} | "
-                          f"{100 * gbs / bw:.0f} % |", flush=True)
+                          f"{probe_gbs:.1f} | {100 * us['probe'] / us['ours']:.0f} % |{extra}", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,8 @@ struct KernelTable {
   double (*fma_probe)(int64_t iterations, int num_threads);
   // The same for the bf16 dot-product instructions (AMX tiles, vdpbf16ps); null where the ISA has none.
   double (*bf16_dot_probe)(int64_t iterations, int num_threads);
+  // Reads n floats (sums them, returned) on num_threads threads: time it to get the read bandwidth.
+  double (*read_probe)(const float* x, int64_t n, int num_threads);
   // The vectorised exp the kernels use, over a row in place (exposed so tests can check it).
   void (*exp_row)(float* x, int64_t n);
 };

@@ -801,6 +801,17 @@ std::optional<double> bf16_peak_gflops(int64_t num_threads, double seconds) {
   }
 }
 
+// Sums a float32 tensor with the current ISA's vector loads on num_threads threads (the decode benchmark times it
+// to measure the read bandwidth; the sum keeps the reads from being dropped).
+double read_probe(const at::Tensor& x, int64_t num_threads) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a float32 CPU tensor, got ",
+                   x.scalar_type(), " on ", x.device());
+  TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous");
+  TORCH_CHECK_VALUE(num_threads >= 1 && num_threads <= 4096, "num_threads must be >= 1 and <= 4096, got ",
+                    num_threads);
+  return kernels().read_probe(x.data_ptr<float>(), x.numel(), static_cast<int>(num_threads));
+}
+
 void set_isa_checked(const std::string& name) {
   try {
     cs149gpt::set_isa(name.c_str());
@@ -1070,6 +1081,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_peak_gflops", &bf16_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured bf16 dot-product peak in GFLOP/s (AMX or vdpbf16ps) on num_threads threads; None without one");
+  m.def("read_probe", &read_probe, py::arg("x"), py::arg("num_threads") = 1, py::call_guard<py::gil_scoped_release>(),
+        "sum of a float32 tensor read with vector loads on num_threads threads (time it: read bandwidth)");
   m.def("amx_unavailable_reason", [] { return std::string(amx_unavailable_reason()); },
         "why the AMX kernels are not used on a CPU that has AMX (the kernel refused the permission), or ''");
   m.def("vector_exp", &vector_exp, "exp by the kernels' vectorised exp (current ISA), for tests");

@@ -28,11 +28,14 @@ namespace decode {
 
 constexpr int W = Vec::width;
 
+// The accumulators of a block live in registers only if the helpers that update them are inlined into one loop.
+#define CS149_DECODE_INLINE inline __attribute__((always_inline))
+
 // ---------------------------------------------------------------------------------------------------
 // W (or the first n < W) elements of a row as float32.
 // ---------------------------------------------------------------------------------------------------
 template <class T>
-inline Vec load_as_float(const T* p) {
+CS149_DECODE_INLINE Vec load_as_float(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return Vec::load(p);
   } else {
@@ -55,7 +58,7 @@ inline Vec load_as_float(const T* p) {
 }
 
 template <class T>
-inline Vec load_as_float_partial(const T* p, int64_t n) {
+CS149_DECODE_INLINE Vec load_as_float_partial(const T* p, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return Vec::load_partial(p, n);
   } else {
@@ -77,7 +80,7 @@ inline Vec load_as_float_partial(const T* p, int64_t n) {
 // Lane t of the result = the sum of the W lanes of acc[t]: W reductions at once, by halving, pairwise.
 // The order of the additions is fixed, so the result does not depend on anything but the inputs.
 // ---------------------------------------------------------------------------------------------------
-inline Vec sum_each(const Vec* acc) {
+CS149_DECODE_INLINE Vec sum_each(const Vec* acc) {
 #if defined(CS149_ISA_AVX512)
   // 1. Pairs (a, b): within each 128-bit lane [a0+a2, b0+b2, a1+a3, b1+b3].
   __m512 pair[8];
@@ -113,8 +116,12 @@ inline Vec sum_each(const Vec* acc) {
 
 // ---------------------------------------------------------------------------------------------------
 // S[r·lds + t] = q_r · k_t  for r < rows, t < n;  q_r = q + r·ldq (float32, d_pad ≥ d floats, zero past d),
-// k_t = K + t·ldk (d elements of T). Keys are taken W at a time; the last n % W one by one.
+// k_t = K + t·ldk (d elements of T). Keys are taken W at a time: a row's d columns, up to kDotVecs vectors of them
+// at a time, sit in registers while each of the W keys streams past once (one pointer, one FMA per loaded
+// vector); the last n % W keys one by one.
 // ---------------------------------------------------------------------------------------------------
+constexpr int kDotVecs = W >= 16 ? 8 : 4;  // q vectors held: with W accumulators, 24 of 32 zmm (12 of 16 ymm)
+
 template <class T>
 inline float dot_as_float(const float* q, const T* k, int64_t d) {
   Vec acc = Vec::zero();
@@ -124,31 +131,61 @@ inline float dot_as_float(const float* q, const T* k, int64_t d) {
   return reduce_add(acc);
 }
 
+// acc[t] += q[0 : NV·W] · K[t·ldk + 0 : NV·W]  for t < W; kTail: the last vector has only `last` columns of K.
+template <int NV, bool kTail, class T>
+CS149_DECODE_INLINE void key_dots_chunk(const float* q, const T* K, int64_t ldk, int64_t last, Vec* acc) {
+  Vec qv[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) qv[v] = Vec::load(q + v * W);
+#pragma GCC unroll 16
+  for (int t = 0; t < W; ++t) {
+    const T* k = K + t * ldk;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+      acc[t] = fmadd(qv[v], kTail && v == NV - 1 ? load_as_float_partial(k + v * W, last) : load_as_float(k + v * W),
+                     acc[t]);
+  }
+}
+
+template <class T>
+CS149_DECODE_INLINE void key_dots(const float* q, const T* K, int64_t ldk, int64_t d, Vec* acc) {
+  int64_t c = 0;
+  for (; c + kDotVecs * W <= d; c += kDotVecs * W) key_dots_chunk<kDotVecs, false>(q + c, K + c, ldk, W, acc);
+  const int64_t rest = d - c;
+  if (rest == 0) return;
+  const int64_t vecs = (rest + W - 1) / W, last = rest - (vecs - 1) * W;
+  const bool tail = last < W;
+  switch (vecs * 2 + tail) {
+#define CS149_KEY_DOTS_CASE(NV)                                                     \
+  case 2 * NV: key_dots_chunk<NV, false>(q + c, K + c, ldk, last, acc); break; \
+  case 2 * NV + 1: key_dots_chunk<NV, true>(q + c, K + c, ldk, last, acc); break;
+    CS149_KEY_DOTS_CASE(1)
+    CS149_KEY_DOTS_CASE(2)
+    CS149_KEY_DOTS_CASE(3)
+    CS149_KEY_DOTS_CASE(4)
+#if defined(CS149_ISA_AVX512)
+    CS149_KEY_DOTS_CASE(5)
+    CS149_KEY_DOTS_CASE(6)
+    CS149_KEY_DOTS_CASE(7)
+    CS149_KEY_DOTS_CASE(8)
+#endif
+#undef CS149_KEY_DOTS_CASE
+    default: break;
+  }
+}
+
 template <class T>
 inline void row_key_dots(int64_t rows, int64_t n, int64_t d, const float* q, int64_t ldq, const T* K, int64_t ldk,
                          float* S, int64_t lds) {
   int64_t t0 = 0;
-  for (; t0 + W <= n; t0 += W) {
-    const T* Kt = K + t0 * ldk;
+  for (; t0 + W <= n; t0 += W)
     for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = q + r * ldq;
       Vec acc[W];
 #pragma GCC unroll 16
       for (int t = 0; t < W; ++t) acc[t] = Vec::zero();
-      int64_t c = 0;
-      for (; c + W <= d; c += W) {
-        const Vec qv = Vec::load(qr + c);
-#pragma GCC unroll 16
-        for (int t = 0; t < W; ++t) acc[t] = fmadd(qv, load_as_float(Kt + t * ldk + c), acc[t]);
-      }
-      if (c < d) {
-        const Vec qv = Vec::load(qr + c);
-#pragma GCC unroll 16
-        for (int t = 0; t < W; ++t) acc[t] = fmadd(qv, load_as_float_partial(Kt + t * ldk + c, d - c), acc[t]);
-      }
+      key_dots(q + r * ldq, K + t0 * ldk, ldk, d, acc);
       sum_each(acc).store(S + r * lds + t0);
     }
-  }
   for (; t0 < n; ++t0)
     for (int64_t r = 0; r < rows; ++r) S[r * lds + t0] = dot_as_float(q + r * ldq, K + t0 * ldk, d);
 }
@@ -156,45 +193,66 @@ inline void row_key_dots(int64_t rows, int64_t n, int64_t d, const float* q, int
 #if defined(CS149_ISA_BF16_DOT)
 // The same for bf16 keys with vdpbf16ps: q_r as bf16 (qb + r·ldqb, zero past d up to a multiple of 32), each
 // step multiplies 16 pairs of q by 16 pairs of k and adds the 32 products into 16 float32 lanes.
-inline __m512i load_bf16_pairs_partial(const c10::BFloat16* p, int64_t n) {  // n < 32 bf16, zeros after
+CS149_DECODE_INLINE __m512i load_bf16_pairs_partial(const c10::BFloat16* p, int64_t n) {  // n < 32 bf16, zeros after
   return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1ull), p);
+}
+
+template <int NV, bool kTail>
+CS149_DECODE_INLINE void key_dots_bf16_chunk(const c10::BFloat16* q, const c10::BFloat16* K, int64_t ldk, int64_t last, Vec* acc) {
+  __m512bh qv[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(q + v * 32);
+#pragma GCC unroll 16
+  for (int t = 0; t < W; ++t) {
+    const c10::BFloat16* k = K + t * ldk;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+      acc[t].v = _mm512_dpbf16_ps(acc[t].v, qv[v],
+                                  (__m512bh)(kTail && v == NV - 1 ? load_bf16_pairs_partial(k + v * 32, last)
+                                                                  : _mm512_loadu_si512(k + v * 32)));
+  }
 }
 
 inline void row_key_dots_bf16(int64_t rows, int64_t n, int64_t d, const c10::BFloat16* qb, int64_t ldqb,
                               const c10::BFloat16* K, int64_t ldk, float* S, int64_t lds) {
-  const auto q_pairs = [&](int64_t r, int64_t c) {
-    return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(qb + r * ldqb + c));
-  };
+  constexpr int kChunk = 4;  // 4 × 32 = 128 columns of q in registers
   int64_t t0 = 0;
-  for (; t0 + W <= n; t0 += W) {
-    const c10::BFloat16* Kt = K + t0 * ldk;
+  for (; t0 + W <= n; t0 += W)
     for (int64_t r = 0; r < rows; ++r) {
       Vec acc[W];
 #pragma GCC unroll 16
       for (int t = 0; t < W; ++t) acc[t] = Vec::zero();
+      const c10::BFloat16* q = qb + r * ldqb;
+      const c10::BFloat16* Kt = K + t0 * ldk;
       int64_t c = 0;
-      for (; c + 32 <= d; c += 32) {
-        const __m512bh qv = q_pairs(r, c);
-#pragma GCC unroll 16
-        for (int t = 0; t < W; ++t)
-          acc[t].v = _mm512_dpbf16_ps(acc[t].v, qv, (__m512bh)_mm512_loadu_si512(Kt + t * ldk + c));
-      }
-      if (c < d) {
-        const __m512bh qv = q_pairs(r, c);
-#pragma GCC unroll 16
-        for (int t = 0; t < W; ++t)
-          acc[t].v = _mm512_dpbf16_ps(acc[t].v, qv, (__m512bh)load_bf16_pairs_partial(Kt + t * ldk + c, d - c));
+      for (; c + kChunk * 32 <= d; c += kChunk * 32) key_dots_bf16_chunk<kChunk, false>(q + c, Kt + c, ldk, 32, acc);
+      const int64_t rest = d - c;
+      if (rest > 0) {
+        const int64_t vecs = (rest + 31) / 32, last = rest - (vecs - 1) * 32;
+        const bool tail = last < 32;
+        switch (vecs * 2 + tail) {
+          case 2: key_dots_bf16_chunk<1, false>(q + c, Kt + c, ldk, last, acc); break;
+          case 3: key_dots_bf16_chunk<1, true>(q + c, Kt + c, ldk, last, acc); break;
+          case 4: key_dots_bf16_chunk<2, false>(q + c, Kt + c, ldk, last, acc); break;
+          case 5: key_dots_bf16_chunk<2, true>(q + c, Kt + c, ldk, last, acc); break;
+          case 6: key_dots_bf16_chunk<3, false>(q + c, Kt + c, ldk, last, acc); break;
+          case 7: key_dots_bf16_chunk<3, true>(q + c, Kt + c, ldk, last, acc); break;
+          case 9: key_dots_bf16_chunk<4, true>(q + c, Kt + c, ldk, last, acc); break;
+          default: break;
+        }
       }
       sum_each(acc).store(S + r * lds + t0);
     }
-  }
   for (; t0 < n; ++t0)
     for (int64_t r = 0; r < rows; ++r) {
       __m512 acc = _mm512_setzero_ps();
+      const c10::BFloat16* q = qb + r * ldqb;
       const c10::BFloat16* k = K + t0 * ldk;
       int64_t c = 0;
-      for (; c + 32 <= d; c += 32) acc = _mm512_dpbf16_ps(acc, q_pairs(r, c), (__m512bh)_mm512_loadu_si512(k + c));
-      if (c < d) acc = _mm512_dpbf16_ps(acc, q_pairs(r, c), (__m512bh)load_bf16_pairs_partial(k + c, d - c));
+      for (; c + 32 <= d; c += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
+      if (c < d)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)load_bf16_pairs_partial(k + c, d - c));
       S[r * lds + t0] = _mm512_reduce_add_ps(acc);
     }
 }
@@ -206,7 +264,7 @@ inline void row_key_dots_bf16(int64_t rows, int64_t n, int64_t d, const c10::BFl
 // block of O stays in registers over all n keys; each V vector is loaded and converted once for the R rows.
 // ---------------------------------------------------------------------------------------------------
 template <int R, int NV, bool kTail, class T>
-inline void rows_times_values_block(int64_t n, const float* P, int64_t ldp, const T* V, int64_t ldv, int64_t last,
+CS149_DECODE_INLINE void rows_times_values_block(int64_t n, const float* P, int64_t ldp, const T* V, int64_t ldv, int64_t last,
                                     float* O, int64_t ldo, const float* alpha) {
   // columns [0, NV·W) of O and V from here; kTail: the last vector has only `last` columns of V
   Vec acc[R][NV];

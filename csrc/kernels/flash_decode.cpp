@@ -6,8 +6,10 @@
 //   q_len rows of a short chunk — and reads each K/V block once for all of them (rows ρ = i·G + g, so rows of one
 //   position are adjacent and visibility grows with ρ);
 // - the keys are split instead of the queries: split s of S covers keys [s·Ls, (s+1)·Ls), and tasks are
-//   (batch, kv head, split), enough to fill the threads. Ls depends on the shape only, never on the thread count,
-//   and the splits are merged in a fixed order, so results are bitwise the same for any number of threads.
+//   (batch, kv head, split): S is the fewest splits of at least kMinSplitKeys keys that make kMinTasks tasks, enough
+//   to fill any thread count up to that (a batch of many sequences needs no split at all). S depends on the shape
+//   only, never on the thread count, and the splits are merged in a fixed order, so results are bitwise the same for
+//   any number of threads.
 // Split s computes for its keys, row by row, with the online softmax over blocks of keys (flash_common.h):
 //   m_s = max_j s_j,   l_s = Σ_j exp(s_j − m_s),   O_s = Σ_j exp(s_j − m_s) v_j        (s_j = scale · q·k_j)
 // and the merge combines the splits exactly, as the online softmax does blocks:
@@ -35,14 +37,16 @@ using flash::online_softmax;
 using flash::round_up;
 
 constexpr int64_t kMaxRows = 16;  // the flash forward hands calls with q_len up to this here
-// Keys per split for q_len ≤ 16 (longer chunks: proportionally more, so the partials stay O(keys)): 256 keys
-// are ~10 µs of reading at d = 128, against a merge of one row per split.
-constexpr int64_t kKeysPerSplit = 256;
 constexpr int64_t kBlockKeys = 64;    // keys per online-softmax step: K and V blocks stay in L1/L2
 constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with long chunks) are cut into tasks
-// Below this many bytes of K and V read (all tasks together), the call runs on the calling thread: entering a
-// parallel region costs a few µs, as much as reading this much.
-constexpr int64_t kSerialBytes = 192 * 1024;
+// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~10 µs of reading at
+// d = 128, against a merge of one row per split); a whole number of key blocks each.
+constexpr int64_t kMinTasks = 64;
+constexpr int64_t kMinSplitKeys = 256;
+// Below this many bytes of K and V read (all tasks together), the call runs on the calling thread: waking the
+// other threads costs more than they save (measured on the 16-core device host: 1 MB of float32 keys and values,
+// 128 keys of Llama's 8 kv heads, took 50 µs on one thread and 77 µs on 16).
+constexpr int64_t kSerialBytes = 1 << 20;
 
 // The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles.
 inline bool applies(const AttentionParams& p) { return p.q_len <= kMaxRows && p.block_q <= 0 && p.block_k <= 0; }
@@ -64,7 +68,9 @@ struct Layout {
     rows = group * p.q_len;
     task_rows = std::min(rows, kMaxTaskRows);
     row_tasks = (rows + task_rows - 1) / task_rows;
-    split_len = kKeysPerSplit * ((p.q_len + kMaxRows - 1) / kMaxRows);
+    const int64_t groups = p.batch * p.num_kv_heads * row_tasks;
+    const int64_t wanted = std::max<int64_t>(1, (kMinTasks + groups - 1) / groups);  // splits for kMinTasks tasks
+    split_len = std::max(kMinSplitKeys, round_up((p.kv_len + wanted - 1) / wanted, kBlockKeys));
     splits = std::max<int64_t>(1, (p.kv_len + split_len - 1) / split_len);
     d_pad = pad16(p.head_dim);
     d_pair = round_up(p.head_dim, 32);
