@@ -44,9 +44,10 @@ constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with lon
 constexpr int64_t kMinTasks = 64;
 constexpr int64_t kMinSplitKeys = 256;
 // Below this many bytes of K and V read (all tasks together), the call runs on the calling thread: waking the
-// other threads costs more than they save (measured on the 16-core device host: 1 MB of float32 keys and values,
-// 128 keys of Llama's 8 kv heads, took 50 µs on one thread and 77 µs on 16).
-constexpr int64_t kSerialBytes = 1 << 20;
+// other threads costs more than they save. On the 16-core device host (benchmarks/results/decode_16core_run2_*)
+// 1 MB of float32 keys and values (128 keys of Llama's 8 kv heads) took 40 µs on one thread and 20 µs on 16, and
+// 512 KB (the same in bf16), run on one thread, took 36 µs where torch's SDPA on 16 threads took 25 µs.
+constexpr int64_t kSerialBytes = 256 * 1024;
 
 // The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles.
 inline bool applies(const AttentionParams& p) { return p.q_len <= kMaxRows && p.block_q <= 0 && p.block_k <= 0; }
