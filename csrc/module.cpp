@@ -951,9 +951,11 @@ py::object attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Te
     causal = "none";
   else if (is_causal.ptr() == Py_True)
     causal = "top_left";
-  else if (PyUnicode_Check(is_causal.ptr()))
+  else if (PyUnicode_Check(is_causal.ptr()))  // the two names cs149gpt.attention takes ("none" is not one)
     causal = is_causal.cast<std::string>();
-  if (!(causal == "none" || causal == "top_left" || causal == "bottom_right")) return py::none();
+  if (!(causal == "none" || causal == "top_left" || causal == "bottom_right") ||
+      (PyUnicode_Check(is_causal.ptr()) && causal == "none"))
+    return py::none();
   if (!PyUnicode_Check(impl_arg.ptr())) return py::none();
   const std::string impl = impl_arg.cast<std::string>();
   if (!(impl == "flash" || impl == "naive" || impl == "blocked" || impl == "fused")) return py::none();
