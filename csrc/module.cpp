@@ -351,7 +351,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // around and hand the kernel a buffer far too small. With Q = B·H·(Nq+64)·(d+64), K = B·H·(Nk+64)·(d+64) and
 // T = threads·(Nq+Nk+128)·(d+64), the largest formula, flash_backward.cpp's, is below 6·Q + 8·K + 6·T; flash.cpp's
 // below 19·K + 27·T (Bc = 1 pads every key to a vector); flash_decode.cpp's below 64·Q + 2·T (at most 64 splits of
-// a row); fused.cpp's below T; naive and blocked's is Nq·Nk. So while 64·(Q + K + T) + Nq·Nk fits, none of the kernels' formulas overflows.
+// a row); fused.cpp's below T; naive and blocked's is Nq·Nk. So while 64·(Q + K + T) + Nq·Nk fits, none of the
+// kernels' formulas overflows.
 int64_t workspace_bound_floats(const AttentionParams& p) {
   constexpr int64_t kPad = 64, kSlack = 64;
   const int64_t heads_d = checked_product({p.batch, p.num_heads, checked_sum({p.head_dim, kPad})});  // Hkv ≤ H

@@ -108,7 +108,8 @@ CS149_DECODE_INLINE Vec sum_each(const Vec* acc) {
     const __m256d x = _mm256_castps_pd(pair[2 * i]), y = _mm256_castps_pd(pair[2 * i + 1]);
     quad[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
   }
-  return {_mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20), _mm256_permute2f128_ps(quad[0], quad[1], 0x31))};
+  return {_mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20),
+                        _mm256_permute2f128_ps(quad[0], quad[1], 0x31))};
 #else
   return acc[0];
 #endif
@@ -198,7 +199,8 @@ CS149_DECODE_INLINE __m512i load_bf16_pairs_partial(const c10::BFloat16* p, int6
 }
 
 template <int NV, bool kTail>
-CS149_DECODE_INLINE void key_dots_bf16_chunk(const c10::BFloat16* q, const c10::BFloat16* K, int64_t ldk, int64_t last, Vec* acc) {
+CS149_DECODE_INLINE void key_dots_bf16_chunk(const c10::BFloat16* q, const c10::BFloat16* K, int64_t ldk, int64_t last,
+                                             Vec* acc) {
   __m512bh qv[NV];
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(q + v * 32);
@@ -252,7 +254,8 @@ inline void row_key_dots_bf16(int64_t rows, int64_t n, int64_t d, const c10::BFl
       for (; c + 32 <= d; c += 32)
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
       if (c < d)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)load_bf16_pairs_partial(k + c, d - c));
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + c),
+                               (__m512bh)load_bf16_pairs_partial(k + c, d - c));
       S[r * lds + t0] = _mm512_reduce_add_ps(acc);
     }
 }
@@ -264,8 +267,8 @@ inline void row_key_dots_bf16(int64_t rows, int64_t n, int64_t d, const c10::BFl
 // block of O stays in registers over all n keys; each V vector is loaded and converted once for the R rows.
 // ---------------------------------------------------------------------------------------------------
 template <int R, int NV, bool kTail, class T>
-CS149_DECODE_INLINE void rows_times_values_block(int64_t n, const float* P, int64_t ldp, const T* V, int64_t ldv, int64_t last,
-                                    float* O, int64_t ldo, const float* alpha) {
+CS149_DECODE_INLINE void rows_times_values_block(int64_t n, const float* P, int64_t ldp, const T* V, int64_t ldv,
+                                                 int64_t last, float* O, int64_t ldo, const float* alpha) {
   // columns [0, NV·W) of O and V from here; kTail: the last vector has only `last` columns of V
   Vec acc[R][NV];
 #pragma GCC unroll 8

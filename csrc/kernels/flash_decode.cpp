@@ -120,8 +120,10 @@ void append_new_kv(const AttentionParams& p, int64_t b, int64_t kvh) {
     int64_t run;
     T* k = const_cast<T*>(cache_row<T>(p, p.k, p.k_strides, b, kvh, first + i, &run));
     T* v = const_cast<T*>(cache_row<T>(p, p.v, p.v_strides, b, kvh, first + i, &run));
-    const T* kn = static_cast<const T*>(p.k_new) + b * p.k_new_strides[0] + kvh * p.k_new_strides[1] + i * p.k_new_strides[2];
-    const T* vn = static_cast<const T*>(p.v_new) + b * p.v_new_strides[0] + kvh * p.v_new_strides[1] + i * p.v_new_strides[2];
+    const T* kn = static_cast<const T*>(p.k_new) + b * p.k_new_strides[0] + kvh * p.k_new_strides[1] +
+                  i * p.k_new_strides[2];
+    const T* vn = static_cast<const T*>(p.v_new) + b * p.v_new_strides[0] + kvh * p.v_new_strides[1] +
+                  i * p.v_new_strides[2];
     std::memcpy(k, kn, p.head_dim * sizeof(T));
     std::memcpy(v, vn, p.head_dim * sizeof(T));
   }
@@ -250,7 +252,8 @@ void append_range(const AttentionParams& p, int64_t begin, int64_t end) {
 template <class T>
 void task(const AttentionParams& p, const Layout& L, int64_t t, float* parts, float* scratch) {
   const int64_t rt = t % L.row_tasks, s = (t / L.row_tasks) % L.splits;
-  const int64_t kvh = (t / (L.row_tasks * L.splits)) % p.num_kv_heads, b = t / (L.row_tasks * L.splits * p.num_kv_heads);
+  const int64_t kvh = (t / (L.row_tasks * L.splits)) % p.num_kv_heads;
+  const int64_t b = t / (L.row_tasks * L.splits * p.num_kv_heads);
   split_task<T>(p, L, b, kvh, s, rt * L.task_rows, parts, scratch);
 }
 template <class T>
