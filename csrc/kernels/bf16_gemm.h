@@ -2,7 +2,7 @@
 //
 // One signature, two instruction sets (chosen by the translation unit, csrc/isa/):
 //   CS149_ISA_AMX          AMX tiles: one tdpbf16ps multiplies a 16×32 bf16 tile by a 32×16 one into a 16×16
-//                          float32 tile (16K FLOPs per instruction); a 64×16 block of C lives in 4 tile registers.
+//                          float32 tile (16K FLOPs per instruction); a 32×32 block of C lives in 4 tile registers.
 //   CS149_ISA_AVX512_BF16  vdpbf16ps: each of 16 float32 lanes gains a[0]·b[0] + a[1]·b[1] for a pair of bf16;
 //                          an 8-row × 3-vector block of C lives in 24 zmm registers, as in simd.h's micro_gemm.
 // The attention algorithm (flash_bf16.cpp) calls bf16_gemm and never sees a tile or a vector register.
@@ -131,7 +131,7 @@ inline void pack_vnni_transposed(int64_t K, int64_t N, const bf16_bits* src, int
 
 #if defined(CS149_ISA_AMX)
 // ---------------------------------------------------------------------------------------------------
-// AMX. Tile registers: 0–3 hold C (four 16×16 float32 tiles stacked), 4–5 A (16 rows × 32 bf16), 6–7 B
+// AMX. Tile registers: 0–3 hold C (a 2 × 2 block of 16×16 float32 tiles), 4–5 A (16 rows × 32 bf16), 6–7 B
 // (16 VNNI rows × 16 pairs). One configuration serves every call; each thread loads it once (DotScope).
 // ---------------------------------------------------------------------------------------------------
 struct alignas(64) TileConfig {
@@ -171,60 +171,59 @@ class DotScope {
   TileConfig saved_;
 };
 
-// One k step of the column block below: B rows [k, k + 32) into tile TB, then the four 16-row slices of A
-// through tiles 4 and 5 in turn, each multiplied into its C tile (0–3). A macro, not a template: the tile
-// intrinsics take the register number as a literal.
-#define CS149_AMX_K_STEP(TB, A, lda, a_stride, Bk, b_stride) \
-  do {                                                       \
-    _tile_loadd(TB, Bk, b_stride);                           \
-    _tile_loadd(4, A, a_stride);                             \
-    _tile_dpbf16ps(0, 4, TB);                                \
-    _tile_loadd(5, (A) + 16 * (lda), a_stride);              \
-    _tile_dpbf16ps(1, 5, TB);                                \
-    _tile_loadd(4, (A) + 32 * (lda), a_stride);              \
-    _tile_dpbf16ps(2, 4, TB);                                \
-    _tile_loadd(5, (A) + 48 * (lda), a_stride);              \
-    _tile_dpbf16ps(3, 5, TB);                                \
-  } while (0)
-
-// C[0:64, n0:n0+16] (+)= A[0:64, :K] · B[:K, n0:n0+16]: four C tiles stacked (tiles 0–3), one B tile per k step
-// feeding all four. Tile registers are not renamed: a load into a tile waits for the products still reading it.
-// So B alternates between tiles 6 and 7 from one k step to the next, and A between 4 and 5 — measured on the
-// device host's Xeon, 5–15 % faster than a 2 × 2 block of C tiles with one A and one B pair (amx_phases.cpp).
-inline void amx_column_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
-                             int64_t ldc, bool accumulate) {
+// C[0:32, n0:n0+16·NB] (+)= A[0:32, :K] · B[:K, n0:...], NB = 1 or 2 column tiles: a 2 × 2 block of C tiles,
+// each A and B tile feeding two products. (A 64 × 16 column block, one B tile feeding four products with A and
+// B alternating between tile pairs, measured 5–40 % slower inside the kernel on the device host's Xeon:
+// benchmarks/amx_phases.cpp, results/cpu_amx_phases_run4.txt.)
+template <int NB>
+inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
+                      int64_t ldc, bool accumulate) {
   const int64_t a_stride = lda * 2, b_stride = ldb * 4, c_stride = ldc * 4;  // bytes
   if (accumulate) {
     _tile_loadd(0, C, c_stride);
-    _tile_loadd(1, C + 16 * ldc, c_stride);
-    _tile_loadd(2, C + 32 * ldc, c_stride);
-    _tile_loadd(3, C + 48 * ldc, c_stride);
+    _tile_loadd(2, C + 16 * ldc, c_stride);
+    if (NB == 2) {
+      _tile_loadd(1, C + 16, c_stride);
+      _tile_loadd(3, C + 16 * ldc + 16, c_stride);
+    }
   } else {
     _tile_zero(0);
-    _tile_zero(1);
     _tile_zero(2);
-    _tile_zero(3);
+    if (NB == 2) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
   }
-  int64_t k = 0;
-  for (; k + 2 * kDotK <= K; k += 2 * kDotK) {
-    CS149_AMX_K_STEP(6, A + k, lda, a_stride, B + (k / 2) * ldb * 2, b_stride);
-    CS149_AMX_K_STEP(7, A + k + kDotK, lda, a_stride, B + (k / 2 + kDotK / 2) * ldb * 2, b_stride);
+  for (int64_t k = 0; k < K; k += kDotK) {
+    _tile_loadd(4, A + k, a_stride);
+    _tile_loadd(5, A + 16 * lda + k, a_stride);
+    const bf16_bits* Bk = B + (k / 2) * ldb * 2;
+    _tile_loadd(6, Bk, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NB == 2) {
+      _tile_loadd(7, Bk + 32, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
-  if (k < K) CS149_AMX_K_STEP(6, A + k, lda, a_stride, B + (k / 2) * ldb * 2, b_stride);
   _tile_stored(0, C, c_stride);
-  _tile_stored(1, C + 16 * ldc, c_stride);
-  _tile_stored(2, C + 32 * ldc, c_stride);
-  _tile_stored(3, C + 48 * ldc, c_stride);
+  _tile_stored(2, C + 16 * ldc, c_stride);
+  if (NB == 2) {
+    _tile_stored(1, C + 16, c_stride);
+    _tile_stored(3, C + 16 * ldc + 16, c_stride);
+  }
 }
-
-#undef CS149_AMX_K_STEP
 
 // C (+)= A · B over M × N × K (see the top of this file for layouts and multiples).
 inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B,
                       int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  for (int64_t m = 0; m < M; m += kDotRows)
-    for (int64_t n = 0; n < N; n += kDotCols)
-      amx_column_block(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
+  for (int64_t m = 0; m < M; m += 32) {
+    int64_t n = 0;
+    for (; n + 32 <= N; n += 32)
+      amx_block<2>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
+    if (n < N) amx_block<1>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
+  }
 }
 
 #else  // CS149_ISA_AVX512_BF16

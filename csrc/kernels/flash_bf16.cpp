@@ -31,14 +31,18 @@ using flash::online_softmax;
 using flash::round_up;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
 // Defaults: query tiles of 128 rows (2 AMX groups or 4 vdpbf16ps ones; fewer when the threads need more
-// tasks); key tiles of 256 keys (AMX) or 128 (vdpbf16ps): with AMX the products are cheap and each key tile
-// loads and stores the group's O_i, so longer tiles amortise that.
+// tasks); key tiles of 128 keys for vdpbf16ps, and for AMX 256 (head_dim ≤ 64) or 512 keys: with AMX the
+// products are cheap and each key tile loads and stores the group's O_i through tile registers, so longer
+// tiles amortise that (sweeps on the device host: results/cpu_amx_phases_run4.txt, cpu_amx_tile_sweep_*).
 constexpr int64_t kDefaultBlockQ = 128;
+inline int64_t default_block_k(int64_t head_dim) {
 #if defined(CS149_ISA_AMX)
-constexpr int64_t kDefaultBlockK = 256;
+  return head_dim > 64 ? 512 : 256;
 #else
-constexpr int64_t kDefaultBlockK = 128;
+  (void)head_dim;
+  return 128;
 #endif
+}
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
@@ -52,7 +56,7 @@ struct Layout {
 
   explicit Layout(const AttentionParams& p) {
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), G) : kDefaultBlockQ;  // clamped before rounding
-    Bc = p.block_k > 0 ? p.block_k : kDefaultBlockK;
+    Bc = p.block_k > 0 ? p.block_k : default_block_k(p.head_dim);
     if (p.block_q <= 0)
       while (Br > G && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < 4 * p.num_threads) Br -= G;
     Br = std::min(Br, round_up(p.q_len, G));
