@@ -9,8 +9,11 @@
 //
 // Operand layouts (the packing functions below write them):
 //   A  M × K bf16, row-major, rows lda elements apart.
-//   B  K × N in "VNNI" pairs: K/2 rows, each of N pairs (B[2i][n], B[2i+1][n]) — two bf16 of consecutive k
-//      side by side, so one 32-bit lane holds what one dot-product step needs; rows ldb pairs apart.
+//   B  K × N in "VNNI" pairs (B[2i][n], B[2i+1][n]) — two bf16 of consecutive k side by side, so one 32-bit
+//      lane holds what one dot-product step needs — stored as 32 × 16 tiles: a tile is 16 pair rows of 16
+//      pairs, 1 KB, contiguous (what one AMX tile load reads, and a stream the hardware prefetcher follows);
+//      the tiles of a strip of 32 k lie one after another in n, and strips are 32·ldb bf16 apart (ldb: N
+//      rounded up to 16, the pairs a VNNI row would hold). vnni_index gives the position of element (k, n).
 //   C  M × N float32, rows ldc floats apart.
 //   M a multiple of kDotRows, N of kDotCols, K of kDotK (callers pad with zeros).
 #pragma once
@@ -78,10 +81,13 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
-// Element (k, n) of a VNNI-packed B with rows ldb pairs apart.
-inline int64_t vnni_index(int64_t k, int64_t n, int64_t ldb) { return (k / 2) * ldb * 2 + n * 2 + (k % 2); }
+// The first element of the packed B tile holding element (k, n), and the position of (k, n) itself.
+inline int64_t b_tile_offset(int64_t k, int64_t n, int64_t ldb) { return (k / 32) * 32 * ldb + (n / 16) * 512; }
+inline int64_t vnni_index(int64_t k, int64_t n, int64_t ldb) {
+  return b_tile_offset(k, n, ldb) + (k % 32) / 2 * 32 + (n % 16) * 2 + k % 2;
+}
 
-// The two ways a B operand arrives, packed into VNNI pairs (rows ldb pairs apart, already zeroed past the data):
+// The two ways a B operand arrives, packed as above (into a buffer already zeroed past the data):
 //   pack_vnni_rows       from B itself, K rows of N values (P V's V_j: k = key, n = head dim). Rows 2i and 2i+1
 //                        are interleaved value by value (one permute of two 32-value loads per 32 pairs).
 //   pack_vnni_transposed from Bᵀ, N rows of K values (Q Kᵀ's K_j: a key's row holds the k values of column n).
@@ -99,17 +105,17 @@ inline int64_t pack_vnni_rows(int64_t K, int64_t N, const bf16_bits* src, int64_
   int64_t nonfinite = 0;
   for (int64_t k = 0; k < K; k += 2) {
     const bf16_bits *even = src + k * ld, *odd = even + ld;
-    bf16_bits* row = B + (k / 2) * ldb * 2;
     for (int64_t n = 0; n < N; n += 32) {
       const __mmask32 lanes = N - n >= 32 ? ~__mmask32{0} : (__mmask32)((1u << (N - n)) - 1u);
       const __m512i a = _mm512_maskz_loadu_epi16(lanes, even + n);
       const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(lanes, odd + n) : _mm512_setzero_si512();
       nonfinite += nonfinite_bf16(a, lanes) + nonfinite_bf16(b, lanes);
       const __mmask16 first = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1u);
-      _mm512_mask_storeu_epi32(row + 2 * n, first, _mm512_permutex2var_epi16(a, low_pairs, b));
+      _mm512_mask_storeu_epi32(B + vnni_index(k, n, ldb), first, _mm512_permutex2var_epi16(a, low_pairs, b));
       if (N - n > 16) {
         const __mmask16 second = N - n >= 32 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n - 16)) - 1u);
-        _mm512_mask_storeu_epi32(row + 2 * n + 32, second, _mm512_permutex2var_epi16(a, high_pairs, b));
+        _mm512_mask_storeu_epi32(B + vnni_index(k, n + 16, ldb), second,
+                                 _mm512_permutex2var_epi16(a, high_pairs, b));
       }
     }
   }
@@ -123,9 +129,9 @@ inline void pack_vnni_transposed(int64_t K, int64_t N, const bf16_bits* src, int
     for (; k + 2 <= K; k += 2) {
       uint32_t pair;
       std::memcpy(&pair, row + k, sizeof pair);
-      words[(k / 2) * ldb + n] = pair;
+      words[vnni_index(k, n, ldb) / 2] = pair;
     }
-    if (k < K) words[(k / 2) * ldb + n] = row[k];  // odd K: the last pair's second half is the zero padding
+    if (k < K) words[vnni_index(k, n, ldb) / 2] = row[k];  // odd K: the last pair's second half is the zero padding
   }
 }
 
@@ -178,7 +184,7 @@ class DotScope {
 template <int NB>
 inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
                       int64_t ldc, bool accumulate) {
-  const int64_t a_stride = lda * 2, b_stride = ldb * 4, c_stride = ldc * 4;  // bytes
+  const int64_t a_stride = lda * 2, b_stride = 64, c_stride = ldc * 4;  // bytes (a B tile is contiguous)
   if (accumulate) {
     _tile_loadd(0, C, c_stride);
     _tile_loadd(2, C + 16 * ldc, c_stride);
@@ -197,12 +203,12 @@ inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bit
   for (int64_t k = 0; k < K; k += kDotK) {
     _tile_loadd(4, A + k, a_stride);
     _tile_loadd(5, A + 16 * lda + k, a_stride);
-    const bf16_bits* Bk = B + (k / 2) * ldb * 2;
+    const bf16_bits* Bk = B + b_tile_offset(k, 0, ldb);
     _tile_loadd(6, Bk, b_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
     if (NB == 2) {
-      _tile_loadd(7, Bk + 32, b_stride);
+      _tile_loadd(7, Bk + 512, b_stride);
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -221,14 +227,15 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
   for (int64_t m = 0; m < M; m += 32) {
     int64_t n = 0;
     for (; n + 32 <= N; n += 32)
-      amx_block<2>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
-    if (n < N) amx_block<1>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
+      amx_block<2>(K, A + m * lda, lda, B + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
+    if (n < N) amx_block<1>(K, A + m * lda, lda, B + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
   }
 }
 
 #else  // CS149_ISA_AVX512_BF16
 // ---------------------------------------------------------------------------------------------------
-// vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; a VNNI row of B is one zmm of 16 pairs.
+// vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; 16 pairs of one VNNI row of B (a row of a
+// B tile) are one zmm.
 // ---------------------------------------------------------------------------------------------------
 struct DotScope {};  // vdpbf16ps needs no set-up
 
@@ -245,7 +252,7 @@ inline void dot_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bit
   for (int64_t kk = 0; kk < K / 2; ++kk) {
     __m512i b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + kk * ldb * 2 + v * 32);
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + vnni_index(2 * kk, 16 * v, ldb));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_set1_epi32(static_cast<int>(A_pairs[r * lda_pairs + kk]));
@@ -266,10 +273,10 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
     const bf16_bits* Am = A + m * lda;
     float* Cm = C + m * ldc;
     int64_t n = 0;
-    for (; n + 48 <= N; n += 48) dot_block<R, 3>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate);
+    for (; n + 48 <= N; n += 48) dot_block<R, 3>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate);
     switch ((N - n) / 16) {
-      case 1: dot_block<R, 1>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate); break;
-      case 2: dot_block<R, 2>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate); break;
+      case 1: dot_block<R, 1>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate); break;
+      case 2: dot_block<R, 2>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate); break;
       default: break;
     }
   }
