@@ -118,6 +118,7 @@ void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t ldp, const int64_
 
 // The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j.
 struct PToBf16 {
+  static constexpr bool kBase2 = false;
   bf16_bits* P;
   int64_t ld, k_keys;
   float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
