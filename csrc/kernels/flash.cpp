@@ -39,11 +39,16 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
 
-// Defaults, from tile sweeps (benchmarks/tile_sweep.py) on the 2-core dev box, where query tiles of 24–192 rows
-// and key tiles of 64–512 keys came within ~10 % of each other: a query tile of 4 row groups; key tiles of 128
-// keys keep K_jᵀ and V_j (2 · 128 · d floats) in L2 next to the query tile.
+// Defaults, from tile sweeps (benchmarks/tile_sweep.py): a query tile of 4 row groups; key tiles of 512 keys
+// with AVX-512 (on the device host's Xeon, one thread, 8–15 % faster than 128 at d = 64 and 128:
+// results/cpu_16core_tile_sweep_f32.txt; K_jᵀ and V_j, 2 · 512 · d floats, still fit its 2 MB L2), 128 keys
+// elsewhere (the 2-core dev box's sweep put 64–512 within ~10 % of each other).
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
+#if defined(CS149_ISA_AVX512)
+constexpr int64_t kDefaultBlockK = 512;
+#else
 constexpr int64_t kDefaultBlockK = 128;
+#endif
 
 // Tile sizes and where each piece of the workspace lives. All sizes in floats.
 struct Layout {
