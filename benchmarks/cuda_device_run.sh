@@ -20,10 +20,18 @@ echo "tests: $(( $(date +%s) - start )) s"
 for dt in float32 bfloat16; do
   timeout 30 python3 cs149gpt/gpt149.py part4 --device cuda --dtype $dt -B 4 -H 16 -N 2048 -d 64 --causal --scale 0.125 2>&1 | tee -a "$out/driver.txt"
 done
+if [ "${SASS:-0}" = 1 ] && [ -n "$(which cuobjdump)" ]; then  # static instruction counts and spill sites
+  objs=$(ls build/jit-*-cuda/flash_{fwd,bwd}_hdim128_bf16.cuda.o build/jit-*-cuda/flash_{fwd,bwd}_hdim64_bf16.cuda.o)
+  timeout 60 python3 benchmarks/sass_summary.py $objs --spills "${SASS_SPILLS:-FwdTraitsILi128ELi4ELi64E13__nv_bfloat16Li2ELb0|BwdTraitsILi128ELi64ELi128ELi8ELi4ELi4ELi2E13__nv_bfloat16}" > "$out/sass.txt" 2>&1
+  echo "sass: $(wc -l < "$out/sass.txt") lines"
+fi
 if [ "${PROFILE:-0}" = 1 ] && [ -n "$(which ncu)" ]; then
   start=$(date +%s)
   sections="--section LaunchStats --section Occupancy --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats"
   metrics=smsp__issue_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
+  for stall in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle wait not_selected selected dispatch_stall lg_throttle no_instruction; do
+    metrics=$metrics,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio
+  done
   kernels="regex:flash_fwd_kernel|flash_bwd_kernel|flash_bwd_dq_dk_dv"
   timeout ${PROFILE_TIMEOUT:-150} ncu --clock-control none -k "$kernels" $sections --metrics $metrics \
     python3 benchmarks/cuda_profile.py --d 128 > "$out/profile.txt" 2>&1 ||

@@ -226,6 +226,25 @@ def test_every_tile_configuration(d, causal, config, monkeypatch):
             assert max_err(ours, ref) / scale < 2e-2, f"backward config {config}: {name}"
 
 
+@pytest.mark.parametrize("causal", [False, "top_left"])
+def test_backward_gqa_one_block_per_kv_head(causal, monkeypatch):
+    """CS149GPT_BWD_GQA_SPLIT=0: each block sums its kv head's group inside (the default: one block per query head,
+    the group's shares summed afterwards). Both must give the same gradients, to rounding."""
+    dtype, d = torch.bfloat16, 128
+    q, k, v = make_qkv(2, 6, 2, 200, 260, d, dtype, seed=11)
+    dout = rand((2, 6, 200, d), dtype, 12)
+    fn = lambda a, b, c: cs149gpt.attention(a, b, c, is_causal=causal)  # noqa: E731
+    split = grads(fn, q, k, v, dout)[1:]
+    monkeypatch.setenv("CS149GPT_BWD_GQA_SPLIT", "0")
+    whole = grads(fn, q, k, v, dout)[1:]
+    _, rq, rk, rv = grads(lambda a, b, c: reference(a, b, c, causal=causal)[0], q.double(), k.double(), v.double(),
+                          dout.double())
+    scale = max(g.abs().max().item() for g in (rq, rk, rv))
+    for name, a, b, ref in zip(("dq", "dk", "dv"), split, whole, (rq, rk, rv)):
+        assert max_err(a, ref) / scale < 2e-2 and max_err(b, ref) / scale < 2e-2, name
+        assert max_err(a, b) / scale < 1e-2, f"{name}: split and whole differ"
+
+
 def test_a_configuration_past_the_last_is_an_error(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16)
     monkeypatch.setenv("CS149GPT_FWD_CONFIG", str(FWD_CONFIGS))

@@ -79,7 +79,12 @@ __device__ __forceinline__ void store_c_frags(T* tile, const float (&c)[kMi][kNj
             pack2<T>(c[mi][n][2 * r], c[mi][n][2 * r + 1]);
 }
 
-template <class Traits, bool kIsCausal>
+// Grid: (batch x kv heads, key blocks), or with kPerQueryHead (batch x query heads, key blocks): a block then takes
+// one query head of its kv head's group and writes that head's share of dK, dV at the query head's index (the
+// caller sums the group), so that GQA has as many blocks as plain attention. Key blocks go in y, the fastest-varying
+// launch order then takes every head's first key block first: under a causal mask the costliest blocks (the first
+// keys see every query) start first and the cheap ones fill the tail.
+template <class Traits, bool kIsCausal, bool kPerQueryHead>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_kernel(const AttentionBackwardParams bp, const float* delta, float* dq_accum) {
   using T = typename Traits::T;
@@ -97,9 +102,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float* sLse = reinterpret_cast<float*>(sdSt + Traits::PTile::kElems);  // [2][kBlockM], in exp2 units
   float* sDelta = sLse + 2 * kBlockM;                                    // [2][kBlockM]
 
-  const int n_block = blockIdx.x;
-  const int64_t b = blockIdx.y / p.num_kv_heads, hk = blockIdx.y % p.num_kv_heads;
-  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int n_block = blockIdx.y;
+  const int64_t heads_here = kPerQueryHead ? p.num_heads : p.num_kv_heads;
+  const int64_t b = blockIdx.x / heads_here, head = blockIdx.x % heads_here;
+  const int64_t hk = kPerQueryHead ? head / (p.num_heads / p.num_kv_heads) : head;
+  // The query heads this block visits: h_first .. h_first + group - 1.
+  const int group = kPerQueryHead ? 1 : static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int64_t h_first = kPerQueryHead ? head : hk * group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t n0 = static_cast<int64_t>(n_block) * kBlockN;
   const int keys_valid = static_cast<int>(min64(kBlockN, p.kv_len - n0));
@@ -118,20 +127,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // The query tiles that see some key of this block: all, or under the causal mask those with a row
   // i >= n0 - causal_offset.
-  const int64_t m_tiles_all = (p.q_len + kBlockM - 1) / kBlockM;
-  const int64_t m_first = kIsCausal ? min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM) : 0;
-  const int64_t m_tiles = m_tiles_all - m_first;
-  const int64_t steps = group * m_tiles;  // (query head of the group, query tile) pairs
+  const int m_tiles_all = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
+  const int m_first = kIsCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM)) : 0;
+  const int m_tiles = m_tiles_all - m_first;
+  const int steps = group * m_tiles;  // (query head of the group, query tile) pairs, query tiles fastest
 
   const T* k = head_ptr(static_cast<const T*>(p.k), p.k_strides, b, hk) + n0 * p.k_strides[2];
   const T* v = head_ptr(static_cast<const T*>(p.v), p.v_strides, b, hk) + n0 * p.v_strides[2];
   copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], keys_valid);
   copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], keys_valid);
 
-  // Copies step s's Q, dO (asynchronously) and lse, D (plainly) into buffer s % 2.
-  auto load_step = [&](int64_t s) {
-    const int64_t h = hk * group + s / m_tiles, m0 = (m_first + s % m_tiles) * kBlockM;
-    const int buf = static_cast<int>(s % 2);
+  // Copies the step (query head h, query rows m0 ..) into buffer buf: Q, dO asynchronously, lse and D plainly.
+  auto load_step = [&](int h, int64_t m0, int buf) {
     const int rows = static_cast<int>(min64(kBlockM, p.q_len - m0));
     copy_tile_async<typename Traits::QTile, kNThreads>(
         sQ + buf * Traits::QTile::kElems, head_ptr(static_cast<const T*>(p.q), p.q_strides, b, h) + m0 * p.q_strides[2],
@@ -151,20 +158,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       sDelta[buf * kBlockM + r] = d;
     }
   };
-  if (steps > 0) load_step(0);
+  // The step's query head and tile, advanced without a division: (h, mt) now, (h_next, mt_next) one step ahead.
+  int h = static_cast<int>(h_first);
+  int mt = m_first;
+  if (steps > 0) load_step(h, static_cast<int64_t>(mt) * kBlockM, 0);
   cp_async_commit();
 
   float dk[kKvMi][kKvNj][4], dv[kKvMi][kKvNj][4];
   zero_frags(dk);
   zero_frags(dv);
 
-  for (int64_t s = 0; s < steps; ++s) {
+  for (int s = 0; s < steps; ++s) {
+    const int buf = s % 2;
+    const int64_t m0 = static_cast<int64_t>(mt) * kBlockM;
+    const bool last_tile = mt + 1 == m_tiles_all;
+    const int h_next = last_tile ? h + 1 : h;
+    const int mt_next = last_tile ? m_first : mt + 1;
     cp_async_wait<0>();
     __syncthreads();  // step s is in buffer s % 2; every warp is done with the other buffer and with sPt, sdSt
-    if (s + 1 < steps) load_step(s + 1);
+    if (s + 1 < steps) load_step(h_next, static_cast<int64_t>(mt_next) * kBlockM, buf ^ 1);
     cp_async_commit();
-    const int64_t h = hk * group + s / m_tiles, m0 = (m_first + s % m_tiles) * kBlockM;
-    const int buf = static_cast<int>(s % 2);
     const T* sQs = sQ + buf * Traits::QTile::kElems;
     const T* sdOs = sdO + buf * Traits::QTile::kElems;
     const float* lse2 = sLse + buf * kBlockM;
@@ -175,8 +188,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     zero_frags(pt);
     warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(pt, sK + sdp_key0 * kLdKV, sQs + sdp_q0 * kLdQ,
                                                                    lane);
-    const bool needs_mask = n0 + kBlockN > p.kv_len || m0 + kBlockM > p.q_len ||
-                            (kIsCausal && n0 + kBlockN - 1 > m0 + p.causal_offset);
+    // In tile coordinates: key kj (< keys_valid) is visible to query qi (< rows_valid) iff kj - qi <= diag.
+    const int rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
+    const int64_t diag64 = m0 + p.causal_offset - n0;
+    const bool needs_mask = keys_valid < kBlockN || rows_valid < kBlockM || (kIsCausal && diag64 < kBlockN - 1);
+    const int diag = static_cast<int>(max64(-2 * kBlockN, min64(diag64, 2 * kBlockN)));
 #pragma unroll
     for (int mi = 0; mi < kSdpMi; ++mi)
 #pragma unroll
@@ -186,8 +202,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           const int qi = sdp_q0 + n * 8 + (lane % 4) * 2 + (e % 2);  // query within the tile
           float x = exp2_approx(fmaf(pt[mi][n][e], scale_log2, -lse2[qi]));
           if (needs_mask) {
-            const int64_t key = n0 + sdp_key0 + mi * 16 + lane / 4 + (e / 2) * 8, i = m0 + qi;
-            if (!(i < p.q_len && key < p.kv_len && (!kIsCausal || key <= i + p.causal_offset))) x = 0.f;
+            const int kj = sdp_key0 + mi * 16 + lane / 4 + (e / 2) * 8;  // key within the block
+            if (!(qi < rows_valid && kj < keys_valid && (!kIsCausal || kj - qi <= diag))) x = 0.f;
           }
           pt[mi][n][e] = x;
         }
@@ -219,13 +235,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     zero_frags(dq);
     warp_gemm_ss<T, kDqMi, kDqNj, kBlockN, kLdP, true, kLdKV, true>(dq, sdSt + dq_row0, sK + dq_col0, lane);
     add_dq<kD>(dq_accum + (b * p.num_heads + h) * p.q_len * kD, p.q_len, m0 + dq_row0, dq_col0, dq, lane);
+    h = h_next;
+    mt = mt_next;
   }
 
   cp_async_wait<0>();  // (when no query tile sees these keys, K and V were copied and never waited for)
 
-  // dK (scaled) and dV of this block's keys, summed over the group's query heads.
-  T* dk_out = head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, b, hk) + n0 * bp.dk_strides[2];
-  T* dv_out = head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, b, hk) + n0 * bp.dv_strides[2];
+  // dK (scaled) and dV of this block's keys, summed over the query heads it visited.
+  T* dk_out = head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, b, head) + n0 * bp.dk_strides[2];
+  T* dv_out = head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, b, head) + n0 * bp.dv_strides[2];
 #pragma unroll
   for (int mi = 0; mi < kKvMi; ++mi)
 #pragma unroll
@@ -245,16 +263,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 }
 
 template <class Traits>
-cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* delta, float* dq_accum, cudaStream_t stream) {
+cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* delta, float* dq_accum, bool per_query_head,
+                             cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
   const int64_t rows = p.batch * p.num_heads * p.q_len;
   flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
       <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, delta);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN),
-                  static_cast<unsigned>(p.batch * p.num_kv_heads));
-  auto kernel = p.is_causal ? flash_bwd_kernel<Traits, true> : flash_bwd_kernel<Traits, false>;
+  const dim3 grid(static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads)),
+                  static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN));
+  auto kernel = p.is_causal
+                    ? (per_query_head ? flash_bwd_kernel<Traits, true, true> : flash_bwd_kernel<Traits, true, false>)
+                    : (per_query_head ? flash_bwd_kernel<Traits, false, true> : flash_bwd_kernel<Traits, false, false>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, delta, dq_accum);

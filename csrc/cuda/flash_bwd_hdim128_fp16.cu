@@ -6,9 +6,9 @@ namespace cs149gpt {
 namespace cuda {
 template <>
 cudaError_t flash_bwd_run<128, __half>(const AttentionBackwardParams& p, float* delta, float* dq_accum,
-                                 cudaStream_t stream) {
+                                 bool per_query_head, cudaStream_t stream) {
   return launch_bwd_config<128, __half>(config_from_env("CS149GPT_BWD_CONFIG", kDefaultBwdConfig<128>), p, delta,
-                                     dq_accum, stream);
+                                     dq_accum, per_query_head, stream);
 }
 }  // namespace cuda
 }  // namespace cs149gpt

@@ -24,8 +24,10 @@ cudaError_t flash_fwd(const AttentionParams& p, cudaStream_t stream);
 
 // Backward of flash_fwd. `delta` (batch, num_heads, q_len) float32 workspace; `dq_accum` (batch, num_heads,
 // q_len, head_dim) float32, contiguous, zeroed by the caller: dq = scale * dq_accum afterwards (the caller
-// converts). Writes dk, dv (summed over the query heads of each kv head's group, already scaled).
-cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, cudaStream_t stream);
+// converts). Writes dk, dv, already scaled: summed over the query heads of each kv head's group, or with
+// dkv_per_query_head one share per query head (dk, dv then have num_heads heads; the caller sums each group's).
+cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
+                      cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace cs149gpt

@@ -63,17 +63,10 @@ __device__ __forceinline__ void online_softmax(float (&s)[Traits::kBlockN / 8][4
   }
 }
 
-// O *= alpha, row by row. kLazyRescale: skipped when no row of the warp changed its max (every alpha is 1),
-// which after the first few key tiles is most tiles: 64 multiplies per row per tile fewer.
+// O *= alpha, row by row.
 template <class Traits>
 __device__ __forceinline__ void rescale_o(float (&o)[Traits::kMi][Traits::kHeadDim / 8][4],
                                           const float (&alpha)[Traits::kMi][2]) {
-  if constexpr (Traits::kLazyRescale) {
-    bool all_one = true;
-#pragma unroll
-    for (int mi = 0; mi < Traits::kMi; ++mi) all_one = all_one && alpha[mi][0] == 1.f && alpha[mi][1] == 1.f;
-    if (__all_sync(0xffffffff, all_one)) return;
-  }
 #pragma unroll
   for (int mi = 0; mi < Traits::kMi; ++mi)
 #pragma unroll
@@ -95,9 +88,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
   T* sK = sQ + Traits::QTile::kElems;  // [2] buffers
   T* sV = sK + 2 * Traits::KVTile::kElems;
 
-  // The costliest query blocks (the last ones, under a causal mask) first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int64_t b = blockIdx.y / p.num_heads, h = blockIdx.y % p.num_heads;
+  // Grid: (batch x heads, query blocks), query blocks in y and in reverse: the launch order takes every head's
+  // last query block first, so under a causal mask the costliest blocks start first and the cheap ones fill the tail.
+  const int m_block = gridDim.y - 1 - blockIdx.y;
+  const int64_t b = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;
   const int64_t hk = h / (p.num_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
@@ -201,8 +195,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
 
 template <class Traits>
 cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM),
-                  static_cast<unsigned>(p.batch * p.num_heads));
+  const dim3 grid(static_cast<unsigned>(p.batch * p.num_heads),
+                  static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM));
   auto kernel = p.is_causal ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;

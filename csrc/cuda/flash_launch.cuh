@@ -48,9 +48,9 @@ template <class T> struct FwdConfigOf<128, 4, T> { using type = FwdTraits<128, 8
 //   config 5: 4 warps of 32 rows, block_k 64, Q from shared memory (d 128 spills a little)
 template <class T> struct FwdConfigOf<64, 5, T> { using type = FwdTraits<64, 4, 64, T, 2, false>; };
 template <class T> struct FwdConfigOf<128, 5, T> { using type = FwdTraits<128, 4, 64, T, 2, false>; };
-//   config 6: as 3 (d 64) / 5 (d 128), O rescaled only on tiles where some row's max changed
-template <class T> struct FwdConfigOf<64, 6, T> { using type = FwdTraits<64, 4, 64, T, 2, true, true>; };
-template <class T> struct FwdConfigOf<128, 6, T> { using type = FwdTraits<128, 4, 64, T, 2, false, true>; };
+//   config 6: 4 warps of 32 rows, Q in registers; d 64: block_k 128; d 128: block_k 32
+template <class T> struct FwdConfigOf<64, 6, T> { using type = FwdTraits<64, 4, 128, T, 2, true>; };
+template <class T> struct FwdConfigOf<128, 6, T> { using type = FwdTraits<128, 4, 32, T, 2, true>; };
 template <int kHeadDim, int kConfig, class T>
 using FwdConfig = typename FwdConfigOf<kHeadDim, kConfig, T>::type;
 constexpr int kFwdConfigs = 7;
@@ -79,7 +79,8 @@ constexpr int kBwdConfigs = 4;
 template <class Traits>
 cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream);
 template <class Traits>
-cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* delta, float* dq_accum, cudaStream_t stream);
+cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* delta, float* dq_accum, bool per_query_head,
+                             cudaStream_t stream);
 
 // Configuration `config` of kConfig .. kFwdConfigs - 1 (cudaErrorInvalidValue if none). With
 // CS149GPT_DEFAULT_CONFIG_ONLY (the quick compile check) only the default is compiled.
@@ -100,7 +101,7 @@ cudaError_t launch_fwd_config(int config, const AttentionParams& p, cudaStream_t
 }
 template <int kHeadDim, class T, int kConfig = 0>
 cudaError_t launch_bwd_config(int config, const AttentionBackwardParams& p, float* delta, float* dq_accum,
-                              cudaStream_t stream) {
+                              bool per_query_head, cudaStream_t stream) {
   if constexpr (kConfig >= kBwdConfigs) {
     return cudaErrorInvalidValue;
   } else {
@@ -110,15 +111,17 @@ cudaError_t launch_bwd_config(int config, const AttentionBackwardParams& p, floa
     constexpr bool kCompiled = true;
 #endif
     if constexpr (kCompiled)
-      if (config == kConfig) return launch_flash_bwd<BwdConfig<kHeadDim, kConfig, T>>(p, delta, dq_accum, stream);
-    return launch_bwd_config<kHeadDim, T, kConfig + 1>(config, p, delta, dq_accum, stream);
+      if (config == kConfig)
+        return launch_flash_bwd<BwdConfig<kHeadDim, kConfig, T>>(p, delta, dq_accum, per_query_head, stream);
+    return launch_bwd_config<kHeadDim, T, kConfig + 1>(config, p, delta, dq_accum, per_query_head, stream);
   }
 }
 
 template <int kHeadDim, class T>
 cudaError_t flash_fwd_run(const AttentionParams& p, cudaStream_t stream);
 template <int kHeadDim, class T>
-cudaError_t flash_bwd_run(const AttentionBackwardParams& p, float* delta, float* dq_accum, cudaStream_t stream);
+cudaError_t flash_bwd_run(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool per_query_head,
+                          cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace cs149gpt

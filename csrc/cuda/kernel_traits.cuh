@@ -25,9 +25,7 @@ struct SmemTile {
 // owns kMi m16 row tiles: with 2, every K and V fragment it loads from shared memory feeds two mma.
 // kQInRegs: Q's fragments are loaded once into registers; else re-read from shared memory for every tile
 // (fewer registers, for kMi = 2 at d = 128).
-// kLazyRescale: O *= e^{scale(m - m')} only on tiles where some row of the warp changed its max.
-template <int kHeadDim_, int kNWarps_, int kBlockN_, class T_, int kMi_ = 1, bool kQInRegs_ = true,
-          bool kLazyRescale_ = false>
+template <int kHeadDim_, int kNWarps_, int kBlockN_, class T_, int kMi_ = 1, bool kQInRegs_ = true>
 struct FwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -35,7 +33,6 @@ struct FwdTraits {
   static constexpr int kNThreads = 32 * kNWarps;
   static constexpr int kMi = kMi_;                     // m16 row tiles per warp
   static constexpr bool kQInRegs = kQInRegs_;
-  static constexpr bool kLazyRescale = kLazyRescale_;
   static constexpr int kBlockM = 16 * kMi * kNWarps;  // query rows per block (Br)
   static constexpr int kBlockN = kBlockN_;            // key rows per tile (Bc)
   using QTile = SmemTile<kBlockM, kHeadDim, T>;
