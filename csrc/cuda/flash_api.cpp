@@ -268,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   fill_strides(bp.dv_strides, dv_heads);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dq_accum = at::zeros({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len, bp.fwd.head_dim}, f32);
-  at::Tensor delta = at::empty({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len}, f32);
+  at::Tensor delta = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
   if (bp.fwd.batch * bp.fwd.num_heads > 0) {
     check_launch(flash_bwd(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head,
                            c10::cuda::getCurrentCUDAStream()),

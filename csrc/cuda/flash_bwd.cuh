@@ -22,9 +22,15 @@
 namespace cs149gpt {
 namespace cuda {
 
-// D_i = sum_d dO[i, d] O[i, d], one warp per row; rows past q_len are never read.
+// The per-row statistics the backward reads, in the workspace `stats` (flash_cuda.h: bwd_row_stats_floats):
+// stats[(b·H + h)·q_pad + i] = D_i and stats[B·H·q_pad + (b·H + h)·q_pad + i] = lse_i·log2(e) (+inf for a row that
+// sees no key: its P is then exp2(-inf) = 0). Rows padded to q_pad (a multiple of 4), so the main kernel copies
+// both with 16-byte cp.async, off its critical path.
+__device__ __forceinline__ int64_t q_padded(int64_t q_len) { return (q_len + 3) / 4 * 4; }
+
+// D_i = sum_d dO[i, d] O[i, d] and lse_i·log2(e), one warp per row; rows past q_len are never read.
 template <class T, int kHeadDim>
-__global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* delta) {
+__global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* stats) {
   const AttentionParams& p = bp.fwd;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -41,7 +47,12 @@ __global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* 
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (lane == 0) delta[row] = sum;
+  if (lane == 0) {
+    const int64_t q_pad = q_padded(p.q_len), at = bh * q_pad + i;
+    const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
+    stats[at] = sum;
+    stats[p.batch * p.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+  }
 }
 
 // dq_accum[i, :] += the warp's dQ tile (kMi m16 row tiles x kNj n8 column tiles, C fragments), rows past q_len
@@ -79,14 +90,15 @@ __device__ __forceinline__ void store_c_frags(T* tile, const float (&c)[kMi][kNj
             pack2<T>(c[mi][n][2 * r], c[mi][n][2 * r + 1]);
 }
 
-// Grid: (batch x kv heads, key blocks), or with kPerQueryHead (batch x query heads, key blocks): a block then takes
+// Grid: (key blocks, batch x kv heads), or with kPerQueryHead (key blocks, batch x query heads): a block then takes
 // one query head of its kv head's group and writes that head's share of dK, dV at the query head's index (the
-// caller sums the group), so that GQA has as many blocks as plain attention. Key blocks go in y, the fastest-varying
-// launch order then takes every head's first key block first: under a causal mask the costliest blocks (the first
-// keys see every query) start first and the cheap ones fill the tail.
+// caller sums the group), so that GQA has as many blocks as plain attention. Without a mask the key blocks of a
+// head run side by side and share its Q, dO in L2; under a causal mask key blocks go in y instead, so that every
+// head's first key block (the costliest: the first keys see every query) launches first and the cheap ones fill
+// the tail.
 template <class Traits, bool kIsCausal, bool kPerQueryHead>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    flash_bwd_kernel(const AttentionBackwardParams bp, const float* delta, float* dq_accum) {
+    flash_bwd_kernel(const AttentionBackwardParams bp, const float* stats, float* dq_accum) {
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kNThreads = Traits::kNThreads;
@@ -102,9 +114,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float* sLse = reinterpret_cast<float*>(sdSt + Traits::PTile::kElems);  // [2][kBlockM], in exp2 units
   float* sDelta = sLse + 2 * kBlockM;                                    // [2][kBlockM]
 
-  const int n_block = blockIdx.y;
+  const int n_block = kIsCausal ? blockIdx.y : blockIdx.x;
+  const int bh = kIsCausal ? blockIdx.x : blockIdx.y;
   const int64_t heads_here = kPerQueryHead ? p.num_heads : p.num_kv_heads;
-  const int64_t b = blockIdx.x / heads_here, head = blockIdx.x % heads_here;
+  const int64_t b = bh / heads_here, head = bh % heads_here;
   const int64_t hk = kPerQueryHead ? head / (p.num_heads / p.num_kv_heads) : head;
   // The query heads this block visits: h_first .. h_first + group - 1.
   const int group = kPerQueryHead ? 1 : static_cast<int>(p.num_heads / p.num_kv_heads);
@@ -137,7 +150,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], keys_valid);
   copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], keys_valid);
 
-  // Copies the step (query head h, query rows m0 ..) into buffer buf: Q, dO asynchronously, lse and D plainly.
+  const int64_t q_pad = q_padded(p.q_len);
+  const float* delta_rows = stats + b * p.num_heads * q_pad;
+  const float* lse2_rows = stats + (p.batch + b) * p.num_heads * q_pad;
+  // Copies the step (query head h, query rows m0 ..) into buffer buf, asynchronously: Q, dO, lse·log2e, D.
   auto load_step = [&](int h, int64_t m0, int buf) {
     const int rows = static_cast<int>(min64(kBlockM, p.q_len - m0));
     copy_tile_async<typename Traits::QTile, kNThreads>(
@@ -147,16 +163,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         sdO + buf * Traits::QTile::kElems,
         head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + m0 * bp.dout_strides[2], bp.dout_strides[2],
         rows);
-    for (int r = threadIdx.x; r < kBlockM; r += kNThreads) {
-      float lse2 = INFINITY, d = 0.f;  // rows past q_len, and rows that see no key: P = 0
-      if (r < rows) {
-        const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + m0 + r];
-        if (lse != -INFINITY) lse2 = lse * kLog2e;
-        d = delta[(b * p.num_heads + h) * p.q_len + m0 + r];
-      }
-      sLse[buf * kBlockM + r] = lse2;
-      sDelta[buf * kBlockM + r] = d;
-    }
+    // (rows past q_len read 0 here; the mask zeroes their P)
+    copy_floats_async<kBlockM>(sLse + buf * kBlockM, lse2_rows + h * q_pad + m0, rows);
+    copy_floats_async<kBlockM>(sDelta + buf * kBlockM, delta_rows + h * q_pad + m0, rows);
   };
   // The step's query head and tile, advanced without a division: (h, mt) now, (h_next, mt_next) one step ahead.
   int h = static_cast<int>(h_first);
@@ -263,22 +272,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 }
 
 template <class Traits>
-cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* delta, float* dq_accum, bool per_query_head,
+cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* stats, float* dq_accum, bool per_query_head,
                              cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
   const int64_t rows = p.batch * p.num_heads * p.q_len;
   flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
-      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, delta);
+      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads)),
-                  static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN));
+  const unsigned heads = static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads));
+  const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
+  const dim3 grid = p.is_causal ? dim3(heads, n_blocks) : dim3(n_blocks, heads);
   auto kernel = p.is_causal
                     ? (per_query_head ? flash_bwd_kernel<Traits, true, true> : flash_bwd_kernel<Traits, true, false>)
                     : (per_query_head ? flash_bwd_kernel<Traits, false, true> : flash_bwd_kernel<Traits, false, false>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, delta, dq_accum);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, stats, dq_accum);
   return cudaGetLastError();
 }
 

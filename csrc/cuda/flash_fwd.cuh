@@ -88,10 +88,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
   T* sK = sQ + Traits::QTile::kElems;  // [2] buffers
   T* sV = sK + 2 * Traits::KVTile::kElems;
 
-  // Grid: (batch x heads, query blocks), query blocks in y and in reverse: the launch order takes every head's
-  // last query block first, so under a causal mask the costliest blocks start first and the cheap ones fill the tail.
-  const int m_block = gridDim.y - 1 - blockIdx.y;
-  const int64_t b = blockIdx.x / p.num_heads, h = blockIdx.x % p.num_heads;
+  // Grid (launch_flash_fwd): without a mask (query blocks, batch x heads): the blocks of one head run side by side
+  // and share its K, V in L2. Causal: (batch x heads, query blocks in reverse): every head's last (costliest) query
+  // block launches first and the cheap ones fill the tail.
+  const int m_block = kIsCausal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
+  const int bh = kIsCausal ? blockIdx.x : blockIdx.y;
+  const int64_t b = bh / p.num_heads, h = bh % p.num_heads;
   const int64_t hk = h / (p.num_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
@@ -195,8 +197,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
 
 template <class Traits>
 cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.batch * p.num_heads),
-                  static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM));
+  const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
+  const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
+  const dim3 grid = p.is_causal ? dim3(heads, m_blocks) : dim3(m_blocks, heads);
   auto kernel = p.is_causal ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
