@@ -93,12 +93,11 @@ __device__ __forceinline__ void store_c_frags(T* tile, const float (&c)[kMi][kNj
 // Grid: (key blocks, batch x kv heads), or with kPerQueryHead (key blocks, batch x query heads): a block then takes
 // one query head of its kv head's group and writes that head's share of dK, dV at the query head's index (the
 // caller sums the group), so that GQA has as many blocks as plain attention. Without a mask the key blocks of a
-// head run side by side and share its Q, dO in L2; under a causal mask key blocks go in y instead, so that every
-// head's first key block (the costliest: the first keys see every query) launches first and the cheap ones fill
-// the tail.
+// head run side by side and share its Q, dO in L2; under a causal mask the grid is one dimension in
+// grouped_heavy_first's order (flash_common.cuh).
 template <class Traits, bool kIsCausal, bool kPerQueryHead>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    flash_bwd_kernel(const AttentionBackwardParams bp, const float* stats, float* dq_accum) {
+    flash_bwd_kernel(const AttentionBackwardParams bp, const float* stats, float* dq_accum, int heads_per_group) {
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kNThreads = Traits::kNThreads;
@@ -114,9 +113,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float* sLse = reinterpret_cast<float*>(sdSt + Traits::PTile::kElems);  // [2][kBlockM], in exp2 units
   float* sDelta = sLse + 2 * kBlockM;                                    // [2][kBlockM]
 
-  const int n_block = kIsCausal ? blockIdx.y : blockIdx.x;
-  const int bh = kIsCausal ? blockIdx.x : blockIdx.y;
   const int64_t heads_here = kPerQueryHead ? p.num_heads : p.num_kv_heads;
+  int n_block, bh;
+  if constexpr (kIsCausal) {  // grouped_heavy_first: a head's first key block is its costliest
+    const int n_blocks = static_cast<int>((p.kv_len + kBlockN - 1) / kBlockN);
+    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * heads_here), n_blocks,
+                                            heads_per_group);
+    n_block = ht.tile_rank;
+    bh = ht.head;
+  } else {
+    n_block = blockIdx.x;
+    bh = blockIdx.y;
+  }
   const int64_t b = bh / heads_here, head = bh % heads_here;
   const int64_t hk = kPerQueryHead ? head / (p.num_heads / p.num_kv_heads) : head;
   // The query heads this block visits: h_first .. h_first + group - 1.
@@ -282,13 +290,17 @@ cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* stats, fl
   if (err != cudaSuccess) return err;
   const unsigned heads = static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads));
   const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
-  const dim3 grid = p.is_causal ? dim3(heads, n_blocks) : dim3(n_blocks, heads);
+  if (heads == 0 || n_blocks == 0) return cudaSuccess;  // no keys: dK, dV are empty, dQ stays 0
+  const dim3 grid = p.is_causal ? dim3(heads * n_blocks) : dim3(n_blocks, heads);
   auto kernel = p.is_causal
                     ? (per_query_head ? flash_bwd_kernel<Traits, true, true> : flash_bwd_kernel<Traits, true, false>)
                     : (per_query_head ? flash_bwd_kernel<Traits, false, true> : flash_bwd_kernel<Traits, false, false>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, stats, dq_accum);
+  int heads_per_group = 1;
+  if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, n_blocks, &heads_per_group);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, stats, dq_accum, heads_per_group);
   return cudaGetLastError();
 }
 

@@ -56,6 +56,34 @@ __device__ __forceinline__ void copy_floats_async(float* smem, const float* gmem
   }
 }
 
+// The launch order of the blocks under a causal mask, where tiles differ in cost. Block id (a 1-D grid) -> (head,
+// tile rank; rank 0 = the costliest tile). The ids run through groups of heads_per_group heads; within a group,
+// rank by rank from the costliest, every head of the group at each rank. The costliest tiles start first and the
+// cheap ones fill the tail, while the blocks resident together belong to few heads and share their K, V (or Q, dO)
+// in L2 (heads_per_group from group_heads: a group's blocks about fill the GPU once).
+struct HeadTile {
+  int head, tile_rank;
+};
+__device__ __forceinline__ HeadTile grouped_heavy_first(int id, int heads, int tiles, int heads_per_group) {
+  const int group = id / (heads_per_group * tiles);
+  const int first_head = group * heads_per_group;
+  const int in_group = min(heads_per_group, heads - first_head);
+  const int within = id - first_head * tiles;
+  return {first_head + within % in_group, within / in_group};
+}
+
+// Heads per group for grouped_heavy_first: the blocks the GPU holds at once (occupancy x SMs) over tiles per head.
+template <class Kernel>
+inline cudaError_t group_heads(Kernel kernel, int threads, int smem_bytes, int64_t tiles, int* heads_per_group) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+  const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  *heads_per_group = static_cast<int>(max64(1, min64(resident / max64(tiles, 1), 1 << 20)));
+  return err;
+}
+
 // Causal mask: query row i sees key j iff j <= i + causal_offset (and j < kv_len always).
 __device__ __forceinline__ bool key_visible(const AttentionParams& p, int64_t i, int64_t j) {
   return j < p.kv_len && (!p.is_causal || j <= i + p.causal_offset);

@@ -79,7 +79,7 @@ __device__ __forceinline__ void rescale_o(float (&o)[Traits::kMi][Traits::kHeadD
 }
 
 template <class Traits, bool kIsCausal>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const AttentionParams p, int heads_per_group) {
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kNThreads = Traits::kNThreads;
@@ -89,10 +89,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
   T* sV = sK + 2 * Traits::KVTile::kElems;
 
   // Grid (launch_flash_fwd): without a mask (query blocks, batch x heads): the blocks of one head run side by side
-  // and share its K, V in L2. Causal: (batch x heads, query blocks in reverse): every head's last (costliest) query
-  // block launches first and the cheap ones fill the tail.
-  const int m_block = kIsCausal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
-  const int bh = kIsCausal ? blockIdx.x : blockIdx.y;
+  // and share its K, V in L2. Causal: one dimension in grouped_heavy_first's order (the last query block of a head
+  // is its costliest).
+  int m_block, bh;
+  if constexpr (kIsCausal) {
+    const int m_blocks = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
+    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * p.num_heads), m_blocks,
+                                            heads_per_group);
+    m_block = m_blocks - 1 - ht.tile_rank;
+    bh = ht.head;
+  } else {
+    m_block = blockIdx.x;
+    bh = blockIdx.y;
+  }
   const int64_t b = bh / p.num_heads, h = bh % p.num_heads;
   const int64_t hk = h / (p.num_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -199,11 +208,15 @@ template <class Traits>
 cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
   const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
   const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
-  const dim3 grid = p.is_causal ? dim3(heads, m_blocks) : dim3(m_blocks, heads);
+  if (heads == 0 || m_blocks == 0) return cudaSuccess;  // no query rows: nothing to write
+  const dim3 grid = p.is_causal ? dim3(heads * m_blocks) : dim3(m_blocks, heads);
   auto kernel = p.is_causal ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
+  int heads_per_group = 1;
+  if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, heads_per_group);
   return cudaGetLastError();
 }
 
