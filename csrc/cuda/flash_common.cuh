@@ -80,7 +80,8 @@ inline cudaError_t group_heads(Kernel kernel, int threads, int smem_bytes, int64
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
   const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
-  *heads_per_group = static_cast<int>(max64(1, min64(resident / max64(tiles, 1), 1 << 20)));
+  const int64_t heads = resident / (tiles > 0 ? tiles : 1);  // (host code: no min64/max64, they are __device__)
+  *heads_per_group = static_cast<int>(heads < 1 ? 1 : heads > (1 << 20) ? (1 << 20) : heads);
   return err;
 }
 
