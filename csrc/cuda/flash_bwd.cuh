@@ -4,13 +4,12 @@
 //   D_i  = rowsum(dO_i ∘ O_i)                                      (flash_bwd_delta_kernel)
 //   for each key tile j (one thread block, block_k keys; dK_j, dV_j in registers):
 //     for each query head of j's kv head and each query tile i that sees these keys:
-//       Sᵀ  = K_j Q_iᵀ;   Pᵀ = exp(scale·Sᵀ − lse_i)               (each warp: 16 keys x block_q queries)
-//       dV_j += Pᵀ dO_i
-//       dPᵀ = V_j dO_iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
-//       dK_j += dSᵀ Q_i
+//       Sᵀ  = K_j Q_iᵀ;   Pᵀ = exp(scale·Sᵀ − lse_i)               (warp tiles of keys x queries)
+//       dPᵀ = V_j dO_iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)                   (Pᵀ, dSᵀ -> shared memory)
+//       dV_j += Pᵀ dO_i;  dK_j += dSᵀ Q_i                          (warp tiles of keys x head dim)
 //       dQ_i += dS K_j                                             (float32 atomics: blocks share dQ_i)
 //   dK *= scale (here); dQ = scale·dQ (flash_api.cpp, when it converts dQ to the input dtype).
-// Working on Sᵀ (keys as rows) keeps dK and dV in the C fragments of the warp that owns their rows.
+// Working on Sᵀ (keys as rows) keeps dK and dV, which stay in registers for the whole block, row-major in keys.
 #pragma once
 
 #include <cmath>

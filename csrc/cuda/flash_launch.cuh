@@ -23,7 +23,8 @@ inline int config_from_env(const char* name, int default_config) {
 
 // The defaults, from the sweep on the H100 (benchmarks/results/cuda_h100_*.txt).
 // Forward: d 64 -> 3 (4 warps x 32 rows, block_k 64, Q in registers); d 128 -> 5 (4 warps x 32 rows, block_k 64,
-// Q from shared memory: FlashAttention-2's own shape). Backward: d 64 -> 0; d 128 -> 3 (8 warps, block_q 64).
+// Q from shared memory: FlashAttention-2's own shape). Backward: 0 (FlashAttention-2's tiles) at both head dims
+// (run 9 of benchmarks/results/cuda_h100_notes.md).
 template <int kHeadDim> constexpr int kDefaultFwdConfig = kHeadDim == 64 ? 3 : 5;
 template <int kHeadDim> constexpr int kDefaultBwdConfig = 0;
 

@@ -1,7 +1,7 @@
 // Tile shapes, warps and shared-memory layouts of the tensor-core flash kernels, apart from the algorithm.
 //
-// Every warp owns 16 rows of a tile (one m16 row of mma fragments): in the forward, 16 query rows of the
-// block_q x head_dim output; in the backward, 16 key rows of the block_k x head_dim dK and dV.
+// Forward: every warp owns kMi x 16 query rows of the block_q x head_dim output. Backward: each of the five
+// products has its own grid of warp tiles (BwdTraits). The warp-level products themselves: warp_gemm.cuh.
 // Shared-memory tiles are row-major with each row padded by 8 elements (16 bytes): the 8 rows an ldmatrix
 // reads then start in 8 different 16-byte bank groups, so it is conflict-free without a swizzle.
 #pragma once
