@@ -8,6 +8,7 @@ myFusedAttention, myFlashAttention, twoDimRead, fourDimRead) are re-exported her
 which is loaded when the package is imported (and, from a fresh checkout, compiled then, once).
 """
 from cs149gpt.ops import IMPLS, attention, isa, scaled_dot_product_attention, uses_our_kernel
+from cs149gpt.integration import install_sdpa, register_transformers, restore_sdpa, sdpa_installed
 
 ASSIGNMENT_ENTRY_POINTS = (
     "myNaiveAttention",
@@ -18,7 +19,8 @@ ASSIGNMENT_ENTRY_POINTS = (
     "fourDimRead",
 )
 
-__all__ = ["attention", "scaled_dot_product_attention", "uses_our_kernel", "isa", "IMPLS", *ASSIGNMENT_ENTRY_POINTS]
+__all__ = ["attention", "scaled_dot_product_attention", "uses_our_kernel", "isa", "IMPLS", "install_sdpa",
+           "restore_sdpa", "sdpa_installed", "register_transformers", *ASSIGNMENT_ENTRY_POINTS]
 
 
 def __getattr__(name):

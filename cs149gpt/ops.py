@@ -50,8 +50,9 @@ def attention(
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
     return_lse: bool = False,
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """softmax(scale · q kᵀ [+ causal mask]) v, computed by one of the four kernels.
+    """softmax(scale · q kᵀ [+ attn_mask] [+ causal mask]) v, computed by one of the four kernels.
 
     Args:
         q: (..., Nq, d) queries, any strides (the last dim is read in place when contiguous).
@@ -65,6 +66,10 @@ def attention(
         block_q, block_k: flash's Br × Bc tile (blocked: its one tile size); None picks measured defaults.
         return_lse: also return lse, the float32 logsumexp of each query row's scaled logits, (..., Nq)
             (flash only).
+        attn_mask: (flash only) torch SDPA's: bool (True = the key takes part) or additive (float32 or q's
+            dtype, added to the scaled logits; −inf hides a key), any shape broadcastable to (..., Nq, Nk), read
+            in place through its strides. Applied together with is_causal. It gets no gradient: a float mask
+            that requires grad is refused (torch's SDPA computes that one).
 
     Returns:
         out: (..., Nq, d), contiguous, in q's dtype (float32; also bfloat16/float16 with impl="flash");
@@ -78,14 +83,22 @@ def attention(
     causal = _causal_mode(is_causal)
     if return_lse and impl != "flash":
         raise ValueError(f"return_lse=True needs impl='flash', got impl={impl!r}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if impl != "flash":
+            raise ValueError(f"attn_mask needs impl='flash', got impl={impl!r}")
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            raise ValueError("attn_mask requires grad, but the flash kernel computes no gradient for it; pass "
+                             "attn_mask.detach() (or use torch's scaled_dot_product_attention for a learned mask)")
     _load()
     if any(t.layout != torch.strided or t.is_nested for t in (q, k, v)):
         # A jagged nested tensor is a Python subclass whose dispatch never reaches our kernels, which refuse
         # the other layouts themselves: the check names the argument (TypeError) for every one of them.
-        _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k)
+        _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask)
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
-            out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k)
+            out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask)
             return (out, lse) if return_lse else out
         return torch.ops.cs149gpt.attention(q, k, v, impl, scale, causal, block_q, block_k)
 
@@ -130,7 +143,8 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention, with its signature and meaning, on our flash kernel.
 
-    Our kernel runs when it computes exactly what torch would: no attn_mask, dropout_p == 0, CPU tensors of
+    Our kernel runs when it computes exactly what torch would: an attn_mask torch takes (bool, float32 or q's
+    dtype, broadcastable to (..., Nq, Nk); CPU only, not requiring grad), dropout_p == 0, CPU tensors of
     one dtype among float32/bfloat16/float16 and at least 3 dims, no empty dim, k and v with q's head dim,
     equal head counts unless enable_gqa=True, a scale that is a finite float32, no forward-AD tangent; CUDA
     tensors only in bfloat16/float16 with head dim 64 or 128 (float32 there is the teaching kernel, slower than
@@ -145,14 +159,30 @@ def scaled_dot_product_attention(
     if not uses_our_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
-    return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal)
+    return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal, attn_mask=attn_mask)
+
+
+def _mask_is_ours(attn_mask, query, key) -> bool:
+    """Whether our kernel computes what torch computes with this attn_mask: one torch accepts (bool, float32 or
+    query's dtype, broadcastable to the scores (..., Nq, Nk)), a plain CPU tensor, and no gradient wanted for it."""
+    if not (isinstance(attn_mask, torch.Tensor) and attn_mask.layout == torch.strided and not attn_mask.is_nested
+            and attn_mask.device == query.device and attn_mask.device.type == "cpu"):
+        return False
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        return False
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        return False  # a learned mask: torch's SDPA computes its gradient, ours would not
+    scores = (*query.shape[:-1], key.shape[-2])
+    if attn_mask.dim() > len(scores):
+        return False
+    return all(m == 1 or m == s for m, s in zip(reversed(attn_mask.shape), reversed(scores)))
 
 
 def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False) -> bool:
     """Whether scaled_dot_product_attention(...) with these arguments runs our kernel (else torch's)."""
     tensors = (query, key, value)
-    if attn_mask is not None or dropout_p != 0.0 or not isinstance(is_causal, bool):
+    if dropout_p != 0.0 or not isinstance(is_causal, bool):
         return False
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
                                   and abs(scale) < _FLOAT32_OVERFLOW):
@@ -164,7 +194,7 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     # slower than torch's, so torch keeps it.
     if query.device.type == "cuda" and (query.dtype == torch.float32 or query.shape[-1] not in (64, 128)):
         return False
-    if torch.overrides.has_torch_function(tensors):
+    if torch.overrides.has_torch_function(tensors if attn_mask is None else (*tensors, attn_mask)):
         return False  # a tensor subclass sees torch's SDPA in its __torch_function__, as it would without us
     if query.dtype not in _FLASH_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
@@ -177,7 +207,9 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     h_q, h_kv = query.shape[-3], key.shape[-3]
     if h_kv == 0 or not (h_q == h_kv or (enable_gqa and h_q % h_kv == 0)):
         return False
-    return not _has_tangent(*tensors)  # torch says what forward-mode AD does with its own SDPA
+    if attn_mask is not None and not _mask_is_ours(attn_mask, query, key):
+        return False
+    return not _has_tangent(*tensors if attn_mask is None else (*tensors, attn_mask))  # torch says what forward-mode AD does with its own SDPA
 
 
 def isa() -> str:
@@ -205,18 +237,18 @@ def _causal_mode(is_causal: Union[bool, str]) -> str:
 # Autograd and fake (meta) implementations of the C++ operators. Registered once, when the module loads.
 # ---------------------------------------------------------------------------------------------------------
 def _flash_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, block_q, block_k = inputs
+    q, k, v, scale, causal, block_q, block_k, attn_mask = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)  # lse (O(N)), never P (O(N²))
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)  # lse (O(N)), never P (O(N²)); the mask as given
     ctx.scale, ctx.causal, ctx.block_q, ctx.block_k = scale, causal, block_q, block_k
     ctx.mark_non_differentiable(lse)
 
 
 def _flash_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.cs149gpt.flash_attention_backward(
-        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k)
-    return dq, dk, dv, None, None, None, None
+        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k, attn_mask)
+    return dq, dk, dv, None, None, None, None, None  # attn_mask: no gradient (attention() refuses one that wants it)
 
 
 def _not_differentiable(what: str):
@@ -242,13 +274,13 @@ def _register_python_parts() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "flash_attention")
-    def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None):
-        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k)
+    def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None):
+        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k, attn_mask)
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @torch.library.register_fake(lib + "flash_attention_backward")
-    def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None):
-        checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k)
+    def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None):
+        checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)

@@ -11,6 +11,9 @@ namespace cs149gpt {
 
 enum class DType { f32, bf16, f16 };  // q, k, v and out share one; arithmetic is always float32
 
+// torch SDPA's attn_mask: none; boolean (true = the key takes part); additive (added to the scaled logits).
+enum class MaskKind { none, boolean, additive };
+
 // Strides are in elements, in the order [batch, head, row]. Within a row the head_dim columns are
 // contiguous (module.cpp guarantees it; SIMD loads need it).
 struct AttentionParams {
@@ -38,6 +41,15 @@ struct AttentionParams {
   // offset 0 is torch SDPA's is_causal (top-left); kv_len - q_len aligns the mask to the bottom-right.
   bool is_causal = false;
   int64_t causal_offset = 0;
+
+  // attn_mask, as torch SDPA's, read in place: entry (b, h, i, j) (h a query head) is at mask + b·mask_strides[0] +
+  // h·mask_strides[1] + i·mask_strides[2] + j·mask_strides[3] elements (stride 0 along the dims it is broadcast
+  // over). boolean: bytes, 0 hides key j from row i; additive: mask_dtype values added to scale·q·k, −inf hides.
+  // A key hidden by it is hidden as the causal mask hides one (both apply together): it never touches the row.
+  const void* mask = nullptr;
+  MaskKind mask_kind = MaskKind::none;
+  DType mask_dtype = DType::f32;  // additive masks: float32 or q's dtype
+  int64_t mask_strides[4] = {0, 0, 0, 0};
 
   // Tile sizes: Br x Bc for flash; the cache tile of the matrix multiplies for blocked. Always >= 1.
   int64_t block_q = 1;

@@ -6,6 +6,9 @@
 #include "../attention.h"
 #include "simd.h"
 
+#include <algorithm>
+#include <type_traits>
+
 namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
@@ -93,6 +96,72 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
     l[r] = alpha[r] * l[r] + P.exp_sum(r, s, m_new[r], n_keys, scale_in_exp ? scale : 1.0f);
     m[r] = m_new[r];
   }
+}
+
+// attn_mask over a block: rows [i0, i0 + n_i) × keys [j0, j0 + n_j) of query head h in batch b.
+// Every kernel reads the mask through mask_block, once per block of the tiles it computes anyway: the block's
+// entries as float offsets of the logits go to bias[r·ld_i + t·ld_j] — 0 where the key takes part, −inf where
+// attn_mask or the causal mask hides it, the additive value otherwise — and the block is classified:
+//   hidden:  attn_mask hides every entry the causal mask shows (or the causal mask shows none): skip the block;
+//   visible: it hides none and adds nothing: the unmasked path, bias unused;
+//   partial: S = S + bias (add_mask) before the softmax.
+// A NaN entry is neither 0 nor −inf: partial, and the row turns NaN, as in torch.
+enum class MaskBlock { hidden, visible, partial };
+
+template <class M>
+inline float mask_entry(M m) {
+  if constexpr (std::is_same_v<M, uint8_t>) {
+    return m ? 0.0f : kNegInf;
+  } else {
+    return static_cast<float>(m);
+  }
+}
+
+template <class M>
+MaskBlock mask_block_of(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                        int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
+  const M* base = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1];
+  const int64_t s_i = p.mask_strides[2], s_j = p.mask_strides[3];
+  bool any_shown = false, all_plain = true;
+  for (int64_t r = 0; r < n_i; ++r) {
+    const M* row = base + (i0 + r) * s_i;
+    const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i0 + r) - j0, 0, n_j);  // the causal prefix
+    float* out = bias + r * ld_i;
+    for (int64_t t = 0; t < causal_keys; ++t) {
+      const float x = mask_entry(row[(j0 + t) * s_j]);
+      any_shown |= x != kNegInf;
+      all_plain &= x == 0.0f;
+      out[t * ld_j] = x;
+    }
+    for (int64_t t = causal_keys; t < n_j; ++t) out[t * ld_j] = kNegInf;
+  }
+  return !any_shown ? MaskBlock::hidden : all_plain ? MaskBlock::visible : MaskBlock::partial;
+}
+
+inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                            int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
+  if (p.mask_kind == MaskKind::boolean) return mask_block_of<uint8_t>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+  if (p.mask_kind == MaskKind::none) return MaskBlock::visible;
+  switch (p.mask_dtype) {
+    case DType::bf16: return mask_block_of<c10::BFloat16>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+    case DType::f16: return mask_block_of<c10::Half>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+    default: return mask_block_of<float>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+  }
+}
+
+// s[t] = s[t] + bias[t], and −inf wherever bias is: a hidden key's logit is dropped even when it is NaN.
+inline void add_mask(float* s, const float* bias, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) s[t] = bias[t] == kNegInf ? kNegInf : s[t] + bias[t];
+}
+
+// Whether n rows of d values (ld apart) are all finite: a V tile that is not takes P V row by row over the keys
+// each row sees, in a block attn_mask cuts, since P = 0 at a hidden key would still multiply its NaN.
+template <class T>
+bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
+  bool finite = true;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < d; ++c) finite &= std::isfinite(static_cast<float>(x[t * ld + c]));
+  return finite;
 }
 
 // The end of a query tile: rows [i0, i0 + rows) of head h, O = O_i / l and lse = m + log(l), O_i's rows ldo
