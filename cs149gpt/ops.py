@@ -51,6 +51,7 @@ def attention(
     block_k: Optional[int] = None,
     return_lse: bool = False,
     attn_mask: Optional[torch.Tensor] = None,
+    window: Optional[Tuple[int, int]] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """softmax(scale · q kᵀ [+ attn_mask] [+ causal mask]) v, computed by one of the four kernels.
 
@@ -70,6 +71,10 @@ def attention(
             dtype, added to the scaled logits; −inf hides a key), any shape broadcastable to (..., Nq, Nk), read
             in place through its strides. Applied together with is_causal. It gets no gradient: a float mask
             that requires grad is refused (torch's SDPA computes that one).
+        window: (flash only) sliding-window (local) attention, FlashAttention's window_size (left, right):
+            query i sees keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 leaves a side unbounded
+            (None = (-1, -1)). Applied together with is_causal and attn_mask; key tiles outside the band are
+            skipped, forward and backward.
 
     Returns:
         out: (..., Nq, d), contiguous, in q's dtype (float32; also bfloat16/float16 with impl="flash");
@@ -91,16 +96,33 @@ def attention(
         if attn_mask.requires_grad and torch.is_grad_enabled():
             raise ValueError("attn_mask requires grad, but the flash kernel computes no gradient for it; pass "
                              "attn_mask.detach() (or use torch's scaled_dot_product_attention for a learned mask)")
+    window_left, window_right = _window(window)
+    if (window_left, window_right) != (-1, -1) and impl != "flash":
+        raise ValueError(f"window needs impl='flash', got impl={impl!r}")
     _load()
     if any(t.layout != torch.strided or t.is_nested for t in (q, k, v)):
         # A jagged nested tensor is a Python subclass whose dispatch never reaches our kernels, which refuse
         # the other layouts themselves: the check names the argument (TypeError) for every one of them.
-        _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask)
+        _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
+                                     window_right)
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
-            out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask)
+            out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask,
+                                                          window_left, window_right)
             return (out, lse) if return_lse else out
         return torch.ops.cs149gpt.attention(q, k, v, impl, scale, causal, block_q, block_k)
+
+
+def _window(window) -> Tuple[int, int]:
+    if window is None:
+        return -1, -1
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        raise TypeError(f"window must be a pair of ints (left, right), got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window must be (left, right) with each >= 0, or -1 for no bound on that side; got "
+                         f"{tuple(window)}")
+    return int(window[0]), int(window[1])
 
 
 def _refuse_sparse_and_quantized(q, k, v) -> None:
@@ -237,18 +259,20 @@ def _causal_mode(is_causal: Union[bool, str]) -> str:
 # Autograd and fake (meta) implementations of the C++ operators. Registered once, when the module loads.
 # ---------------------------------------------------------------------------------------------------------
 def _flash_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, block_q, block_k, attn_mask = inputs
+    q, k, v, scale, causal, block_q, block_k, attn_mask, window_left, window_right = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)  # lse (O(N)), never P (O(N²)); the mask as given
     ctx.scale, ctx.causal, ctx.block_q, ctx.block_k = scale, causal, block_q, block_k
+    ctx.window = window_left, window_right
     ctx.mark_non_differentiable(lse)
 
 
 def _flash_backward(ctx, dout, _dlse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     dq, dk, dv = torch.ops.cs149gpt.flash_attention_backward(
-        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k, attn_mask)
-    return dq, dk, dv, None, None, None, None, None  # attn_mask: no gradient (attention() refuses one that wants it)
+        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k, attn_mask, *ctx.window)
+    # attn_mask: no gradient (attention() refuses one that wants it)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _not_differentiable(what: str):
@@ -274,13 +298,16 @@ def _register_python_parts() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "flash_attention")
-    def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None):
-        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k, attn_mask)
+    def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None, window_left=-1,
+          window_right=-1):
+        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k, attn_mask, window_left, window_right)
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @torch.library.register_fake(lib + "flash_attention_backward")
-    def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None):
-        checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask)
+    def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None,
+          window_left=-1, window_right=-1):
+        checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
+                                        window_left, window_right)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)

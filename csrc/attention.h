@@ -51,6 +51,12 @@ struct AttentionParams {
   DType mask_dtype = DType::f32;  // additive masks: float32 or q's dtype
   int64_t mask_strides[4] = {0, 0, 0, 0};
 
+  // Sliding window (local attention, FlashAttention's window_size): row i sees key j only if
+  // i + window_offset − window_left <= j <= i + window_offset + window_right; −1 leaves that side unbounded.
+  // window_offset is kv_len − q_len (FlashAttention aligns the window bottom-right). Applies with both masks.
+  int64_t window_left = -1, window_right = -1;
+  int64_t window_offset = 0;
+
   // Tile sizes: Br x Bc for flash; the cache tile of the matrix multiplies for blocked. Always >= 1.
   int64_t block_q = 1;
   int64_t block_k = 1;
@@ -85,6 +91,17 @@ inline int64_t visible_keys(const AttentionParams& p, int64_t i) {
   int64_t last = i + p.causal_offset;  // last visible key
   if (last < 0) return 0;
   return last + 1 < p.kv_len ? last + 1 : p.kv_len;
+}
+
+inline bool has_window(const AttentionParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
+// Whether anything beyond the causal mask hides keys (attn_mask, a window): the kernels then classify their blocks.
+inline bool has_mask_or_window(const AttentionParams& p) { return p.mask_kind != MaskKind::none || has_window(p); }
+// The keys of row i's window: [window_first(i), window_last(i)] (unclamped; INT64 extremes when unbounded).
+inline int64_t window_first(const AttentionParams& p, int64_t i) {
+  return p.window_left < 0 ? INT64_MIN / 2 : i + p.window_offset - p.window_left;
+}
+inline int64_t window_last(const AttentionParams& p, int64_t i) {
+  return p.window_right < 0 ? INT64_MAX / 2 : i + p.window_offset + p.window_right;
 }
 
 // The backward pass: reads the forward's inputs, its output and lse (fwd.out, fwd.lse) and dL/dout; writes

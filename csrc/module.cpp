@@ -152,7 +152,8 @@ void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k
 
 DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
                       std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-                      std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}) {
+                      std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
+                      int64_t window_right = -1) {
   check_tensor(q, "q");
   check_tensor(k, "k");
   check_tensor(v, "v");
@@ -199,6 +200,10 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     TORCH_CHECK_VALUE(impl == Impl::flash, "attn_mask needs impl='flash', got impl='", impl_name(impl), "'");
     check_mask(*attn_mask, q, k);
   }
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "window must be (left, right) with each >= 0, or -1 "
+                    "for no bound on that side; got (", window_left, ", ", window_right, ")");
+  TORCH_CHECK_VALUE(impl == Impl::flash || (window_left == -1 && window_right == -1), "window needs impl='flash', "
+                    "got impl='", impl_name(impl), "'");
   return dtype;
 }
 
@@ -216,8 +221,10 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, c
 DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& out, const at::Tensor& lse, std::optional<double> scale,
                                const std::string& causal, std::optional<int64_t> block_q,
-                               std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}) {
-  const DType dtype = check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask);
+                               std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {},
+                               int64_t window_left = -1, int64_t window_right = -1) {
+  const DType dtype =
+      check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask, window_left, window_right);
   check_like(dout, "dout", q, "q");
   check_like(out, "out", q, "q");
   TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
@@ -345,7 +352,8 @@ struct Prepared {
 // Fills the params of a call whose arguments check_attention has passed (it returned dtype).
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-                 std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}) {
+                 std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
+                 int64_t window_right = -1) {
   // Meta tensors pass check_attention (the fake implementations share it); the kernels need memory.
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
   const int64_t d = q.size(-1), q_len = q.size(-2), kv_len = k.size(-2);
@@ -377,6 +385,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     p.mask_dtype = mt == at::kBFloat16 ? DType::bf16 : mt == at::kHalf ? DType::f16 : DType::f32;
     for (int i = 0; i < 4; ++i) p.mask_strides[i] = prep.mask4.stride(i);
   }
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.window_offset = kv_len - q_len;
   switch (impl) {
     case Impl::naive:
     case Impl::fused:
@@ -446,10 +457,12 @@ at::Tensor checked_empty(at::IntArrayRef sizes, const at::TensorOptions& options
 std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  Impl impl, std::optional<double> scale, const std::string& causal,
                                                  std::optional<int64_t> block_q, std::optional<int64_t> block_k,
-                                                 bool want_lse, const OptionalTensor& attn_mask = {}) {
+                                                 bool want_lse, const OptionalTensor& attn_mask = {},
+                                                 int64_t window_left = -1, int64_t window_right = -1) {
   TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
-  const DType dtype = check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask);
-  Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k, attn_mask);
+  const DType dtype = check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
+                                      window_right);
+  Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k, attn_mask, window_left, window_right);
   AttentionParams& p = prep.p;
   const KernelTable& kernels = cs149gpt::kernels();
   const Kernel* kernel = nullptr;
@@ -497,12 +510,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask) -> (out, lse)
 //   lse: (..., Nq) float32, the logsumexp of each query row's scaled, masked logits (−inf for a row that
 //   sees no key). The backward pass recomputes P from it. attn_mask: torch SDPA's (bool or additive, any shape
-//   broadcastable to (..., Nq, Nk)), applied together with the causal mask.
+//   broadcastable to (..., Nq, Nk)), applied together with the causal mask. window_left, window_right: the sliding
+//   window (FlashAttention's window_size, -1 = unbounded), applied with both.
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    std::optional<double> scale, const std::string& causal,
                                                    std::optional<int64_t> block_q, std::optional<int64_t> block_k,
-                                                   const OptionalTensor& attn_mask) {
-  return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true, attn_mask);
+                                                   const OptionalTensor& attn_mask, int64_t window_left,
+                                                   int64_t window_right) {
+  return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true, attn_mask, window_left,
+                       window_right);
 }
 
 // flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
@@ -511,9 +527,11 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-    std::optional<int64_t> block_k, const OptionalTensor& attn_mask) {
-  const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask);
-  Prepared prep = prepare(q, k, v, Impl::flash, dtype, scale, causal, block_q, block_k, attn_mask);
+    std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right) {
+  const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
+                                               window_left, window_right);
+  Prepared prep = prepare(q, k, v, Impl::flash, dtype, scale, causal, block_q, block_k, attn_mask, window_left,
+                          window_right);
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
@@ -706,10 +724,10 @@ TORCH_LIBRARY(cs149gpt, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, str impl='flash', float? scale=None, str causal='none', "
         "int? block_q=None, int? block_k=None) -> Tensor");
   m.def("flash_attention(Tensor q, Tensor k, Tensor v, float? scale=None, str causal='none', int? block_q=None, "
-        "int? block_k=None, Tensor? attn_mask=None) -> (Tensor out, Tensor lse)");
+        "int? block_k=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
   m.def("flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "float? scale=None, str causal='none', int? block_q=None, int? block_k=None, Tensor? attn_mask=None) -> "
-        "(Tensor dq, Tensor dk, Tensor dv)");
+        "float? scale=None, str causal='none', int? block_q=None, int? block_k=None, Tensor? attn_mask=None, "
+        "int window_left=-1, int window_right=-1) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
@@ -750,18 +768,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The checks of the operators, for their fake (meta) implementations in ops.py: one source of truth.
   m.def("check_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
                               std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-                              std::optional<int64_t> block_k, const OptionalTensor& attn_mask) {
-    check_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, attn_mask);
+                              std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
+                              int64_t window_right) {
+    check_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, attn_mask, window_left, window_right);
   }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("impl"), py::arg("scale"), py::arg("causal"),
-     py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(), "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
+     py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(), py::arg("window_left") = -1,
+     py::arg("window_right") = -1, "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
   m.def("check_attention_backward", [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                        std::optional<double> scale, const std::string& causal,
                                        std::optional<int64_t> block_q, std::optional<int64_t> block_k,
-                                       const OptionalTensor& attn_mask) {
-    check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask);
+                                       const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right) {
+    check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask, window_left,
+                             window_right);
   }, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-     py::arg("causal"), py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(), "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+     py::arg("causal"), py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(),
+     py::arg("window_left") = -1, py::arg("window_right") = -1, "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
   m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
   m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,

@@ -336,6 +336,9 @@ def test_opcheck_with_masks():
         torch.library.opcheck(torch.ops.cs149gpt.flash_attention_backward,
                               (dout, q.detach(), k.detach(), v.detach(), out, lse, None, "none", None, None, mask))
         q, k, v = q.detach(), k.detach(), v.detach()
+    # the sliding window, with a mask
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, "none", None, None, mask, 3, 1)
+    torch.library.opcheck(torch.ops.cs149gpt.flash_attention, args)
 
 
 def test_compile_with_a_mask():
@@ -440,3 +443,79 @@ def test_sdpa_installed_restores_torchs():
     finally:
         cs149gpt.restore_sdpa()
     assert F.scaled_dot_product_attention is original
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sliding window (FlashAttention's window_size): a band of keys around each query's aligned position.
+# ---------------------------------------------------------------------------------------------------------
+def window_mask(n_q, n_k, left, right):
+    """Bool (Nq, Nk): i + Nk − Nq − left <= j <= i + Nk − Nq + right (−1: that side unbounded)."""
+    i = torch.arange(n_q)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k)[None, :]
+    keep = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+WINDOWS = [(0, 0), (3, 0), (16, 5), (-1, 2), (7, -1), (40, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_forward(isa, dtype):
+    """out and lse with a window alone, with is_causal, and with an attn_mask, Nq = Nk and Nq != Nk, odd tiles."""
+    g = gen(1120)
+    failures = []
+    for (n_q, n_k) in ((64, 64), (30, 75), (75, 30)):
+        q, k, v, _ = inputs((2, 4, n_q, 16), (2, 2, n_k, 16), g, dtype)
+        pad = random_bool_mask((2, 1, 1, n_k), g, p_keep=0.8, dead_rows=False)
+        for left, right in WINDOWS:
+            band = window_mask(n_q, n_k, left, right)
+            for is_causal, mask in ((False, None), (True, None), ("bottom_right", None), (False, pad)):
+                want_mask = band if mask is None else band & mask
+                for block_q, block_k in ((None, None), (7, 5)):
+                    out, lse = cs149gpt.attention(q, k, v, window=(left, right), is_causal=is_causal,
+                                                  attn_mask=mask, block_q=block_q, block_k=block_k,
+                                                  return_lse=True)
+                    failures += out_problems(out, lse, q, k, v, want_mask, is_causal=is_causal,
+                                             tag=f"{isa} window=({left}, {right}) causal={is_causal} "
+                                                 f"mask={mask is not None} ({n_q}, {n_k}) tiles=({block_q}, {block_k})")
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_window_gradients(isa):
+    g = gen(1121)
+    failures = []
+    for (n_q, n_k) in ((50, 50), (33, 61)):
+        q, k, v, dout = inputs((2, 4, n_q, 16), (2, 2, n_k, 16), g)
+        for left, right in WINDOWS[:4]:
+            band = window_mask(n_q, n_k, left, right)
+            for is_causal in (False, True):
+                for block_q, block_k in ((None, None), (7, 5)):
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                    cs149gpt.attention(*leaves, window=(left, right), is_causal=is_causal, block_q=block_q,
+                                       block_k=block_k).backward(dout)
+                    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+                    ref_masked(*ref_leaves, band, is_causal=is_causal)[0].backward(dout.double())
+                    for name, a, b in zip("qkv", leaves, ref_leaves):
+                        err = (a.grad.double() - b.grad).abs().max().item()
+                        if not err <= GRAD_TOL:
+                            failures.append(f"{isa} d{name} window=({left}, {right}) causal={is_causal} "
+                                            f"({n_q}, {n_k}) tiles=({block_q}, {block_k}): {err:.3g}")
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_window_checks():
+    g = gen(1122)
+    q, k, v, _ = inputs((1, 2, 5, 8), (1, 2, 5, 8), g)
+    with pytest.raises(ValueError, match=r"window must be \(left, right\) with each >= 0, or -1"):
+        cs149gpt.attention(q, k, v, window=(-2, 0))
+    with pytest.raises(TypeError, match="window must be a pair of ints"):
+        cs149gpt.attention(q, k, v, window=3)
+    with pytest.raises(ValueError, match="window needs impl='flash'"):
+        cs149gpt.attention(q, k, v, impl="naive", window=(1, 1))
+    with pytest.raises(ValueError, match="window must be"):
+        torch.ops.cs149gpt.flash_attention(q, k, v, window_left=-5)
+    assert torch.equal(cs149gpt.attention(q, k, v, window=(-1, -1)), cs149gpt.attention(q, k, v))

@@ -75,7 +75,7 @@ struct Layout {
     kt_tile = d * Bc_pad;
     kt_size = p.batch * p.num_kv_heads * Tc * kt_tile;
     v_size = pack_v ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
-    const bool masked = p.mask_kind != MaskKind::none;
+    const bool masked = has_mask_or_window(p);
     flags_size = masked ? round_up(p.batch * p.num_kv_heads * Tc, 16) : 0;
     // Per thread: Q_i (Br_pad × d), S for one row group (G × Bc_pad), O_i (Br_pad × d_pad), m, l, α, and with
     // attn_mask its offsets for one row group (G × Bc_pad).

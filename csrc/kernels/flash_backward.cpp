@@ -84,7 +84,7 @@ struct Layout {
     dq_off = dv_off + Bc * d_pad;
     ones_off = dq_off + kRowGroup * d_pad;
     bias_off = round_up(ones_off + std::max<int64_t>(Bc, kRowGroup), 16);
-    per_thread = bias_off + (p.mask_kind != MaskKind::none ? round_up(tile, 16) : 0);  // attn_mask's offsets of a tile
+    per_thread = bias_off + (has_mask_or_window(p) ? round_up(tile, 16) : 0);  // attn_mask's offsets of a tile
   }
 };
 

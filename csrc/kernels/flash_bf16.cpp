@@ -79,7 +79,7 @@ struct Layout {
     l_off = m_off + round_up(Br, 16);
     alpha_off = l_off + round_up(Br, 16);
     bias_off = alpha_off + round_up(2 * G, 16);       // α and m_new of one group
-    per_thread = bias_off + (p.mask_kind != MaskKind::none ? G * Bc_pad : 0);  // attn_mask's offsets, G × Bc_pad
+    per_thread = bias_off + (has_mask_or_window(p) ? G * Bc_pad : 0);  // attn_mask's offsets, G × Bc_pad
   }
 };
 

@@ -98,50 +98,69 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
   }
 }
 
-// attn_mask over a block: rows [i0, i0 + n_i) × keys [j0, j0 + n_j) of query head h in batch b.
-// Every kernel reads the mask through mask_block, once per block of the tiles it computes anyway: the block's
+// attn_mask and the sliding window over a block: rows [i0, i0 + n_i) × keys [j0, j0 + n_j) of query head h in
+// batch b. Every kernel reads them through mask_block, once per block of the tiles it computes anyway: the block's
 // entries as float offsets of the logits go to bias[r·ld_i + t·ld_j] — 0 where the key takes part, −inf where
-// attn_mask or the causal mask hides it, the additive value otherwise — and the block is classified:
-//   hidden:  attn_mask hides every entry the causal mask shows (or the causal mask shows none): skip the block;
-//   visible: it hides none and adds nothing: the unmasked path, bias unused;
+// attn_mask, the window or the causal mask hides it, the additive value otherwise — and the block is classified:
+//   hidden:  they hide every entry the causal mask shows (or the causal mask shows none): skip the block;
+//   visible: they hide none and add nothing: the unmasked path, bias unused;
 //   partial: S = S + bias (add_mask) before the softmax.
-// A NaN entry is neither 0 nor −inf: partial, and the row turns NaN, as in torch.
+// A block outside the window's band is hidden and one inside it visible (without attn_mask) at a glance, unread.
+// A NaN entry of attn_mask is neither 0 nor −inf: partial, and the row turns NaN, as in torch.
 enum class MaskBlock { hidden, visible, partial };
 
+inline float mask_entry(uint8_t m) { return m ? 0.0f : kNegInf; }
 template <class M>
-inline float mask_entry(M m) {
-  if constexpr (std::is_same_v<M, uint8_t>) {
-    return m ? 0.0f : kNegInf;
-  } else {
-    return static_cast<float>(m);
-  }
-}
+inline float mask_entry(M m) { return static_cast<float>(m); }
 
+// M: attn_mask's element type (uint8_t for boolean masks); void: no attn_mask, the window alone.
 template <class M>
 MaskBlock mask_block_of(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
                         int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
-  const M* base = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1];
-  const int64_t s_i = p.mask_strides[2], s_j = p.mask_strides[3];
   bool any_shown = false, all_plain = true;
   for (int64_t r = 0; r < n_i; ++r) {
-    const M* row = base + (i0 + r) * s_i;
-    const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i0 + r) - j0, 0, n_j);  // the causal prefix
+    const int64_t i = i0 + r;
+    const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i) - j0, 0, n_j);  // the causal prefix
+    // The window within it: keys [lo, hi) of the block.
+    const int64_t lo = std::clamp<int64_t>(window_first(p, i) - j0, 0, causal_keys);
+    const int64_t hi = std::clamp<int64_t>(window_last(p, i) + 1 - j0, lo, causal_keys);
+    all_plain &= lo == 0 && hi == causal_keys;
     float* out = bias + r * ld_i;
-    for (int64_t t = 0; t < causal_keys; ++t) {
-      const float x = mask_entry(row[(j0 + t) * s_j]);
-      any_shown |= x != kNegInf;
-      all_plain &= x == 0.0f;
-      out[t * ld_j] = x;
+    for (int64_t t = 0; t < lo; ++t) out[t * ld_j] = kNegInf;
+    if constexpr (std::is_void_v<M>) {
+      any_shown |= hi > lo;
+      for (int64_t t = lo; t < hi; ++t) out[t * ld_j] = 0.0f;
+    } else {
+      const M* row = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1] +
+                     i * p.mask_strides[2];
+      const int64_t s_j = p.mask_strides[3];
+      for (int64_t t = lo; t < hi; ++t) {
+        const float x = mask_entry(row[(j0 + t) * s_j]);
+        any_shown |= x != kNegInf;
+        all_plain &= x == 0.0f;
+        out[t * ld_j] = x;
+      }
     }
-    for (int64_t t = causal_keys; t < n_j; ++t) out[t * ld_j] = kNegInf;
+    for (int64_t t = hi; t < n_j; ++t) out[t * ld_j] = kNegInf;
   }
   return !any_shown ? MaskBlock::hidden : all_plain ? MaskBlock::visible : MaskBlock::partial;
 }
 
 inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
                             int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
-  if (p.mask_kind == MaskKind::boolean) return mask_block_of<uint8_t>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
-  if (p.mask_kind == MaskKind::none) return MaskBlock::visible;
+  if (!has_mask_or_window(p)) return MaskBlock::visible;
+  if (has_window(p)) {
+    // The band of the block's rows reaches keys [window_first(i0), window_last(last row)].
+    const int64_t i1 = i0 + n_i - 1, j1 = j0 + n_j - 1;
+    if (window_last(p, i1) < j0 || window_first(p, i0) > j1) return MaskBlock::hidden;
+    if (p.mask_kind == MaskKind::none && window_first(p, i1) <= j0 && window_last(p, i0) >= j1)
+      return MaskBlock::visible;
+  }
+  switch (p.mask_kind) {
+    case MaskKind::none: return mask_block_of<void>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+    case MaskKind::boolean: return mask_block_of<uint8_t>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+    case MaskKind::additive: break;
+  }
   switch (p.mask_dtype) {
     case DType::bf16: return mask_block_of<c10::BFloat16>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
     case DType::f16: return mask_block_of<c10::Half>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
