@@ -52,6 +52,7 @@ def attention(
     return_lse: bool = False,
     attn_mask: Optional[torch.Tensor] = None,
     window: Optional[Tuple[int, int]] = None,
+    dropout_p: float = 0.0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """softmax(scale · q kᵀ [+ attn_mask] [+ causal mask]) v, computed by one of the four kernels.
 
@@ -75,6 +76,11 @@ def attention(
             query i sees keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 leaves a side unbounded
             (None = (-1, -1)). Applied together with is_causal and attn_mask; key tiles outside the band are
             skipped, forward and backward.
+        dropout_p: (flash only) dropout on the attention weights, in [0, 1): each weight is zeroed with that
+            probability, the others scaled by 1 / (1 - dropout_p); lse stays that of the undropped weights. The
+            mask comes from a counter-based generator keyed by a (seed, offset) drawn from torch's default
+            generator (torch.manual_seed reproduces it), which the backward regenerates. Equal to torch's dropout
+            in distribution, not in bits.
 
     Returns:
         out: (..., Nq, d), contiguous, in q's dtype (float32; also bfloat16/float16 with impl="flash");
@@ -97,6 +103,10 @@ def attention(
             raise ValueError("attn_mask requires grad, but the flash kernel computes no gradient for it; pass "
                              "attn_mask.detach() (or use torch's scaled_dot_product_attention for a learned mask)")
     window_left, window_right = _window(window)
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0.0 and impl != "flash":
+        raise ValueError(f"dropout_p needs impl='flash', got impl={impl!r}")
     if (window_left, window_right) != (-1, -1) and impl != "flash":
         raise ValueError(f"window needs impl='flash', got impl={impl!r}")
     _load()
@@ -105,12 +115,19 @@ def attention(
         # the other layouts themselves: the check names the argument (TypeError) for every one of them.
         _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
                                      window_right)
+    seed = _dropout_seed() if dropout_p > 0.0 else None
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
             out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask,
-                                                          window_left, window_right)
+                                                          window_left, window_right, float(dropout_p), seed)
             return (out, lse) if return_lse else out
         return torch.ops.cs149gpt.attention(q, k, v, impl, scale, causal, block_q, block_k)
+
+
+def _dropout_seed() -> torch.Tensor:
+    """(seed, offset) for one call's dropout, drawn from torch's default CPU generator (torch.manual_seed
+    reproduces them; a traced graph draws them afresh on every run)."""
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
 
 
 def _window(window) -> Tuple[int, int]:
@@ -165,8 +182,9 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention, with its signature and meaning, on our flash kernel.
 
-    Our kernel runs when it computes exactly what torch would: an attn_mask torch takes (bool, float32 or q's
-    dtype, broadcastable to (..., Nq, Nk); CPU only, not requiring grad), dropout_p == 0, CPU tensors of
+    Our kernel runs when it computes what torch would: an attn_mask torch takes (bool, float32 or q's
+    dtype, broadcastable to (..., Nq, Nk); CPU only, not requiring grad), 0 <= dropout_p < 1 (CPU: our dropout,
+    the same distribution as torch's, not the same bits; CUDA: 0 only), CPU tensors of
     one dtype among float32/bfloat16/float16 and at least 3 dims, no empty dim, k and v with q's head dim,
     equal head counts unless enable_gqa=True, a scale that is a finite float32, no forward-AD tangent; CUDA
     tensors only in bfloat16/float16 with head dim 64 or 128 (float32 there is the teaching kernel, slower than
@@ -181,7 +199,8 @@ def scaled_dot_product_attention(
     if not uses_our_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
-    return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal, attn_mask=attn_mask)
+    return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal, attn_mask=attn_mask,
+                     dropout_p=float(dropout_p))
 
 
 def _mask_is_ours(attn_mask, query, key) -> bool:
@@ -204,8 +223,11 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                     enable_gqa=False) -> bool:
     """Whether scaled_dot_product_attention(...) with these arguments runs our kernel (else torch's)."""
     tensors = (query, key, value)
-    if dropout_p != 0.0 or not isinstance(is_causal, bool):
+    if not isinstance(is_causal, bool):
         return False
+    if dropout_p != 0.0 and not (isinstance(dropout_p, (int, float)) and 0.0 < dropout_p < 1.0
+                                 and query.device.type == "cpu"):
+        return False  # torch's answer for p = 1, NaN, ...; our CUDA kernels have no dropout
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
                                   and abs(scale) < _FLOAT32_OVERFLOW):
         return False  # torch computes something (NaN, inf, ...) where our check refuses: torch's answer
@@ -259,20 +281,22 @@ def _causal_mode(is_causal: Union[bool, str]) -> str:
 # Autograd and fake (meta) implementations of the C++ operators. Registered once, when the module loads.
 # ---------------------------------------------------------------------------------------------------------
 def _flash_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, block_q, block_k, attn_mask, window_left, window_right = inputs
+    q, k, v, scale, causal, block_q, block_k, attn_mask, window_left, window_right, dropout_p, dropout_seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)  # lse (O(N)), never P (O(N²)); the mask as given
+    # lse (O(N)), never P (O(N²)); the mask as given; dropout's (seed, offset), from which its mask is regenerated
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, dropout_seed)
     ctx.scale, ctx.causal, ctx.block_q, ctx.block_k = scale, causal, block_q, block_k
-    ctx.window = window_left, window_right
+    ctx.window, ctx.dropout_p = (window_left, window_right), dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 def _flash_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, dropout_seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.cs149gpt.flash_attention_backward(
-        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k, attn_mask, *ctx.window)
+        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k, attn_mask, *ctx.window,
+        ctx.dropout_p, dropout_seed)
     # attn_mask: no gradient (attention() refuses one that wants it)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _not_differentiable(what: str):
@@ -299,15 +323,16 @@ def _register_python_parts() -> None:
 
     @torch.library.register_fake(lib + "flash_attention")
     def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None, window_left=-1,
-          window_right=-1):
-        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k, attn_mask, window_left, window_right)
+          window_right=-1, dropout_p=0.0, dropout_seed=None):
+        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k, attn_mask, window_left, window_right,
+                               dropout_p, dropout_seed)
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @torch.library.register_fake(lib + "flash_attention_backward")
     def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None,
-          window_left=-1, window_right=-1):
+          window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None):
         checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
-                                        window_left, window_right)
+                                        window_left, window_right, dropout_p, dropout_seed)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)

@@ -57,6 +57,11 @@ struct AttentionParams {
   int64_t window_left = -1, window_right = -1;
   int64_t window_offset = 0;
 
+  // Dropout on the attention weights: P_ij is kept (and scaled by 1 / (1 − dropout_p)) where dropout_keep(...) of
+  // its counter says so, else zeroed; lse and the softmax's normaliser are those of the undropped P.
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
+
   // Tile sizes: Br x Bc for flash; the cache tile of the matrix multiplies for blocked. Always >= 1.
   int64_t block_q = 1;
   int64_t block_k = 1;
@@ -92,6 +97,24 @@ inline int64_t visible_keys(const AttentionParams& p, int64_t i) {
   if (last < 0) return 0;
   return last + 1 < p.kv_len ? last + 1 : p.kv_len;
 }
+
+// Dropout's generator: counter-based, so that the backward regenerates the forward's mask without storing it, and
+// any thread computes any element. Entry (b, h, i, j) (b the flattened batch, h the query head) has the counter
+// ((b · heads + h) · q_len + i) · kv_len + j; its 32-bit uniform is the high half of splitmix64's finalizer of
+// seed_key + (counter + offset) · γ (a Weyl sequence keyed by the seed), and it is kept when that is >= p · 2³².
+// The same distribution as torch's dropout (independent Bernoulli(1 − p) keeps), not the same bits.
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+inline uint64_t dropout_threshold(float p) {  // keep u (32 bits) iff u >= threshold
+  return static_cast<uint64_t>(static_cast<double>(p) * 4294967296.0);
+}
+inline bool dropout_keep(uint64_t seed_key, uint64_t counter, uint64_t threshold) {
+  return (mix64(seed_key + counter * 0x9E3779B97F4A7C15ull) >> 32) >= threshold;
+}
+inline uint64_t dropout_seed_key(uint64_t seed) { return mix64(seed + 0x632BE59BD9B4E019ull); }
 
 inline bool has_window(const AttentionParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
 // Whether anything beyond the causal mask hides keys (attn_mask, a window): the kernels then classify their blocks.

@@ -125,7 +125,7 @@ constexpr double kFloat32Overflow = 0x1.ffffffp+127;
 // message. Returns the dtype of the call.
 using OptionalTensor = std::optional<at::Tensor>;
 
-bool has_mask(const OptionalTensor& attn_mask) { return attn_mask.has_value() && attn_mask->defined(); }
+bool is_given(const OptionalTensor& attn_mask) { return attn_mask.has_value() && attn_mask->defined(); }
 
 // attn_mask (torch SDPA's): a dense tensor, bool (True = the key takes part) or additive (float32 or q's dtype), on
 // q's device, broadcastable to the scores' shape (..., Nq, Nk) — q's leading dims and heads, Nq, k's Nk.
@@ -153,7 +153,7 @@ void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k
 DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
                       std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                       std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
-                      int64_t window_right = -1) {
+                      int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {}) {
   check_tensor(q, "q");
   check_tensor(k, "k");
   check_tensor(v, "v");
@@ -196,7 +196,7 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // Tile sizes are checked whatever the impl, so a typo is never silently ignored.
   if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
   if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
-  if (has_mask(attn_mask)) {
+  if (is_given(attn_mask)) {
     TORCH_CHECK_VALUE(impl == Impl::flash, "attn_mask needs impl='flash', got impl='", impl_name(impl), "'");
     check_mask(*attn_mask, q, k);
   }
@@ -204,6 +204,17 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                     "for no bound on that side; got (", window_left, ", ", window_right, ")");
   TORCH_CHECK_VALUE(impl == Impl::flash || (window_left == -1 && window_right == -1), "window needs impl='flash', "
                     "got impl='", impl_name(impl), "'");
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK_VALUE(impl == Impl::flash, "dropout_p needs impl='flash', got impl='", impl_name(impl), "'");
+    TORCH_CHECK_VALUE(is_given(dropout_seed), "dropout_p > 0 needs dropout_seed, an int64 tensor (seed, offset)");
+    TORCH_CHECK_VALUE(dropout_seed->scalar_type() == at::kLong && dropout_seed->dim() == 1 &&
+                          dropout_seed->sym_size(0) == 2,
+                      "dropout_seed must be an int64 tensor of 2 elements (seed, offset), got ",
+                      dropout_seed->scalar_type(), " of shape ", dropout_seed->sym_sizes());
+    TORCH_CHECK_VALUE(dropout_seed->device().is_cpu() || dropout_seed->device().is_meta(),
+                      "dropout_seed must be on the CPU, got ", dropout_seed->device());
+  }
   return dtype;
 }
 
@@ -222,9 +233,10 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
                                const at::Tensor& out, const at::Tensor& lse, std::optional<double> scale,
                                const std::string& causal, std::optional<int64_t> block_q,
                                std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {},
-                               int64_t window_left = -1, int64_t window_right = -1) {
-  const DType dtype =
-      check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask, window_left, window_right);
+                               int64_t window_left = -1, int64_t window_right = -1, double dropout_p = 0.0,
+                               const OptionalTensor& dropout_seed = {}) {
+  const DType dtype = check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask, window_left,
+                                      window_right, dropout_p, dropout_seed);
   check_like(dout, "dout", q, "q");
   check_like(out, "out", q, "q");
   TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
@@ -353,7 +365,7 @@ struct Prepared {
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                  std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
-                 int64_t window_right = -1) {
+                 int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {}) {
   // Meta tensors pass check_attention (the fake implementations share it); the kernels need memory.
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
   const int64_t d = q.size(-1), q_len = q.size(-2), kv_len = k.size(-2);
@@ -377,7 +389,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   p.scale = static_cast<float>(scale_value);
   p.causal_offset = parse_causal(causal, q_len, kv_len, &p.is_causal);
   p.num_threads = std::max(1, at::get_num_threads());
-  if (has_mask(attn_mask)) {
+  if (is_given(attn_mask)) {
     prep.mask4 = mask_as_4d(*attn_mask, q, kv_len);
     p.mask = prep.mask4.data_ptr();
     const at::ScalarType mt = attn_mask->scalar_type();
@@ -388,6 +400,12 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   p.window_left = window_left;
   p.window_right = window_right;
   p.window_offset = kv_len - q_len;
+  if (dropout_p > 0.0) {
+    p.dropout_p = static_cast<float>(dropout_p);
+    const at::Tensor seed = dropout_seed->contiguous();
+    p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
+    p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
+  }
   switch (impl) {
     case Impl::naive:
     case Impl::fused:
@@ -458,11 +476,13 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
                                                  Impl impl, std::optional<double> scale, const std::string& causal,
                                                  std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                                  bool want_lse, const OptionalTensor& attn_mask = {},
-                                                 int64_t window_left = -1, int64_t window_right = -1) {
+                                                 int64_t window_left = -1, int64_t window_right = -1,
+                                                 double dropout_p = 0.0, const OptionalTensor& dropout_seed = {}) {
   TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
   const DType dtype = check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
-                                      window_right);
-  Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k, attn_mask, window_left, window_right);
+                                      window_right, dropout_p, dropout_seed);
+  Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k, attn_mask, window_left, window_right,
+                          dropout_p, dropout_seed);
   AttentionParams& p = prep.p;
   const KernelTable& kernels = cs149gpt::kernels();
   const Kernel* kernel = nullptr;
@@ -511,14 +531,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 //   lse: (..., Nq) float32, the logsumexp of each query row's scaled, masked logits (−inf for a row that
 //   sees no key). The backward pass recomputes P from it. attn_mask: torch SDPA's (bool or additive, any shape
 //   broadcastable to (..., Nq, Nk)), applied together with the causal mask. window_left, window_right: the sliding
-//   window (FlashAttention's window_size, -1 = unbounded), applied with both.
+//   window (FlashAttention's window_size, -1 = unbounded), applied with both. dropout_p > 0: dropout on the
+//   attention weights, its mask generated from dropout_seed = (seed, offset), int64 (attention.h: dropout_keep).
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    std::optional<double> scale, const std::string& causal,
                                                    std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                                    const OptionalTensor& attn_mask, int64_t window_left,
-                                                   int64_t window_right) {
+                                                   int64_t window_right, double dropout_p,
+                                                   const OptionalTensor& dropout_seed) {
   return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true, attn_mask, window_left,
-                       window_right);
+                       window_right, dropout_p, dropout_seed);
 }
 
 // flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
@@ -527,11 +549,12 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-    std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right) {
+    std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
+    double dropout_p, const OptionalTensor& dropout_seed) {
   const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
-                                               window_left, window_right);
+                                               window_left, window_right, dropout_p, dropout_seed);
   Prepared prep = prepare(q, k, v, Impl::flash, dtype, scale, causal, block_q, block_k, attn_mask, window_left,
-                          window_right);
+                          window_right, dropout_p, dropout_seed);
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
@@ -724,10 +747,12 @@ TORCH_LIBRARY(cs149gpt, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, str impl='flash', float? scale=None, str causal='none', "
         "int? block_q=None, int? block_k=None) -> Tensor");
   m.def("flash_attention(Tensor q, Tensor k, Tensor v, float? scale=None, str causal='none', int? block_q=None, "
-        "int? block_k=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
+        "int? block_k=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, float dropout_p=0.0, "
+        "Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)");
   m.def("flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? scale=None, str causal='none', int? block_q=None, int? block_k=None, Tensor? attn_mask=None, "
-        "int window_left=-1, int window_right=-1) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) -> "
+        "(Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
@@ -769,21 +794,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
                               std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                               std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
-                              int64_t window_right) {
-    check_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, attn_mask, window_left, window_right);
+                              int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed) {
+    check_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, attn_mask, window_left, window_right,
+                    dropout_p, dropout_seed);
   }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("impl"), py::arg("scale"), py::arg("causal"),
      py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(), py::arg("window_left") = -1,
-     py::arg("window_right") = -1, "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
+     py::arg("window_right") = -1, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
   m.def("check_attention_backward", [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                        std::optional<double> scale, const std::string& causal,
                                        std::optional<int64_t> block_q, std::optional<int64_t> block_k,
-                                       const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right) {
+                                       const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
+                                       double dropout_p, const OptionalTensor& dropout_seed) {
     check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask, window_left,
-                             window_right);
+                             window_right, dropout_p, dropout_seed);
   }, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
      py::arg("causal"), py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(),
-     py::arg("window_left") = -1, py::arg("window_right") = -1, "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+     py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("dropout_p") = 0.0,
+     py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+  m.def("dropout_keep_mask", [](int64_t seed, int64_t offset, std::vector<int64_t> shape, double p) {
+    TORCH_CHECK_VALUE(shape.size() == 4, "shape must be (batch, heads, q_len, kv_len), got ", shape.size(), " dims");
+    TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "p must be in [0, 1), got ", p);
+    at::Tensor keep = checked_empty(shape, at::TensorOptions().dtype(at::kBool), "the keep mask");
+    bool* out = keep.data_ptr<bool>();
+    const uint64_t key = dropout_seed_key(static_cast<uint64_t>(seed));
+    const uint64_t threshold = dropout_threshold(static_cast<float>(p));
+    for (int64_t c = 0; c < keep.numel(); ++c)
+      out[c] = dropout_keep(key, static_cast<uint64_t>(c) + static_cast<uint64_t>(offset), threshold);
+    return keep;
+  }, py::arg("seed"), py::arg("offset"), py::arg("shape"), py::arg("p"),
+     "the keep mask (batch, heads, q_len, kv_len) the flash kernels' dropout draws for (seed, offset) (a test hook)");
   m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
   m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,

@@ -138,9 +138,8 @@ def test_bert_padded_batch(side):
 
 
 def test_gpt2_training_step():
-    """One training step of GPT-2 on a padded batch (no dropout: in-kernel dropout is not there yet, so a
-    dropout_p > 0 call goes to torch): the loss and every parameter's gradient match torch's; forward and
-    backward both ours."""
+    """One training step of GPT-2 on a padded batch, without dropout: the loss and every parameter's gradient
+    match torch's; forward and backward both ours."""
     ours, theirs = twins(gpt2_config, transformers.AutoModelForCausalLM)
     ours.train()
     theirs.train()
@@ -196,3 +195,28 @@ def test_models_are_copies():
     ours, theirs = twins(gpt2_config, transformers.AutoModelForCausalLM)
     assert ours.config._attn_implementation == "cs149gpt" and theirs.config._attn_implementation == "sdpa"
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+
+
+def test_gpt2_training_step_with_dropout():
+    """GPT-2's default attention dropout (0.1) in training: every attention call ours (forward and backward), a
+    finite loss and gradients, the same bits again under the same torch.manual_seed, others under another."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(gpt2_config(dropout=0.1), attn_implementation="cs149gpt")
+    model.train()
+    ids, mask = padded_batch(96, [12, 9], 12, "right", seed=7)
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def step(seed):
+        model.zero_grad()
+        torch.manual_seed(seed)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (loss, grads), counts = attention_calls(lambda: step(1))
+    assert_all_ours(counts, expected=2)
+    assert counts.get(OURS_BACKWARD) == 2
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    again, grads_again = step(1)
+    assert torch.equal(loss, again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    assert not torch.equal(step(2)[0], loss)

@@ -7,7 +7,7 @@
 //     m_new = max(m, rowmax(S_ij))
 //     P_ij  = exp(S_ij − m_new)                    Br × Bc
 //     l     = exp(m − m_new) · l + rowsum(P_ij)
-//     O_i   = exp(m − m_new) · O_i + P_ij V_j
+//     O_i   = exp(m − m_new) · O_i + (P_ij ∘ Z_ij) V_j     (Z: dropout's keep mask / (1 − p); 1 without)
 //     m     = m_new
 //   O_i = O_i / l,   lse_i = m + log(l)
 // Every exponent is ≤ 0, so nothing overflows, and rescaling by exp(m − m_new) keeps the result exact.
@@ -167,6 +167,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       for (int64_t r = 0; r < kRowGroup; ++r)
         visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
       online_softmax(S, L.Bc_pad, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new);
+      if (p.dropout_p > 0.0f)  // P V with the dropped P; l (and lse) keep the undropped sum
+        for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.Bc_pad, visible[r], 1);
 
       if (block == MaskBlock::partial && v_finite[head * L.Tc + j] == 0.0f) {
         // A NaN or inf in V_j: each row adds only the keys it sees, since P = 0 at a hidden key would still

@@ -2,8 +2,8 @@
 //
 // With S = scale · Q Kᵀ (masked), P = exp(S − lse) (the forward's softmax, never stored) and dO = ∂L/∂O:
 //   D   = rowsum(dO ∘ O)                 one number per query row
-//   dV  = Pᵀ dO
-//   dP  = dO Vᵀ
+//   dV  = (P ∘ Z)ᵀ dO                     Z: dropout's keep mask / (1 − p), regenerated (1 without dropout)
+//   dP  = (dO Vᵀ) ∘ Z
 //   dS  = P ∘ (dP − D)                    the softmax's Jacobian applied row by row
 //   dQ  = scale · dS K
 //   dK  = scale · dSᵀ Q
@@ -176,6 +176,7 @@ void recompute_p_and_ds(const AttentionParams& p, const Layout& L, const float* 
     if (masked_row) add_mask(pr, bias + r * L.Bc, visible);
     exp_shifted_sum(pr, lse[r], visible);  // P = exp(S − lse)
     fill_row(0.0f, pr + visible, n_cols - visible);
+    if (p.dropout_p > 0.0f && i0 + r < p.q_len) dropout_row(p, head, i0 + r, j0, dsr, visible, 1);  // dP ∘ Z
     const Vec D = Vec::broadcast(delta[r]);
     for (int64_t c = 0; c < n_cols; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
     fill_row(0.0f, dsr + visible, n_cols - visible);  // hidden keys: dS = 0 even where dP (0 · NaN) is NaN
@@ -221,6 +222,8 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
       group_gemm<kQkVecs>(rows, d, Vj, d_pad, 1, dOT, L.q_pad, n_q, dST, kQueryChunk, nullptr);
       if (partial)
         for (int64_t t = 0; t < cols; ++t) add_mask(PT + t * kQueryChunk, bias + t * kQueryChunk, real_q);
+      if (p.dropout_p > 0.0f)  // dPᵀ ∘ Zᵀ, column by column (a query row's keys are kQueryChunk apart)
+        for (int64_t c = 0; c < real_q; ++c) dropout_row(p, head, c0 + c, j0, dST + c, cols, kQueryChunk);
       for (int64_t t = 0; t < rows; ++t) {
         float* pt = PT + t * kQueryChunk;
         float* dst = dST + t * kQueryChunk;
@@ -241,6 +244,8 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
         fill_row(0.0f, dst + real_q, n_q - real_q);
         if (partial && t < cols) zero_where_hidden(dst, bias + t * kQueryChunk, real_q);
       }
+      if (p.dropout_p > 0.0f)  // dV_j += (P ∘ Z)ᵀ dO: the forward's dropped P
+        for (int64_t c = 0; c < real_q; ++c) dropout_row(p, head, c0 + c, j0, PT + c, cols, kQueryChunk);
       const float* dOc = ws + L.do_off + (head * L.q_pad + c0) * d_pad;
       const float* Qc = ws + L.qs_off + (head * L.q_pad + c0) * d_pad;
       group_gemm<kPvVecs>(rows, n_q, PT, kQueryChunk, 1, dOc, d_pad, d_pad, dV, d_pad, ones);

@@ -129,12 +129,20 @@ void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t ldp, const int64_
           O[r * ldo + c] += from_bf16(P[r * ldp + t]) * from_bf16(vt[vnni_index(t, c, L.d_n)]);
 }
 
-// The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j.
+// The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j. With dropout,
+// P is dropped in float32 (its sum, for l, taken before) and then rounded once.
 struct PToBf16 {
   bf16_bits* P;
   int64_t ld, k_keys;
+  const AttentionParams* dropout = nullptr;  // with p.dropout_p > 0: the call, and row 0's head b·H + h, row, key
+  int64_t bh = 0, i = 0, j0 = 0;
   float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
-    return exp_shifted_sum_to_bf16(s, shift, n, scale, P + r * ld, k_keys);
+    if (!dropout) return exp_shifted_sum_to_bf16(s, shift, n, scale, P + r * ld, k_keys);
+    const float sum = exp_shifted_sum(s, shift, n, scale);
+    flash::dropout_row(*dropout, bh, i + r, j0, s, n, 1);
+    for (int64_t t = 0; t < n; ++t) P[r * ld + t] = c10::BFloat16(s[t]).x;
+    std::fill(P + r * ld + n, P + r * ld + k_keys, bf16_bits{0});
+    return sum;
   }
   void zero(int64_t r, float*, int64_t) const { std::fill(P + r * ld, P + r * ld + k_keys, bf16_bits{0}); }
 };
@@ -187,7 +195,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
       online_softmax(S, L.Bc_pad, G, n_keys, visible, partial ? 1.0f : p.scale, m + g0, l + g0, alpha, m_new,
-                     PToBf16{Pb, L.Bc_pad, k_keys});
+                     PToBf16{Pb, L.Bc_pad, k_keys, p.dropout_p > 0.0f ? &p : nullptr, b * p.num_heads + h, i0 + g0, j0});
 
       // O_g = α · O_g + P V_j
       float* Og = Oi + g0 * L.d_n;

@@ -173,6 +173,17 @@ inline void add_mask(float* s, const float* bias, int64_t n) {
   for (int64_t t = 0; t < n; ++t) s[t] = bias[t] == kNegInf ? kNegInf : s[t] + bias[t];
 }
 
+// Dropout of row i of head `bh` (= b · num_heads + h) over keys [j0, j0 + n): x[t·stride] *= 1 / (1 − p) where dropout_keep
+// (attention.h) keeps entry (i, j0 + t), else 0 (multiplied, so 0 · NaN stays NaN as in IEEE arithmetic).
+// The forward applies it to P before P V; the backward to P before dV = Pᵀ dO and to dP before dS.
+inline void dropout_row(const AttentionParams& p, int64_t bh, int64_t i, int64_t j0, float* x, int64_t n,
+                        int64_t stride) {
+  const uint64_t key = dropout_seed_key(p.dropout_seed), threshold = dropout_threshold(p.dropout_p);
+  const float scale = 1.0f / (1.0f - p.dropout_p);
+  const uint64_t first = (static_cast<uint64_t>(bh) * p.q_len + i) * p.kv_len + j0 + p.dropout_offset;
+  for (int64_t t = 0; t < n; ++t) x[t * stride] *= dropout_keep(key, first + t, threshold) ? scale : 0.0f;
+}
+
 // Whether n rows of d values (ld apart) are all finite: a V tile that is not takes P V row by row over the keys
 // each row sees, in a block attn_mask cuts, since P = 0 at a hidden key would still multiply its NaN.
 template <class T>

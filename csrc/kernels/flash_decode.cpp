@@ -22,9 +22,10 @@ constexpr int64_t kMaxRows = 4;             // q_len up to this takes this path
 constexpr int64_t kKeysPerSplit = 512;
 
 // The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles or passed
-// an attn_mask or a window (the tiled kernels take those).
+// an attn_mask, a window or dropout (the tiled kernels take those).
 inline bool applies(const AttentionParams& p) {
-  return p.q_len <= kMaxRows && p.block_q <= 0 && p.block_k <= 0 && !has_mask_or_window(p);
+  return p.q_len <= kMaxRows && p.block_q <= 0 && p.block_k <= 0 && !has_mask_or_window(p) &&
+         p.dropout_p == 0.0f;
 }
 
 inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
