@@ -113,17 +113,69 @@ inline float mask_entry(uint8_t m) { return m ? 0.0f : kNegInf; }
 template <class M>
 inline float mask_entry(M m) { return static_cast<float>(m); }
 
+// The keys [lo, hi) of row i within a block starting at key j0 of n_j keys that both the causal mask and the
+// window show.
+inline void shown_keys(const AttentionParams& p, int64_t i, int64_t j0, int64_t n_j, int64_t* lo, int64_t* hi) {
+  const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i) - j0, 0, n_j);
+  *lo = std::clamp<int64_t>(window_first(p, i) - j0, 0, causal_keys);
+  *hi = std::clamp<int64_t>(window_last(p, i) + 1 - j0, *lo, causal_keys);
+}
+
+// A first look at attn_mask over the block, before anything is converted: hidden, visible or partial as
+// mask_block says, stopping at the first sign of `partial`. Most blocks of real masks (padding, causal, packed
+// sequences) are hidden or visible whole, and then this is all that is read. Rows that read the same mask row
+// over the same keys (a mask broadcast over the query rows) are looked at once.
+template <class M>
+MaskBlock classify_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                         int64_t n_j) {
+  const M* base = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1];
+  const int64_t s_i = p.mask_strides[2], s_j = p.mask_strides[3];
+  bool any_shown = false, all_plain = true;
+  const M* last_row = nullptr;
+  int64_t last_lo = -1, last_hi = -1;
+  for (int64_t r = 0; r < n_i; ++r) {
+    int64_t lo, hi;
+    shown_keys(p, i0 + r, j0, n_j, &lo, &hi);
+    const M* row = base + (i0 + r) * s_i + j0 * s_j;
+    if (row == last_row && lo == last_lo && hi == last_hi) continue;
+    last_row = row, last_lo = lo, last_hi = hi;
+    int64_t t = lo;
+    if constexpr (std::is_same_v<M, uint8_t>) {
+      if (s_j == 1)  // eight entries (bools: bytes 0 or 1) at a time
+        for (; t + 8 <= hi; t += 8) {
+          uint64_t w;
+          std::memcpy(&w, row + t, 8);
+          any_shown |= w != 0;
+          all_plain &= w == 0x0101010101010101ull;
+          if (any_shown && !all_plain) return MaskBlock::partial;
+        }
+    }
+    for (; t < hi; ++t) {
+      const float x = mask_entry(row[t * s_j]);
+      any_shown |= x != kNegInf;
+      all_plain &= x == 0.0f;
+    }
+    if (any_shown && !all_plain) return MaskBlock::partial;
+  }
+  return !any_shown ? MaskBlock::hidden : all_plain ? MaskBlock::visible : MaskBlock::partial;
+}
+
 // M: attn_mask's element type (uint8_t for boolean masks); void: no attn_mask, the window alone.
 template <class M>
 MaskBlock mask_block_of(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
                         int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
+  if constexpr (!std::is_void_v<M>) {
+    const MaskBlock first_look = classify_block<M>(p, b, h, i0, n_i, j0, n_j);
+    if (first_look == MaskBlock::hidden) return first_look;
+    // attn_mask hides nothing here and adds nothing: visible, unless the window cuts the block.
+    if (first_look == MaskBlock::visible && !has_window(p)) return first_look;
+  }
   bool any_shown = false, all_plain = true;
   for (int64_t r = 0; r < n_i; ++r) {
     const int64_t i = i0 + r;
     const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i) - j0, 0, n_j);  // the causal prefix
-    // The window within it: keys [lo, hi) of the block.
-    const int64_t lo = std::clamp<int64_t>(window_first(p, i) - j0, 0, causal_keys);
-    const int64_t hi = std::clamp<int64_t>(window_last(p, i) + 1 - j0, lo, causal_keys);
+    int64_t lo, hi;  // the window within it: keys [lo, hi) of the block
+    shown_keys(p, i, j0, n_j, &lo, &hi);
     all_plain &= lo == 0 && hi == causal_keys;
     float* out = bias + r * ld_i;
     for (int64_t t = 0; t < lo; ++t) out[t * ld_j] = kNegInf;
