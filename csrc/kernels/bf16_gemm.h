@@ -9,8 +9,11 @@
 //
 // Operand layouts (the packing functions below write them):
 //   A  M × K bf16, row-major, rows lda elements apart.
-//   B  K × N in "VNNI" pairs: K/2 rows, each of N pairs (B[2i][n], B[2i+1][n]) — two bf16 of consecutive k
-//      side by side, so one 32-bit lane holds what one dot-product step needs; rows ldb pairs apart.
+//   B  K × N in "VNNI" pairs (B[2i][n], B[2i+1][n]) — two bf16 of consecutive k side by side, so one 32-bit
+//      lane holds what one dot-product step needs — stored as 32 × 16 tiles: a tile is 16 pair rows of 16
+//      pairs, 1 KB, contiguous (what one AMX tile load reads, and a stream the hardware prefetcher follows);
+//      the tiles of a strip of 32 k lie one after another in n, and strips are 32·ldb bf16 apart (ldb: N
+//      rounded up to 16, the pairs a VNNI row would hold). vnni_index gives the position of element (k, n).
 //   C  M × N float32, rows ldc floats apart.
 //   M a multiple of kDotRows, N of kDotCols, K of kDotK (callers pad with zeros).
 #pragma once
@@ -26,27 +29,111 @@ namespace CS149_ISA {
 
 using bf16_bits = uint16_t;  // a bfloat16, as its bits
 
-constexpr int64_t kDotRows = 32, kDotCols = 16, kDotK = 32;
+// kDotRows: the rows of A (and C) one call of the micro-kernel covers; callers move query rows through the
+// products in groups of this many.
+#if defined(CS149_ISA_AMX)
+constexpr int64_t kDotRows = 64;
+#else
+constexpr int64_t kDotRows = 32;
+#endif
+constexpr int64_t kDotCols = 16, kDotK = 32;
+
+// 2^t for a result that will be rounded to bfloat16: relative error below 3e-6 (2^-8 is bf16's step), from a
+// degree-4 polynomial for 2^f, f = t − round(t) in [−½, ½] (coefficients fitted for least maximum relative
+// error), times 2^round(t) by scalef. Half the instructions of simd.h's exp (no Cody–Waite split of ln 2, two
+// fewer polynomial terms). t ≤ −150 (−inf too) gives 0; NaN stays NaN (vmaxps returns its second operand).
+inline __m512 exp2_for_bf16(__m512 t) {
+  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), t);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(9.570068877e-03f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.591780848e-02f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402474506e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931218213e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999992616e-01f));
+  return _mm512_scalef_ps(y, n);
+}
 
 // y[c] = bf16(exp(scale·x[c] − shift)) for c < n and 0 for n ≤ c < n_pad; returns the float32 sum of the
 // exponentials (round to nearest even; NaN stays NaN). The online softmax's exp pass and the rounding of P for
-// P·V in one sweep over the scores.
+// P·V in one sweep over the scores. exp(u) = 2^(u·log2 e): log2 e rides in the FMA's two constants.
 inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
                                      int64_t n_pad) {
-  const Vec s = Vec::broadcast(-shift), a = Vec::broadcast(scale);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < n; c += 16) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  const __m512 a = _mm512_set1_ps(scale * kLog2e), s = _mm512_set1_ps(-shift * kLog2e);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight, one 32-lane bf16 store
+    const __m512 e0 = exp2_for_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
+    const __m512 e1 = exp2_for_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+    _mm512_storeu_si512(y + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  for (; c < n; c += 16) {
     const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(lanes, exp(fmadd(Vec{_mm512_maskz_loadu_ps(lanes, x + c)}, a, s)).v);
-    sum = _mm512_add_ps(sum, e);
+    const __m512 u = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, x + c), a, s);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_for_bf16(u));
+    sum0 = _mm512_add_ps(sum0, e);
     _mm256_mask_storeu_epi16(y + c, lanes, (__m256i)_mm512_cvtneps_pbh(e));
   }
-  for (int64_t c = n; c < n_pad; ++c) y[c] = 0;
-  return _mm512_reduce_add_ps(sum);
+  for (c = n; c < n_pad; ++c) y[c] = 0;
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
-// Element (k, n) of a VNNI-packed B with rows ldb pairs apart.
-inline int64_t vnni_index(int64_t k, int64_t n, int64_t ldb) { return (k / 2) * ldb * 2 + n * 2 + (k % 2); }
+// The first element of the packed B tile holding element (k, n), and the position of (k, n) itself.
+inline int64_t b_tile_offset(int64_t k, int64_t n, int64_t ldb) { return (k / 32) * 32 * ldb + (n / 16) * 512; }
+inline int64_t vnni_index(int64_t k, int64_t n, int64_t ldb) {
+  return b_tile_offset(k, n, ldb) + (k % 32) / 2 * 32 + (n % 16) * 2 + k % 2;
+}
+
+// The two ways a B operand arrives, packed as above (into a buffer already zeroed past the data):
+//   pack_vnni_rows       from B itself, K rows of N values (P V's V_j: k = key, n = head dim). Rows 2i and 2i+1
+//                        are interleaved value by value (one permute of two 32-value loads per 32 pairs).
+//   pack_vnni_transposed from Bᵀ, N rows of K values (Q Kᵀ's K_j: a key's row holds the k values of column n).
+//                        Two consecutive k of one row are already a pair, so each 32-bit word goes to VNNI row
+//                        k/2, column n.
+// Both read rows `ld` elements apart and count the NaN/inf values they meet (returned: 0 = all finite).
+inline int64_t nonfinite_bf16(__m512i x, __mmask32 lanes) {  // exponent all ones: ±inf or NaN
+  const __m512i exponent = _mm512_set1_epi16(0x7F80);
+  return _mm_popcnt_u32(_mm512_mask_cmpeq_epi16_mask(lanes, _mm512_and_si512(x, exponent), exponent));
+}
+inline int64_t pack_vnni_rows(int64_t K, int64_t N, const bf16_bits* src, int64_t ld, bf16_bits* B, int64_t ldb) {
+  const __m512i low_pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high_pairs = _mm512_add_epi16(low_pairs, _mm512_set1_epi16(16));
+  int64_t nonfinite = 0;
+  for (int64_t k = 0; k < K; k += 2) {
+    const bf16_bits *even = src + k * ld, *odd = even + ld;
+    for (int64_t n = 0; n < N; n += 32) {
+      const __mmask32 lanes = N - n >= 32 ? ~__mmask32{0} : (__mmask32)((1u << (N - n)) - 1u);
+      const __m512i a = _mm512_maskz_loadu_epi16(lanes, even + n);
+      const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(lanes, odd + n) : _mm512_setzero_si512();
+      nonfinite += nonfinite_bf16(a, lanes) + nonfinite_bf16(b, lanes);
+      const __mmask16 first = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1u);
+      _mm512_mask_storeu_epi32(B + vnni_index(k, n, ldb), first, _mm512_permutex2var_epi16(a, low_pairs, b));
+      if (N - n > 16) {
+        const __mmask16 second = N - n >= 32 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n - 16)) - 1u);
+        _mm512_mask_storeu_epi32(B + vnni_index(k, n + 16, ldb), second,
+                                 _mm512_permutex2var_epi16(a, high_pairs, b));
+      }
+    }
+  }
+  return nonfinite;
+}
+inline void pack_vnni_transposed(int64_t K, int64_t N, const bf16_bits* src, int64_t ld, bf16_bits* B, int64_t ldb) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(B);
+  for (int64_t n = 0; n < N; ++n) {
+    const bf16_bits* row = src + n * ld;
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      uint32_t pair;
+      std::memcpy(&pair, row + k, sizeof pair);
+      words[vnni_index(k, n, ldb) / 2] = pair;
+    }
+    if (k < K) words[vnni_index(k, n, ldb) / 2] = row[k];  // odd K: the last pair's second half is the zero padding
+  }
+}
 
 #if defined(CS149_ISA_AMX)
 // ---------------------------------------------------------------------------------------------------
@@ -90,11 +177,14 @@ class DotScope {
   TileConfig saved_;
 };
 
-// C[0:32, n0:n0+16·NB] (+)= A[0:32, :K] · B[:K, n0:...], NB = 1 or 2 column tiles.
+// C[0:32, n0:n0+16·NB] (+)= A[0:32, :K] · B[:K, n0:...], NB = 1 or 2 column tiles: a 2 × 2 block of C tiles,
+// each A and B tile feeding two products. (A 64 × 16 column block, one B tile feeding four products with A and
+// B alternating between tile pairs, measured 5–40 % slower inside the kernel on the device host's Xeon:
+// benchmarks/amx_phases.cpp, results/cpu_amx_phases_run4.txt.)
 template <int NB>
 inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
                       int64_t ldc, bool accumulate) {
-  const int64_t a_stride = lda * 2, b_stride = ldb * 4, c_stride = ldc * 4;  // bytes
+  const int64_t a_stride = lda * 2, b_stride = 64, c_stride = ldc * 4;  // bytes (a B tile is contiguous)
   if (accumulate) {
     _tile_loadd(0, C, c_stride);
     _tile_loadd(2, C + 16 * ldc, c_stride);
@@ -113,12 +203,12 @@ inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bit
   for (int64_t k = 0; k < K; k += kDotK) {
     _tile_loadd(4, A + k, a_stride);
     _tile_loadd(5, A + 16 * lda + k, a_stride);
-    const bf16_bits* Bk = B + (k / 2) * ldb * 2;
+    const bf16_bits* Bk = B + b_tile_offset(k, 0, ldb);
     _tile_loadd(6, Bk, b_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
     if (NB == 2) {
-      _tile_loadd(7, Bk + 32, b_stride);
+      _tile_loadd(7, Bk + 512, b_stride);
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -134,17 +224,18 @@ inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bit
 // C (+)= A · B over M × N × K (see the top of this file for layouts and multiples).
 inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B,
                       int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  for (int64_t m = 0; m < M; m += kDotRows) {
+  for (int64_t m = 0; m < M; m += 32) {
     int64_t n = 0;
     for (; n + 32 <= N; n += 32)
-      amx_block<2>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
-    if (n < N) amx_block<1>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
+      amx_block<2>(K, A + m * lda, lda, B + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
+    if (n < N) amx_block<1>(K, A + m * lda, lda, B + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
   }
 }
 
 #else  // CS149_ISA_AVX512_BF16
 // ---------------------------------------------------------------------------------------------------
-// vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; a VNNI row of B is one zmm of 16 pairs.
+// vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; 16 pairs of one VNNI row of B (a row of a
+// B tile) are one zmm.
 // ---------------------------------------------------------------------------------------------------
 struct DotScope {};  // vdpbf16ps needs no set-up
 
@@ -161,7 +252,7 @@ inline void dot_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bit
   for (int64_t kk = 0; kk < K / 2; ++kk) {
     __m512i b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + kk * ldb * 2 + v * 32);
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + vnni_index(2 * kk, 16 * v, ldb));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_set1_epi32(static_cast<int>(A_pairs[r * lda_pairs + kk]));
@@ -182,10 +273,10 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
     const bf16_bits* Am = A + m * lda;
     float* Cm = C + m * ldc;
     int64_t n = 0;
-    for (; n + 48 <= N; n += 48) dot_block<R, 3>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate);
+    for (; n + 48 <= N; n += 48) dot_block<R, 3>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate);
     switch ((N - n) / 16) {
-      case 1: dot_block<R, 1>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate); break;
-      case 2: dot_block<R, 2>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate); break;
+      case 1: dot_block<R, 1>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate); break;
+      case 2: dot_block<R, 2>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate); break;
       default: break;
     }
   }

@@ -33,15 +33,19 @@ using flash::MaskBlock;
 using flash::online_softmax;
 using flash::round_up;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
-// Defaults: query tiles of 4 row groups (fewer when the threads need more tasks); key tiles of 256 keys
-// (AMX) or 128 (vdpbf16ps): with AMX the products are cheap and each key tile loads and stores the group's
-// O_i, so longer tiles amortise that.
-constexpr int64_t kDefaultBlockQ = 4 * G;
+// Defaults: query tiles of 128 rows (2 AMX groups or 4 vdpbf16ps ones; fewer when the threads need more
+// tasks); key tiles of 128 keys for vdpbf16ps, and for AMX 256 (head_dim ≤ 64) or 512 keys: with AMX the
+// products are cheap and each key tile loads and stores the group's O_i through tile registers, so longer
+// tiles amortise that (sweeps on the device host: results/cpu_amx_phases_run4.txt, cpu_amx_tile_sweep_*).
+constexpr int64_t kDefaultBlockQ = 128;
+inline int64_t default_block_k(int64_t head_dim) {
 #if defined(CS149_ISA_AMX)
-constexpr int64_t kDefaultBlockK = 256;
+  return head_dim > 64 ? 512 : 256;
 #else
-constexpr int64_t kDefaultBlockK = 128;
+  (void)head_dim;
+  return 128;
 #endif
+}
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
@@ -55,7 +59,7 @@ struct Layout {
 
   explicit Layout(const AttentionParams& p) {
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), G) : kDefaultBlockQ;  // clamped before rounding
-    Bc = p.block_k > 0 ? p.block_k : kDefaultBlockK;
+    Bc = p.block_k > 0 ? p.block_k : default_block_k(p.head_dim);
     if (p.block_q <= 0)
       while (Br > G && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < 4 * p.num_threads) Br -= G;
     Br = std::min(Br, round_up(p.q_len, G));
@@ -83,13 +87,11 @@ struct Layout {
   }
 };
 
-inline bool is_finite_bf16(bf16_bits x) { return (x & 0x7F80) != 0x7F80; }  // exponent not all ones
-
 // Key tile j of kv head (b, kvh): K_jᵀ as B of S = Q Kᵀ (k = head dim, n = key), V_j as B of P V (k = key,
 // n = head dim), both VNNI and zero-padded; flag = 1 if V_j holds no NaN or infinity.
 void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, bf16_bits* kt_all,
                   bf16_bits* v_all, float* v_finite) {
-  const int64_t d = p.head_dim, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
+  const int64_t j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
   const int64_t tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
   const bf16_bits* K = reinterpret_cast<const bf16_bits*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] +
                        j0 * p.k_strides[2];
@@ -99,16 +101,8 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
   bf16_bits* vt = v_all + tile * L.v_tile;    // Bc_pad/2 rows of d_n pairs
   std::fill(kt, kt + L.kt_tile, bf16_bits{0});
   std::fill(vt, vt + L.v_tile, bf16_bits{0});
-  bool finite = true;
-  for (int64_t t = 0; t < cols; ++t) {
-    const bf16_bits *k_row = K + t * p.k_strides[2], *v_row = V + t * p.v_strides[2];
-    for (int64_t c = 0; c < d; ++c) {
-      kt[vnni_index(c, t, L.Bc_pad)] = k_row[c];
-      vt[vnni_index(t, c, L.d_n)] = v_row[c];
-      finite &= is_finite_bf16(v_row[c]);
-    }
-  }
-  v_finite[tile] = finite ? 1.0f : 0.0f;
+  pack_vnni_transposed(p.head_dim, cols, K, p.k_strides[2], kt, L.Bc_pad);
+  v_finite[tile] = pack_vnni_rows(cols, p.head_dim, V, p.v_strides[2], vt, L.d_n) == 0 ? 1.0f : 0.0f;
 }
 
 inline float from_bf16(bf16_bits x) {

@@ -238,13 +238,20 @@ inline void fill_row(float value, float* x, int64_t n) {
   for (int64_t c = 0; c < n; ++c) x[c] = value;
 }
 
-// max_c x[c]  (−inf for n = 0; NaN if any x[c] is NaN)
+// max_c x[c]  (−inf for n = 0; NaN if any x[c] is NaN). Four running maxima: one would be a chain of
+// dependent max steps (latency-bound), four keep the vector units busy.
 inline float max_of(const float* x, int64_t n) {
   constexpr int W = Vec::width;
-  Vec m = Vec::broadcast(kNegInf);
+  Vec m0 = Vec::broadcast(kNegInf), m1 = m0, m2 = m0, m3 = m0;
   int64_t c = 0;
-  for (; c + W <= n; c += W) m = max(m, Vec::load(x + c));
-  float result = reduce_max(m);
+  for (; c + 4 * W <= n; c += 4 * W) {
+    m0 = max(m0, Vec::load(x + c));
+    m1 = max(m1, Vec::load(x + c + W));
+    m2 = max(m2, Vec::load(x + c + 2 * W));
+    m3 = max(m3, Vec::load(x + c + 3 * W));
+  }
+  for (; c + W <= n; c += W) m0 = max(m0, Vec::load(x + c));
+  float result = reduce_max(max(max(m0, m1), max(m2, m3)));
   for (; c < n; ++c) result = max_nan(result, x[c]);
   return result;
 }
