@@ -151,12 +151,14 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
     for (int64_t g0 = 0; g0 < rows; g0 += kRowGroup) {
       // Keys of this tile that the group's last row sees; the group's other rows see a prefix of them.
       const int64_t group_last = i0 + std::min(g0 + kRowGroup, rows) - 1;
-      const int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
+      int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
       if (n_keys == 0) continue;
       const int64_t group_rows = std::min<int64_t>(kRowGroup, rows - g0);
-      // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path.
+      // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path, one it cuts
+      // stops at the last key it shows.
       const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
+      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block
       group_gemm<kQkVecs>(kRowGroup, d, Qi + g0 * d, d, 1, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad, nullptr);

@@ -276,11 +276,12 @@ void query_tile(const AttentionBackwardParams& bp, const Layout& L, const float*
     const int64_t rows = std::min<int64_t>(kRowGroup, p.q_len - i0);
     const int64_t keys_seen = visible_keys(p, i0 + rows - 1);
     for (int64_t j = 0, j0 = 0; j0 < keys_seen; ++j, j0 += L.Bc) {
-      const int64_t n_keys = std::min(L.Bc, keys_seen - j0);
-      const int64_t n_cols = round_up(n_keys, kKeyAlign);
+      int64_t n_keys = std::min(L.Bc, keys_seen - j0);
       const int64_t kv_tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
       const MaskBlock block = mask_block(p, b, h, i0, rows, j0, n_keys, bias, L.Bc, 1);
       if (block == MaskBlock::hidden) continue;  // attn_mask hides the whole block: dS = 0
+      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc, rows, n_keys);
+      const int64_t n_cols = round_up(n_keys, kKeyAlign);
       recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols,
                          block == MaskBlock::partial ? bias : nullptr, P, dS);
       // dQ_g += dS K_j   (scale applied once below). As in the forward's P V_j: keys every row sees through

@@ -32,6 +32,7 @@ using flash::mask_block;
 using flash::MaskBlock;
 using flash::online_softmax;
 using flash::round_up;
+using flash::shown_keys_end;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
 // Defaults: query tiles of 128 rows (2 AMX groups or 4 vdpbf16ps ones; fewer when the threads need more
 // tasks); key tiles of 128 keys for vdpbf16ps, and for AMX 256 (head_dim ≤ 64) or 512 keys: with AMX the
@@ -168,12 +169,14 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
     const bf16_bits* Vj = v_all + tile * L.v_tile;
     for (int64_t g0 = 0; g0 < rows; g0 += G) {
       const int64_t group_last = i0 + std::min(g0 + G, rows) - 1;
-      const int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
+      int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
       if (n_keys == 0) continue;
-      // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path.
+      // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path, one it cuts
+      // stops at the last key it shows.
       const int64_t group_rows = std::min(G, rows - g0);
       const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
+      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles)
       bf16_gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);

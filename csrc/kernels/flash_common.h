@@ -141,14 +141,17 @@ MaskBlock classify_block(const AttentionParams& p, int64_t b, int64_t h, int64_t
     last_row = row, last_lo = lo, last_hi = hi;
     int64_t t = lo;
     if constexpr (std::is_same_v<M, uint8_t>) {
-      if (s_j == 1)  // eight entries (bools: bytes 0 or 1) at a time
+      if (s_j == 1) {  // eight entries (bools: bytes 0 or 1) a word, in a loop the compiler vectorises
+        uint64_t any = 0, not_all = 0;
         for (; t + 8 <= hi; t += 8) {
           uint64_t w;
           std::memcpy(&w, row + t, 8);
-          any_shown |= w != 0;
-          all_plain &= w == 0x0101010101010101ull;
-          if (any_shown && !all_plain) return MaskBlock::partial;
+          any |= w;
+          not_all |= w ^ 0x0101010101010101ull;
         }
+        any_shown |= any != 0;
+        all_plain &= not_all == 0;
+      }
     }
     for (; t < hi; ++t) {
       const float x = mask_entry(row[t * s_j]);
@@ -184,13 +187,16 @@ MaskBlock mask_block_of(const AttentionParams& p, int64_t b, int64_t h, int64_t 
       for (int64_t t = lo; t < hi; ++t) out[t * ld_j] = 0.0f;
     } else {
       const M* row = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1] +
-                     i * p.mask_strides[2];
+                     i * p.mask_strides[2] + j0 * p.mask_strides[3];
       const int64_t s_j = p.mask_strides[3];
+      if (s_j == 1 && ld_j == 1) {  // the common layout: a plain loop the compiler vectorises
+        for (int64_t t = lo; t < hi; ++t) out[t] = mask_entry(row[t]);
+      } else {
+        for (int64_t t = lo; t < hi; ++t) out[t * ld_j] = mask_entry(row[t * s_j]);
+      }
       for (int64_t t = lo; t < hi; ++t) {
-        const float x = mask_entry(row[(j0 + t) * s_j]);
-        any_shown |= x != kNegInf;
-        all_plain &= x == 0.0f;
-        out[t * ld_j] = x;
+        any_shown |= out[t * ld_j] != kNegInf;
+        all_plain &= out[t * ld_j] == 0.0f;
       }
     }
     for (int64_t t = hi; t < n_j; ++t) out[t * ld_j] = kNegInf;
@@ -218,6 +224,18 @@ inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int6
     case DType::f16: return mask_block_of<c10::Half>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
     default: return mask_block_of<float>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
   }
+}
+
+// The keys of a partial block past the last one any of its rows shows need no scores: the block's key count
+// shrinks to that end (a causal pattern passed as attn_mask then costs what is_causal costs).
+inline int64_t shown_keys_end(const float* bias, int64_t ld, int64_t rows, int64_t n) {
+  int64_t end = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t t = n;
+    while (t > end && bias[r * ld + t - 1] == kNegInf) --t;
+    end = std::max(end, t);
+  }
+  return end;
 }
 
 // s[t] = s[t] + bias[t], and −inf wherever bias is: a hidden key's logit is dropped even when it is NaN.
