@@ -206,3 +206,23 @@ def test_sdpa_dropout_is_ours_and_unbiased():
     torch.manual_seed(1)
     ours = cs149gpt.scaled_dot_product_attention(q, k, v, dropout_p=1.0, enable_gqa=True)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+
+
+def test_compile_with_dropout():
+    """torch.compile(fullgraph=True) with dropout: the (seed, offset) draw is part of the graph, so each run draws
+    afresh — the same bits under the same torch.manual_seed, others under another — and the backward runs."""
+    torch._dynamo.reset()
+    g = gen(1207)
+    q, k, v, dout = inputs((2, 4, 33, 16), (2, 4, 33, 16), g)
+    f = torch.compile(lambda q, k, v: cs149gpt.attention(q, k, v, dropout_p=0.2, is_causal=True), fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(0)
+    first = f(*leaves)
+    first.backward(dout)
+    torch.manual_seed(0)
+    again = f(q, k, v)
+    torch.manual_seed(1)
+    other = f(q, k, v)
+    torch._dynamo.reset()
+    assert torch.equal(first.detach(), again) and not torch.equal(again, other)
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
