@@ -226,3 +226,58 @@ def test_compile_with_dropout():
     torch._dynamo.reset()
     assert torch.equal(first.detach(), again) and not torch.equal(again, other)
     assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+class NanoGPTAttention(torch.nn.Module):
+    """nanoGPT's CausalSelfAttention (karpathy/nanoGPT model.py), as written there: it calls
+    torch.nn.functional.scaled_dot_product_attention with dropout_p while training."""
+
+    def __init__(self, n_embd=32, n_head=4, dropout=0.2):
+        super().__init__()
+        self.c_attn = torch.nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = torch.nn.Linear(n_embd, n_embd)
+        self.n_head, self.dropout = n_head, dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
+                                           is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def test_nanogpt_training_with_dropout_runs_ours():
+    """nanoGPT-style training (dropout 0.2) with ours installed as torch's SDPA: every attention call, forward
+    and backward, is ours (torch.profiler), reproducible under torch.manual_seed; eval mode is exactly torch's."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(NanoGPTAttention(), NanoGPTAttention())
+    x = torch.randn(2, 24, 32, generator=gen(1208))
+
+    def step(seed):
+        model.zero_grad()
+        torch.manual_seed(seed)
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    with cs149gpt.sdpa_installed():
+        model.train()
+        with profile() as prof:
+            loss, grads = step(3)
+        names = [e.name for e in prof.events()]
+        again, grads_again = step(3)
+        model.eval()
+        with torch.no_grad():
+            ours_eval = model(x)
+    assert names.count("cs149gpt::flash_attention") == 2 and names.count("cs149gpt::flash_attention_backward") == 2
+    assert not any(n.startswith("aten::_scaled_dot_product") or n == "aten::scaled_dot_product_attention"
+                   for n in names)
+    assert torch.equal(loss, again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    with torch.no_grad():
+        theirs_eval = model(x)  # torch's SDPA again, outside the scope
+    assert (ours_eval - theirs_eval).abs().max().item() <= 1e-5
