@@ -38,25 +38,10 @@ constexpr int64_t kDotRows = 32;
 #endif
 constexpr int64_t kDotCols = 16, kDotK = 32;
 
-// 2^t for a result that will be rounded to bfloat16: relative error below 3e-6 (2^-8 is bf16's step), from a
-// degree-4 polynomial for 2^f, f = t − round(t) in [−½, ½] (coefficients fitted for least maximum relative
-// error), times 2^round(t) by scalef. Half the instructions of simd.h's exp (no Cody–Waite split of ln 2, two
-// fewer polynomial terms). t ≤ −150 (−inf too) gives 0; NaN stays NaN (vmaxps returns its second operand).
-inline __m512 exp2_for_bf16(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), t);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(9.570068877e-03f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.591780848e-02f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402474506e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931218213e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999992616e-01f));
-  return _mm512_scalef_ps(y, n);
-}
-
 // y[c] = bf16(exp(scale·x[c] − shift)) for c < n and 0 for n ≤ c < n_pad; returns the float32 sum of the
 // exponentials (round to nearest even; NaN stays NaN). The online softmax's exp pass and the rounding of P for
-// P·V in one sweep over the scores. exp(u) = 2^(u·log2 e): log2 e rides in the FMA's two constants.
+// P·V in one sweep over the scores. exp(u) = 2^(u·log2 e): log2 e rides in the FMA's two constants, and
+// the degree-4 2^ of simd.h is accurate enough for a P rounded to bf16.
 inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
                                      int64_t n_pad) {
   constexpr float kLog2e = 1.44269504088896341f;
@@ -64,8 +49,8 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight, one 32-lane bf16 store
-    const __m512 e0 = exp2_for_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
-    const __m512 e1 = exp2_for_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
+    const __m512 e0 = exp2_poly<4>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
+    const __m512 e1 = exp2_poly<4>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
     sum0 = _mm512_add_ps(sum0, e0);
     sum1 = _mm512_add_ps(sum1, e1);
     _mm512_storeu_si512(y + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -73,7 +58,7 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
   for (; c < n; c += 16) {
     const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
     const __m512 u = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, x + c), a, s);
-    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_for_bf16(u));
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_poly<4>(u));
     sum0 = _mm512_add_ps(sum0, e);
     _mm256_mask_storeu_epi16(y + c, lanes, (__m256i)_mm512_cvtneps_pbh(e));
   }
