@@ -25,7 +25,8 @@
 // - Causal: key tiles beyond a query tile's last visible key are never visited; within a tile a row
 //   group stops at its own last visible key; the remaining masked entries are set to −inf.
 // - attn_mask: each (row group, key tile) block is classified as it is read (mask_block, flash_common.h): a block
-//   it hides whole is skipped, one it leaves whole takes the unmasked path, only the rest add it to S.
+//   it hides whole is skipped, one it leaves whole takes the unmasked path, only the rest add it to S (its
+//   offsets times log2 e: S is in base 2).
 // - Threads take (batch, head, query tile) tasks dynamically, costliest first.
 // - The workspace comes from the caller; nothing is allocated here.
 // A query row that sees no key at all (bottom-right causal with q_len > kv_len) gets O = 0, lse = −inf.
