@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import cs149gpt
-from tests._helpers import gen, isa, module, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import gen, isa, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
 
 NEG_INF = float("-inf")
 # float32 out and gradients against float64 (test_flash.TOL, test_backward.GRAD_TOL).
