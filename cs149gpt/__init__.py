@@ -9,6 +9,7 @@ which is loaded when the package is imported (and, from a fresh checkout, compil
 """
 from cs149gpt.ops import (IMPLS, attention, attention_with_kvcache, isa, scaled_dot_product_attention,
                           uses_our_kernel)
+from cs149gpt.integration import install_sdpa, register_transformers, restore_sdpa, sdpa_installed
 
 ASSIGNMENT_ENTRY_POINTS = (
     "myNaiveAttention",
@@ -19,7 +20,8 @@ ASSIGNMENT_ENTRY_POINTS = (
     "fourDimRead",
 )
 
-__all__ = ["attention", "attention_with_kvcache", "scaled_dot_product_attention", "uses_our_kernel", "isa", "IMPLS", *ASSIGNMENT_ENTRY_POINTS]
+__all__ = ["attention", "attention_with_kvcache", "scaled_dot_product_attention", "uses_our_kernel", "isa", "IMPLS",
+           "install_sdpa", "restore_sdpa", "sdpa_installed", "register_transformers", *ASSIGNMENT_ENTRY_POINTS]
 
 
 def __getattr__(name):

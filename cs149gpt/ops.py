@@ -52,8 +52,11 @@ def attention(
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
     return_lse: bool = False,
+    attn_mask: Optional[torch.Tensor] = None,
+    window: Optional[Tuple[int, int]] = None,
+    dropout_p: float = 0.0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """softmax(scale · q kᵀ [+ causal mask]) v, computed by one of the four kernels.
+    """softmax(scale · q kᵀ [+ attn_mask] [+ causal mask]) v, computed by one of the four kernels.
 
     Args:
         q: (..., Nq, d) queries, any strides (the last dim is read in place when contiguous).
@@ -67,13 +70,27 @@ def attention(
         block_q, block_k: flash's Br × Bc tile (blocked: its one tile size); None picks measured defaults.
         return_lse: also return lse, the float32 logsumexp of each query row's scaled logits, (..., Nq)
             (flash only).
+        attn_mask: (flash only) torch SDPA's: bool (True = the key takes part) or additive (float32 or q's
+            dtype, added to the scaled logits; −inf hides a key), any shape broadcastable to (..., Nq, Nk), read
+            in place through its strides. Applied together with is_causal. It gets no gradient: a float mask
+            that requires grad is refused (torch's SDPA computes that one).
+        window: (flash only) sliding-window (local) attention, FlashAttention's window_size (left, right):
+            query i sees keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 leaves a side unbounded
+            (None = (-1, -1)). Applied together with is_causal and attn_mask; key tiles outside the band are
+            skipped, forward and backward.
+        dropout_p: (flash only) dropout on the attention weights, in [0, 1): each weight is zeroed with that
+            probability, the others scaled by 1 / (1 - dropout_p); lse stays that of the undropped weights. The
+            mask comes from a counter-based generator keyed by a (seed, offset) drawn from torch's default
+            generator (torch.manual_seed reproduces it), which the backward regenerates. Equal to torch's dropout
+            in distribution, not in bits.
 
     Returns:
         out: (..., Nq, d), contiguous, in q's dtype (float32; also bfloat16/float16 with impl="flash");
         or (out, lse) with return_lse=True. With impl="flash" out is differentiable in q, k and v.
     """
-    if (not torch.compiler.is_compiling() and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
-            and _registered and not _has_torch_function((q, k, v))):
+    if (attn_mask is None and window is None and dropout_p == 0.0 and not torch.compiler.is_compiling()
+            and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and _registered
+            and not _has_torch_function((q, k, v))):
         # Plain tensors in eager mode: the checks, the autograd decision and the call in C++ (module.cpp); None
         # when this path does not apply (an argument to refuse, autograd to record): then the one below.
         result = _ext._module.attention_fast(q, k, v, impl, scale, is_causal, block_q, block_k, return_lse)
@@ -87,14 +104,32 @@ def attention(
     causal = _causal_mode(is_causal)
     if return_lse and impl != "flash":
         raise ValueError(f"return_lse=True needs impl='flash', got impl={impl!r}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if impl != "flash":
+            raise ValueError(f"attn_mask needs impl='flash', got impl={impl!r}")
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            raise ValueError("attn_mask requires grad, but the flash kernel computes no gradient for it; pass "
+                             "attn_mask.detach() (or use torch's scaled_dot_product_attention for a learned mask)")
+    window_left, window_right = _window(window)
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0.0 and impl != "flash":
+        raise ValueError(f"dropout_p needs impl='flash', got impl={impl!r}")
+    if (window_left, window_right) != (-1, -1) and impl != "flash":
+        raise ValueError(f"window needs impl='flash', got impl={impl!r}")
     _load()
     if any(t.layout != torch.strided or t.is_nested for t in (q, k, v)):
         # A jagged nested tensor is a Python subclass whose dispatch never reaches our kernels, which refuse
         # the other layouts themselves: the check names the argument (TypeError) for every one of them.
-        _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k)
+        _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
+                                     window_right)
+    seed = _dropout_seed() if dropout_p > 0.0 else None
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
-            out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k)
+            out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask,
+                                                          window_left, window_right, float(dropout_p), seed)
             return (out, lse) if return_lse else out
         return torch.ops.cs149gpt.attention(q, k, v, impl, scale, causal, block_q, block_k)
 
@@ -133,6 +168,24 @@ def attention_with_kvcache(
     _load()
     return torch.ops.cs149gpt.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                                       block_table, scale, is_causal)
+
+
+def _dropout_seed() -> torch.Tensor:
+    """(seed, offset) for one call's dropout, drawn from torch's default CPU generator (torch.manual_seed
+    reproduces them; a traced graph draws them afresh on every run)."""
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
+
+
+def _window(window) -> Tuple[int, int]:
+    if window is None:
+        return -1, -1
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        raise TypeError(f"window must be a pair of ints (left, right), got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window must be (left, right) with each >= 0, or -1 for no bound on that side; got "
+                         f"{tuple(window)}")
+    return int(window[0]), int(window[1])
 
 
 def _refuse_sparse_and_quantized(q, k, v) -> None:
@@ -175,7 +228,9 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention, with its signature and meaning, on our flash kernel.
 
-    Our kernel runs when it computes exactly what torch would: no attn_mask, dropout_p == 0, CPU tensors of
+    Our kernel runs when it computes what torch would: an attn_mask torch takes (bool, float32 or q's
+    dtype, broadcastable to (..., Nq, Nk); CPU only, not requiring grad), 0 <= dropout_p < 1 (CPU: our dropout,
+    the same distribution as torch's, not the same bits; CUDA: 0 only), CPU tensors of
     one dtype among float32/bfloat16/float16 and at least 3 dims, no empty dim, k and v with q's head dim,
     equal head counts unless enable_gqa=True, a scale that is a finite float32, no forward-AD tangent; CUDA
     tensors only in bfloat16/float16 with head dim 64 or 128 (float32 there is the teaching kernel, slower than
@@ -197,15 +252,35 @@ def scaled_dot_product_attention(
     if not uses_our_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
-    return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal)
+    return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal, attn_mask=attn_mask,
+                     dropout_p=float(dropout_p))
+
+
+def _mask_is_ours(attn_mask, query, key) -> bool:
+    """Whether our kernel computes what torch computes with this attn_mask: one torch accepts (bool, float32 or
+    query's dtype, broadcastable to the scores (..., Nq, Nk)), a plain CPU tensor, and no gradient wanted for it."""
+    if not (isinstance(attn_mask, torch.Tensor) and attn_mask.layout == torch.strided and not attn_mask.is_nested
+            and attn_mask.device == query.device and attn_mask.device.type == "cpu"):
+        return False
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        return False
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        return False  # a learned mask: torch's SDPA computes its gradient, ours would not
+    scores = (*query.shape[:-1], key.shape[-2])
+    if attn_mask.dim() > len(scores):
+        return False
+    return all(m == 1 or m == s for m, s in zip(reversed(attn_mask.shape), reversed(scores)))
 
 
 def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False) -> bool:
     """Whether scaled_dot_product_attention(...) with these arguments runs our kernel (else torch's)."""
     tensors = (query, key, value)
-    if attn_mask is not None or dropout_p != 0.0 or not isinstance(is_causal, bool):
+    if not isinstance(is_causal, bool):
         return False
+    if dropout_p != 0.0 and not (isinstance(dropout_p, (int, float)) and 0.0 < dropout_p < 1.0
+                                 and query.device.type == "cpu"):
+        return False  # torch's answer for p = 1, NaN, ...; our CUDA kernels have no dropout
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
                                   and abs(scale) < _FLOAT32_OVERFLOW):
         return False  # torch computes something (NaN, inf, ...) where our check refuses: torch's answer
@@ -216,7 +291,7 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     # slower than torch's, so torch keeps it.
     if query.device.type == "cuda" and (query.dtype == torch.float32 or query.shape[-1] not in (64, 128)):
         return False
-    if torch.overrides.has_torch_function(tensors):
+    if torch.overrides.has_torch_function(tensors if attn_mask is None else (*tensors, attn_mask)):
         return False  # a tensor subclass sees torch's SDPA in its __torch_function__, as it would without us
     if query.dtype not in _FLASH_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
@@ -229,7 +304,9 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     h_q, h_kv = query.shape[-3], key.shape[-3]
     if h_kv == 0 or not (h_q == h_kv or (enable_gqa and h_q % h_kv == 0)):
         return False
-    return not _has_tangent(*tensors)  # torch says what forward-mode AD does with its own SDPA
+    if attn_mask is not None and not _mask_is_ours(attn_mask, query, key):
+        return False
+    return not _has_tangent(*tensors if attn_mask is None else (*tensors, attn_mask))  # torch says what forward-mode AD does with its own SDPA
 
 
 def isa() -> str:
@@ -257,18 +334,22 @@ def _causal_mode(is_causal: Union[bool, str]) -> str:
 # Autograd and fake (meta) implementations of the C++ operators. Registered once, when the module loads.
 # ---------------------------------------------------------------------------------------------------------
 def _flash_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, block_q, block_k = inputs
+    q, k, v, scale, causal, block_q, block_k, attn_mask, window_left, window_right, dropout_p, dropout_seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)  # lse (O(N)), never P (O(N²))
+    # lse (O(N)), never P (O(N²)); the mask as given; dropout's (seed, offset), from which its mask is regenerated
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, dropout_seed)
     ctx.scale, ctx.causal, ctx.block_q, ctx.block_k = scale, causal, block_q, block_k
+    ctx.window, ctx.dropout_p = (window_left, window_right), dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 def _flash_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, dropout_seed = ctx.saved_tensors
     dq, dk, dv = torch.ops.cs149gpt.flash_attention_backward(
-        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k)
-    return dq, dk, dv, None, None, None, None
+        dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k, attn_mask, *ctx.window,
+        ctx.dropout_p, dropout_seed)
+    # attn_mask: no gradient (attention() refuses one that wants it)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _not_differentiable(what: str):
@@ -294,13 +375,17 @@ def _register_python_parts() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "flash_attention")
-    def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None):
-        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k)
+    def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None, window_left=-1,
+          window_right=-1, dropout_p=0.0, dropout_seed=None):
+        checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k, attn_mask, window_left, window_right,
+                               dropout_p, dropout_seed)
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @torch.library.register_fake(lib + "flash_attention_backward")
-    def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None):
-        checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k)
+    def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None,
+          window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None):
+        checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
+                                        window_left, window_right, dropout_p, dropout_seed)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     @torch.library.register_fake(lib + "attention_with_kvcache")

@@ -11,6 +11,9 @@ namespace cs149gpt {
 
 enum class DType { f32, bf16, f16 };  // q, k, v and out share one; arithmetic is always float32
 
+// torch SDPA's attn_mask: none; boolean (true = the key takes part); additive (added to the scaled logits).
+enum class MaskKind { none, boolean, additive };
+
 // Strides are in elements, in the order [batch, head, row]. Within a row the head_dim columns are
 // contiguous (module.cpp guarantees it; SIMD loads need it).
 struct AttentionParams {
@@ -38,6 +41,26 @@ struct AttentionParams {
   // offset 0 is torch SDPA's is_causal (top-left); kv_len - q_len aligns the mask to the bottom-right.
   bool is_causal = false;
   int64_t causal_offset = 0;
+
+  // attn_mask, as torch SDPA's, read in place: entry (b, h, i, j) (h a query head) is at mask + b·mask_strides[0] +
+  // h·mask_strides[1] + i·mask_strides[2] + j·mask_strides[3] elements (stride 0 along the dims it is broadcast
+  // over). boolean: bytes, 0 hides key j from row i; additive: mask_dtype values added to scale·q·k, −inf hides.
+  // A key hidden by it is hidden as the causal mask hides one (both apply together): it never touches the row.
+  const void* mask = nullptr;
+  MaskKind mask_kind = MaskKind::none;
+  DType mask_dtype = DType::f32;  // additive masks: float32 or q's dtype
+  int64_t mask_strides[4] = {0, 0, 0, 0};
+
+  // Sliding window (local attention, FlashAttention's window_size): row i sees key j only if
+  // i + window_offset − window_left <= j <= i + window_offset + window_right; −1 leaves that side unbounded.
+  // window_offset is kv_len − q_len (FlashAttention aligns the window bottom-right). Applies with both masks.
+  int64_t window_left = -1, window_right = -1;
+  int64_t window_offset = 0;
+
+  // Dropout on the attention weights: P_ij is kept (and scaled by 1 / (1 − dropout_p)) where dropout_keep(...) of
+  // its counter says so, else zeroed; lse and the softmax's normaliser are those of the undropped P.
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
 
   // Tile sizes: Br x Bc for flash; the cache tile of the matrix multiplies for blocked. Always >= 1.
   int64_t block_q = 1;
@@ -99,6 +122,35 @@ inline int64_t visible_keys(const AttentionParams& p, int64_t i) {
   int64_t last = i + p.causal_offset;  // last visible key
   if (last < 0) return 0;
   return last + 1 < p.kv_len ? last + 1 : p.kv_len;
+}
+
+// Dropout's generator: counter-based, so that the backward regenerates the forward's mask without storing it, and
+// any thread computes any element. Entry (b, h, i, j) (b the flattened batch, h the query head) has the counter
+// ((b · heads + h) · q_len + i) · kv_len + j; its 32-bit uniform is the high half of splitmix64's finalizer of
+// seed_key + (counter + offset) · γ (a Weyl sequence keyed by the seed), and it is kept when that is >= p · 2³².
+// The same distribution as torch's dropout (independent Bernoulli(1 − p) keeps), not the same bits.
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+inline uint64_t dropout_threshold(float p) {  // keep u (32 bits) iff u >= threshold
+  return static_cast<uint64_t>(static_cast<double>(p) * 4294967296.0);
+}
+inline bool dropout_keep(uint64_t seed_key, uint64_t counter, uint64_t threshold) {
+  return (mix64(seed_key + counter * 0x9E3779B97F4A7C15ull) >> 32) >= threshold;
+}
+inline uint64_t dropout_seed_key(uint64_t seed) { return mix64(seed + 0x632BE59BD9B4E019ull); }
+
+inline bool has_window(const AttentionParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
+// Whether anything beyond the causal mask hides keys (attn_mask, a window): the kernels then classify their blocks.
+inline bool has_mask_or_window(const AttentionParams& p) { return p.mask_kind != MaskKind::none || has_window(p); }
+// The keys of row i's window: [window_first(i), window_last(i)] (unclamped; INT64 extremes when unbounded).
+inline int64_t window_first(const AttentionParams& p, int64_t i) {
+  return p.window_left < 0 ? INT64_MIN / 2 : i + p.window_offset - p.window_left;
+}
+inline int64_t window_last(const AttentionParams& p, int64_t i) {
+  return p.window_right < 0 ? INT64_MAX / 2 : i + p.window_offset + p.window_right;
 }
 
 // The backward pass: reads the forward's inputs, its output and lse (fwd.out, fwd.lse) and dL/dout; writes

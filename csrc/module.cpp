@@ -124,9 +124,37 @@ constexpr double kFloat32Overflow = 0x1.ffffffp+127;
 // the fake/meta implementations in ops.py (the module's check_attention, called with FakeTensors whose sizes are
 // SymInts under torch.compile): eager, meta, FakeTensorMode and torch.compile refuse the same inputs with the same
 // message. Returns the dtype of the call.
+using OptionalTensor = std::optional<at::Tensor>;
+
+bool is_given(const OptionalTensor& attn_mask) { return attn_mask.has_value() && attn_mask->defined(); }
+
+// attn_mask (torch SDPA's): a dense tensor, bool (True = the key takes part) or additive (float32 or q's dtype), on
+// q's device, broadcastable to the scores' shape (..., Nq, Nk) — q's leading dims and heads, Nq, k's Nk.
+void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
+  TORCH_CHECK_TYPE(mask.layout() == at::kStrided && !mask.is_nested(),
+                   "attn_mask must be a dense (strided) tensor, got layout ", mask.layout());
+  TORCH_CHECK_TYPE(!mask.is_quantized(), "attn_mask must not be quantized, got ", mask.scalar_type());
+  const at::ScalarType mt = mask.scalar_type();
+  TORCH_CHECK_TYPE(mt == at::kBool || mt == at::kFloat || mt == q.scalar_type(),
+                   "attn_mask must be bool (True = the key takes part), float32 or q's dtype (", q.scalar_type(),
+                   ") to add to the logits; got ", mt);
+  std::vector<c10::SymInt> scores(q.sym_sizes().begin(), q.sym_sizes().end());
+  scores.back() = k.sym_size(-2);
+  std::ostringstream expected;
+  expected << "attn_mask of shape " << mask.sym_sizes() << " must be broadcastable to the scores' shape "
+           << c10::SymIntArrayRef(scores) << " (q's dims but the last, then k's length)";
+  TORCH_CHECK_VALUE(mask.dim() <= static_cast<int64_t>(scores.size()), expected.str());
+  for (int64_t i = 1; i <= mask.dim(); ++i) {
+    const c10::SymInt m = mask.sym_size(-i);
+    CHECK_SIZES(m.sym_eq(1).sym_or(m.sym_eq(scores[scores.size() - i])), expected.str());
+  }
+  check_devices({{"q", &q}, {"attn_mask", &mask}});
+}
+
 DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
                       std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-                      std::optional<int64_t> block_k) {
+                      std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
+                      int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {}) {
   check_tensor(q, "q");
   check_tensor(k, "k");
   check_tensor(v, "v");
@@ -169,6 +197,25 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   // Tile sizes are checked whatever the impl, so a typo is never silently ignored.
   if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
   if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
+  if (is_given(attn_mask)) {
+    TORCH_CHECK_VALUE(impl == Impl::flash, "attn_mask needs impl='flash', got impl='", impl_name(impl), "'");
+    check_mask(*attn_mask, q, k);
+  }
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "window must be (left, right) with each >= 0, or -1 "
+                    "for no bound on that side; got (", window_left, ", ", window_right, ")");
+  TORCH_CHECK_VALUE(impl == Impl::flash || (window_left == -1 && window_right == -1), "window needs impl='flash', "
+                    "got impl='", impl_name(impl), "'");
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK_VALUE(impl == Impl::flash, "dropout_p needs impl='flash', got impl='", impl_name(impl), "'");
+    TORCH_CHECK_VALUE(is_given(dropout_seed), "dropout_p > 0 needs dropout_seed, an int64 tensor (seed, offset)");
+    TORCH_CHECK_VALUE(dropout_seed->scalar_type() == at::kLong && dropout_seed->dim() == 1 &&
+                          dropout_seed->sym_size(0) == 2,
+                      "dropout_seed must be an int64 tensor of 2 elements (seed, offset), got ",
+                      dropout_seed->scalar_type(), " of shape ", dropout_seed->sym_sizes());
+    TORCH_CHECK_VALUE(dropout_seed->device().is_cpu() || dropout_seed->device().is_meta(),
+                      "dropout_seed must be on the CPU, got ", dropout_seed->device());
+  }
   return dtype;
 }
 
@@ -186,8 +233,11 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, c
 DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& out, const at::Tensor& lse, std::optional<double> scale,
                                const std::string& causal, std::optional<int64_t> block_q,
-                               std::optional<int64_t> block_k) {
-  const DType dtype = check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k);
+                               std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {},
+                               int64_t window_left = -1, int64_t window_right = -1, double dropout_p = 0.0,
+                               const OptionalTensor& dropout_seed = {}) {
+  const DType dtype = check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask, window_left,
+                                      window_right, dropout_p, dropout_seed);
   check_like(dout, "dout", q, "q");
   check_like(out, "out", q, "q");
   TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
@@ -277,6 +327,28 @@ at::Tensor as_4d(const at::Tensor& t, const char* name) {
   return t4;
 }
 
+// attn_mask as (batch, heads, Nq, Nk) like q's as_4d: expanded (a view: stride 0 along the broadcast dims, never
+// a copy), leading dims beyond two flattened into the batch (a view whenever the strides allow; else a copy,
+// checked first, as for q).
+at::Tensor mask_as_4d(const at::Tensor& mask, const at::Tensor& q, int64_t kv_len) {
+  std::vector<int64_t> scores(q.sizes().begin(), q.sizes().end());
+  scores.back() = kv_len;
+  const at::Tensor m = mask.expand(scores);
+  switch (m.dim()) {
+    case 2: return m.unsqueeze(0).unsqueeze(0);
+    case 3: return m.unsqueeze(0);
+    case 4: return m;
+    default: {
+      const auto sizes = m.sizes();
+      const int64_t batch = c10::multiply_integers(sizes.begin(), sizes.end() - 3);
+      const std::array<int64_t, 4> shape{batch, sizes[m.dim() - 3], sizes[m.dim() - 2], sizes[m.dim() - 1]};
+      if (!at::detail::computeStride(sizes, m.strides(), shape))
+        check_fits(m.numel(), m.element_size(), [&] { return "a copy of " + shape_of("attn_mask", sizes); });
+      return m.reshape(shape);
+    }
+  }
+}
+
 void fill_strides(int64_t (&strides)[3], const at::Tensor& t4) {
   for (int i = 0; i < 3; ++i) strides[i] = t4.stride(i);
 }
@@ -294,19 +366,21 @@ void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
 // q, k, v checked and seen as (batch, heads, N, d), with the params of a call on them (all but out and lse).
 struct Prepared {
   at::Tensor q4, k4, v4;  // views (or, for a strided last dim, copies) that the params point into
+  at::Tensor mask4;       // attn_mask expanded to (batch, heads, Nq, Nk): a view, stride 0 where broadcast
   AttentionParams p;
 };
 
 // Fills the params of a call whose arguments check_attention has passed (it returned dtype).
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-                 std::optional<int64_t> block_k) {
+                 std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
+                 int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {}) {
   // Meta tensors pass check_attention (the fake implementations share it); the kernels need memory.
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
   const int64_t d = q.size(-1), q_len = q.size(-2), kv_len = k.size(-2);
   const double scale_value = scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
 
-  Prepared prep{as_4d(q, "q"), as_4d(k, "k"), as_4d(v, "v"), {}};
+  Prepared prep{as_4d(q, "q"), as_4d(k, "k"), as_4d(v, "v"), {}, {}};
   AttentionParams& p = prep.p;
   p.q = prep.q4.data_ptr();
   p.k = prep.k4.data_ptr();
@@ -324,6 +398,23 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   p.scale = static_cast<float>(scale_value);
   p.causal_offset = parse_causal(causal, q_len, kv_len, &p.is_causal);
   p.num_threads = std::max(1, at::get_num_threads());
+  if (is_given(attn_mask)) {
+    prep.mask4 = mask_as_4d(*attn_mask, q, kv_len);
+    p.mask = prep.mask4.data_ptr();
+    const at::ScalarType mt = attn_mask->scalar_type();
+    p.mask_kind = mt == at::kBool ? MaskKind::boolean : MaskKind::additive;
+    p.mask_dtype = mt == at::kBFloat16 ? DType::bf16 : mt == at::kHalf ? DType::f16 : DType::f32;
+    for (int i = 0; i < 4; ++i) p.mask_strides[i] = prep.mask4.stride(i);
+  }
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.window_offset = kv_len - q_len;
+  if (dropout_p > 0.0) {
+    p.dropout_p = static_cast<float>(dropout_p);
+    const at::Tensor seed = dropout_seed->contiguous();
+    p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
+    p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
+  }
   switch (impl) {
     case Impl::naive:
     case Impl::fused:
@@ -394,10 +485,14 @@ at::Tensor checked_empty(at::IntArrayRef sizes, const at::TensorOptions& options
 std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  Impl impl, std::optional<double> scale, const std::string& causal,
                                                  std::optional<int64_t> block_q, std::optional<int64_t> block_k,
-                                                 bool want_lse) {
+                                                 bool want_lse, const OptionalTensor& attn_mask = {},
+                                                 int64_t window_left = -1, int64_t window_right = -1,
+                                                 double dropout_p = 0.0, const OptionalTensor& dropout_seed = {}) {
   TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
-  const DType dtype = check_attention(q, k, v, impl, scale, causal, block_q, block_k);
-  Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k);
+  const DType dtype = check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
+                                      window_right, dropout_p, dropout_seed);
+  Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k, attn_mask, window_left, window_right,
+                          dropout_p, dropout_seed);
   AttentionParams& p = prep.p;
   const KernelTable& kernels = cs149gpt::kernels();
   const Kernel* kernel = nullptr;
@@ -442,13 +537,20 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return std::get<0>(run_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, false));
 }
 
-// flash_attention(q, k, v, scale, causal, block_q, block_k) -> (out, lse)
+// flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask) -> (out, lse)
 //   lse: (..., Nq) float32, the logsumexp of each query row's scaled, masked logits (−inf for a row that
-//   sees no key). The backward pass recomputes P from it.
+//   sees no key). The backward pass recomputes P from it. attn_mask: torch SDPA's (bool or additive, any shape
+//   broadcastable to (..., Nq, Nk)), applied together with the causal mask. window_left, window_right: the sliding
+//   window (FlashAttention's window_size, -1 = unbounded), applied with both. dropout_p > 0: dropout on the
+//   attention weights, its mask generated from dropout_seed = (seed, offset), int64 (attention.h: dropout_keep).
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    std::optional<double> scale, const std::string& causal,
-                                                   std::optional<int64_t> block_q, std::optional<int64_t> block_k) {
-  return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true);
+                                                   std::optional<int64_t> block_q, std::optional<int64_t> block_k,
+                                                   const OptionalTensor& attn_mask, int64_t window_left,
+                                                   int64_t window_right, double dropout_p,
+                                                   const OptionalTensor& dropout_seed) {
+  return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true, attn_mask, window_left,
+                       window_right, dropout_p, dropout_seed);
 }
 
 // flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
@@ -457,9 +559,12 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-    std::optional<int64_t> block_k) {
-  const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k);
-  Prepared prep = prepare(q, k, v, Impl::flash, dtype, scale, causal, block_q, block_k);
+    std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
+    double dropout_p, const OptionalTensor& dropout_seed) {
+  const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
+                                               window_left, window_right, dropout_p, dropout_seed);
+  Prepared prep = prepare(q, k, v, Impl::flash, dtype, scale, causal, block_q, block_k, attn_mask, window_left,
+                          window_right, dropout_p, dropout_seed);
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
@@ -879,7 +984,8 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                std::optional<int64_t>);
 using FlashFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                    std::optional<double>, const std::string&, std::optional<int64_t>,
-                                                   std::optional<int64_t>);
+                                                   std::optional<int64_t>, const std::optional<at::Tensor>&, int64_t,
+                                                   int64_t, double, const std::optional<at::Tensor>&);
 
 // Whether autograd (reverse or forward mode) must record a call on these tensors: then the wrappers take it.
 bool autograd_needed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -906,7 +1012,9 @@ py::object call_below_autograd(const at::Tensor& q, const at::Tensor& k, const a
     py::gil_scoped_release no_gil;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     if (return_lse)
-      std::tie(out, lse) = flash_op.call(q, k, v, scale, causal, block_q, block_k);
+      std::tie(out, lse) = flash_op.call(q, k, v, scale, causal, block_q, block_k, /*attn_mask=*/std::nullopt,
+                                         /*window_left=*/-1, /*window_right=*/-1, /*dropout_p=*/0.0,
+                                         /*dropout_seed=*/std::nullopt);
     else
       out = attention_op.call(q, k, v, impl, scale, causal, block_q, block_k);
   }
@@ -1009,10 +1117,12 @@ TORCH_LIBRARY(cs149gpt, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, str impl='flash', float? scale=None, str causal='none', "
         "int? block_q=None, int? block_k=None) -> Tensor");
   m.def("flash_attention(Tensor q, Tensor k, Tensor v, float? scale=None, str causal='none', int? block_q=None, "
-        "int? block_k=None) -> (Tensor out, Tensor lse)");
+        "int? block_k=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, float dropout_p=0.0, "
+        "Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)");
   m.def("flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "float? scale=None, str causal='none', int? block_q=None, int? block_k=None) -> (Tensor dq, Tensor dk, "
-        "Tensor dv)");
+        "float? scale=None, str causal='none', int? block_q=None, int? block_k=None, Tensor? attn_mask=None, "
+        "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) -> "
+        "(Tensor dq, Tensor dk, Tensor dv)");
   m.def("attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
         "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True) "
         "-> Tensor");
@@ -1058,15 +1168,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The checks of the operators, for their fake (meta) implementations in ops.py: one source of truth.
   m.def("check_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
                               std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-                              std::optional<int64_t> block_k) {
-    check_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k);
-  }, "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
+                              std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
+                              int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed) {
+    check_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, attn_mask, window_left, window_right,
+                    dropout_p, dropout_seed);
+  }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("impl"), py::arg("scale"), py::arg("causal"),
+     py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(), py::arg("window_left") = -1,
+     py::arg("window_right") = -1, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
   m.def("check_attention_backward", [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                        std::optional<double> scale, const std::string& causal,
-                                       std::optional<int64_t> block_q, std::optional<int64_t> block_k) {
-    check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k);
-  }, "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+                                       std::optional<int64_t> block_q, std::optional<int64_t> block_k,
+                                       const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
+                                       double dropout_p, const OptionalTensor& dropout_seed) {
+    check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask, window_left,
+                             window_right, dropout_p, dropout_seed);
+  }, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
+     py::arg("causal"), py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(),
+     py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("dropout_p") = 0.0,
+     py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+  m.def("dropout_keep_mask", [](int64_t seed, int64_t offset, std::vector<int64_t> shape, double p) {
+    TORCH_CHECK_VALUE(shape.size() == 4, "shape must be (batch, heads, q_len, kv_len), got ", shape.size(), " dims");
+    TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "p must be in [0, 1), got ", p);
+    at::Tensor keep = checked_empty(shape, at::TensorOptions().dtype(at::kBool), "the keep mask");
+    bool* out = keep.data_ptr<bool>();
+    const uint64_t key = dropout_seed_key(static_cast<uint64_t>(seed));
+    const uint64_t threshold = dropout_threshold(static_cast<float>(p));
+    for (int64_t c = 0; c < keep.numel(); ++c)
+      out[c] = dropout_keep(key, static_cast<uint64_t>(c) + static_cast<uint64_t>(offset), threshold);
+    return keep;
+  }, py::arg("seed"), py::arg("offset"), py::arg("shape"), py::arg("p"),
+     "the keep mask (batch, heads, q_len, kv_len) the flash kernels' dropout draws for (seed, offset) (a test hook)");
   m.def("check_attention_with_kvcache", [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                                            const std::optional<at::Tensor>& v_new,

@@ -10,6 +10,7 @@ The cases that could take the interpreter down (before issue #8 was fixed, some 
 after another, each announcing itself before it starts: a crash fails the case that caused it, by name, and the
 cases after it as "not reached", instead of the whole run.
 """
+import contextlib
 import json
 import math
 import os
@@ -583,9 +584,9 @@ DELEGATED = [
     ("broadcast batch", (2, 2, 3, 8), (1, 2, 4, 8), {}),
     ("2-D", (3, 8), (4, 8), {}),
     ("float64", (1, 2, 3, 8), (1, 2, 4, 8), {"dtype": torch.float64}),
-    ("mask", (1, 2, 3, 8), (1, 2, 4, 8), {"attn_mask": torch.ones(3, 4, dtype=torch.bool).tril()}),
+    ("mask that requires grad", (1, 2, 3, 8), (1, 2, 4, 8), {"attn_mask": torch.randn(3, 4, requires_grad=True)}),
+    ("mask, 2-D", (3, 8), (4, 8), {"attn_mask": torch.ones(3, 4, dtype=torch.bool).tril()}),
     ("causal, no keys", (1, 2, 3, 8), (1, 2, 0, 8), {"is_causal": True}),
-    ("mask and is_causal", (1, 2, 3, 8), (1, 2, 3, 8), {"is_causal": True, "attn_mask": torch.randn(3, 3)}),
 ]
 
 
@@ -619,6 +620,9 @@ REFUSED = [
     ("is_causal a string", (1, 2, 3, 8), (1, 2, 3, 8), {"is_causal": "bottom_right"}),
     ("integer tensors", (1, 2, 3, 8), (1, 2, 3, 8), {"dtype": torch.int64}),
     ("head dims differ", (1, 2, 3, 8), (1, 2, 3, 4), {}),
+    ("float64 mask", (1, 2, 3, 8), (1, 2, 4, 8), {"attn_mask": torch.zeros(3, 4, dtype=torch.float64)}),
+    ("integer mask", (1, 2, 3, 8), (1, 2, 4, 8), {"attn_mask": torch.ones(3, 4, dtype=torch.int64)}),
+    ("unbroadcastable mask", (1, 2, 3, 8), (1, 2, 4, 8), {"attn_mask": torch.zeros(5, 4)}),
 ]
 
 
@@ -653,7 +657,7 @@ def installed_drop_in():
 def test_installed_drop_in_falls_back_without_recursing(installed_drop_in):
     """The fallback used to look F.scaled_dot_product_attention up at call time: itself, once installed."""
     q, k, v = _qkv((1, 2, 3, 8), (1, 2, 4, 8))
-    mask = torch.randn(3, 4)
+    mask = torch.randn(3, 4, requires_grad=True)  # a learned mask: torch's
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert installed_drop_in == [False]
     assert torch.equal(out, torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask=mask))
@@ -672,3 +676,54 @@ def test_installed_drop_in_runs_a_transformer_layer(installed_drop_in):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     ours.sum().backward()  # and gradients flow through our backward
     assert all(p.grad is not None for p in layer.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attn_mask: refused before any kernel runs, with a message naming it, in eager, meta and fake mode alike.
+# ---------------------------------------------------------------------------------------------------------
+BAD_MASKS = [  # (id, mask, q dtype, exception, message fragment); q (2, 4, 5, 8), k (2, 4, 6, 8)
+    ("int64", torch.ones(5, 6, dtype=torch.int64), torch.float32, TypeError, "attn_mask must be bool"),
+    ("float64", torch.zeros(5, 6, dtype=torch.float64), torch.float32, TypeError, "attn_mask must be bool"),
+    ("bf16 for float32 q", torch.zeros(5, 6, dtype=torch.bfloat16), torch.float32, TypeError, "q's dtype"),
+    ("float16 for bf16 q", torch.zeros(5, 6, dtype=torch.float16), torch.bfloat16, TypeError, "q's dtype"),
+    ("wrong Nk", torch.ones(5, 7, dtype=torch.bool), torch.float32, ValueError, "broadcastable"),
+    ("wrong Nq", torch.ones(4, 6, dtype=torch.bool), torch.float32, ValueError, "broadcastable"),
+    ("wrong heads", torch.ones(3, 5, 6, dtype=torch.bool), torch.float32, ValueError, "broadcastable"),
+    ("too many dims", torch.ones(1, 2, 4, 5, 6, dtype=torch.bool), torch.float32, ValueError, "broadcastable"),
+    ("on meta", torch.ones(5, 6, dtype=torch.bool, device="meta"), torch.float32, ValueError,
+     "q and attn_mask must be on one device"),
+    ("sparse", torch.ones(5, 6).to_sparse(), torch.float32, TypeError, "attn_mask must be a dense"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_MASKS, ids=[c[0] for c in BAD_MASKS])
+@pytest.mark.parametrize("mode", ["eager", "meta", "fake"])
+def test_bad_masks(case, mode):
+    _, mask, dtype, exc, fragment = case
+    if mode != "eager" and (mask.is_sparse or mask.device.type == "meta"):
+        pytest.skip("devices and layouts: eager only (a sparse or meta mask beside meta q has no dispatch key)")
+    q, k, v = _qkv((2, 4, 5, 8), (2, 4, 6, 8), dtype)
+    if mode == "meta":
+        q, k, v, mask = (t.to("meta") for t in (q, k, v, mask))
+    context = FakeTensorMode() if mode == "fake" else contextlib.nullcontext()
+    with context:
+        if mode == "fake":
+            q, k, v, mask = (context.from_tensor(t) for t in (q, k, v, mask))
+        with pytest.raises(exc, match=re.escape(fragment)):
+            cs149gpt.attention(q, k, v, attn_mask=mask)
+
+
+def test_mask_with_another_impl_or_not_a_tensor():
+    q, k, v = _qkv((1, 2, 3, 8), (1, 2, 4, 8))
+    with pytest.raises(ValueError, match="attn_mask needs impl='flash'"):
+        cs149gpt.attention(q, k, v, impl="fused", attn_mask=torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor"):
+        cs149gpt.attention(q, k, v, attn_mask=[[True] * 4] * 3)
+
+
+def test_backward_refuses_a_bad_mask():
+    q, k, v = _qkv((1, 2, 3, 8), (1, 2, 4, 8))
+    out, lse = torch.ops.cs149gpt.flash_attention(q, k, v)
+    with pytest.raises(ValueError, match="attn_mask of shape"):
+        torch.ops.cs149gpt.flash_attention_backward(out, q, k, v, out, lse, attn_mask=torch.ones(3, 5,
+                                                                                                 dtype=torch.bool))

@@ -220,14 +220,24 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    std::optional<double> scale, const std::string& causal,
-                                                   std::optional<int64_t> block_q, std::optional<int64_t> block_k) {
+                                                   std::optional<int64_t> block_q, std::optional<int64_t> block_k,
+                                                   const std::optional<at::Tensor>& attn_mask, int64_t window_left,
+                                                   int64_t window_right, double dropout_p,
+                                                   const std::optional<at::Tensor>& /*dropout_seed*/) {
+  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
+  TORCH_CHECK_NOT_IMPLEMENTED(!attn_mask || !attn_mask->defined(), "attn_mask is not supported on CUDA yet (CPU only)");
+  TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1, "window is not supported on CUDA yet (CPU only)");
   return run_forward(q, k, v, "flash", scale, causal, block_q, block_k, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-    std::optional<int64_t> block_k) {
+    std::optional<int64_t> block_k, const std::optional<at::Tensor>& attn_mask, int64_t window_left,
+    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& /*dropout_seed*/) {
+  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
+  TORCH_CHECK_NOT_IMPLEMENTED(!attn_mask || !attn_mask->defined(), "attn_mask is not supported on CUDA yet (CPU only)");
+  TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1, "window is not supported on CUDA yet (CPU only)");
   const c10::cuda::CUDAGuard guard(q.device());
   Prepared prep = prepare(q, k, v, "flash", scale, causal, block_q, block_k);
   TORCH_CHECK_TYPE(prep.fast, "the CUDA flash backward takes bfloat16 or float16; float32 on CUDA has the "

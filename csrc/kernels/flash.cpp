@@ -3,11 +3,11 @@
 // Split Q into Tr tiles of Br query rows and K, V into Tc tiles of Bc key rows. For each query tile Q_i:
 //   m = −inf, l = 0, O_i = 0                       running row max, running row sum, unnormalised output
 //   for each key tile j that the causal mask lets Q_i see:
-//     S_ij  = scale · Q_i K_jᵀ                     Br × Bc   (−inf where masked)
+//     S_ij  = scale · Q_i K_jᵀ + M_ij               Br × Bc   (M: attn_mask's offsets; −inf where masked)
 //     m_new = max(m, rowmax(S_ij))
 //     P_ij  = exp(S_ij − m_new)                    Br × Bc
 //     l     = exp(m − m_new) · l + rowsum(P_ij)
-//     O_i   = exp(m − m_new) · O_i + P_ij V_j
+//     O_i   = exp(m − m_new) · O_i + (P_ij ∘ Z_ij) V_j     (Z: dropout's keep mask / (1 − p); 1 without)
 //     m     = m_new
 //   O_i = O_i / l,   lse_i = m + log(l)
 // Every exponent is ≤ 0, so nothing overflows, and rescaling by exp(m − m_new) keeps the result exact.
@@ -24,6 +24,9 @@
 //   micro-kernels): S for G rows stays in L1 while the group goes QKᵀ → online softmax → PV.
 // - Causal: key tiles beyond a query tile's last visible key are never visited; within a tile a row
 //   group stops at its own last visible key; the remaining masked entries are set to −inf.
+// - attn_mask: each (row group, key tile) block is classified as it is read (mask_block, flash_common.h): a block
+//   it hides whole is skipped, one it leaves whole takes the unmasked path, only the rest add it to S (its
+//   offsets times log2 e: S is in base 2).
 // - Threads take (batch, head, query tile) tasks dynamically, costliest first.
 // - The workspace comes from the caller; nothing is allocated here.
 // A query row that sees no key at all (bottom-right causal with q_len > kv_len) gets O = 0, lse = −inf.
@@ -57,7 +60,8 @@ struct Layout {
   bool pack_v;                    // V is converted/padded once rather than read in place
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place)
-  int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, per_thread;  // per-thread scratch
+  int64_t flags_size;             // attn_mask: one flag per V tile, 1 if it is all finite (else 0 floats)
+  int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch
 
   explicit Layout(const AttentionParams& p) {
     const int64_t d = p.head_dim;
@@ -79,7 +83,10 @@ struct Layout {
     kt_tile = d * Bc_pad;
     kt_size = p.batch * p.num_kv_heads * Tc * kt_tile;
     v_size = pack_v ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
-    // Per thread: Q_i (Br_pad × d), S for one row group (G × Bc_pad), O_i (Br_pad × d_pad), m, l, α.
+    const bool masked = has_mask_or_window(p);
+    flags_size = masked ? round_up(p.batch * p.num_kv_heads * Tc, 16) : 0;
+    // Per thread: Q_i (Br_pad × d), S for one row group (G × Bc_pad), O_i (Br_pad × d_pad), m, l, α, and with
+    // attn_mask its offsets for one row group (G × Bc_pad).
     // Each piece starts on a cache line (16 floats) so threads never share one.
     q_off = 0;
     s_off = q_off + round_up(Br_pad * d, 16);
@@ -87,7 +94,8 @@ struct Layout {
     m_off = o_off + round_up(Br_pad * d_pad, 16);
     l_off = m_off + round_up(Br_pad, 16);
     alpha_off = l_off + round_up(Br_pad, 16);
-    per_thread = alpha_off + round_up(2 * kRowGroup, 16);  // α and m_new of one row group
+    bias_off = alpha_off + round_up(2 * kRowGroup, 16);  // α and m_new of one row group
+    per_thread = bias_off + (masked ? kRowGroup * Bc_pad : 0);
   }
 };
 
@@ -95,7 +103,7 @@ struct Layout {
 // V (when packed): vp[j * d_pad + c] = v[j][c], zero in the padding columns.
 template <class T>
 void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, float* kt_all,
-                  float* v_all) {
+                  float* v_all, float* v_finite) {
   const int64_t d = p.head_dim, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
   const int64_t head = b * p.num_kv_heads + kvh;
   const T* K = static_cast<const T*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
@@ -105,8 +113,9 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
     for (int64_t t = 0; t < cols; ++t) dst[t] = to_float(K[t * p.k_strides[2] + c]);
     for (int64_t t = cols; t < L.Bc_pad; ++t) dst[t] = 0.0f;
   }
+  const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
+  if (L.flags_size > 0) v_finite[head * L.Tc + j] = rows_finite(V, p.v_strides[2], cols, d) ? 1.0f : 0.0f;
   if (L.pack_v) {
-    const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
     float* vp = v_all + (head * p.kv_len + j0) * L.d_pad;
     for (int64_t t = 0; t < cols; ++t) {
       for (int64_t c = 0; c < d; ++c) vp[t * L.d_pad + c] = to_float(V[t * p.v_strides[2] + c]);
@@ -118,12 +127,13 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
 // One query tile: rows [i0, i0 + rows) of head h in batch b.
 template <class T>
 void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const float* kt_all,
-                const float* v_all, float* scratch) {
+                const float* v_all, const float* v_finite, float* scratch) {
   const int64_t d = p.head_dim, d_pad = L.d_pad, rows = std::min(L.Br, p.q_len - i0);
   const int64_t groups = (rows + kRowGroup - 1) / kRowGroup;
   float *Qi = scratch + L.q_off, *S = scratch + L.s_off, *Oi = scratch + L.o_off;
   float *m = scratch + L.m_off, *l = scratch + L.l_off;
   float *alpha = scratch + L.alpha_off, *m_new = alpha + kRowGroup;  // per row of the current group
+  float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
   int64_t visible[kRowGroup];  // how many keys of the current tile each row of the group sees
 
   // Q_i = scale · log2(e) · Q[i0 : i0 + rows] (logits in base 2), zero rows up to whole row groups;
@@ -152,17 +162,39 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
     for (int64_t g0 = 0; g0 < rows; g0 += kRowGroup) {
       // Keys of this tile that the group's last row sees; the group's other rows see a prefix of them.
       const int64_t group_last = i0 + std::min(g0 + kRowGroup, rows) - 1;
-      const int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
+      int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
       if (n_keys == 0) continue;
+      const int64_t group_rows = std::min<int64_t>(kRowGroup, rows - g0);
+      // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path, one it cuts
+      // stops at the last key it shows.
+      const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
+      if (block == MaskBlock::hidden) continue;
+      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
-      // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors)
+      // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block
       group_gemm<kQkVecs>(kRowGroup, d, Qi + g0 * d, d, 1, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad, nullptr);
+      if (block == MaskBlock::partial)
+        for (int64_t r = 0; r < group_rows; ++r) add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys, kLog2e);
 
       // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
       for (int64_t r = 0; r < kRowGroup; ++r)
         visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
       online_softmax(S, L.Bc_pad, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new,
                      PInPlaceBase2{});
+      if (p.dropout_p > 0.0f)  // P V with the dropped P; l (and lse) keep the undropped sum
+        for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.Bc_pad, visible[r], 1);
+
+      if (block == MaskBlock::partial && v_finite[head * L.Tc + j] == 0.0f) {
+        // A NaN or inf in V_j: each row adds only the keys it sees, since P = 0 at a hidden key would still
+        // multiply its NaN (README, "Non-finite values").
+        for (int64_t r = 0; r < group_rows; ++r) {
+          float* o = Oi + (g0 + r) * d_pad;
+          scale_row(alpha[r], o, d_pad);
+          for (int64_t t = 0; t < visible[r]; ++t)
+            if (bias[r * L.Bc_pad + t] != kNegInf) axpy(S[r * L.Bc_pad + t], Vj + t * ldv, o, d);
+        }
+        continue;
+      }
 
       // O_g = α · O_g + P V_j. The keys that every row of the group sees (all of them, but for the causal
       // diagonal) go through the micro-kernel; the few that only the later rows see are added row by row,
@@ -184,7 +216,8 @@ void run(const AttentionParams& p, float* workspace) {
   const Layout L(p);
   float* kt_all = workspace;
   float* v_all = workspace + L.kt_size;
-  float* thread_scratch = v_all + L.v_size;
+  float* v_finite = v_all + L.v_size;
+  float* thread_scratch = v_finite + L.flags_size;
   const int64_t n_pack = p.batch * p.num_kv_heads * L.Tc;
   const int64_t n_tasks = p.batch * p.num_heads * L.Tr;
 
@@ -193,7 +226,7 @@ void run(const AttentionParams& p, float* workspace) {
     // 1. Pack every K tile (and V) once, all threads together.
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n_pack; ++t)
-      pack_kv_tile<T>(p, L, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc, kt_all, v_all);
+      pack_kv_tile<T>(p, L, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc, kt_all, v_all, v_finite);
     // (implicit barrier: every tile is packed before any is read)
 
     // 2. Query tiles. Causal tiles differ in cost (later ones see more keys): the costliest go first.
@@ -201,7 +234,7 @@ void run(const AttentionParams& p, float* workspace) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
       const int64_t i = L.Tr - 1 - task % L.Tr, h = (task / L.Tr) % p.num_heads, b = task / (L.Tr * p.num_heads);
-      query_tile<T>(p, L, b, h, i * L.Br, kt_all, v_all, scratch);
+      query_tile<T>(p, L, b, h, i * L.Br, kt_all, v_all, v_finite, scratch);
     }
   }
 }
@@ -216,7 +249,7 @@ int64_t flash_workspace_floats(const AttentionParams& p) {
   if (p.dtype == DType::bf16) return flash_bf16::workspace_floats(p);
 #endif
   const flash::Layout L(p);
-  return L.kt_size + L.v_size + p.num_threads * L.per_thread;
+  return L.kt_size + L.v_size + L.flags_size + p.num_threads * L.per_thread;
 }
 
 template <class T>

@@ -2,12 +2,13 @@
 //
 // With S = scale · Q Kᵀ (masked), P = exp(S − lse) (the forward's softmax, never stored) and dO = ∂L/∂O:
 //   D   = rowsum(dO ∘ O)                 one number per query row
-//   dV  = Pᵀ dO
-//   dP  = dO Vᵀ
+//   dV  = (P ∘ Z)ᵀ dO                     Z: dropout's keep mask / (1 − p), regenerated (1 without dropout)
+//   dP  = (dO Vᵀ) ∘ Z
 //   dS  = P ∘ (dP − D)                    the softmax's Jacobian applied row by row
 //   dQ  = scale · dS K
 //   dK  = scale · dSᵀ Q
-// All in O(N) memory: P, dP and dS exist one row group × one key tile at a time.
+// All in O(N) memory: P, dP and dS exist one row group × one key tile at a time. attn_mask enters S as in the
+// forward (mask_block, flash_common.h): blocks it hides whole are skipped in both passes.
 //
 // Threads must never write the same rows of dQ, dK or dV, so the work is split in two passes that
 // recompute the small tiles of S and dP instead of sharing accumulators:
@@ -44,7 +45,7 @@ struct Layout {
   int64_t qs_off, do_off, qt_off, dot_off, delta_off, lse_off, kt_off, vt_off, kr_off, vr_off, shared;
   // per thread: S/P and dP/dS for one row group × one key tile (pass 2) or one key tile × one chunk of
   // kQueryChunk query rows (pass 1, transposed); dK_j, dV_j; dQ for one row group; a row of ones
-  int64_t s_off, ds_off, dk_off, dv_off, dq_off, ones_off, per_thread;
+  int64_t s_off, ds_off, dk_off, dv_off, dq_off, ones_off, bias_off, per_thread;
 
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
@@ -82,7 +83,8 @@ struct Layout {
     dv_off = dk_off + Bc * d_pad;
     dq_off = dv_off + Bc * d_pad;
     ones_off = dq_off + kRowGroup * d_pad;
-    per_thread = round_up(ones_off + std::max<int64_t>(Bc, kRowGroup), 16);
+    bias_off = round_up(ones_off + std::max<int64_t>(Bc, kRowGroup), 16);
+    per_thread = bias_off + (has_mask_or_window(p) ? round_up(tile, 16) : 0);  // attn_mask's offsets of a tile
   }
 };
 
@@ -145,11 +147,18 @@ void pack_key_tile(const AttentionBackwardParams& bp, const Layout& L, float* ws
     }
 }
 
+// x[t] = 0 where attn_mask hides key t (bias −inf): dS there is 0 even where dP (0 · NaN) is NaN.
+inline void zero_where_hidden(float* x, const float* bias, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) x[t] = bias[t] == kNegInf ? 0.0f : x[t];
+}
+
 // For the row group of query rows [i0, i0 + G) of head h against keys [j0, j0 + n_cols) (n_cols whole
 // vectors, row groups; keys past n_keys, or hidden by the mask, get P = dS = 0):
-//   S = Q_g K_jᵀ, P = exp(S − lse) into `P`;  dP = dO_g V_jᵀ, dS = P ∘ (dP − D) into `dS`.
+//   S = Q_g K_jᵀ (+ attn_mask's offsets `bias`, rows L.Bc apart, unless null), P = exp(S − lse) into `P`;
+//   dP = dO_g V_jᵀ, dS = P ∘ (dP − D) into `dS`.
 void recompute_p_and_ds(const AttentionParams& p, const Layout& L, const float* ws, int64_t head, int64_t kv_tile,
-                        int64_t i0, int64_t j0, int64_t n_keys, int64_t n_cols, float* P, float* dS) {
+                        int64_t i0, int64_t j0, int64_t n_keys, int64_t n_cols, const float* bias, float* P,
+                        float* dS) {
   const int64_t d = p.head_dim;
   const float* Qg = ws + L.qs_off + (head * L.q_pad + i0) * L.d_pad;
   const float* dOg = ws + L.do_off + (head * L.q_pad + i0) * L.d_pad;
@@ -163,11 +172,15 @@ void recompute_p_and_ds(const AttentionParams& p, const Layout& L, const float* 
     float* pr = P + r * L.Bc;
     float* dsr = dS + r * L.Bc;
     const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + r) - j0, 0, n_keys);
+    const bool masked_row = bias && i0 + r < p.q_len;
+    if (masked_row) add_mask(pr, bias + r * L.Bc, visible);
     exp_shifted_sum(pr, lse[r], visible);  // P = exp(S − lse)
     fill_row(0.0f, pr + visible, n_cols - visible);
+    if (p.dropout_p > 0.0f && i0 + r < p.q_len) dropout_row(p, head, i0 + r, j0, dsr, visible, 1);  // dP ∘ Z
     const Vec D = Vec::broadcast(delta[r]);
     for (int64_t c = 0; c < n_cols; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
     fill_row(0.0f, dsr + visible, n_cols - visible);  // hidden keys: dS = 0 even where dP (0 · NaN) is NaN
+    if (masked_row) zero_where_hidden(dsr, bias + r * L.Bc, visible);
   }
 }
 
@@ -181,6 +194,7 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
   float *PT = scratch + L.s_off, *dST = scratch + L.ds_off, *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
+  float* bias = scratch + L.bias_off;  // attn_mask's offsets, transposed like PT
   const float* ones = scratch + L.ones_off;
   fill_row(0.0f, dK, L.Bc * d_pad);
   fill_row(0.0f, dV, L.Bc * d_pad);
@@ -198,10 +212,18 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
     for (int64_t c0 = first_row / W * W; c0 < p.q_len; c0 += kQueryChunk) {
       const int64_t n_q = std::min(kQueryChunk, L.q_pad - c0);  // whole vectors: q_pad is
       const int64_t real_q = std::min(n_q, p.q_len - c0);       // the rest is padding
+      // attn_mask: skip a block it hides whole; add it where it cuts one (bias[t · kQueryChunk + c]).
+      const MaskBlock block = mask_block(p, b, h, c0, real_q, j0, cols, bias, 1, kQueryChunk);
+      if (block == MaskBlock::hidden) continue;
+      const bool partial = block == MaskBlock::partial;
       const float* QT = ws + L.qt_off + head * d * L.q_pad + c0;
       const float* dOT = ws + L.dot_off + head * d * L.q_pad + c0;
       group_gemm<kQkVecs>(rows, d, Kj, d_pad, 1, QT, L.q_pad, n_q, PT, kQueryChunk, nullptr);
       group_gemm<kQkVecs>(rows, d, Vj, d_pad, 1, dOT, L.q_pad, n_q, dST, kQueryChunk, nullptr);
+      if (partial)
+        for (int64_t t = 0; t < cols; ++t) add_mask(PT + t * kQueryChunk, bias + t * kQueryChunk, real_q);
+      if (p.dropout_p > 0.0f)  // dPᵀ ∘ Zᵀ, column by column (a query row's keys are kQueryChunk apart)
+        for (int64_t c = 0; c < real_q; ++c) dropout_row(p, head, c0 + c, j0, dST + c, cols, kQueryChunk);
       for (int64_t t = 0; t < rows; ++t) {
         float* pt = PT + t * kQueryChunk;
         float* dst = dST + t * kQueryChunk;
@@ -220,7 +242,10 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
         // Padding query rows (past q_len) are zero, but 0 · inf in K_j would make their P NaN.
         fill_row(0.0f, pt + real_q, n_q - real_q);
         fill_row(0.0f, dst + real_q, n_q - real_q);
+        if (partial && t < cols) zero_where_hidden(dst, bias + t * kQueryChunk, real_q);
       }
+      if (p.dropout_p > 0.0f)  // dV_j += (P ∘ Z)ᵀ dO: the forward's dropped P
+        for (int64_t c = 0; c < real_q; ++c) dropout_row(p, head, c0 + c, j0, PT + c, cols, kQueryChunk);
       const float* dOc = ws + L.do_off + (head * L.q_pad + c0) * d_pad;
       const float* Qc = ws + L.qs_off + (head * L.q_pad + c0) * d_pad;
       group_gemm<kPvVecs>(rows, n_q, PT, kQueryChunk, 1, dOc, d_pad, d_pad, dV, d_pad, ones);
@@ -244,16 +269,21 @@ void query_tile(const AttentionBackwardParams& bp, const Layout& L, const float*
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, head = b * p.num_heads + h, kvh = kv_head(p, h);
   float *P = scratch + L.s_off, *dS = scratch + L.ds_off, *dQ = scratch + L.dq_off;
+  float* bias = scratch + L.bias_off;  // attn_mask's offsets of the current block, rows L.Bc apart
   const float* ones = scratch + L.ones_off;
   for (int64_t i0 = i_begin; i0 < i_end; i0 += kRowGroup) {
     fill_row(0.0f, dQ, kRowGroup * d_pad);
     const int64_t rows = std::min<int64_t>(kRowGroup, p.q_len - i0);
     const int64_t keys_seen = visible_keys(p, i0 + rows - 1);
     for (int64_t j = 0, j0 = 0; j0 < keys_seen; ++j, j0 += L.Bc) {
-      const int64_t n_keys = std::min(L.Bc, keys_seen - j0);
-      const int64_t n_cols = round_up(n_keys, kKeyAlign);
+      int64_t n_keys = std::min(L.Bc, keys_seen - j0);
       const int64_t kv_tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
-      recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols, P, dS);
+      const MaskBlock block = mask_block(p, b, h, i0, rows, j0, n_keys, bias, L.Bc, 1);
+      if (block == MaskBlock::hidden) continue;  // attn_mask hides the whole block: dS = 0
+      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc, rows, n_keys);
+      const int64_t n_cols = round_up(n_keys, kKeyAlign);
+      recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols,
+                         block == MaskBlock::partial ? bias : nullptr, P, dS);
       // dQ_g += dS K_j   (scale applied once below). As in the forward's P V_j: keys every row sees through
       // the micro-kernel, the causal diagonal's rest row by row, so a hidden key's K never meets a row.
       const float* Kj = ws + L.kr_off + ((b * p.num_kv_heads + kvh) * L.k_pad + j0) * d_pad;

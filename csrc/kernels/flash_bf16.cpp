@@ -3,7 +3,7 @@
 // The same FlashAttention forward as flash.cpp — the same tiles, the same online softmax (flash_common.h) —
 // with both products on bf16 operands and float32 accumulation (bf16_gemm.h):
 //   S_ij = Q_i K_jᵀ                      bf16 · bf16 → float32
-//   S_ij = scale · S_ij, then m, P_ij, l   in float32, as flash.cpp
+//   S_ij = scale · S_ij (+ attn_mask), then m, P_ij, l   in float32, as flash.cpp
 //   O_i  = α · O_i + bf16(P_ij) V_j      bf16 · bf16 → float32
 //   O_i  = O_i / l,  lse = m + log(l)
 // Q is multiplied as it is and `scale` applied to S in float32, so the only roundings beyond float32's are
@@ -26,9 +26,13 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash_bf16 {
 
+using flash::add_mask;
 using flash::finish_rows;
+using flash::mask_block;
+using flash::MaskBlock;
 using flash::online_softmax;
 using flash::round_up;
+using flash::shown_keys_end;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
 // Defaults: query tiles of 128 rows (2 AMX groups, 4 vdpbf16ps ones; fewer when the threads need more tasks;
 // 256 rows measured 0–25 % slower on the device host, results/cpu_16core_forward_session3.txt); key tiles of
@@ -53,7 +57,7 @@ struct Layout {
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n)
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats)
-  int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, per_thread;  // per-thread scratch (floats)
+  int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch (floats)
 
   explicit Layout(const AttentionParams& p) {
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), G) : kDefaultBlockQ;  // clamped before rounding
@@ -80,7 +84,8 @@ struct Layout {
     m_off = o_off + Br * d_n;
     l_off = m_off + round_up(Br, 16);
     alpha_off = l_off + round_up(Br, 16);
-    per_thread = alpha_off + round_up(2 * G, 16);     // α and m_new of one group
+    bias_off = alpha_off + round_up(2 * G, 16);       // α and m_new of one group
+    per_thread = bias_off + (has_mask_or_window(p) ? G * Bc_pad : 0);  // attn_mask's offsets, G × Bc_pad
   }
 };
 
@@ -110,20 +115,31 @@ inline float from_bf16(bf16_bits x) {
 }
 
 // O_g[r] += Σ_{t < visible[r]} P[r, t] · V_j[t] in float32, row by row: only for a V tile holding NaN or inf.
-void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t ldp, const int64_t* visible, const bf16_bits* vt,
-                     const Layout& L, int64_t d, float* O, int64_t ldo) {
+// With attn_mask's offsets (bias, rows ldp apart; null where it hides nothing) the keys it hides are left out too.
+void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t ldp, const int64_t* visible, const float* bias,
+                     const bf16_bits* vt, const Layout& L, int64_t d, float* O, int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < visible[r]; ++t)
-      for (int64_t c = 0; c < d; ++c) O[r * ldo + c] += from_bf16(P[r * ldp + t]) * from_bf16(vt[vnni_index(t, c, L.d_n)]);
+      if (!bias || bias[r * ldp + t] != kNegInf)
+        for (int64_t c = 0; c < d; ++c)
+          O[r * ldo + c] += from_bf16(P[r * ldp + t]) * from_bf16(vt[vnni_index(t, c, L.d_n)]);
 }
 
-// The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j.
+// The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j. With dropout,
+// P is dropped in float32 (its sum, for l, taken before) and then rounded once.
 struct PToBf16 {
   static constexpr bool kBase2 = false;
   bf16_bits* P;
   int64_t ld, k_keys;
+  const AttentionParams* dropout = nullptr;  // with p.dropout_p > 0: the call, and row 0's head b·H + h, row, key
+  int64_t bh = 0, i = 0, j0 = 0;
   float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
-    return exp_shifted_sum_to_bf16(s, shift, n, scale, P + r * ld, k_keys);
+    if (!dropout) return exp_shifted_sum_to_bf16(s, shift, n, scale, P + r * ld, k_keys);
+    const float sum = exp_shifted_sum(s, shift, n, scale);
+    flash::dropout_row(*dropout, bh, i + r, j0, s, n, 1);
+    for (int64_t t = 0; t < n; ++t) P[r * ld + t] = c10::BFloat16(s[t]).x;
+    std::fill(P + r * ld + n, P + r * ld + k_keys, bf16_bits{0});
+    return sum;
   }
   void zero(int64_t r, float*, int64_t) const { std::fill(P + r * ld, P + r * ld + k_keys, bf16_bits{0}); }
 };
@@ -136,6 +152,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   bf16_bits* Pb = reinterpret_cast<bf16_bits*>(scratch + L.p_off);
   float *S = scratch + L.s_off, *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
   float *alpha = scratch + L.alpha_off, *m_new = alpha + G;
+  float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
   int64_t visible[G];
 
   // Q_i as bf16 (zero past the rows and the head dim); m = −inf, l = 0, O_i = 0.
@@ -154,17 +171,30 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
     const bf16_bits* Vj = v_all + tile * L.v_tile;
     for (int64_t g0 = 0; g0 < rows; g0 += G) {
       const int64_t group_last = i0 + std::min(g0 + G, rows) - 1;
-      const int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
+      int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
       if (n_keys == 0) continue;
+      // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path, one it cuts
+      // stops at the last key it shows.
+      const int64_t group_rows = std::min(G, rows - g0);
+      const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
+      if (block == MaskBlock::hidden) continue;
+      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles)
       bf16_gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);
+      // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
+      const bool partial = block == MaskBlock::partial;
+      if (partial)
+        for (int64_t r = 0; r < group_rows; ++r) {
+          scale_row(p.scale, S + r * L.Bc_pad, n_keys);
+          add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys);
+        }
 
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16; m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      online_softmax(S, L.Bc_pad, G, n_keys, visible, p.scale, m + g0, l + g0, alpha, m_new,
-                     PToBf16{Pb, L.Bc_pad, k_keys});
+      online_softmax(S, L.Bc_pad, G, n_keys, visible, partial ? 1.0f : p.scale, m + g0, l + g0, alpha, m_new,
+                     PToBf16{Pb, L.Bc_pad, k_keys, p.dropout_p > 0.0f ? &p : nullptr, b * p.num_heads + h, i0 + g0, j0});
 
       // O_g = α · O_g + P V_j
       float* Og = Oi + g0 * L.d_n;
@@ -172,7 +202,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (v_finite[tile] != 0.0f)
         bf16_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Og, L.d_n, true);
       else
-        pv_visible_only(std::min(G, rows - g0), Pb, L.Bc_pad, visible, Vj, L, d, Og, L.d_n);
+        pv_visible_only(group_rows, Pb, L.Bc_pad, visible, partial ? bias : nullptr, Vj, L, d, Og, L.d_n);
     }
   }
   finish_rows<c10::BFloat16>(p, b, h, i0, rows, Oi, L.d_n, m, l);

@@ -6,6 +6,9 @@
 #include "../attention.h"
 #include "simd.h"
 
+#include <algorithm>
+#include <type_traits>
+
 namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
@@ -105,6 +108,173 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
     l[r] = alpha[r] * l[r] + P.exp_sum(r, s, m_new[r], n_keys, scale_in_exp ? scale : 1.0f);
     m[r] = m_new[r];
   }
+}
+
+// attn_mask and the sliding window over a block: rows [i0, i0 + n_i) × keys [j0, j0 + n_j) of query head h in
+// batch b. Every kernel reads them through mask_block, once per block of the tiles it computes anyway: the block's
+// entries as float offsets of the logits go to bias[r·ld_i + t·ld_j] — 0 where the key takes part, −inf where
+// attn_mask, the window or the causal mask hides it, the additive value otherwise — and the block is classified:
+//   hidden:  they hide every entry the causal mask shows (or the causal mask shows none): skip the block;
+//   visible: they hide none and add nothing: the unmasked path, bias unused;
+//   partial: S = S + bias (add_mask) before the softmax.
+// A block outside the window's band is hidden and one inside it visible (without attn_mask) at a glance, unread.
+// A NaN entry of attn_mask is neither 0 nor −inf: partial, and the row turns NaN, as in torch.
+enum class MaskBlock { hidden, visible, partial };
+
+inline float mask_entry(uint8_t m) { return m ? 0.0f : kNegInf; }
+template <class M>
+inline float mask_entry(M m) { return static_cast<float>(m); }
+
+// The keys [lo, hi) of row i within a block starting at key j0 of n_j keys that both the causal mask and the
+// window show.
+inline void shown_keys(const AttentionParams& p, int64_t i, int64_t j0, int64_t n_j, int64_t* lo, int64_t* hi) {
+  const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i) - j0, 0, n_j);
+  *lo = std::clamp<int64_t>(window_first(p, i) - j0, 0, causal_keys);
+  *hi = std::clamp<int64_t>(window_last(p, i) + 1 - j0, *lo, causal_keys);
+}
+
+// A first look at attn_mask over the block, before anything is converted: hidden, visible or partial as
+// mask_block says, stopping at the first sign of `partial`. Most blocks of real masks (padding, causal, packed
+// sequences) are hidden or visible whole, and then this is all that is read. Rows that read the same mask row
+// over the same keys (a mask broadcast over the query rows) are looked at once.
+template <class M>
+MaskBlock classify_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                         int64_t n_j) {
+  const M* base = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1];
+  const int64_t s_i = p.mask_strides[2], s_j = p.mask_strides[3];
+  bool any_shown = false, all_plain = true;
+  const M* last_row = nullptr;
+  int64_t last_lo = -1, last_hi = -1;
+  for (int64_t r = 0; r < n_i; ++r) {
+    int64_t lo, hi;
+    shown_keys(p, i0 + r, j0, n_j, &lo, &hi);
+    const M* row = base + (i0 + r) * s_i + j0 * s_j;
+    if (row == last_row && lo == last_lo && hi == last_hi) continue;
+    last_row = row, last_lo = lo, last_hi = hi;
+    int64_t t = lo;
+    if constexpr (std::is_same_v<M, uint8_t>) {
+      if (s_j == 1) {  // eight entries (bools: bytes 0 or 1) a word, in a loop the compiler vectorises
+        uint64_t any = 0, not_all = 0;
+        for (; t + 8 <= hi; t += 8) {
+          uint64_t w;
+          std::memcpy(&w, row + t, 8);
+          any |= w;
+          not_all |= w ^ 0x0101010101010101ull;
+        }
+        any_shown |= any != 0;
+        all_plain &= not_all == 0;
+      }
+    }
+    for (; t < hi; ++t) {
+      const float x = mask_entry(row[t * s_j]);
+      any_shown |= x != kNegInf;
+      all_plain &= x == 0.0f;
+    }
+    if (any_shown && !all_plain) return MaskBlock::partial;
+  }
+  return !any_shown ? MaskBlock::hidden : all_plain ? MaskBlock::visible : MaskBlock::partial;
+}
+
+// M: attn_mask's element type (uint8_t for boolean masks); void: no attn_mask, the window alone.
+template <class M>
+MaskBlock mask_block_of(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                        int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
+  if constexpr (!std::is_void_v<M>) {
+    const MaskBlock first_look = classify_block<M>(p, b, h, i0, n_i, j0, n_j);
+    if (first_look == MaskBlock::hidden) return first_look;
+    // attn_mask hides nothing here and adds nothing: visible, unless the window cuts the block.
+    if (first_look == MaskBlock::visible && !has_window(p)) return first_look;
+  }
+  bool any_shown = false, all_plain = true;
+  for (int64_t r = 0; r < n_i; ++r) {
+    const int64_t i = i0 + r;
+    const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i) - j0, 0, n_j);  // the causal prefix
+    int64_t lo, hi;  // the window within it: keys [lo, hi) of the block
+    shown_keys(p, i, j0, n_j, &lo, &hi);
+    all_plain &= lo == 0 && hi == causal_keys;
+    float* out = bias + r * ld_i;
+    for (int64_t t = 0; t < lo; ++t) out[t * ld_j] = kNegInf;
+    if constexpr (std::is_void_v<M>) {
+      any_shown |= hi > lo;
+      for (int64_t t = lo; t < hi; ++t) out[t * ld_j] = 0.0f;
+    } else {
+      const M* row = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1] +
+                     i * p.mask_strides[2] + j0 * p.mask_strides[3];
+      const int64_t s_j = p.mask_strides[3];
+      if (s_j == 1 && ld_j == 1) {  // the common layout: a plain loop the compiler vectorises
+        for (int64_t t = lo; t < hi; ++t) out[t] = mask_entry(row[t]);
+      } else {
+        for (int64_t t = lo; t < hi; ++t) out[t * ld_j] = mask_entry(row[t * s_j]);
+      }
+      for (int64_t t = lo; t < hi; ++t) {
+        any_shown |= out[t * ld_j] != kNegInf;
+        all_plain &= out[t * ld_j] == 0.0f;
+      }
+    }
+    for (int64_t t = hi; t < n_j; ++t) out[t * ld_j] = kNegInf;
+  }
+  return !any_shown ? MaskBlock::hidden : all_plain ? MaskBlock::visible : MaskBlock::partial;
+}
+
+inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                            int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
+  if (!has_mask_or_window(p)) return MaskBlock::visible;
+  if (has_window(p)) {
+    // The band of the block's rows reaches keys [window_first(i0), window_last(last row)].
+    const int64_t i1 = i0 + n_i - 1, j1 = j0 + n_j - 1;
+    if (window_last(p, i1) < j0 || window_first(p, i0) > j1) return MaskBlock::hidden;
+    if (p.mask_kind == MaskKind::none && window_first(p, i1) <= j0 && window_last(p, i0) >= j1)
+      return MaskBlock::visible;
+  }
+  switch (p.mask_kind) {
+    case MaskKind::none: return mask_block_of<void>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+    case MaskKind::boolean: return mask_block_of<uint8_t>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+    case MaskKind::additive: break;
+  }
+  switch (p.mask_dtype) {
+    case DType::bf16: return mask_block_of<c10::BFloat16>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+    case DType::f16: return mask_block_of<c10::Half>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+    default: return mask_block_of<float>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+  }
+}
+
+// The keys of a partial block past the last one any of its rows shows need no scores: the block's key count
+// shrinks to that end (a causal pattern passed as attn_mask then costs what is_causal costs).
+inline int64_t shown_keys_end(const float* bias, int64_t ld, int64_t rows, int64_t n) {
+  int64_t end = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t t = n;
+    while (t > end && bias[r * ld + t - 1] == kNegInf) --t;
+    end = std::max(end, t);
+  }
+  return end;
+}
+
+// s[t] = s[t] + unit · bias[t], and −inf wherever bias is: a hidden key's logit is dropped even when it is NaN.
+// unit converts the mask's natural-log offsets to the logits' base (log2 e for flash.cpp's base-2 logits).
+inline void add_mask(float* s, const float* bias, int64_t n, float unit = 1.0f) {
+  for (int64_t t = 0; t < n; ++t) s[t] = bias[t] == kNegInf ? kNegInf : s[t] + unit * bias[t];
+}
+
+// Dropout of row i of head `bh` (= b · num_heads + h) over keys [j0, j0 + n): x[t·stride] *= 1 / (1 − p) where dropout_keep
+// (attention.h) keeps entry (i, j0 + t), else 0 (multiplied, so 0 · NaN stays NaN as in IEEE arithmetic).
+// The forward applies it to P before P V; the backward to P before dV = Pᵀ dO and to dP before dS.
+inline void dropout_row(const AttentionParams& p, int64_t bh, int64_t i, int64_t j0, float* x, int64_t n,
+                        int64_t stride) {
+  const uint64_t key = dropout_seed_key(p.dropout_seed), threshold = dropout_threshold(p.dropout_p);
+  const float scale = 1.0f / (1.0f - p.dropout_p);
+  const uint64_t first = (static_cast<uint64_t>(bh) * p.q_len + i) * p.kv_len + j0 + p.dropout_offset;
+  for (int64_t t = 0; t < n; ++t) x[t * stride] *= dropout_keep(key, first + t, threshold) ? scale : 0.0f;
+}
+
+// Whether n rows of d values (ld apart) are all finite: a V tile that is not takes P V row by row over the keys
+// each row sees, in a block attn_mask cuts, since P = 0 at a hidden key would still multiply its NaN.
+template <class T>
+bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
+  bool finite = true;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < d; ++c) finite &= std::isfinite(static_cast<float>(x[t * ld + c]));
+  return finite;
 }
 
 // The end of a query tile: rows [i0, i0 + rows) of head h, O = O_i / l and lse = m + log(l) (m in base 2:

@@ -49,8 +49,12 @@ constexpr int64_t kMinSplitKeys = 256;
 // 512 KB (the same in bf16), run on one thread, took 36 µs where torch's SDPA on 16 threads took 25 µs.
 constexpr int64_t kSerialBytes = 256 * 1024;
 
-// The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles.
-inline bool applies(const AttentionParams& p) { return p.q_len <= kMaxRows && p.block_q <= 0 && p.block_k <= 0; }
+// The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles or passed
+// an attn_mask, a window or dropout (the tiled kernels take those).
+inline bool applies(const AttentionParams& p) {
+  return p.q_len <= kMaxRows && p.block_q <= 0 && p.block_k <= 0 && !has_mask_or_window(p) &&
+         p.dropout_p == 0.0f;
+}
 
 inline int64_t pad16(int64_t n) { return round_up(n, 16); }
 

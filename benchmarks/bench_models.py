@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Whole-model time of Hugging Face transformers models on our attention against torch's SDPA, same run.
+
+A Llama (GQA) built from a config (nothing downloaded, random weights) with attn_implementation="cs149gpt"
+(cs149gpt.register_transformers()) and the same weights with "sdpa": a padded batch's prefill (one forward pass),
+greedy generation (prefill + new tokens, dynamic cache), and for GPT-2 a training step (forward + backward,
+attention dropout 0.1: ours runs it in the kernel, torch's in its SDPA).
+
+    python benchmarks/bench_models.py                       # 1 thread
+    python benchmarks/bench_models.py --threads 1,16 --batch 4 --seq 1024
+
+×SDPA = SDPA's median / ours (> 1: ours faster). Needs transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cs149gpt  # noqa: E402
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def padded(batch: int, seq: int, vocab: int, g: torch.Generator):
+    ids = torch.randint(1, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for i in range(batch):
+        mask[i, : (i * seq) // (2 * batch)] = 0  # left padding: 0, 1/8, 2/8, ... of the sequence
+    return ids, mask
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", default="1")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    import transformers
+
+    cs149gpt.register_transformers()
+    dtype = getattr(torch, args.dtype)
+    llama = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
+                 eos_token_id=None)
+    gpt2 = dict(vocab_size=1000, n_positions=4096, n_embd=512, n_layer=4, n_head=8, pad_token_id=0,
+                eos_token_id=None)
+    models = {}
+    for impl in ("sdpa", "cs149gpt"):
+        torch.manual_seed(0)
+        models["llama", impl] = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig(**llama), attn_implementation=impl).to(dtype).eval()
+        torch.manual_seed(0)
+        models["gpt2", impl] = transformers.AutoModelForCausalLM.from_config(
+            transformers.GPT2Config(**gpt2), attn_implementation=impl).to(dtype).train()
+    g = torch.Generator().manual_seed(0)
+    ids, mask = padded(args.batch, args.seq, 1000, g)
+    print(f"# torch {torch.__version__}, transformers {transformers.__version__}, isa {cs149gpt.isa()}, "
+          f"{args.dtype}, batch {args.batch} x {args.seq} tokens (left-padded), 4 layers, hidden 512")
+    print("| model | phase | threads | SDPA ms | cs149gpt ms | ×SDPA |")
+    print("|---|---|---|---|---|---|")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        phases = {
+            ("llama", "prefill"): lambda m: m(input_ids=ids, attention_mask=mask),
+            ("llama", f"generate {args.new_tokens}"): lambda m: m.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                do_sample=False, pad_token_id=0),
+            ("gpt2", "train step (dropout 0.1)"): lambda m: m(input_ids=ids, attention_mask=mask,
+                                                              labels=ids).loss.backward(),
+        }
+        for (name, phase), fn in phases.items():
+            times = {}
+            for impl in ("sdpa", "cs149gpt"):
+                model = models[name, impl]
+                grad = torch.enable_grad() if phase.startswith("train") else torch.no_grad()
+                with grad:
+                    times[impl] = median_time(lambda: fn(model), args.repeats)
+            print(f"| {name} | {phase} | {threads} | {times['sdpa'] * 1e3:.1f} | {times['cs149gpt'] * 1e3:.1f} | "
+                  f"{times['sdpa'] / times['cs149gpt']:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

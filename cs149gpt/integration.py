@@ -1,0 +1,88 @@
+"""Plugging our kernel into code written for torch's SDPA: torch.nn.functional, and Hugging Face transformers.
+
+    import cs149gpt
+    with cs149gpt.sdpa_installed():          # F.scaled_dot_product_attention is ours inside, torch's after
+        model(**batch)
+    cs149gpt.install_sdpa() / cs149gpt.restore_sdpa()   # the same, without the scope
+
+    cs149gpt.register_transformers()         # once; then
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cs149gpt")
+
+Either way a call our kernel cannot compute exactly as torch would (dropout, CUDA masks, float64, ...) goes to
+torch's own SDPA: `cs149gpt.uses_our_kernel(...)` says which. transformers is optional: imported only by
+register_transformers().
+"""
+import contextlib
+
+import torch.nn.functional as F
+
+from cs149gpt import ops
+
+TRANSFORMERS_NAME = "cs149gpt"
+
+
+def install_sdpa() -> None:
+    """Makes torch.nn.functional.scaled_dot_product_attention ours (cs149gpt.scaled_dot_product_attention) for
+    every caller that looks it up there at call time (transformers' "sdpa" attention, nanoGPT, ...). Code that
+    imported the function itself before (`from torch.nn.functional import scaled_dot_product_attention`) keeps
+    torch's. Our function falls back to torch's own, captured at import, so this never recurses."""
+    F.scaled_dot_product_attention = ops.scaled_dot_product_attention
+
+
+def restore_sdpa() -> None:
+    """Puts torch's own scaled_dot_product_attention back into torch.nn.functional."""
+    F.scaled_dot_product_attention = ops._torch_sdpa
+
+
+@contextlib.contextmanager
+def sdpa_installed():
+    """Ours as torch.nn.functional.scaled_dot_product_attention inside the `with`; whatever was there before
+    (torch's, or another patch) is put back on the way out, exceptions included."""
+    previous = F.scaled_dot_product_attention
+    install_sdpa()
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
+
+
+def _transformers_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                            position_bias=None, **kwargs):
+    """transformers' attention-function signature (transformers.integrations.sdpa_attention.sdpa_attention_forward,
+    which it follows) on our SDPA: query (B, H, Nq, d), key/value (B, Hkv, Nk, d), attention_mask from the "sdpa"
+    mask function (a bool (B or 1, 1, Nq, Nk), or None when is_causal says it all). GQA runs without repeating
+    the kv heads, masked or not. Returns (out (B, Nq, H, d), None)."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attn_implementation='cs149gpt' does not support `softcap`; use 'eager'")
+    if kwargs.get("output_attentions", False):
+        raise ValueError("attn_implementation='cs149gpt' computes no attention weights; use 'eager' for "
+                         "output_attentions=True")
+    q_length = query.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As transformers' sdpa: the causal flag only without a mask, and never for one query row (it sees all keys).
+    is_causal = q_length > 1 and attention_mask is None and is_causal
+    if position_bias is not None:  # T5-style learned biases: one additive mask with the causal/padding mask in it
+        from transformers.integrations.sdpa_attention import create_position_bias_mask
+
+        attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
+        is_causal = False
+    out = ops.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                           scale=scaling, is_causal=bool(is_causal),
+                                           enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
+    """Registers our kernel with transformers as attn_implementation=`name` ("cs149gpt"): its attention function
+    in AttentionInterface and, in AttentionMaskInterface, the "sdpa" mask function (boolean masks, None where
+    is_causal suffices), so models build the masks our kernel reads best. Returns the name. Needs transformers
+    (>= 5); raises ImportError naming it otherwise. Calling it again is harmless."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as e:
+        raise ImportError("cs149gpt.register_transformers() needs Hugging Face transformers (pip install "
+                          "transformers)") from e
+    AttentionInterface.register(name, _transformers_attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

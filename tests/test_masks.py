@@ -1,0 +1,521 @@
+"""attn_mask in the flash kernel (forward and backward, every dtype and ISA) and in the SDPA drop-in, against a
+float64 reference written from the definition: softmax(scale · q kᵀ + M) v, M = 0 / −inf for a bool mask
+(True = the key takes part), the mask itself for an additive one, −inf past the causal mask when is_causal is set.
+
+Covered: every broadcast shape of the mask ((Nq, Nk), (B, 1, 1, Nk), (B, 1, Nq, Nk), (1, Hq, Nq, Nk),
+(B, Hq, Nq, Nk)), bool and additive (float32 and the input dtype), with and without is_causal (both alignments),
+GQA, odd tiles (blocks fully hidden, fully visible and cut), one query row (decoding), non-contiguous masks read in
+place, rows with no visible key (torch's answer: 0, zero gradient), −inf, +inf and NaN entries (torch's answer),
+a NaN in the k or v of a hidden key (never read), the thread count, opcheck, torch.compile, and
+cs149gpt.scaled_dot_product_attention against torch's SDPA (which path, which result).
+
+Inputs come from fixed seeds. Loops collect every mismatch and report them all at once.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cs149gpt
+from tests._helpers import gen, isa, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+
+NEG_INF = float("-inf")
+# float32 out and gradients against float64 (test_flash.TOL, test_backward.GRAD_TOL).
+TOL = 1e-4
+GRAD_TOL = 2e-5
+# Norm-relative error of bf16/fp16 gradients: two roundings to the dtype (test_backward.GRAD_REL_TOL).
+GRAD_REL_TOL = {torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11}
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def mask_shapes(b, hq, n_q, n_k):
+    return [(n_q, n_k), (b, 1, 1, n_k), (b, 1, n_q, n_k), (1, hq, n_q, n_k), (b, hq, n_q, n_k)]
+
+
+def random_bool_mask(shape, g, *, p_keep=0.7, dead_rows=True):
+    """True with probability p_keep; with dead_rows, every third query row (where there is one) hides all keys."""
+    m = torch.rand(shape, generator=g) < p_keep
+    if dead_rows and len(shape) >= 2 and shape[-2] > 1:
+        m[..., ::3, :] = False
+    return m
+
+
+def random_additive_mask(shape, g, dtype=torch.float32):
+    """Finite offsets of a few units, −inf where a bool mask would hide the key."""
+    hide = ~random_bool_mask(shape, g)
+    return (2 * torch.randn(shape, generator=g)).masked_fill(hide, NEG_INF).to(dtype)
+
+
+def bias_of(mask, scores_shape):
+    """The mask as float64 offsets of the logits, broadcast to the scores."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(scores_shape, dtype=torch.float64).masked_fill(~mask, NEG_INF)
+    return mask.double().expand(scores_shape)
+
+
+def ref_masked(q, k, v, mask, *, scale=None, is_causal=False):
+    """(out, lse) in float64, differentiable in q, k, v: a row that sees no key gets out 0 (zero gradient) and
+    lse −inf; a key hidden by the mask (offset −inf) or the causal mask drops out even when its logit is NaN."""
+    s, v = scaled_scores(q, k, v, scale)
+    bias = bias_of(mask, s.shape) if mask is not None else torch.zeros(s.shape, dtype=torch.float64)
+    causal = visible_mask(q.shape[-2], k.shape[-2], is_causal)
+    if causal is not None:
+        bias = bias.masked_fill(~causal, NEG_INF)
+    hidden = bias == NEG_INF
+    seen = (~hidden).any(-1, keepdim=True)
+    s = torch.where(hidden, NEG_INF, s + bias)
+    s = torch.where(seen, s, 0.0)  # a row that sees nothing: a finite softmax, zeroed below
+    lse = torch.where(seen[..., 0], torch.logsumexp(s, dim=-1), NEG_INF)
+    return (torch.softmax(s, dim=-1) @ v) * seen, lse
+
+
+def inputs(q_shape, kv_shape, g, dtype=torch.float32):
+    return tuple(randn(*s, gen=g).to(dtype) for s in (q_shape, kv_shape, kv_shape, q_shape))
+
+
+def out_problems(out, lse, q, k, v, mask, *, is_causal=False, scale=None, tag=""):
+    want, want_lse = ref_masked(q.double(), k.double(), v.double(), mask, scale=scale, is_causal=is_causal)
+    found = []
+    if out.shape != q.shape or out.dtype != q.dtype:
+        return [f"{tag}: out shape {tuple(out.shape)} dtype {out.dtype}"]
+    o = out.double()
+    dead = torch.isneginf(want_lse)
+    if not torch.equal(torch.isneginf(lse), dead):
+        found.append(f"{tag}: lse is -inf in {int(torch.isneginf(lse).sum())} rows, expected {int(dead.sum())}")
+    if dead.any() and not (o[dead] == 0).all():
+        found.append(f"{tag}: rows that see no key are not 0")
+    err = (o - want).abs().max().item()
+    if q.dtype == torch.float32:
+        bar = TOL
+    else:  # our error against torch's own SDPA in that dtype (the bf16 dot path rounds P as torch does)
+        gqa = k.shape[-3] != q.shape[-3]
+        torch_out = F.scaled_dot_product_attention(q, k, v, attn_mask=_with_causal(mask, q, k, is_causal),
+                                                   scale=scale, enable_gqa=gqa).double()
+        torch_err = (torch_out - want).abs().max().item()
+        bar = max(1.5 * torch_err, UNIT_ROUNDOFF[q.dtype] * want.abs().max().item()) + 1e-5
+    if not err <= bar:
+        found.append(f"{tag}: max abs error {err:.3g} > {bar:.3g}")
+    live = ~dead
+    if live.any():
+        lse_err = (lse.double() - want_lse)[live].abs().max().item()
+        if not lse_err <= 1e-4 * max(1.0, want_lse[live].abs().max().item()):
+            found.append(f"{tag}: lse error {lse_err:.3g}")
+    return found
+
+
+def _with_causal(mask, q, k, is_causal):
+    """mask with the causal mask folded in (bool masks AND, additive −inf), for torch's SDPA."""
+    causal = visible_mask(q.shape[-2], k.shape[-2], is_causal)
+    if causal is None:
+        return mask
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return mask.masked_fill(~causal, NEG_INF)
+
+
+SHAPES = [  # (B, Hq, Hkv, Nq, Nk, d)
+    (2, 4, 2, 37, 53, 24),
+    (1, 2, 2, 70, 45, 16),
+]
+TILES = [(None, None), (17, 24), (1, 3)]
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_every_mask_shape(isa, dtype, kind):
+    """out and lse for every broadcast shape of the mask, with each causal mode and tile size."""
+    g = gen(1100)
+    failures = []
+    for b, hq, hkv, n_q, n_k, d in SHAPES if dtype == torch.float32 else SHAPES[:1]:
+        q, k, v, _ = inputs((b, hq, n_q, d), (b, hkv, n_k, d), g, dtype)
+        for shape in mask_shapes(b, hq, n_q, n_k):
+            mask = random_bool_mask(shape, g) if kind == "bool" else random_additive_mask(
+                shape, g, torch.float32 if shape[-1] % 2 else dtype)
+            for is_causal in (False, True, "bottom_right"):
+                for block_q, block_k in TILES if is_causal is False else TILES[:2]:
+                    out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=is_causal, block_q=block_q,
+                                                  block_k=block_k, return_lse=True)
+                    failures += out_problems(out, lse, q, k, v, mask, is_causal=is_causal,
+                                             tag=f"{isa} {kind} mask {shape} {mask.dtype} causal={is_causal} "
+                                                 f"tiles=({block_q}, {block_k}) q {tuple(q.shape)}")
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_rows_with_a_padding_mask(isa, dtype):
+    """A few query rows against a long cache with a key-padding mask (B, 1, 1, Nk) or (B, 1, Nq, Nk), as
+    generation with a padded batch passes: the tiled kernel takes them (flash_decode takes unmasked calls)."""
+    g = gen(1101)
+    failures = []
+    for n_q in (1, 3):
+        q, k, v, _ = inputs((3, 4, n_q, 32), (3, 2, 700, 32), g, dtype)
+        pad = torch.zeros(3, 1, 1, 700, dtype=torch.bool)
+        for i, first in enumerate((0, 130, 699)):  # left padding: keys before `first` are padding
+            pad[i, ..., first:] = True
+        for mask in (pad, pad.expand(3, 1, n_q, 700), torch.zeros(pad.shape).masked_fill(~pad, NEG_INF)):
+            out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, return_lse=True)
+            failures += out_problems(out, lse, q, k, v, mask, tag=f"{isa} n_q={n_q} mask {tuple(mask.shape)}")
+    assert not failures, "\n".join(failures)
+
+
+def test_non_contiguous_masks_are_read_in_place():
+    """Masks that are transposed, sliced with a step, or expanded views: read through their strides."""
+    g = gen(1102)
+    q, k, v, _ = inputs((2, 3, 40, 16), (2, 3, 50, 16), g)
+    base = random_bool_mask((2, 3, 50, 80), g)
+    masks = {
+        "transposed": random_bool_mask((2, 3, 50, 40), g).transpose(-1, -2),       # (2, 3, 40, 50)
+        "step": random_bool_mask((2, 3, 40, 100), g)[..., ::2],                   # last-dim stride 2
+        "expanded": random_bool_mask((2, 1, 1, 50), g).expand(2, 3, 40, 50),      # stride 0 on heads and rows
+        "additive transposed": random_additive_mask((50, 40), g).t(),             # (40, 50), column-major
+    }
+    failures = []
+    for name, mask in masks.items():
+        assert not mask.is_contiguous(), name
+        out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, return_lse=True)
+        failures += out_problems(out, lse, q, k, v, mask, tag=name)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fully_masked_rows_are_torchs(isa, dtype):
+    """Rows whose mask hides every key (bool False, or additive −inf): out 0, lse −inf, zero gradient — torch
+    SDPA's answer on the CPU; equal to torch's output."""
+    g = gen(1103)
+    q, k, v, dout = inputs((2, 2, 30, 16), (2, 2, 40, 16), g, dtype)
+    bool_mask = random_bool_mask((2, 1, 30, 40), g)
+    bool_mask[1, :, 5:9] = False
+    for mask in (bool_mask, torch.zeros(bool_mask.shape, dtype=dtype).masked_fill(~bool_mask, NEG_INF)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = cs149gpt.attention(*leaves, attn_mask=mask, return_lse=True)
+        out.backward(dout)
+        dead = ~bool_mask.expand(2, 2, 30, 40).any(-1)
+        assert (out.detach()[dead] == 0).all() and torch.isneginf(lse[dead]).all()
+        assert (leaves[0].grad[dead] == 0).all()
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (out.detach().double() - want.double()).abs().max().item() <= tol
+
+
+def test_non_finite_mask_entries_follow_torch():
+    """An additive mask's NaN or +inf at a visible key turns the row NaN (as torch's SDPA); at a key the causal
+    mask hides it has no effect; −inf hides the key."""
+    g = gen(1104)
+    q, k, v, _ = inputs((1, 2, 6, 8), (1, 2, 6, 8), g)
+    for bad in (float("nan"), float("inf")):
+        mask = torch.zeros(6, 6)
+        mask[2, 4] = bad  # row 2 sees key 4 without causal; causal hides it
+        ours = cs149gpt.attention(q, k, v, attn_mask=mask)
+        torch_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert torch.isnan(ours[..., 2, :]).all() and torch.isnan(torch_out[..., 2, :]).all()
+        others = [0, 1, 3, 4, 5]
+        assert torch.allclose(ours[..., others, :], torch_out[..., others, :], atol=1e-6)
+        causal = cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=True)
+        want, _ = ref_masked(q.double(), k.double(), v.double(), torch.zeros(6, 6), is_causal=True)
+        assert (causal.double() - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("block_k", [None, 1, 4, 5])
+def test_hidden_keys_are_never_read(isa, block_k):
+    """NaN in the k and v of keys the mask hides (a padded batch's padding) leaves every row finite and
+    correct, whether the hidden key sits in a block the mask hides whole or in one it cuts."""
+    g = gen(1105)
+    q, k, v, dout = inputs((2, 2, 9, 8), (2, 2, 12, 8), g)
+    mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    mask[0, ..., :5] = False   # left padding of 5
+    mask[1, ..., 10:] = False  # right padding of 2
+    k_bad, v_bad = k.clone(), v.clone()
+    hidden = ~mask[:, 0, 0]  # (B, Nk)
+    k_bad[hidden[:, None, :].expand(2, 2, 12)] = float("nan")
+    v_bad[hidden[:, None, :].expand(2, 2, 12)] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        qd, kd, vd = q.to(dtype), k_bad.to(dtype), v_bad.to(dtype)
+        out, lse = cs149gpt.attention(qd, kd, vd, attn_mask=mask, block_k=block_k, return_lse=True)
+        assert torch.isfinite(out).all(), (dtype, block_k)
+        assert not out_problems(out, lse, qd, k.to(dtype), v.to(dtype), mask, tag="nan in hidden keys")
+    # The gradients of q and v are finite too (dk's hidden rows: 0 · NaN is NaN in float64 autograd as well).
+    leaves = [t.clone().requires_grad_() for t in (q, k_bad, v_bad)]
+    cs149gpt.attention(*leaves, attn_mask=mask, block_k=block_k).backward(dout)
+    assert torch.isfinite(leaves[2].grad).all()
+
+
+GRAD_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, d)
+    (2, 4, 2, 29, 41, 16),
+    (1, 3, 1, 50, 27, 8),
+]
+
+
+def grad_problems(q, k, v, dout, mask, *, tag, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = cs149gpt.attention(*leaves, attn_mask=mask, **kwargs)
+    out.backward(dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_kwargs = {key: val for key, val in kwargs.items() if key in ("scale", "is_causal")}
+    want, _ = ref_masked(*ref_leaves, mask, **ref_kwargs)
+    want.backward(dout.double())
+    found = []
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out.detach(), *(t.grad for t in leaves)),
+                              (want.detach(), *(t.grad for t in ref_leaves))):
+        g = got.double()
+        if not torch.isfinite(g).all():
+            found.append(f"{tag} {name}: non-finite")
+        elif q.dtype == torch.float32:
+            err = (g - ref).abs().max().item()
+            if not err <= (TOL if name == "out" else GRAD_TOL):
+                found.append(f"{tag} {name}: max abs error {err:.3g}")
+        elif name != "out":
+            rel = ((g - ref).norm() / ref.norm()).item() if ref.norm() > 0 else g.abs().max().item()
+            if not rel <= GRAD_REL_TOL[q.dtype]:
+                found.append(f"{tag} {name}: norm-relative error {rel:.3g} > {GRAD_REL_TOL[q.dtype]:.3g}")
+    return found
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_gradients_every_mask_shape(isa, kind):
+    """dq, dk, dv (GQA: summed per group) against float64 autograd, for every broadcast shape of the mask, each
+    causal mode and odd tiles; the mask gets no gradient."""
+    g = gen(1106)
+    failures = []
+    for b, hq, hkv, n_q, n_k, d in GRAD_SHAPES:
+        q, k, v, dout = inputs((b, hq, n_q, d), (b, hkv, n_k, d), g)
+        for shape in mask_shapes(b, hq, n_q, n_k):
+            mask = random_bool_mask(shape, g) if kind == "bool" else random_additive_mask(shape, g)
+            for is_causal in (False, True, "bottom_right"):
+                for block_q, block_k in ((None, None), (7, 5)) if is_causal is False else ((None, None),):
+                    failures += grad_problems(q, k, v, dout, mask, is_causal=is_causal, block_q=block_q,
+                                              block_k=block_k, tag=f"{isa} {kind} {shape} causal={is_causal} "
+                                                                   f"tiles=({block_q}, {block_k}) q {(b, hq, n_q, d)}")
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gradients(isa, dtype):
+    g = gen(1107)
+    q, k, v, dout = inputs((2, 4, 45, 32), (2, 2, 60, 32), g, dtype)
+    failures = []
+    for mask in (random_bool_mask((2, 1, 45, 60), g), random_additive_mask((2, 4, 45, 60), g, dtype)):
+        failures += grad_problems(q, k, v, dout, mask, tag=f"{isa} {dtype} {mask.dtype}")
+    assert not failures, "\n".join(failures)
+
+
+def test_results_do_not_depend_on_thread_count(restore_threads):
+    g = gen(1108)
+    q, k, v, dout = inputs((2, 4, 130, 32), (2, 2, 150, 32), g)
+    mask = random_bool_mask((2, 1, 130, 150), g)
+    results = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = cs149gpt.attention(*leaves, attn_mask=mask)
+        out.backward(dout)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_mask_that_requires_grad_is_refused_by_attention():
+    g = gen(1109)
+    q, k, v, _ = inputs((1, 2, 5, 8), (1, 2, 5, 8), g)
+    mask = torch.zeros(5, 5, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        cs149gpt.attention(q, k, v, attn_mask=mask)
+    with torch.no_grad():
+        cs149gpt.attention(q, k, v, attn_mask=mask)  # no gradient wanted: fine
+    cs149gpt.attention(q, k, v, attn_mask=mask.detach())
+
+
+def test_opcheck_with_masks():
+    cs149gpt.ops._load()
+    g = gen(1110)
+    q, k, v, dout = inputs((2, 4, 9, 8), (2, 2, 11, 8), g)
+    for mask in (random_bool_mask((2, 1, 1, 11), g),):
+        torch.library.opcheck(torch.ops.cs149gpt.flash_attention,
+                              (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, "none", None, None,
+                               mask))
+        out, lse = torch.ops.cs149gpt.flash_attention(q.detach(), k.detach(), v.detach(), None, "none", None, None,
+                                                      mask)
+        torch.library.opcheck(torch.ops.cs149gpt.flash_attention_backward,
+                              (dout, q.detach(), k.detach(), v.detach(), out, lse, None, "none", None, None, mask))
+        q, k, v = q.detach(), k.detach(), v.detach()
+    # the sliding window, with a mask
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, "none", None, None, mask, 3, 1)
+    torch.library.opcheck(torch.ops.cs149gpt.flash_attention, args)
+
+
+def test_compile_with_a_mask():
+    """torch.compile(fullgraph=True) of attention with a mask: out and gradients equal eager's."""
+    torch._dynamo.reset()
+    g = gen(1111)
+    q, k, v, dout = inputs((2, 4, 33, 16), (2, 4, 33, 16), g)
+    mask = random_bool_mask((2, 1, 33, 33), g)
+
+    def f(q, k, v, mask):
+        return cs149gpt.attention(q, k, v, attn_mask=mask)
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, mask)
+        out.backward(dout)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cs149gpt.scaled_dot_product_attention with masks: ours where it computes what torch does, torch's otherwise.
+# ---------------------------------------------------------------------------------------------------------
+def _sdpa_cases(g):
+    q, k, v, _ = inputs((2, 4, 20, 16), (2, 4, 25, 16), g)
+    qg, kg, vg, _ = inputs((2, 8, 20, 16), (2, 2, 25, 16), g)
+    bool_mask = random_bool_mask((2, 1, 20, 25), g)
+    yield "bool (B,1,Nq,Nk)", (q, k, v), dict(attn_mask=bool_mask)
+    yield "bool (Nq,Nk)", (q, k, v), dict(attn_mask=bool_mask[0, 0])
+    yield "padding (B,1,1,Nk)", (q, k, v), dict(attn_mask=random_bool_mask((2, 1, 1, 25), g, dead_rows=False))
+    yield "additive float32", (q, k, v), dict(attn_mask=random_additive_mask((2, 4, 20, 25), g))
+    yield "gqa + mask", (qg, kg, vg), dict(attn_mask=bool_mask, enable_gqa=True)
+    yield "mask + is_causal", (q, k, v), dict(attn_mask=bool_mask, is_causal=True)
+    yield "bf16 + float32 mask", tuple(t.bfloat16() for t in (q, k, v)), dict(
+        attn_mask=random_additive_mask((2, 1, 20, 25), g))
+    yield "bf16 + bf16 mask", tuple(t.bfloat16() for t in (q, k, v)), dict(
+        attn_mask=random_additive_mask((2, 1, 20, 25), g, torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", list(range(8)))
+def test_sdpa_with_masks_is_ours_and_torchs(case):
+    name, (q, k, v), kwargs = list(_sdpa_cases(gen(1112)))[case]
+    assert cs149gpt.uses_our_kernel(q, k, v, **kwargs), name
+    ours = cs149gpt.scaled_dot_product_attention(q, k, v, **kwargs)
+    want = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    tol = 1e-5 if q.dtype == torch.float32 else 2e-2
+    assert (ours.double() - want.double()).abs().max().item() <= tol, name
+
+
+def test_sdpa_masks_we_leave_to_torch():
+    """What our kernel does not compute goes to torch: a mask that requires grad, a mask of another float dtype
+    (torch's error), an unbroadcastable one (torch's error), dropout_p = 1."""
+    g = gen(1113)
+    q, k, v, _ = inputs((1, 2, 6, 8), (1, 2, 7, 8), g)
+    learned = torch.zeros(6, 7, requires_grad=True)
+    assert not cs149gpt.uses_our_kernel(q, k, v, attn_mask=learned)
+    out = cs149gpt.scaled_dot_product_attention(q, k, v, attn_mask=learned)
+    out.sum().backward()
+    assert learned.grad is not None  # torch's SDPA computed the mask's gradient
+    with torch.no_grad():
+        assert cs149gpt.uses_our_kernel(q, k, v, attn_mask=learned)
+    for bad in (torch.zeros(6, 7, dtype=torch.float64), torch.ones(6, 7, dtype=torch.int64), torch.zeros(5, 7)):
+        assert not cs149gpt.uses_our_kernel(q, k, v, attn_mask=bad)
+        with pytest.raises(RuntimeError) as theirs:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bad)
+        with pytest.raises(RuntimeError) as ours:
+            cs149gpt.scaled_dot_product_attention(q, k, v, attn_mask=bad)
+        assert str(ours.value) == str(theirs.value)
+    assert not cs149gpt.uses_our_kernel(q, k, v, attn_mask=torch.zeros(6, 7), dropout_p=1.0)
+
+
+def test_sdpa_mask_gradients_match_torch():
+    g = gen(1114)
+    q, k, v, dout = inputs((2, 4, 20, 16), (2, 2, 25, 16), g)
+    mask = random_bool_mask((2, 1, 20, 25), g)
+    grads = []
+    for fn in (cs149gpt.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves, attn_mask=mask, enable_gqa=True).backward(dout)
+        grads.append([t.grad for t in leaves])
+    for ours, theirs in zip(*grads):
+        assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_sdpa_installed_restores_torchs():
+    original = F.scaled_dot_product_attention
+    with cs149gpt.sdpa_installed():
+        assert F.scaled_dot_product_attention is cs149gpt.scaled_dot_product_attention
+        g = gen(1115)
+        q, k, v, _ = inputs((1, 2, 6, 8), (1, 2, 7, 8), g)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(6, 7))
+    assert F.scaled_dot_product_attention is original
+    with pytest.raises(KeyError):
+        with cs149gpt.sdpa_installed():
+            raise KeyError("inside")
+    assert F.scaled_dot_product_attention is original
+    cs149gpt.install_sdpa()
+    try:
+        assert F.scaled_dot_product_attention is cs149gpt.scaled_dot_product_attention
+    finally:
+        cs149gpt.restore_sdpa()
+    assert F.scaled_dot_product_attention is original
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sliding window (FlashAttention's window_size): a band of keys around each query's aligned position.
+# ---------------------------------------------------------------------------------------------------------
+def window_mask(n_q, n_k, left, right):
+    """Bool (Nq, Nk): i + Nk − Nq − left <= j <= i + Nk − Nq + right (−1: that side unbounded)."""
+    i = torch.arange(n_q)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k)[None, :]
+    keep = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
+WINDOWS = [(0, 0), (3, 0), (16, 5), (-1, 2), (7, -1), (40, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_forward(isa, dtype):
+    """out and lse with a window alone, with is_causal, and with an attn_mask, Nq = Nk and Nq != Nk, odd tiles."""
+    g = gen(1120)
+    failures = []
+    for (n_q, n_k) in ((64, 64), (30, 75), (75, 30)):
+        q, k, v, _ = inputs((2, 4, n_q, 16), (2, 2, n_k, 16), g, dtype)
+        pad = random_bool_mask((2, 1, 1, n_k), g, p_keep=0.8, dead_rows=False)
+        for left, right in WINDOWS:
+            band = window_mask(n_q, n_k, left, right)
+            for is_causal, mask in ((False, None), (True, None), ("bottom_right", None), (False, pad)):
+                want_mask = band if mask is None else band & mask
+                for block_q, block_k in ((None, None), (7, 5)):
+                    out, lse = cs149gpt.attention(q, k, v, window=(left, right), is_causal=is_causal,
+                                                  attn_mask=mask, block_q=block_q, block_k=block_k,
+                                                  return_lse=True)
+                    failures += out_problems(out, lse, q, k, v, want_mask, is_causal=is_causal,
+                                             tag=f"{isa} window=({left}, {right}) causal={is_causal} "
+                                                 f"mask={mask is not None} ({n_q}, {n_k}) tiles=({block_q}, {block_k})")
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_window_gradients(isa):
+    g = gen(1121)
+    failures = []
+    for (n_q, n_k) in ((50, 50), (33, 61)):
+        q, k, v, dout = inputs((2, 4, n_q, 16), (2, 2, n_k, 16), g)
+        for left, right in WINDOWS[:4]:
+            band = window_mask(n_q, n_k, left, right)
+            for is_causal in (False, True):
+                for block_q, block_k in ((None, None), (7, 5)):
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                    cs149gpt.attention(*leaves, window=(left, right), is_causal=is_causal, block_q=block_q,
+                                       block_k=block_k).backward(dout)
+                    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+                    ref_masked(*ref_leaves, band, is_causal=is_causal)[0].backward(dout.double())
+                    for name, a, b in zip("qkv", leaves, ref_leaves):
+                        err = (a.grad.double() - b.grad).abs().max().item()
+                        if not err <= GRAD_TOL:
+                            failures.append(f"{isa} d{name} window=({left}, {right}) causal={is_causal} "
+                                            f"({n_q}, {n_k}) tiles=({block_q}, {block_k}): {err:.3g}")
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_window_checks():
+    g = gen(1122)
+    q, k, v, _ = inputs((1, 2, 5, 8), (1, 2, 5, 8), g)
+    with pytest.raises(ValueError, match=r"window must be \(left, right\) with each >= 0, or -1"):
+        cs149gpt.attention(q, k, v, window=(-2, 0))
+    with pytest.raises(TypeError, match="window must be a pair of ints"):
+        cs149gpt.attention(q, k, v, window=3)
+    with pytest.raises(ValueError, match="window needs impl='flash'"):
+        cs149gpt.attention(q, k, v, impl="naive", window=(1, 1))
+    with pytest.raises(ValueError, match="window must be"):
+        torch.ops.cs149gpt.flash_attention(q, k, v, window_left=-5)
+    assert torch.equal(cs149gpt.attention(q, k, v, window=(-1, -1)), cs149gpt.attention(q, k, v))

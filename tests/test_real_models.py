@@ -1,0 +1,222 @@
+"""Real models on our kernel: Hugging Face transformers' Llama (GQA), GPT-2 and BERT, built from tiny configs
+(nothing downloaded), with attn_implementation="cs149gpt" (cs149gpt.register_transformers()), against the same
+weights on torch's "sdpa" attention.
+
+Each test counts operators with torch.profiler: every attention call runs ours (cs149gpt::flash_attention, one
+per layer and forward pass) and none runs torch's SDPA; outputs match torch's within float32 tolerance, greedy
+generation gives identical tokens. Padded batches (left and right) pass boolean masks, which our kernel takes.
+"""
+import pytest
+import torch
+from torch.profiler import profile
+
+import cs149gpt
+
+transformers = pytest.importorskip("transformers")
+
+OURS = "cs149gpt::flash_attention"
+OURS_BACKWARD = "cs149gpt::flash_attention_backward"
+TORCH_SDPA = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_attention_math")
+# float32 logits/hidden states of two attention implementations of the same weights (measured: <= 3e-7 here).
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert cs149gpt.register_transformers() == "cs149gpt"
+
+
+def twins(make_config, model_class):
+    """The same randomly initialised model on our attention and on torch's SDPA (separate configs: from_config
+    writes the implementation into the config it is given)."""
+    torch.manual_seed(0)
+    ours = model_class.from_config(make_config(), attn_implementation="cs149gpt").eval()
+    theirs = model_class.from_config(make_config(), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def attention_calls(fn):
+    """(result of fn(), {operator: count} of ours and torch's attention operators)."""
+    with profile() as prof:
+        result = fn()
+    counts = {}
+    for event in prof.events():
+        if event.name in (OURS, OURS_BACKWARD, *TORCH_SDPA):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return result, counts
+
+
+def assert_all_ours(counts, expected):
+    assert counts.get(OURS, 0) == expected and not any(counts.get(n) for n in TORCH_SDPA), counts
+
+
+def padded_batch(vocab, lengths, n, side, seed=0):
+    """input_ids (B, n) and attention_mask with each row's `length` tokens on the right (left padding) or the
+    left (right padding)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (len(lengths), n), generator=g)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for i, length in enumerate(lengths):
+        if side == "left":
+            mask[i, n - length:] = 1
+        else:
+            mask[i, :length] = 1
+    return ids, mask
+
+
+def llama_config():
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                    pad_token_id=0, bos_token_id=1, eos_token_id=None)
+
+
+def gpt2_config(dropout=0.0):
+    return transformers.GPT2Config(vocab_size=96, n_positions=128, n_embd=64, n_layer=2, n_head=4,
+                                   attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=None)
+
+
+def bert_config():
+    return transformers.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=128, max_position_embeddings=64, pad_token_id=0)
+
+
+CAUSAL_LMS = {"llama": llama_config, "gpt2": gpt2_config}
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", list(CAUSAL_LMS))
+def test_causal_lm_padded_batch(name, side):
+    ours, theirs = twins(CAUSAL_LMS[name], transformers.AutoModelForCausalLM)
+    ids, mask = padded_batch(96, [13, 7, 1, 10], 13, side)
+    with torch.no_grad():
+        out, counts = attention_calls(lambda: ours(input_ids=ids, attention_mask=mask).logits)
+        want = theirs(input_ids=ids, attention_mask=mask).logits
+    assert_all_ours(counts, expected=2)
+    valid = mask.bool()
+    assert (out - want)[valid].abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name", list(CAUSAL_LMS))
+def test_padded_greedy_generation_gives_torchs_tokens(name):
+    ours, theirs = twins(CAUSAL_LMS[name], transformers.AutoModelForCausalLM)
+    ids, mask = padded_batch(96, [9, 4, 6], 9, "left", seed=1)
+    new = 8
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        tokens, counts = attention_calls(lambda: ours.generate(input_ids=ids, **kwargs))
+        want = theirs.generate(input_ids=ids, **kwargs)
+    assert_all_ours(counts, expected=2 * new)  # prefill, then one step per further token; 2 layers each
+    assert torch.equal(tokens, want)
+
+
+def test_static_cache_generation():
+    """A static KV cache passes a mask on every step (prefill and decode): all of them ours."""
+    ours, theirs = twins(llama_config, transformers.AutoModelForCausalLM)
+    ids, mask = padded_batch(96, [7, 5], 7, "left", seed=2)
+    new = 5
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                  cache_implementation="static")
+    with torch.no_grad():
+        tokens, counts = attention_calls(lambda: ours.generate(input_ids=ids, **kwargs))
+        want = theirs.generate(input_ids=ids, **kwargs)
+    assert_all_ours(counts, expected=2 * new)
+    assert torch.equal(tokens, want)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_bert_padded_batch(side):
+    ours, theirs = twins(bert_config, transformers.AutoModel)
+    ids, mask = padded_batch(96, [11, 3, 8], 11, side, seed=3)
+    with torch.no_grad():
+        out, counts = attention_calls(lambda: ours(input_ids=ids, attention_mask=mask).last_hidden_state)
+        want = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert_all_ours(counts, expected=2)
+    assert (out - want)[mask.bool()].abs().max().item() <= TOL
+
+
+def test_gpt2_training_step():
+    """One training step of GPT-2 on a padded batch, without dropout: the loss and every parameter's gradient
+    match torch's; forward and backward both ours."""
+    ours, theirs = twins(gpt2_config, transformers.AutoModelForCausalLM)
+    ours.train()
+    theirs.train()
+    ids, mask = padded_batch(96, [12, 9], 12, "right", seed=4)
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def step(model):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach()
+
+    loss, counts = attention_calls(lambda: step(ours))
+    want = step(theirs)
+    assert_all_ours(counts, expected=2)
+    assert counts.get(OURS_BACKWARD) == 2
+    assert abs(loss.item() - want.item()) <= TOL
+    theirs_params = dict(theirs.named_parameters())
+    worst = max((p.grad - theirs_params[n].grad).abs().max().item() for n, p in ours.named_parameters())
+    assert worst <= 1e-4
+
+
+def test_compiled_llama_padded_batch():
+    """Under torch.compile transformers always builds a mask: it still runs ours, and gives torch's logits."""
+    torch._dynamo.reset()
+    ours, theirs = twins(llama_config, transformers.AutoModelForCausalLM)
+    ids, mask = padded_batch(96, [10, 6], 10, "left", seed=5)
+    compiled = torch.compile(ours)
+    with torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask)  # compile outside the profiled call
+        out, counts = attention_calls(lambda: compiled(input_ids=ids, attention_mask=mask).logits)
+        want = theirs(input_ids=ids, attention_mask=mask).logits
+    torch._dynamo.reset()
+    assert_all_ours(counts, expected=2)
+    assert (out - want)[mask.bool()].abs().max().item() <= TOL
+
+
+def test_sdpa_installed_runs_a_model_written_for_torchs_sdpa():
+    """install_sdpa's scope: transformers' own "sdpa" attention (which calls torch.nn.functional's) runs ours
+    inside it and torch's after."""
+    _, theirs = twins(gpt2_config, transformers.AutoModelForCausalLM)
+    ids, mask = padded_batch(96, [8, 5], 8, "left", seed=6)
+    with torch.no_grad():
+        with cs149gpt.sdpa_installed():
+            out, counts = attention_calls(lambda: theirs(input_ids=ids, attention_mask=mask).logits)
+        want, after = attention_calls(lambda: theirs(input_ids=ids, attention_mask=mask).logits)
+    assert_all_ours(counts, expected=2)
+    assert after.get(OURS, 0) == 0 and after.get(TORCH_SDPA[0]) == 2
+    assert (out - want)[mask.bool()].abs().max().item() <= TOL
+
+
+def test_models_are_copies():
+    """twins() really gives two models with one set of weights and two attention implementations."""
+    ours, theirs = twins(gpt2_config, transformers.AutoModelForCausalLM)
+    assert ours.config._attn_implementation == "cs149gpt" and theirs.config._attn_implementation == "sdpa"
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+
+
+def test_gpt2_training_step_with_dropout():
+    """GPT-2's default attention dropout (0.1) in training: every attention call ours (forward and backward), a
+    finite loss and gradients, the same bits again under the same torch.manual_seed, others under another."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(gpt2_config(dropout=0.1), attn_implementation="cs149gpt")
+    model.train()
+    ids, mask = padded_batch(96, [12, 9], 12, "right", seed=7)
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def step(seed):
+        model.zero_grad()
+        torch.manual_seed(seed)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (loss, grads), counts = attention_calls(lambda: step(1))
+    assert_all_ours(counts, expected=2)
+    assert counts.get(OURS_BACKWARD) == 2
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    again, grads_again = step(1)
+    assert torch.equal(loss, again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    assert not torch.equal(step(2)[0], loss)
