@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <pybind11/stl.h>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <ATen/TensorUtils.h>
@@ -441,6 +442,28 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
   return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true);
 }
 
+// The flash backward's algorithm for these params. One pass (flash_backward_onepass.cpp: five tile products, a task
+// per (batch, kv head) owning its gradient rows) when those tasks keep this machine's CPUs busy: at least
+// kOnePassMinBusy of them over the rounds the tasks take. Two passes (seven products, but tasks per tile) otherwise.
+// The choice depends on the shape and the machine's CPU count, never on the call's thread count, so that the
+// gradients' bits do not either. set_backward_path() forces one (tests run both).
+constexpr double kOnePassMinBusy = 0.7;  // the two-pass kernel does 7/5 = 1.4x the products: 1/1.4 = 0.71
+std::string g_backward_path = "auto";
+
+int64_t machine_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+BackwardPath backward_path(const AttentionParams& p) {
+  if (g_backward_path != "auto") return g_backward_path == "one_pass" ? BackwardPath::one_pass : BackwardPath::two_pass;
+  const int64_t tasks = p.batch * p.num_kv_heads, cpus = machine_cpus();
+  const int64_t rounds = (tasks + cpus - 1) / cpus;
+  const double busy = static_cast<double>(tasks) / static_cast<double>(rounds * cpus);
+  return busy >= kOnePassMinBusy ? BackwardPath::one_pass : BackwardPath::two_pass;
+}
+
 // flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
 //   The gradients of flash_attention's out with respect to q, k, v, given dout = ∂L/∂out and the forward's
 //   out and lse; P is recomputed tile by tile from lse (flash_backward.cpp). dk, dv have k's and v's shape.
@@ -453,6 +476,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
+  bp.path = backward_path(bp.fwd);
   at::Tensor dq = checked_empty(prep.q4.sizes(), q.options(), "dq");
   at::Tensor dk = checked_empty(prep.k4.sizes(), k.options(), "dk");
   at::Tensor dv = checked_empty(prep.v4.sizes(), v.options(), "dv");
@@ -697,6 +721,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
   m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
   m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
+  m.def("set_backward_path", [](const std::string& path) {
+    TORCH_CHECK_VALUE(path == "auto" || path == "one_pass" || path == "two_pass",
+                      "path must be 'auto', 'one_pass' or 'two_pass'; got '", path, "'");
+    g_backward_path = path;
+  }, "force the flash backward's algorithm ('one_pass', 'two_pass'), or let the shape decide ('auto', the default)");
+  m.def("backward_path", [] { return g_backward_path; }, "the flash backward's algorithm setting (set_backward_path)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured FMA peak in GFLOP/s of the current ISA's vectors on num_threads threads");
