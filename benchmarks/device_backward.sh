@@ -16,22 +16,22 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tests/test_nonfinite.py -k "${TEST_FILTER:-not compile}" > "$OUT/pytest_backward.txt" 2>&1
   tail -3 "$OUT/pytest_backward.txt"; grep -E "^FAILED" "$OUT/pytest_backward.txt" | head -20
 fi
-python3 benchmarks/bench_train.py --no-train --memory --memory-threads 16 > "$OUT/train_memory.txt" 2>&1
+timeout 90 python3 benchmarks/bench_train.py --no-train --memory --memory-threads 16 > "$OUT/train_memory.txt" 2>&1
 cat "$OUT/train_memory.txt"
 for dtype in ${DTYPES:-float32 bfloat16}; do
   python3 benchmarks/bench_backward.py --shapes ${SHAPES16:-1,4,1024,32 1,12,1024,64 4,12,2048,64 1,16,4096,128} \
-    --threads 16 --causal both --dtype $dtype --rounds 2 --min-run-time ${MIN_RUN:-0.2} \
+    --threads 16 --causal both --dtype $dtype --rounds ${ROUNDS:-1} --min-run-time ${MIN_RUN:-0.2} \
     --json "$OUT/backward_t16_$dtype.json" > "$OUT/backward_t16_$dtype.txt" 2>&1
   grep -E " bwd | fwd\+bwd " "$OUT/backward_t16_$dtype.txt" | grep flash
 done
-python3 benchmarks/bench_train.py --configs ${TRAIN_CONFIGS:-shipped,nano256,nano512} --threads 16 --steps 5 \
-  --warmup 2 > "$OUT/train_t16.txt" 2>&1
+timeout 120 python3 benchmarks/bench_train.py --configs ${TRAIN_CONFIGS:-shipped,nano256,nano512} --threads 16 \
+  --steps 4 --warmup 2 > "$OUT/train_t16.txt" 2>&1
 cat "$OUT/train_t16.txt"
 for dtype in ${DTYPES:-float32 bfloat16}; do
   python3 benchmarks/bench_backward.py --shapes ${SHAPES1:-1,4,1024,32 1,12,1024,64 4,12,2048,64} \
-    --threads 1 --causal both --dtype $dtype --rounds 2 --min-run-time ${MIN_RUN:-0.2} \
+    --threads 1 --causal both --dtype $dtype --rounds ${ROUNDS:-1} --min-run-time ${MIN_RUN:-0.2} \
     --json "$OUT/backward_t1_$dtype.json" > "$OUT/backward_t1_$dtype.txt" 2>&1
   grep -E " bwd | fwd\+bwd " "$OUT/backward_t1_$dtype.txt" | grep flash
 done
-python3 benchmarks/bench_train.py --configs shipped --threads 1 --steps 4 --warmup 1 > "$OUT/train_t1.txt" 2>&1
+timeout 60 python3 benchmarks/bench_train.py --configs shipped --threads 1 --steps 3 --warmup 1 > "$OUT/train_t1.txt" 2>&1
 cat "$OUT/train_t1.txt"

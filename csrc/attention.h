@@ -85,6 +85,9 @@ enum class BackwardPath { two_pass, one_pass };
 struct AttentionBackwardParams {
   AttentionParams fwd;  // q, k, v, out, lse (all read), sizes, scale, mask, tiles, threads
   BackwardPath path = BackwardPath::two_pass;
+  // one_pass: each (batch, kv head) is split into this many runs of key tiles, tasks of their own whose partial dQ
+  // are summed in order afterwards (module.cpp asks for more than one when there are too few kv heads for the CPUs).
+  int64_t key_chunks = 1;
   const void* dout = nullptr;  // (batch, num_heads, q_len, head_dim)
   void* dq = nullptr;          // like q
   void* dk = nullptr;          // like k

@@ -442,13 +442,17 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
   return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true);
 }
 
-// The flash backward's algorithm for these params. One pass (flash_backward_onepass.cpp: five tile products, a task
-// per (batch, kv head) owning its gradient rows) when those tasks keep this machine's CPUs busy: at least
-// kOnePassMinBusy of them over the rounds the tasks take. Two passes (seven products, but tasks per tile) otherwise.
-// The choice depends on the shape and the machine's CPU count, never on the call's thread count, so that the
-// gradients' bits do not either. set_backward_path() forces one (tests run both).
-constexpr double kOnePassMinBusy = 0.7;  // the two-pass kernel does 7/5 = 1.4x the products: 1/1.4 = 0.71
+// The flash backward's algorithm for these params. One pass (flash_backward_onepass.cpp, flash_backward_bf16.cpp:
+// five tile products, a task per (batch, kv head) owning its gradient rows; split into key_chunks runs of key tiles
+// when there are too few of them for the CPUs, each run's dQ summed in order afterwards) when its tasks keep at
+// least kOnePassMinBusy of this machine's CPUs busy; two passes (seven products, tasks per tile) otherwise.
+// Decided from the shape and the machine's CPU count, never the call's thread count, so that the gradients' bits do
+// not depend on it. set_backward_path() / set_backward_key_chunks() force them (tests run every path).
+constexpr double kOnePassMinBusy = 0.6;  // the one-pass kernel measured ~1.6x the two-pass one's speed per thread
+constexpr double kKeyChunksBusy = 0.85;  // split a kv head's keys until this many of the CPUs are busy
+constexpr int64_t kMaxKeyChunks = 8, kMinKeysPerChunk = 128;
 std::string g_backward_path = "auto";
+int64_t g_backward_key_chunks = 0;  // 0: decided by shape
 
 int64_t machine_cpus() {
   cpu_set_t set;
@@ -456,12 +460,24 @@ int64_t machine_cpus() {
   return std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
 }
 
-BackwardPath backward_path(const AttentionParams& p) {
-  if (g_backward_path != "auto") return g_backward_path == "one_pass" ? BackwardPath::one_pass : BackwardPath::two_pass;
-  const int64_t tasks = p.batch * p.num_kv_heads, cpus = machine_cpus();
+// The share of `cpus` that `tasks` equal tasks keep busy over the rounds they take.
+double busy_share(int64_t tasks, int64_t cpus) {
   const int64_t rounds = (tasks + cpus - 1) / cpus;
-  const double busy = static_cast<double>(tasks) / static_cast<double>(rounds * cpus);
-  return busy >= kOnePassMinBusy ? BackwardPath::one_pass : BackwardPath::two_pass;
+  return static_cast<double>(tasks) / static_cast<double>(rounds * cpus);
+}
+
+void choose_backward(AttentionBackwardParams& bp) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t pairs = p.batch * p.num_kv_heads, cpus = machine_cpus();
+  const int64_t most_chunks = std::clamp<int64_t>(p.kv_len / kMinKeysPerChunk, 1, kMaxKeyChunks);
+  int64_t chunks = 1;
+  while (chunks * 2 <= most_chunks && busy_share(pairs * chunks, cpus) < kKeyChunksBusy) chunks *= 2;
+  if (g_backward_key_chunks > 0) chunks = g_backward_key_chunks;
+  bp.key_chunks = chunks;
+  if (g_backward_path != "auto")
+    bp.path = g_backward_path == "one_pass" ? BackwardPath::one_pass : BackwardPath::two_pass;
+  else
+    bp.path = busy_share(pairs * chunks, cpus) >= kOnePassMinBusy ? BackwardPath::one_pass : BackwardPath::two_pass;
 }
 
 // flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
@@ -476,7 +492,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
-  bp.path = backward_path(bp.fwd);
+  choose_backward(bp);
   at::Tensor dq = checked_empty(prep.q4.sizes(), q.options(), "dq");
   at::Tensor dk = checked_empty(prep.k4.sizes(), k.options(), "dk");
   at::Tensor dv = checked_empty(prep.v4.sizes(), v.options(), "dv");
@@ -727,6 +743,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_backward_path = path;
   }, "force the flash backward's algorithm ('one_pass', 'two_pass'), or let the shape decide ('auto', the default)");
   m.def("backward_path", [] { return g_backward_path; }, "the flash backward's algorithm setting (set_backward_path)");
+  m.def("set_backward_key_chunks", [](int64_t chunks) {
+    TORCH_CHECK_VALUE(chunks >= 0 && chunks <= 8, "chunks must be in [0, 8] (0: decided by shape), got ", chunks);
+    g_backward_key_chunks = chunks;
+  }, "force the one-pass backward to split each kv head's keys into this many tasks (0: decided by shape)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured FMA peak in GFLOP/s of the current ISA's vectors on num_threads threads");

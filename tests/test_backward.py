@@ -156,17 +156,20 @@ def test_reference_gradients_match_torch_sdpa():
                     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"{name} {hq}/{hkv} {mode}")
 
 
-@pytest.fixture(params=["one_pass", "two_pass"])
+@pytest.fixture(params=["one_pass", "one_pass_chunked", "two_pass"])
 def backward_path(request):
-    """Runs the test with one backward algorithm forced: one pass (flash_backward_onepass.cpp, a task per
-    (batch, kv head)) or two (flash_backward.cpp). module.cpp otherwise picks by shape and CPU count, so on any
-    one machine some shapes would only ever meet one of them."""
+    """Runs the test with one backward algorithm forced: one pass (flash_backward_onepass.cpp and, for bf16 on amx
+    and avx512_bf16, flash_backward_bf16.cpp: a task per (batch, kv head)), the same with each kv head's keys split
+    into 3 tasks whose partial dq are summed afterwards, or two passes (flash_backward.cpp). module.cpp otherwise
+    picks by shape and CPU count, so on any one machine some shapes would only ever meet one of them."""
     m = module()
-    m.set_backward_path(request.param)
+    m.set_backward_path("two_pass" if request.param == "two_pass" else "one_pass")
+    m.set_backward_key_chunks(3 if request.param == "one_pass_chunked" else 0)
     try:
         yield request.param
     finally:
         m.set_backward_path("auto")
+        m.set_backward_key_chunks(0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -400,7 +403,7 @@ def test_fully_masked_rows(isa, dtype, backward_path):
 # ---------------------------------------------------------------------------------------------------------
 # Determinism
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backward_path", ["auto", "one_pass", "two_pass"], indirect=True)
+@pytest.mark.parametrize("backward_path", ["auto", "one_pass", "one_pass_chunked", "two_pass"], indirect=True)
 def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backward_path):
     """dq, dk, dv are torch.equal for 1, 2 and 3 threads (including GQA, where dk/dv sum over a group of query
     heads, and tiles that give several tasks per thread), and for two runs on the same thread count: for each

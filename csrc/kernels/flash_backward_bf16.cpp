@@ -41,8 +41,9 @@ constexpr float kLog2e = 1.44269504088896341f;
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
 struct Layout {
-  int64_t Br, Bc, q_pad, d_k, d_n, group_size, tasks, threads;
-  // per thread, in floats: dQᵀ (group × d_k × q_pad), lse·log2(e) and D (group × q_pad); K_j, V_j (Bc × d_k bf16),
+  int64_t Br, Bc, Tc, q_pad, d_k, d_n, group_size, chunks, pairs, tasks, threads;
+  int64_t partial_dq, shared;  // with key chunks (flash_backward_onepass.cpp): each task's partial dQᵀ
+  // per thread, in floats: dQᵀ without key chunks (group × d_k × q_pad), lse·log2(e) and D (group × q_pad); K_j, V_j (Bc × d_k bf16),
   // K_jᵀ (d_k × Bc bf16); Q_iᵀ, dO_iᵀ in VNNI pairs (d_k × Br bf16), Q_i, dO_i in VNNI pairs (Br × d_n bf16);
   // Sᵀ, dPᵀ (Bc × Br float32); Pᵀ, dSᵀ (Bc × Br bf16) and dSᵀ in VNNI pairs; dK_j, dV_j (Bc × d_n float32);
   // each query column's visible keys (Br int32 twice)
@@ -59,10 +60,16 @@ struct Layout {
     d_k = round_up(p.head_dim, kDotK);     // k of Sᵀ, dPᵀ; rows (M) of dQᵀ
     d_n = round_up(p.head_dim, kDotCols);  // n of dV, dK
     group_size = p.num_heads / p.num_kv_heads;
-    tasks = p.batch * p.num_kv_heads;
+    Tc = (p.kv_len + Bc - 1) / Bc;
+    chunks = std::clamp<int64_t>(bp.key_chunks, 1, Tc);
+    pairs = p.batch * p.num_kv_heads;
+    tasks = pairs * chunks;
     threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
+    const int64_t dq_size = group_size * d_k * q_pad;
+    partial_dq = 0;
+    shared = chunks > 1 ? tasks * dq_size : 0;
     dqt_off = 0;
-    lse2_off = dqt_off + group_size * d_k * q_pad;
+    lse2_off = dqt_off + (chunks > 1 ? 0 : dq_size);
     delta_off = lse2_off + group_size * q_pad;
     kr_off = delta_off + group_size * q_pad;
     vr_off = kr_off + floats_for(Bc * d_k);
@@ -216,16 +223,18 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   }
 }
 
-// The task of kv head kvh in batch b: dK, dV of that head, dQ of the query heads of its group.
-void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, const Scratch& s) {
+// The task of chunk `chunk` of kv head kvh in batch b (key tiles [chunk·Tc/C, (chunk+1)·Tc/C)): dK, dV of its keys,
+// its share of the dQᵀ of the group's query heads into s.dQT, written out here when the task has all the keys.
+void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
+                  const Scratch& s) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, h0 = kvh * L.group_size;
   fill_row(0.0f, s.dQT, L.group_size * L.d_k * L.q_pad);
   for (int64_t g = 0; g < L.group_size; ++g)
     row_statistics(bp, L, b, h0 + g, s.lse2 + g * L.q_pad, s.delta + g * L.q_pad);
 
-  for (int64_t j0 = 0; j0 < p.kv_len; j0 += L.Bc) {
-    const int64_t n_keys = std::min(L.Bc, p.kv_len - j0);
+  for (int64_t j = chunk * L.Tc / L.chunks; j < (chunk + 1) * L.Tc / L.chunks; ++j) {
+    const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
     const bool k_finite = pack_key_tile(p, L, b, kvh, j0, n_keys, s);
     fill_row(0.0f, s.dK, L.Bc * L.d_n);
     fill_row(0.0f, s.dV, L.Bc * L.d_n);
@@ -241,7 +250,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
         dv_out[t * bp.dv_strides[2] + c] = static_cast<c10::BFloat16>(s.dV[t * L.d_n + c]);
       }
   }
-
+  if (L.chunks > 1) return;  // run() sums the chunks' dQᵀ
   for (int64_t g = 0; g < L.group_size; ++g) {
     auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
     const float* dQT = s.dQT + g * L.d_k * L.q_pad;
@@ -251,15 +260,44 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   }
 }
 
+// With key chunks: dQ row i of query head h = scale · Σ_c (chunk c's partial dQᵀ column), in the order of c.
+void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, const float* partial, int64_t b, int64_t h,
+                   int64_t i) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t kvh = h / L.group_size, g = h % L.group_size, dq_size = L.group_size * L.d_k * L.q_pad;
+  auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] +
+                 i * bp.dq_strides[2];
+  for (int64_t e = 0; e < p.head_dim; ++e) {
+    float sum = 0.0f;
+    for (int64_t c = 0; c < L.chunks; ++c)
+      sum += partial[(c * L.pairs + b * p.num_kv_heads + kvh) * dq_size + (g * L.d_k + e) * L.q_pad + i];
+    dq_out[e] = static_cast<c10::BFloat16>(p.scale * sum);
+  }
+}
+
 void run(const AttentionBackwardParams& bp, float* ws) {
   const AttentionParams& p = bp.fwd;
   const Layout L(bp);
 #pragma omp parallel num_threads(static_cast<int>(L.threads))
   {
-    const Scratch s(L, ws + omp_get_thread_num() * L.per_thread);
+    Scratch s(L, ws + L.shared + omp_get_thread_num() * L.per_thread);
     const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
+    const int64_t dq_size = L.group_size * L.d_k * L.q_pad;
+    float* own_dqt = s.dQT;
+    // Tasks chunk by chunk: under a causal mask the first keys meet the most query rows, so go first.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < L.tasks; ++t) kv_head_task(bp, L, t / p.num_kv_heads, t % p.num_kv_heads, s);
+    for (int64_t t = 0; t < L.tasks; ++t) {
+      s.dQT = L.chunks > 1 ? ws + L.partial_dq + t * dq_size : own_dqt;
+      kv_head_task(bp, L, (t % L.pairs) / p.num_kv_heads, t % p.num_kv_heads, t / L.pairs, s);
+    }
+    // (implicit barrier: every chunk's dQᵀ is complete)
+    if (L.chunks > 1) {
+      const int64_t rows = p.batch * p.num_heads * p.q_len;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r)
+        sum_chunks_dq(bp, L, ws + L.partial_dq, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads,
+                      r % p.q_len);
+    }
   }
 }
 
@@ -270,7 +308,7 @@ inline bool applies(const AttentionBackwardParams& bp) {
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {
   const Layout L(bp);
-  return L.threads * L.per_thread;
+  return L.shared + L.threads * L.per_thread;
 }
 
 }  // namespace flash_backward_bf16

@@ -14,9 +14,11 @@
 //
 // No two threads ever write the same gradient row, without atomics: one task per (batch, kv head) owns the dQ
 // rows of every query head of its group (accumulated in float32 in the thread's scratch, in the fixed order of
-// the key tiles) and the dK, dV rows of its kv head (the group's heads summed in a fixed order). So the bits of
-// the result do not depend on the number of threads. module.cpp picks this kernel when there are enough such
-// tasks to keep the machine's CPUs busy (BackwardPath::one_pass); the two-pass kernel otherwise.
+// the key tiles) and the dK, dV rows of its kv head (the group's heads summed in a fixed order). Where there are
+// too few kv heads for the CPUs, module.cpp splits each one's key tiles into key_chunks runs: a task per run, with
+// its own partial dQ (in the shared workspace), the partials summed in the order of the runs once all are done.
+// Either way the bits of the result do not depend on the number of threads. module.cpp picks this kernel when its
+// tasks keep the machine's CPUs busy (BackwardPath::one_pass); the two-pass kernel otherwise.
 //
 // Memory: per thread, one task's dQ accumulator, D and lse (its group's query rows) and the tiles; nothing is
 // packed for the whole tensor. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values
@@ -58,8 +60,11 @@ inline KeyRange visible_in_tile(const AttentionParams& p, int64_t i, int64_t j0,
 }
 
 struct Layout {
-  int64_t Br, Bc, Tr, Tc, q_pad, d_pad, group_size, tasks, threads;
-  // per thread: dQ of the task's group (group_size × q_pad × d_pad), D and lse (group_size × q_pad);
+  int64_t Br, Bc, Tr, Tc, q_pad, d_pad, group_size, chunks, pairs, tasks, threads;
+  // shared, with key chunks: each task's partial dQ (tasks × group_size × q_pad × d_pad).
+  int64_t partial_dq, shared;
+  // per thread: dQ of the task's group without key chunks (group_size × q_pad × d_pad), D and lse (group_size ×
+  // q_pad);
   // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones
   int64_t dq_off, delta_off, lse_off, kt_off, vt_off, kr_off, qi_off, doi_off, p_off, ds_off, dk_off, dv_off, ones_off,
       per_thread;
@@ -77,10 +82,15 @@ struct Layout {
     q_pad = Tr * Br;
     d_pad = round_up(p.head_dim, W);
     group_size = p.num_heads / p.num_kv_heads;
-    tasks = p.batch * p.num_kv_heads;
+    chunks = std::clamp<int64_t>(bp.key_chunks, 1, Tc);
+    pairs = p.batch * p.num_kv_heads;
+    tasks = pairs * chunks;
     threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
+    const int64_t dq_size = group_size * q_pad * d_pad;
+    partial_dq = 0;
+    shared = chunks > 1 ? tasks * dq_size : 0;
     dq_off = 0;
-    delta_off = dq_off + group_size * q_pad * d_pad;
+    delta_off = dq_off + (chunks > 1 ? 0 : dq_size);
     lse_off = delta_off + group_size * q_pad;
     kt_off = lse_off + group_size * q_pad;
     vt_off = kt_off + p.head_dim * Bc;
@@ -243,19 +253,24 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   }
 }
 
-// The task of kv head kvh in batch b: dK, dV of that head, dQ of the query heads of its group.
+// The key tiles of chunk c of C: [c·Tc/C, (c+1)·Tc/C).
+inline int64_t chunk_start(const Layout& L, int64_t c) { return c * L.Tc / L.chunks; }
+
+// The task of chunk `chunk` of kv head kvh in batch b: dK, dV of its keys, and its share of the dQ of the query heads
+// of the group, into dQ (group_size × q_pad × d_pad); written out here when the task has all the keys.
 template <class T>
-void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, float* scratch) {
+void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
+                  float* dQ, float* scratch) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, h0 = kvh * L.group_size;
-  float *dQ = scratch + L.dq_off, *delta = scratch + L.delta_off, *lse = scratch + L.lse_off;
+  float *delta = scratch + L.delta_off, *lse = scratch + L.lse_off;
   float *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
   fill_row(0.0f, dQ, L.group_size * L.q_pad * d_pad);
   for (int64_t g = 0; g < L.group_size; ++g)
     row_statistics<T>(bp, L, b, h0 + g, delta + g * L.q_pad, lse + g * L.q_pad);
 
-  for (int64_t j0 = 0; j0 < p.kv_len; j0 += L.Bc) {
-    const int64_t n_keys = std::min(L.Bc, p.kv_len - j0);
+  for (int64_t j = chunk_start(L, chunk); j < chunk_start(L, chunk + 1); ++j) {
+    const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
     pack_key_tile<T>(p, L, b, kvh, j0, scratch + L.kt_off, scratch + L.vt_off, scratch + L.kr_off);
     fill_row(0.0f, dK, L.Bc * d_pad);
     fill_row(0.0f, dV, L.Bc * d_pad);
@@ -271,7 +286,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
         dv_out[t * bp.dv_strides[2] + c] = static_cast<T>(dV[t * d_pad + c]);
       }
   }
-
+  if (L.chunks > 1) return;  // run() sums the chunks' dQ
   for (int64_t g = 0; g < L.group_size; ++g) {
     T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
     const float* dQg = dQ + g * L.q_pad * d_pad;
@@ -280,16 +295,47 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   }
 }
 
+// With key chunks: dQ row i of query head h = scale · Σ_c (chunk c's partial dQ), summed in the order of c (into
+// chunk 0's row, which only this call touches).
+template <class T>
+void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, float* partial, int64_t b, int64_t h,
+                   int64_t i) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t kvh = h / L.group_size, g = h % L.group_size, dq_size = L.group_size * L.q_pad * L.d_pad;
+  const int64_t row = (g * L.q_pad + i) * L.d_pad;
+  float* sum = partial + (b * p.num_kv_heads + kvh) * dq_size + row;
+  for (int64_t c = 1; c < L.chunks; ++c) {
+    const float* part = partial + (c * L.pairs + b * p.num_kv_heads + kvh) * dq_size + row;
+    for (int64_t e = 0; e < p.head_dim; ++e) sum[e] += part[e];
+  }
+  T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i * bp.dq_strides[2];
+  for (int64_t e = 0; e < p.head_dim; ++e) dq_out[e] = static_cast<T>(p.scale * sum[e]);
+}
+
 template <class T>
 void run(const AttentionBackwardParams& bp, float* ws) {
   const AttentionParams& p = bp.fwd;
   const Layout L(bp);
 #pragma omp parallel num_threads(static_cast<int>(L.threads))
   {
-    float* scratch = ws + omp_get_thread_num() * L.per_thread;
+    float* scratch = ws + L.shared + omp_get_thread_num() * L.per_thread;
     fill_row(1.0f, scratch + L.ones_off, std::max(L.Br, L.Bc));  // α = 1: the products accumulate
+    const int64_t dq_size = L.group_size * L.q_pad * L.d_pad;
+    // Tasks chunk by chunk: under a causal mask the first keys meet the most query rows, so go first.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < L.tasks; ++t) kv_head_task<T>(bp, L, t / p.num_kv_heads, t % p.num_kv_heads, scratch);
+    for (int64_t t = 0; t < L.tasks; ++t) {
+      const int64_t chunk = t / L.pairs, b = (t % L.pairs) / p.num_kv_heads, kvh = t % p.num_kv_heads;
+      float* dQ = L.chunks > 1 ? ws + L.partial_dq + t * dq_size : scratch + L.dq_off;
+      kv_head_task<T>(bp, L, b, kvh, chunk, dQ, scratch);
+    }
+    // (implicit barrier: every chunk's dQ is complete)
+    if (L.chunks > 1) {
+      const int64_t rows = p.batch * p.num_heads * p.q_len;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r)
+        sum_chunks_dq<T>(bp, L, ws + L.partial_dq, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads,
+                         r % p.q_len);
+    }
   }
 }
 
@@ -298,7 +344,7 @@ inline bool applies(const AttentionBackwardParams& bp) { return bp.path == Backw
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {
   const Layout L(bp);
-  return L.threads * L.per_thread;
+  return L.shared + L.threads * L.per_thread;
 }
 
 inline void run_any(const AttentionBackwardParams& bp, float* ws) {
