@@ -175,6 +175,7 @@ def backward_path(request):
 # ---------------------------------------------------------------------------------------------------------
 # float32 gradients against float64 autograd
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backward_path", ["one_pass", "two_pass"], indirect=True)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_cs336_shape(isa, is_causal, backward_path):
     """(4, 128, 64) 3-D tensors, as in CS336's FlashAttention-2 assignment."""
@@ -185,6 +186,7 @@ def test_cs336_shape(isa, is_causal, backward_path):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("backward_path", ["one_pass", "two_pass"], indirect=True)
 def test_4d_odd_shapes_gqa_and_causal_alignments(isa, backward_path):
     """(B, H, N, d) with sizes no vector width or tile divides, Nq != Nk both ways, GQA (Hq=6 over 2 and 1
     kv heads), every causal mode, explicit scales."""
@@ -250,6 +252,7 @@ def _strided_cases(g):
            lambda q, k, v: (q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)))
 
 
+@pytest.mark.parametrize("backward_path", ["one_pass", "two_pass"], indirect=True)
 def test_strided_inputs_grad_lands_in_base(isa, backward_path):
     """q, k, v are non-contiguous views of tensors that require grad; base.grad equals float64 autograd
     through the same views."""
@@ -274,6 +277,7 @@ def test_strided_inputs_grad_lands_in_base(isa, backward_path):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("backward_path", ["one_pass", "two_pass"], indirect=True)
 def test_strided_dout(isa, backward_path):
     """dout as autograd may hand it over: expanded (out.sum(): all strides 0), broadcast over batch and heads,
     transposed, head dim strided. Same bits as with a contiguous dout, and correct."""
@@ -330,6 +334,7 @@ def test_partial_requires_grad_and_lse_not_differentiable():
 # ---------------------------------------------------------------------------------------------------------
 # bf16 / fp16
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backward_path", ["one_pass", "two_pass"], indirect=True)
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 def test_low_precision_gradients(isa, dtype, backward_path):
     """Gradients in the input dtype, within 2u (norm-relative) of float64 autograd on the same inputs."""

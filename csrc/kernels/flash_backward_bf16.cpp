@@ -12,7 +12,8 @@
 //   dQ_iᵀ += K_jᵀ dSᵀ                    dQᵀ of the task, float32         (× scale, transposed back, when written)
 // One task per (batch, kv head), as the float32 one-pass kernel: it owns dQ of its group's query heads and dK, dV
 // of its kv head, so the bits do not depend on the thread count. Memory per thread: the task's dQᵀ, lse and D, and
-// the tiles; Q_i and dO_i are packed per tile pair, K_j and V_j per key tile.
+// the task's Qᵀ and dOᵀ (packed once per task), and the tiles; K_j and V_j are packed per key tile, Q_i and dO_i by
+// rows per tile pair.
 //
 // A key tile whose K holds a NaN or an infinity takes dQᵀ += K_jᵀ dSᵀ key by key over each query's visible keys
 // instead (a hidden key has dS = 0, and 0 · inf would be NaN: README, "Non-finite values").
@@ -33,9 +34,10 @@ using flash::round_up;
 using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
 
-// Query tiles of 64 rows, key tiles of 128 keys; both whole dot-product steps (32) and at most kMaxTile.
+// Query tiles of 128 rows, key tiles of 128 keys (the better of 32-128 x 64-256 on the dev box, avx512_bf16);
+// both whole dot-product steps (32) and at most kMaxTile.
 constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C
-constexpr int64_t kDefaultBlockQ = 64, kDefaultBlockK = 128, kMaxTile = 512;
+constexpr int64_t kDefaultBlockQ = 128, kDefaultBlockK = 128, kMaxTile = 512;
 constexpr float kLog2e = 1.44269504088896341f;
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
@@ -44,7 +46,8 @@ struct Layout {
   int64_t Br, Bc, Tc, q_pad, d_k, d_n, group_size, chunks, pairs, tasks, threads;
   int64_t partial_dq, shared;  // with key chunks (flash_backward_onepass.cpp): each task's partial dQᵀ
   // per thread, in floats: dQᵀ without key chunks (group × d_k × q_pad), lse·log2(e) and D (group × q_pad); K_j, V_j (Bc × d_k bf16),
-  // K_jᵀ (d_k × Bc bf16); Q_iᵀ, dO_iᵀ in VNNI pairs (d_k × Br bf16), Q_i, dO_i in VNNI pairs (Br × d_n bf16);
+  // K_jᵀ (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
+// q_pad/Br × d_k × Br bf16), Q_i, dO_i in VNNI pairs (Br × d_n bf16);
   // Sᵀ, dPᵀ (Bc × Br float32); Pᵀ, dSᵀ (Bc × Br bf16) and dSᵀ in VNNI pairs; dK_j, dV_j (Bc × d_n float32);
   // each query column's visible keys (Br int32 twice)
   int64_t dqt_off, lse2_off, delta_off, kr_off, vr_off, kt_off, qt_off, dot_off, qv_off, dov_off, st_off, dpt_off,
@@ -75,8 +78,8 @@ struct Layout {
     vr_off = kr_off + floats_for(Bc * d_k);
     kt_off = vr_off + floats_for(Bc * d_k);
     qt_off = kt_off + floats_for(d_k * Bc);
-    dot_off = qt_off + floats_for(d_k * Br);
-    qv_off = dot_off + floats_for(d_k * Br);
+    dot_off = qt_off + floats_for(group_size * d_k * q_pad);
+    qv_off = dot_off + floats_for(group_size * d_k * q_pad);
     dov_off = qv_off + floats_for(Br * d_n);
     st_off = dov_off + floats_for(Br * d_n);
     dpt_off = st_off + Bc * Br;
@@ -138,6 +141,22 @@ void row_statistics(const AttentionBackwardParams& bp, const Layout& L, int64_t 
   }
 }
 
+// Q_iᵀ and dO_iᵀ in VNNI pairs (B of Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: k = head dim, n = query row) for every
+// query tile of head h, tile after tile (d_k × Br each), zero past q_len and head_dim. Once per task: every key
+// tile reads them.
+void pack_query_tiles(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, bf16_bits* QT,
+                      bf16_bits* dOT) {
+  const AttentionParams& p = bp.fwd;
+  std::fill(QT, QT + L.q_pad * L.d_k, bf16_bits{0});
+  std::fill(dOT, dOT + L.q_pad * L.d_k, bf16_bits{0});
+  for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br) {
+    const int64_t rows = std::min(L.Br, p.q_len - i0);
+    pack_vnni_transposed(p.head_dim, rows, row_of(p.q, p.q_strides, b, h, i0), p.q_strides[2], QT + i0 * L.d_k, L.Br);
+    pack_vnni_transposed(p.head_dim, rows, row_of(bp.dout, bp.dout_strides, b, h, i0), bp.dout_strides[2],
+                         dOT + i0 * L.d_k, L.Br);
+  }
+}
+
 // Key tile [j0, j0 + n_keys) of kv head (b, kvh): K_j and V_j by rows, K_jᵀ; zero past the keys and head_dim.
 // Returns whether K_j is all finite.
 bool pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j0, int64_t n_keys,
@@ -182,21 +201,19 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   const int64_t c0 = first_col / kStep * kStep, c1 = round_up(last_col, kStep), n_q = c1 - c0;
   const int64_t m_keys = round_up(max_end, kStep);  // key rows computed
 
-  // Q_i and dO_i: transposed in VNNI pairs (B of Sᵀ, dPᵀ: k = head dim) and by rows in VNNI pairs (B of dK, dV:
-  // k = query row).
+  // Q_i and dO_i by rows in VNNI pairs (B of dK, dV: k = query row); transposed (B of Sᵀ, dPᵀ: k = head dim),
+  // packed once per task.
   const bf16_bits *Q = row_of(p.q, p.q_strides, b, h, i0), *dO = row_of(bp.dout, bp.dout_strides, b, h, i0);
-  std::fill(s.QT, s.QT + L.d_k * Br, bf16_bits{0});
-  std::fill(s.dOT, s.dOT + L.d_k * Br, bf16_bits{0});
   std::fill(s.Qv, s.Qv + Br * L.d_n, bf16_bits{0});
   std::fill(s.dOv, s.dOv + Br * L.d_n, bf16_bits{0});
-  pack_vnni_transposed(d, rows, Q, p.q_strides[2], s.QT, Br);
-  pack_vnni_transposed(d, rows, dO, bp.dout_strides[2], s.dOT, Br);
+  const int64_t tile_t = (g * L.q_pad + i0) * L.d_k;  // this query tile's Q_iᵀ, dO_iᵀ (pack_query_tiles)
+  const bf16_bits *QT = s.QT + tile_t, *dOT = s.dOT + tile_t;
   pack_vnni_rows(rows, d, Q, p.q_strides[2], s.Qv, L.d_n);
   pack_vnni_rows(rows, d, dO, bp.dout_strides[2], s.dOv, L.d_n);
 
   // Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ   (m_keys × n_q, float32)
-  bf16_gemm(m_keys, n_q, L.d_k, s.Kr, L.d_k, s.QT + 2 * c0, Br, s.ST + c0, Br, false);
-  bf16_gemm(m_keys, n_q, L.d_k, s.Vr, L.d_k, s.dOT + 2 * c0, Br, s.dPT + c0, Br, false);
+  bf16_gemm(m_keys, n_q, L.d_k, s.Kr, L.d_k, QT + 2 * c0, Br, s.ST + c0, Br, false);
+  bf16_gemm(m_keys, n_q, L.d_k, s.Vr, L.d_k, dOT + 2 * c0, Br, s.dPT + c0, Br, false);
 
   // Pᵀ, dSᵀ in bf16, 0 where the query does not see the key
   const float *lse2 = s.lse2 + g * L.q_pad + i0, *delta = s.delta + g * L.q_pad + i0;
@@ -230,8 +247,10 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, h0 = kvh * L.group_size;
   fill_row(0.0f, s.dQT, L.group_size * L.d_k * L.q_pad);
-  for (int64_t g = 0; g < L.group_size; ++g)
+  for (int64_t g = 0; g < L.group_size; ++g) {
     row_statistics(bp, L, b, h0 + g, s.lse2 + g * L.q_pad, s.delta + g * L.q_pad);
+    pack_query_tiles(bp, L, b, h0 + g, s.QT + g * L.q_pad * L.d_k, s.dOT + g * L.q_pad * L.d_k);
+  }
 
   for (int64_t j = chunk * L.Tc / L.chunks; j < (chunk + 1) * L.Tc / L.chunks; ++j) {
     const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
