@@ -357,7 +357,8 @@ def test_bf16_gradients_no_further_from_float64_than_torch(isa, backward_path):
     g = gen(711)
     failures = []
     for shape, causal in [((1, 4, 256, 64), False), ((1, 4, 256, 64), True), ((2, 3, 300, 32), True),
-                          ((1, 2, 200, 128), False)]:
+                          ((1, 2, 200, 128), False), ((1, 1, 2100, 128), True)]:
+        # (the last: Qᵀ and dOᵀ beyond flash_backward_bf16.cpp's kMaxCachedQuery, packed per tile pair)
         q, k, v, dout = (randn(*shape, gen=g).to(torch.bfloat16) for _ in range(4))
         leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
         want = torch.autograd.grad(F.scaled_dot_product_attention(*leaves64, is_causal=causal), leaves64,

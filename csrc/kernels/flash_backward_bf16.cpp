@@ -12,8 +12,8 @@
 //   dQ_iᵀ += K_jᵀ dSᵀ                    dQᵀ of the task, float32         (× scale, transposed back, when written)
 // One task per (batch, kv head), as the float32 one-pass kernel: it owns dQ of its group's query heads and dK, dV
 // of its kv head, so the bits do not depend on the thread count. Memory per thread: the task's dQᵀ, lse and D, and
-// the task's Qᵀ and dOᵀ (packed once per task), and the tiles; K_j and V_j are packed per key tile, Q_i and dO_i by
-// rows per tile pair.
+// the task's Qᵀ and dOᵀ (packed once per task where small, kMaxCachedQuery; else per tile pair), and the tiles;
+// K_j and V_j are packed per key tile, Q_i and dO_i by rows per tile pair.
 //
 // A key tile whose K holds a NaN or an infinity takes dQᵀ += K_jᵀ dSᵀ key by key over each query's visible keys
 // instead (a hidden key has dS = 0, and 0 · inf would be NaN: README, "Non-finite values").
@@ -34,16 +34,22 @@ using flash::round_up;
 using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
 
-// Query tiles of 128 rows, key tiles of 128 keys (the better of 32-128 x 64-256 on the dev box, avx512_bf16);
-// both whole dot-product steps (32) and at most kMaxTile.
+// Query tiles of 128 rows (64 for head_dim > 64: less scratch per thread), key tiles of 128 keys (the better of
+// 32-128 x 64-256 on the dev box, avx512_bf16); both whole dot-product steps (32) and at most kMaxTile.
 constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C
-constexpr int64_t kDefaultBlockQ = 128, kDefaultBlockK = 128, kMaxTile = 512;
+constexpr int64_t kDefaultBlockK = 128, kMaxTile = 512;
+inline int64_t default_block_q(int64_t head_dim) { return head_dim > 64 ? 64 : 128; }
+// A task packs Qᵀ and dOᵀ of its query rows once (instead of once per tile pair: a third of the pair's time on the
+// dev box) when they take at most this many bf16 each. Beyond, the cache would make the backward's memory exceed
+// torch's, which keeps a float32 dQ per thread as we do (1,16,4096,128: 89 MiB for torch, 121 with the cache).
+constexpr int64_t kMaxCachedQuery = int64_t{1} << 18;
 constexpr float kLog2e = 1.44269504088896341f;
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
 struct Layout {
   int64_t Br, Bc, Tc, q_pad, d_k, d_n, group_size, chunks, pairs, tasks, threads;
+  bool cache_query;  // Qᵀ, dOᵀ packed once per task (else per tile pair)
   int64_t partial_dq, shared;  // with key chunks (flash_backward_onepass.cpp): each task's partial dQᵀ
   // per thread, in floats: dQᵀ without key chunks (group × d_k × q_pad), lse·log2(e) and D (group × q_pad); K_j, V_j (Bc × d_k bf16),
   // K_jᵀ (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
@@ -55,7 +61,7 @@ struct Layout {
 
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
-    Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kStep) : kDefaultBlockQ;
+    Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kStep) : default_block_q(p.head_dim);
     Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kStep) : kDefaultBlockK;
     Br = std::min({Br, round_up(p.q_len, kStep), kMaxTile});
     Bc = std::min({Bc, round_up(p.kv_len, kStep), kMaxTile});
@@ -77,9 +83,11 @@ struct Layout {
     kr_off = delta_off + group_size * q_pad;
     vr_off = kr_off + floats_for(Bc * d_k);
     kt_off = vr_off + floats_for(Bc * d_k);
+    cache_query = group_size * d_k * q_pad <= kMaxCachedQuery;
+    const int64_t query_t = cache_query ? group_size * d_k * q_pad : d_k * Br;
     qt_off = kt_off + floats_for(d_k * Bc);
-    dot_off = qt_off + floats_for(group_size * d_k * q_pad);
-    qv_off = dot_off + floats_for(group_size * d_k * q_pad);
+    dot_off = qt_off + floats_for(query_t);
+    qv_off = dot_off + floats_for(query_t);
     dov_off = qv_off + floats_for(Br * d_n);
     st_off = dov_off + floats_for(Br * d_n);
     dpt_off = st_off + Bc * Br;
@@ -207,7 +215,13 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   std::fill(s.Qv, s.Qv + Br * L.d_n, bf16_bits{0});
   std::fill(s.dOv, s.dOv + Br * L.d_n, bf16_bits{0});
   const int64_t tile_t = (g * L.q_pad + i0) * L.d_k;  // this query tile's Q_iᵀ, dO_iᵀ (pack_query_tiles)
-  const bf16_bits *QT = s.QT + tile_t, *dOT = s.dOT + tile_t;
+  const bf16_bits *QT = L.cache_query ? s.QT + tile_t : s.QT, *dOT = L.cache_query ? s.dOT + tile_t : s.dOT;
+  if (!L.cache_query) {
+    std::fill(s.QT, s.QT + L.d_k * Br, bf16_bits{0});
+    std::fill(s.dOT, s.dOT + L.d_k * Br, bf16_bits{0});
+    pack_vnni_transposed(d, rows, Q, p.q_strides[2], s.QT, Br);
+    pack_vnni_transposed(d, rows, dO, bp.dout_strides[2], s.dOT, Br);
+  }
   pack_vnni_rows(rows, d, Q, p.q_strides[2], s.Qv, L.d_n);
   pack_vnni_rows(rows, d, dO, bp.dout_strides[2], s.dOv, L.d_n);
 
@@ -249,7 +263,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   fill_row(0.0f, s.dQT, L.group_size * L.d_k * L.q_pad);
   for (int64_t g = 0; g < L.group_size; ++g) {
     row_statistics(bp, L, b, h0 + g, s.lse2 + g * L.q_pad, s.delta + g * L.q_pad);
-    pack_query_tiles(bp, L, b, h0 + g, s.QT + g * L.q_pad * L.d_k, s.dOT + g * L.q_pad * L.d_k);
+    if (L.cache_query) pack_query_tiles(bp, L, b, h0 + g, s.QT + g * L.q_pad * L.d_k, s.dOT + g * L.q_pad * L.d_k);
   }
 
   for (int64_t j = chunk * L.Tc / L.chunks; j < (chunk + 1) * L.Tc / L.chunks; ++j) {
