@@ -341,7 +341,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // workspace in plain int64 arithmetic, rounding tiles up to row groups and vectors (never more than 64 elements);
 // for sizes that are huge while the memory behind them is not (stride-0 expanded inputs) that arithmetic would wrap
 // around and hand the kernel a buffer far too small. With Q = B·H·(Nq+64)·(d+64), K = B·H·(Nk+64)·(d+64) and
-// T = threads·(Nq+Nk+128)·(d+64), the largest formula, flash_backward.cpp's, is below 6·Q + 8·K + 6·T; flash.cpp's
+// T = threads·(Nq+Nk+128)·(d+64), flash_backward.cpp's formula is below 6·Q + 8·K + 6·T; the one-pass backward
+// kernels' below 9·Q + 32·T (up to 8 key chunks' partial dQ, tiles of at most 512 × 512); flash.cpp's
 // below 19·K + 27·T (Bc = 1 pads every key to a vector); flash_decode.cpp's below 4·K + T; fused.cpp's below T;
 // naive and blocked's is Nq·Nk. So while 64·(Q + K + T) + Nq·Nk fits, none of the kernels' formulas overflows.
 int64_t workspace_bound_floats(const AttentionParams& p) {
