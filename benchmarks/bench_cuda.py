@@ -149,7 +149,7 @@ def sweep_configs():
     rows = [(torch.bfloat16, TOKENS // n, MODEL_DIM // d, MODEL_DIM // d, n, d, c)
             for d in (64, 128) for n in (2048, 8192) for c in (False, True)]
     out = []
-    for pass_, configs in (("fwd", range(6)), ("bwd", range(4))):  # flash_launch.cuh: kFwdConfigs, kBwdConfigs
+    for pass_, configs in (("fwd", range(7)), ("bwd", range(4))):  # flash_launch.cuh: kFwdConfigs, kBwdConfigs
         for (dtype, B, Hq, Hkv, N, d, causal) in rows:
             g = torch.Generator(device="cuda").manual_seed(0)
             q, k, v, dout = (torch.randn(B, h, N, d, device="cuda", generator=g, dtype=dtype)

@@ -13,6 +13,12 @@ model is the same PyTorch code, so the ratio ×SDPA is what the attention kernel
     python benchmarks/bench_generate.py                          # contexts 128,1024,2048; threads 1,all
     python benchmarks/bench_generate.py --contexts 2048 --threads all --impls flash --repeats 3
     python benchmarks/bench_generate.py --agreement 2000         # also: how often a part samples another token
+    python benchmarks/bench_generate.py --llama --contexts 1024,4096 --threads all --impls flash
+
+--llama measures a Llama-shaped model instead of the shipped one: GQA with 32 query heads on 8 kv heads, head size
+128 (n_embd 4096), bfloat16, a 32000-token vocabulary, --llama-layers layers (default 2) of random weights (speed
+only: nothing is sampled from it). Decoding there is what LLM users run: one query against a long bf16 cache per
+layer, with the model's weights read once per token beside it.
 
 --agreement N writes N tokens with SDPA from a fixed seed, then replays them through each part (same prompt,
 same random numbers) and reports, per decoding step, the largest |logit difference| from SDPA, whether the
@@ -33,9 +39,16 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 import cs149gpt  # noqa: E402
-from cs149gpt.model import GPT, load_pretrained, sample_next  # noqa: E402
+from cs149gpt.model import GPT, GPTConfig, load_pretrained, sample_next  # noqa: E402
 
 MODEL_FOR_CONTEXT = {128: "shakes128", 256: "shakes256", 1024: "shakes1024", 2048: "shakes2048"}
+# Llama-3-8B's attention shape (and width), a few layers of it.
+LLAMA = dict(vocab_size=32000, n_head=32, n_kv_head=8, n_embd=4096, bias=False)
+
+
+def llama_model(block_size: int, layers: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=block_size, n_layer=layers, **LLAMA)).eval().to(torch.bfloat16)
 
 
 def time_prefill(model: GPT, prompt: torch.Tensor) -> float:
@@ -56,11 +69,17 @@ def time_decode(model: GPT, tokens: torch.Tensor, decode: int) -> float:
 
 
 @torch.inference_mode()
-def bench(contexts: List[int], threads: List[int], impls: List[str], decode: int, repeats: int) -> List[Dict]:
+def bench(contexts: List[int], threads: List[int], impls: List[str], decode: int, repeats: int,
+          llama_layers: int = 0) -> List[Dict]:
     rows = []
     for n in contexts:
-        model, vocab = load_pretrained(MODEL_FOR_CONTEXT[n])
-        tokens = torch.randint(len(vocab), (1, n), generator=torch.Generator().manual_seed(0))
+        if llama_layers:
+            model = llama_model(n, llama_layers)
+            vocab_size = LLAMA["vocab_size"]
+        else:
+            model, vocab = load_pretrained(MODEL_FOR_CONTEXT[n])
+            vocab_size = len(vocab)
+        tokens = torch.randint(vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
         for t in threads:
             torch.set_num_threads(t)
             for phase in ("prefill", "decode"):
@@ -154,19 +173,23 @@ def main() -> None:
     parser.add_argument("--impls", default="flash,fused", help=f"ours, comma-separated, of {','.join(cs149gpt.IMPLS)}")
     parser.add_argument("--decode", type=int, default=64, help="decoded tokens per measurement (default 64)")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per cell, median taken (default 5)")
+    parser.add_argument("--llama", action="store_true", help="a Llama-shaped bf16 GQA model instead (see above)")
+    parser.add_argument("--llama-layers", type=int, default=2, help="layers of the --llama model (default 2)")
     parser.add_argument("--agreement", type=int, default=0, metavar="N",
                         help="also compare each part's sampling with SDPA's over N tokens of shakes2048")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",") if c]
     unknown = [c for c in contexts if c not in MODEL_FOR_CONTEXT]
-    if unknown:
+    if unknown and not args.llama:
         parser.error(f"no model for context {unknown}; choose from {sorted(MODEL_FOR_CONTEXT)}")
     threads = parse_list(args.threads, torch.get_num_threads())
     impls = ["sdpa"] + args.impls.split(",")
 
     print(f"cs149gpt {cs149gpt.isa()}, torch {torch.__version__}, {torch.get_num_threads()} cores", file=sys.stderr)
     if contexts:
-        rows = bench(contexts, threads, impls, args.decode, args.repeats)
+        rows = bench(contexts, threads, impls, args.decode, args.repeats, args.llama_layers if args.llama else 0)
+        if args.llama:
+            print(f"\nLlama-shaped model: {args.llama_layers} layers, {LLAMA}, bfloat16, random weights.")
         print(f"\nGeneration tokens/s, median of {args.repeats}; prefill: the whole N-token prompt in one forward; "
               f"decode: the last {args.decode} tokens of N, one forward each against the KV cache.\n")
         print(markdown_table(rows, impls, args.decode))

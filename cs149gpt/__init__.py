@@ -7,7 +7,8 @@ The entry points of Stanford CS149's assignment 4 (myNaiveAttention, myUnfusedAt
 myFusedAttention, myFlashAttention, twoDimRead, fourDimRead) are re-exported here from the compiled module,
 which is loaded when the package is imported (and, from a fresh checkout, compiled then, once).
 """
-from cs149gpt.ops import IMPLS, attention, isa, scaled_dot_product_attention, uses_our_kernel
+from cs149gpt.ops import (IMPLS, attention, attention_with_kvcache, isa, scaled_dot_product_attention,
+                          uses_our_kernel)
 
 ASSIGNMENT_ENTRY_POINTS = (
     "myNaiveAttention",
@@ -18,7 +19,7 @@ ASSIGNMENT_ENTRY_POINTS = (
     "fourDimRead",
 )
 
-__all__ = ["attention", "scaled_dot_product_attention", "uses_our_kernel", "isa", "IMPLS", *ASSIGNMENT_ENTRY_POINTS]
+__all__ = ["attention", "attention_with_kvcache", "scaled_dot_product_attention", "uses_our_kernel", "isa", "IMPLS", *ASSIGNMENT_ENTRY_POINTS]
 
 
 def __getattr__(name):

@@ -61,4 +61,5 @@ HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*") if
     "csrc/kernels/fused.cpp",
     "csrc/kernels/flash.cpp",
     "csrc/kernels/flash_bf16.cpp",
+    "csrc/kernels/flash_decode.cpp",
 ]

@@ -8,8 +8,12 @@ after a short fine-tune, where a learned table knows nothing of positions it nev
 - the attention of every layer is one call to the implementation the driver chose: "sdpa" (part0, PyTorch's
   scaled_dot_product_attention) or one of cs149gpt's "naive", "blocked", "fused", "flash" (parts 1..4), on the
   strided q/k/v views that splitting heads makes, with the causal mask;
-- decoding keeps a KV cache: each layer's keys and values live in one preallocated (B, nh, block_size, hs)
-  tensor, and a new token's query attends to a view of its first T rows, so a token costs O(T), not O(T²).
+- decoding keeps a KV cache: each layer's keys and values live in one preallocated (B, n_kv_head, block_size, hs)
+  tensor, and a new token's query attends to a view of its first T rows, so a token costs O(T), not O(T²); with
+  "flash", a step of a few tokens is one call of cs149gpt.attention_with_kvcache, which writes the new keys and
+  values into the cache and attends to it in one go;
+- grouped-query attention (GPTConfig.n_kv_head < n_head, as Llama): query heads share kv heads, which the kernels
+  read without expanding them (the shipped model has n_kv_head = n_head).
 
     model, vocab = load_pretrained("shakes128")
     model.set_attention("flash")
@@ -29,6 +33,9 @@ import cs149gpt
 
 # "sdpa" is the driver's part0; the rest are cs149gpt.IMPLS, parts 1..4.
 ATTENTION_IMPLS = ("sdpa",) + tuple(cs149gpt.IMPLS)
+# With "flash", steps of up to this many new tokens (decoding) go through cs149gpt.attention_with_kvcache; longer
+# ones (a prefill) through the tiled kernel.
+DECODE_ROWS = 16
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
@@ -40,13 +47,14 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128  # head size n_embd / n_head = 32, the driver's default d
+    n_kv_head: Optional[int] = None  # key/value heads (GQA, a divisor of n_head); None: n_head
     bias: bool = False  # in the Linear and LayerNorm layers; nanoGPT finds it no better without
     rope_base: float = 10000.0  # RoPE's wavelengths run from 2π to 2π·rope_base positions
     # No dropout: a model this small, trained for minutes, underfits; there is nothing to regularise.
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
-    """softmax(q kᵀ / √hs + causal mask) v for q (B, nh, Tq, hs), k and v (B, nh, Tk, hs), Tq <= Tk.
+    """softmax(q kᵀ / √hs + causal mask) v for q (B, nh, Tq, hs), k and v (B, n_kv, Tk, hs), Tq <= Tk.
 
     The mask is bottom-right aligned: the Tq queries are the last Tq of the Tk positions, so query i sees keys
     j <= i + Tk - Tq. That is what decoding with a cache needs (new tokens against every cached key); with an
@@ -55,11 +63,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     if impl != "sdpa":
         return cs149gpt.attention(q, k, v, impl=impl, is_causal="bottom_right")
     Tq, Tk = q.size(-2), k.size(-2)
+    gqa = k.size(1) != q.size(1)
     if Tq == Tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if Tq == 1:
-        return F.scaled_dot_product_attention(q, k, v)  # the newest token sees every key: no mask at all
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Tq, Tk))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if Tq == 1:  # the newest token sees every key: no mask at all
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Tq, Tk), enable_gqa=gqa)
 
 
 def rotary_tables(block_size: int, head_size: int, base: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +88,10 @@ class KVCache:
     """One layer's keys and values of the tokens seen so far, preallocated for the model's whole context."""
 
     def __init__(self, batch_size: int, n_head: int, max_len: int, head_size: int, dtype=torch.float32):
-        self.k = torch.zeros(batch_size, n_head, max_len, head_size, dtype=dtype)  # (B, nh, max_T, hs)
+        self.k = torch.zeros(batch_size, n_head, max_len, head_size, dtype=dtype)  # (B, n_kv, max_T, hs)
         self.v = torch.zeros_like(self.k)
         self.length = 0  # tokens cached
+        self.seqlens = torch.zeros(batch_size, dtype=torch.int32)  # (B,): the same length, as the kernel takes it
 
     @property
     def capacity(self) -> int:
@@ -99,7 +109,20 @@ class KVCache:
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         self.length = end
+        self.seqlens.fill_(end)
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def append_and_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Stores k, v (B, n_kv, t, hs) and returns causal attention of q (B, nh, t, hs) over every cached token, in
+        one call of cs149gpt.attention_with_kvcache (the new rows are written into the cache in place)."""
+        end = self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"KV cache full: {self.length} tokens cached, {k.size(2)} more do not fit in "
+                             f"{self.capacity}")
+        y = cs149gpt.attention_with_kvcache(q, self.k, self.v, self.seqlens, k_new=k, v_new=v, is_causal=True)
+        self.length = end
+        self.seqlens.fill_(end)
+        return y
 
 
 class CausalSelfAttention(nn.Module):
@@ -107,24 +130,39 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head or config.n_head
+        assert config.n_head % self.n_kv_head == 0
         self.n_embd = config.n_embd
+        head_size = config.n_embd // config.n_head
+        # q for all heads, then k and v for the kv heads (3 · n_embd wide without GQA)
+        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * self.n_kv_head) * head_size, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.impl = "sdpa"  # which attention computes it: one of ATTENTION_IMPLS (GPT.set_attention)
 
     def forward(self, x: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
                 kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, C = x.size()
-        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, nh, hs)
-        qk = apply_rotary(qkv[:, :, :2], *rotary)  # (B, T, 2, nh, hs): q and k turned in one go
-        q = qk[:, :, 0].transpose(1, 2)  # (B, nh, T, hs), a strided view
-        k = qk[:, :, 1].transpose(1, 2)  # (B, nh, T, hs), a strided view
-        v = qkv[:, :, 2].transpose(1, 2)  # (B, nh, T, hs), a strided view of c_attn's output
+        hs = C // self.n_head
+        if self.n_kv_head == self.n_head:
+            qkv = self.c_attn(x).view(B, T, 3, self.n_head, hs)  # (B, T, 3, nh, hs)
+            qk = apply_rotary(qkv[:, :, :2], *rotary)  # (B, T, 2, nh, hs): q and k turned in one go
+            q = qk[:, :, 0].transpose(1, 2)  # (B, nh, T, hs), a strided view
+            k = qk[:, :, 1].transpose(1, 2)  # (B, nh, T, hs), a strided view
+            v = qkv[:, :, 2].transpose(1, 2)  # (B, nh, T, hs), a strided view of c_attn's output
+        else:  # GQA: n_kv_head heads of k and v
+            q, k, v = self.c_attn(x).split([C, self.n_kv_head * hs, self.n_kv_head * hs], dim=-1)
+            q = apply_rotary(q.view(B, T, 1, self.n_head, hs), *rotary).view(B, T, self.n_head, hs).transpose(1, 2)
+            k = apply_rotary(k.view(B, T, 1, self.n_kv_head, hs), *rotary).view(B, T, self.n_kv_head, hs)
+            k = k.transpose(1, 2)  # (B, n_kv, T, hs); q: (B, nh, T, hs)
+            v = v.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, n_kv, T, hs), strided
         # The kernels read all three in place, whatever their strides: no .contiguous() copies.
-        if kv_cache is not None:
-            k, v = kv_cache.append(k, v)  # (B, nh, T_cached + T, hs), views of the cache
-        y = causal_attention(q, k, v, self.impl)  # (B, nh, T, hs)
+        if kv_cache is not None and self.impl == "flash" and T <= DECODE_ROWS:
+            y = kv_cache.append_and_attend(q, k, v)  # (B, nh, T, hs): one call writes the cache and attends
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.append(k, v)  # (B, n_kv, T_cached + T, hs), views of the cache
+            y = causal_attention(q, k, v, self.impl)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads side by side again
         return self.c_proj(y)
 
@@ -200,7 +238,8 @@ class GPT(nn.Module):
         """Empty caches, one per layer, for up to block_size tokens."""
         c = self.config
         dtype = self.lm_head.weight.dtype
-        return [KVCache(batch_size, c.n_head, c.block_size, c.n_embd // c.n_head, dtype) for _ in range(c.n_layer)]
+        return [KVCache(batch_size, c.n_kv_head or c.n_head, c.block_size, c.n_embd // c.n_head, dtype)
+                for _ in range(c.n_layer)]
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 kv_caches: Optional[List[KVCache]] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

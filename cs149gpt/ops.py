@@ -27,6 +27,8 @@ _torch_sdpa = F.scaled_dot_product_attention
 
 
 _registered = False
+_Tensor = torch.Tensor
+_has_torch_function = torch._C._has_torch_function
 
 
 def _load() -> None:
@@ -70,6 +72,13 @@ def attention(
         out: (..., Nq, d), contiguous, in q's dtype (float32; also bfloat16/float16 with impl="flash");
         or (out, lse) with return_lse=True. With impl="flash" out is differentiable in q, k and v.
     """
+    if (not torch.compiler.is_compiling() and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+            and _registered and not _has_torch_function((q, k, v))):
+        # Plain tensors in eager mode: the checks, the autograd decision and the call in C++ (module.cpp); None
+        # when this path does not apply (an argument to refuse, autograd to record): then the one below.
+        result = _ext._module.attention_fast(q, k, v, impl, scale, is_causal, block_q, block_k, return_lse)
+        if result is not None:
+            return result
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -88,6 +97,42 @@ def attention(
             out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k)
             return (out, lse) if return_lse else out
         return torch.ops.cs149gpt.attention(q, k, v, impl, scale, causal, block_q, block_k)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    is_causal: bool = True,
+) -> torch.Tensor:
+    """New queries against a KV cache (decoding, chunked prefill), the cache read in place, once per kv head.
+
+    Args:
+        q: (B, Hq, Nq, d) the new tokens' queries (Nq = 1 when decoding); Hq a multiple of Hkv.
+        k_cache, v_cache: contiguous, (B, Hkv, max_len, d); or paged, (num_blocks, Hkv, block_size, d) with
+            block_table. Rows must be contiguous (stride 1 in the last dim); any other strides.
+        cache_seqlens: (B,) int32 or int64, the keys already cached for each sequence.
+        k_new, v_new: (B, Hkv, Nq, d), optional: written into the caches, in place, at rows
+            [cache_seqlens[b], cache_seqlens[b] + Nq) before attending; the queries then see
+            L_b = cache_seqlens[b] + Nq keys (else cache_seqlens[b]). cache_seqlens itself is not changed.
+        block_table: (B, max_blocks) int32, a paged cache: logical block i of sequence b is physical block
+            block_table[b, i] of k_cache and v_cache.
+        scale: multiplies q·k; None means 1/sqrt(d).
+        is_causal: query i of Nq sees keys j <= L_b − Nq + i (bottom-right aligned); False: all L_b keys.
+
+    Returns:
+        out: (B, Hq, Nq, d), contiguous, in q's dtype (float32, bfloat16 or float16; k, v of the same dtype).
+        A query that sees no key (an empty cache) gets 0. Not differentiable.
+    """
+    _load()
+    return torch.ops.cs149gpt.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                      block_table, scale, is_causal)
 
 
 def _refuse_sparse_and_quantized(q, k, v) -> None:
@@ -140,6 +185,13 @@ def scaled_dot_product_attention(
     tensors raise a TypeError naming the argument (torch raises a RuntimeError for them).
     `uses_our_kernel(...)` tells which path a call takes.
     """
+    if (attn_mask is None and dropout_p == 0.0 and not torch.compiler.is_compiling() and type(query) is _Tensor
+            and type(key) is _Tensor and type(value) is _Tensor and not _has_torch_function((query, key, value))):
+        # The common call, decided and run in C++ (module.cpp, sdpa_fast: the conditions of uses_our_kernel); None
+        # when it is not ours to take there, or autograd must record it: then the path below decides.
+        result = _ext._module.sdpa_fast(query, key, value, is_causal, scale, enable_gqa)
+        if result is not None:
+            return result
     if all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         _refuse_sparse_and_quantized(query, key, value)
     if not uses_our_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -254,6 +306,11 @@ def _register_python_parts() -> None:
     def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None):
         checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    @torch.library.register_fake(lib + "attention_with_kvcache")
+    def _(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None, scale=None, is_causal=True):
+        checks.check_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale)
+        return q.new_empty(q.shape)
 
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)
     # Gradients that would otherwise be silently missing (None) or zero raise instead.

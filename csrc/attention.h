@@ -44,7 +44,33 @@ struct AttentionParams {
   int64_t block_k = 1;
 
   int num_threads = 1;  // OpenMP threads the kernel may use; its workspace is sized for this many
+
+  // A KV cache (attention_with_kvcache; read by flash_decode.cpp only, null/0 everywhere else).
+  // Per-sequence lengths: sequence b holds cache_seqlens[b] keys (int32 or int64), plus q_len more when k_new is
+  // set; it sees that many keys, kv_len being their maximum, and causal_offset is then its length − q_len.
+  const void* cache_seqlens = nullptr;
+  bool cache_seqlens_int64 = false;
+  // Paged cache: k and v are (num_pages, num_kv_heads, page_size, head_dim), k_strides[0] apart; key t of
+  // sequence b is row t % page_size of page block_table[b · block_table_stride + t / page_size].
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int64_t page_size = 0;
+  int64_t num_pages = 0;
+  // New keys and values, (batch, num_kv_heads, q_len, head_dim): written into the cache at rows
+  // [cache_seqlens[b], cache_seqlens[b] + q_len) before attending (k and v are then written, not only read).
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  int64_t k_new_strides[3] = {0, 0, 0};
+  int64_t v_new_strides[3] = {0, 0, 0};
 };
+
+// Keys of sequence b: its own length with a KV cache, else kv_len.
+inline int64_t seq_kv_len(const AttentionParams& p, int64_t b) {
+  if (!p.cache_seqlens) return p.kv_len;
+  const int64_t cached = p.cache_seqlens_int64 ? static_cast<const int64_t*>(p.cache_seqlens)[b]
+                                               : static_cast<const int32_t*>(p.cache_seqlens)[b];
+  return cached + (p.k_new ? p.q_len : 0);
+}
 
 // The first row of head `h` in batch `b` of each tensor; row i then starts i * <tensor>_strides[2] further.
 // A query head reads the key/value head of its group (GQA): h / (num_heads / num_kv_heads).
@@ -116,12 +142,15 @@ struct BackwardKernel {
 struct KernelTable {
   const char* isa;  // "amx", "avx512_bf16", "avx512", "avx2", "scalar"
   Kernel naive, blocked, fused, flash;
+  Kernel decode;  // flash-decoding over a KV cache (flash_decode.cpp): any q_len, paged or not, appends k_new/v_new
   BackwardKernel flash_backward;
   // FMA throughput probe: runs `iterations` rounds of independent vector FMAs on each of num_threads
   // threads and returns the floating-point operations done (time it to get the peak).
   double (*fma_probe)(int64_t iterations, int num_threads);
   // The same for the bf16 dot-product instructions (AMX tiles, vdpbf16ps); null where the ISA has none.
   double (*bf16_dot_probe)(int64_t iterations, int num_threads);
+  // Reads n floats (sums them, returned) on num_threads threads: time it to get the read bandwidth.
+  double (*read_probe)(const float* x, int64_t n, int num_threads);
   // The vectorised exp the kernels use, over a row in place (exposed so tests can check it).
   void (*exp_row)(float* x, int64_t n);
 };

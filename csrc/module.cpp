@@ -19,6 +19,7 @@
 #include <optional>
 #include <sstream>
 #include <tuple>
+#include <vector>
 #include <string>
 
 #include "attention.h"
@@ -200,9 +201,14 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
   return dtype;
 }
 
+// Asked once: sysconf(_SC_PHYS_PAGES) is a system call (sysinfo), a few µs that every call would otherwise pay
+// for each output and workspace it checks.
 int64_t physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : INT64_MAX;
+  static const int64_t bytes = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : INT64_MAX;
+  }();
+  return bytes;
 }
 
 // Sizes arithmetic that says when it leaves int64: -1 then (sizes are never negative, so -1 propagates).
@@ -228,11 +234,14 @@ std::string gib(double bytes) {
 // Refuses, with torch.OutOfMemoryError naming what is allocated and its sizes, `count` elements of `elem_size`
 // bytes that overflow int64 (count -1: the count itself did) or exceed this machine's memory. torch's allocator
 // would raise a RuntimeError at best; a size that wrapped around would be allocated, too small, and overrun.
-void check_fits(int64_t count, int64_t elem_size, const std::string& what) {
+// `what()` says what is allocated; it is called only to word the error (formatting it costs more than the check).
+template <class Describe>
+void check_fits(int64_t count, int64_t elem_size, const Describe& what) {
   const int64_t bytes = checked_product({count, elem_size});
-  TORCH_CHECK_WITH(OutOfMemoryError, bytes >= 0, what, " is beyond any machine's memory: its size overflows int64");
-  TORCH_CHECK_WITH(OutOfMemoryError, bytes <= physical_memory_bytes(), what, " needs ", gib(bytes),
-                   " GiB, more than this machine's memory (", gib(physical_memory_bytes()), " GiB)");
+  if (bytes >= 0 && bytes <= physical_memory_bytes()) return;
+  TORCH_CHECK_WITH(OutOfMemoryError, bytes >= 0, what(), " is beyond any machine's memory: its size overflows int64");
+  TORCH_CHECK_WITH(OutOfMemoryError, false, what(), " needs ", gib(bytes), " GiB, more than this machine's memory (",
+                   gib(physical_memory_bytes()), " GiB)");
 }
 
 std::string shape_of(const char* name, at::IntArrayRef sizes) {
@@ -246,7 +255,7 @@ std::string shape_of(const char* name, at::IntArrayRef sizes) {
 // a stride-0 expanded input of astronomically many elements takes no memory until it is copied.
 at::Tensor as_4d(const at::Tensor& t, const char* name) {
   const auto copy_fits = [&] {
-    check_fits(t.numel(), t.element_size(), std::string("a copy of ") + shape_of(name, t.sizes()));
+    check_fits(t.numel(), t.element_size(), [&] { return std::string("a copy of ") + shape_of(name, t.sizes()); });
   };
   at::Tensor t4;
   switch (t.dim()) {
@@ -343,8 +352,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // around and hand the kernel a buffer far too small. With Q = B·H·(Nq+64)·(d+64), K = B·H·(Nk+64)·(d+64) and
 // T = threads·(Nq+Nk+128)·(d+64), flash_backward.cpp's formula is below 6·Q + 8·K + 6·T; the one-pass backward
 // kernels' below 9·Q + 32·T (up to 8 key chunks' partial dQ, tiles of at most 512 × 512); flash.cpp's
-// below 19·K + 27·T (Bc = 1 pads every key to a vector); flash_decode.cpp's below 4·K + T; fused.cpp's below T;
-// naive and blocked's is Nq·Nk. So while 64·(Q + K + T) + Nq·Nk fits, none of the kernels' formulas overflows.
+// below 19·K + 27·T (Bc = 1 pads every key to a vector); flash_decode.cpp's below 64·Q + 2·T (at most 64 splits of
+// a row); fused.cpp's below T; naive and blocked's is Nq·Nk. So while 64·(Q + K + T) + Nq·Nk fits, none of the
+// kernels' formulas overflows.
 int64_t workspace_bound_floats(const AttentionParams& p) {
   constexpr int64_t kPad = 64, kSlack = 64;
   const int64_t heads_d = checked_product({p.batch, p.num_heads, checked_sum({p.head_dim, kPad})});  // Hkv ≤ H
@@ -370,7 +380,7 @@ at::Tensor workspace(const K& kernel, const Params& params, const AttentionParam
   const int64_t bound = workspace_bound_floats(p);
   const bool formula_fits = bound >= 0 && bound <= INT64_MAX / static_cast<int64_t>(sizeof(float));
   const int64_t floats = formula_fits ? kernel.workspace_floats(params) : -1;
-  check_fits(floats, sizeof(float), what + " for " + sizes_of(p));
+  check_fits(floats, sizeof(float), [&] { return what + " for " + sizes_of(p); });
   return at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
 }
 
@@ -378,7 +388,7 @@ at::Tensor workspace(const K& kernel, const Params& params, const AttentionParam
 at::Tensor checked_empty(at::IntArrayRef sizes, const at::TensorOptions& options, const char* name) {
   check_fits(checked_product(sizes),
              static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(options.dtype()))),
-             shape_of(name, sizes));
+             [&] { return shape_of(name, sizes); });
   return at::empty(sizes, options);
 }
 
@@ -522,6 +532,196 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 namespace {
 
 // ---------------------------------------------------------------------------------------------------
+// attention_with_kvcache: new queries against a KV cache, contiguous or paged, with optional new keys/values
+// appended in place first. The checks on sizes (symbolic: the fake implementation calls this too), then the
+// checks on the data (lengths, block ids: read here, before the kernel, so no index can leave the cache).
+// ---------------------------------------------------------------------------------------------------
+void check_dense(const at::Tensor& t, const char* name, int64_t dims, const char* shape) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided && !t.is_nested(), name, " must be a dense (strided) tensor");
+  TORCH_CHECK_TYPE(!t.is_quantized(), name, " must not be quantized; got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == dims, name, " must have shape ", shape, "; got ", t.sym_sizes());
+}
+
+// Returns the dtype of the call.
+DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                    const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
+                    std::optional<double> scale) {
+  const bool paged = block_table.has_value() && block_table->defined();
+  const char* cache_shape = paged ? "(num_blocks, Hkv, block_size, d) (a paged cache: block_table is given)"
+                                  : "(B, Hkv, max_len, d)";
+  check_dense(q, "q", 4, "(B, Hq, Nq, d)");
+  check_dense(k_cache, "k_cache", 4, cache_shape);
+  check_dense(v_cache, "v_cache", 4, cache_shape);
+  check_dense(cache_seqlens, "cache_seqlens", 1, "(B,)");
+  const bool has_k_new = k_new.has_value() && k_new->defined(), has_v_new = v_new.has_value() && v_new->defined();
+  TORCH_CHECK_VALUE(has_k_new == has_v_new, "k_new and v_new must be given together, got ",
+                    has_k_new ? "k_new without v_new" : "v_new without k_new");
+  if (has_k_new) {
+    check_dense(*k_new, "k_new", 4, "(B, Hkv, Nq, d)");
+    check_dense(*v_new, "v_new", 4, "(B, Hkv, Nq, d)");
+  }
+  if (paged) check_dense(*block_table, "block_table", 2, "(B, max_blocks)");
+
+  // One device: the CPU (or meta, for tracing).
+  std::vector<std::pair<const char*, const at::Tensor*>> all = {
+      {"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"cache_seqlens", &cache_seqlens}};
+  if (has_k_new) {
+    all.push_back({"k_new", &*k_new});
+    all.push_back({"v_new", &*v_new});
+  }
+  if (paged) all.push_back({"block_table", &*block_table});
+  for (const auto& [name, t] : all) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() || t->device().is_meta(), "attention_with_kvcache runs on the CPU: ", name,
+                      " is on ", t->device());
+    TORCH_CHECK_VALUE(t->device() == q.device(), "q and ", name, " must be on one device, got q on ", q.device(), ", ",
+                      name, " on ", t->device());
+  }
+
+  const DType dtype = parse_dtype(q, Impl::flash);
+  for (const auto& [name, t] : all) {
+    if (t == &cache_seqlens || (paged && t == &*block_table)) continue;
+    TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, " must have q's dtype, ", q.scalar_type(), "; got ",
+                     t->scalar_type());
+  }
+  TORCH_CHECK_TYPE(cache_seqlens.scalar_type() == at::kInt || cache_seqlens.scalar_type() == at::kLong,
+                   "cache_seqlens must be int32 or int64, got ", cache_seqlens.scalar_type());
+  if (paged)
+    TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt, "block_table must be int32, got ",
+                     block_table->scalar_type());
+
+  const c10::SymInt B = q.sym_size(0), Hq = q.sym_size(1), Nq = q.sym_size(2), d = q.sym_size(3);
+  const c10::SymInt Hkv = k_cache.sym_size(1);
+  CHECK_SIZES(d.sym_ge(1), "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
+  CHECK_SIZES(Nq.sym_ge(1), "q must have at least one query row (dim 2), got shape ", q.sym_sizes());
+  CHECK_SIZES(equal_sizes(v_cache.sym_sizes(), k_cache.sym_sizes()), "v_cache must have k_cache's shape ",
+              k_cache.sym_sizes(), "; got ", v_cache.sym_sizes());
+  CHECK_SIZES(k_cache.sym_size(3).sym_eq(d), "k_cache and v_cache must have head dim d = ", d,
+              " (the last dim of q), got k_cache of shape ", k_cache.sym_sizes());
+  CHECK_SIZES(Hkv.sym_ge(1), "the heads of q (dim 1) must be a multiple of the kv heads of k_cache (dim 1), got q ",
+              q.sym_sizes(), ", k_cache ", k_cache.sym_sizes());
+  CHECK_SIZES((Hq % Hkv).sym_eq(0),
+              "the heads of q (dim 1) must be a multiple of the kv heads of k_cache (dim 1), got q ", q.sym_sizes(),
+              ", k_cache ", k_cache.sym_sizes());
+  CHECK_SIZES(k_cache.sym_size(2).sym_ge(1), "k_cache must have room for at least one key (dim 2), got shape ",
+              k_cache.sym_sizes());
+  CHECK_SIZES(cache_seqlens.sym_size(0).sym_eq(B), "cache_seqlens must have shape (B,) = (", B,
+              ",) (one length per sequence of q), got ", cache_seqlens.sym_sizes());
+  if (paged) {
+    CHECK_SIZES(block_table->sym_size(0).sym_eq(B), "block_table must have shape (B, max_blocks) with B = ", B,
+                " (q's batch), got ", block_table->sym_sizes());
+  } else {
+    CHECK_SIZES(k_cache.sym_size(0).sym_eq(B), "k_cache must have shape (B, Hkv, max_len, d) with B = ", B,
+                " (q's batch), got ", k_cache.sym_sizes(), " (a paged cache needs block_table)");
+  }
+  if (has_k_new) {
+    const std::vector<c10::SymInt> expected = {B, Hkv, Nq, d};
+    for (const auto& [name, t] : {std::pair{"k_new", &*k_new}, std::pair{"v_new", &*v_new}})
+      CHECK_SIZES(equal_sizes(t->sym_sizes(), expected), name, " must have shape (B, Hkv, Nq, d) = ",
+                  c10::SymIntArrayRef(expected), ", got ", t->sym_sizes());
+  }
+  // The cache is written in place and read through its strides: its rows must be contiguous (no copy can stand
+  // in for it).
+  for (const auto& [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}})
+    CHECK_SIZES(t->sym_size(3).sym_eq(1).sym_or(t->sym_stride(3).sym_eq(1)), name,
+                " must have a contiguous last dim (stride 1), got strides ", t->sym_strides());
+  if (scale)
+    TORCH_CHECK_VALUE(std::isfinite(*scale) && std::fabs(*scale) < kFloat32Overflow,
+                      "scale must be a finite float32, got ", *scale);
+  return dtype;
+}
+
+}  // namespace
+
+// attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, is_causal) -> out
+//   Sequence b holds cache_seqlens[b] keys; k_new, v_new (B, Hkv, Nq, d), when given, are written at rows
+//   [cache_seqlens[b], cache_seqlens[b] + Nq) first, and then seen too. Causal: bottom-right (query i of Nq sees
+//   keys j <= L_b − Nq + i). out: (B, Hq, Nq, d), contiguous, q's dtype.
+at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                                  const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
+                                  std::optional<double> scale, bool is_causal) {
+  const DType dtype = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale);
+  TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
+  const bool paged = block_table.has_value() && block_table->defined();
+  const bool append = k_new.has_value() && k_new->defined();
+  const int64_t B = q.size(0), Nq = q.size(2), d = q.size(3);
+
+  // The lengths and the block ids, read before any kernel: nothing past the cache is ever touched.
+  const at::Tensor seqlens = cache_seqlens.contiguous();
+  const at::Tensor table = paged ? block_table->contiguous() : at::Tensor();
+  const int64_t page_size = k_cache.size(2), num_pages = k_cache.size(0);
+  const int64_t max_blocks = paged ? table.size(1) : 0;
+  const int64_t capacity = paged ? checked_product({max_blocks, page_size}) : k_cache.size(2);
+  const int64_t added = append ? Nq : 0;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t cached = seqlens.scalar_type() == at::kLong ? seqlens.data_ptr<int64_t>()[b]
+                                                              : seqlens.data_ptr<int32_t>()[b];
+    TORCH_CHECK_VALUE(cached >= 0, "cache_seqlens[", b, "] must be >= 0, got ", cached);
+    TORCH_CHECK_VALUE(cached <= (capacity < 0 ? INT64_MAX : capacity) - added, "cache_seqlens[", b, "] = ", cached,
+                      append ? " plus the Nq = " + std::to_string(Nq) + " new keys" : std::string(),
+                      " exceed the cache's capacity of ", capacity, " keys",
+                      paged ? " (max_blocks x block_size)" : " (k_cache dim 2)");
+    const int64_t length = cached + added;
+    max_len = std::max(max_len, length);
+    if (paged) {
+      const int32_t* row = table.data_ptr<int32_t>() + b * max_blocks;
+      for (int64_t i = 0; i < (length + page_size - 1) / page_size; ++i)
+        TORCH_CHECK_INDEX(row[i] >= 0 && row[i] < num_pages, "block_table[", b, ", ", i, "] = ", row[i],
+                          " is not a block of the cache (k_cache has ", num_pages, " blocks)");
+    }
+  }
+
+  const at::Tensor q4 = q.size(3) > 1 && q.stride(3) != 1 ? q.contiguous() : q;
+  at::Tensor k_new4, v_new4;
+  AttentionParams p;
+  p.q = q4.data_ptr();
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.dtype = dtype;
+  fill_strides(p.q_strides, q4);
+  fill_strides(p.k_strides, k_cache);
+  fill_strides(p.v_strides, v_cache);
+  p.batch = B;
+  p.num_heads = q.size(1);
+  p.num_kv_heads = k_cache.size(1);
+  p.q_len = Nq;
+  p.kv_len = max_len;
+  p.head_dim = d;
+  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d))));
+  p.is_causal = is_causal;
+  p.num_threads = std::max(1, at::get_num_threads());
+  p.cache_seqlens = seqlens.data_ptr();
+  p.cache_seqlens_int64 = seqlens.scalar_type() == at::kLong;
+  if (paged) {
+    p.block_table = table.data_ptr<int32_t>();
+    p.block_table_stride = max_blocks;
+    p.page_size = page_size;
+    p.num_pages = num_pages;
+  }
+  if (append) {
+    k_new4 = k_new->size(3) > 1 && k_new->stride(3) != 1 ? k_new->contiguous() : *k_new;
+    v_new4 = v_new->size(3) > 1 && v_new->stride(3) != 1 ? v_new->contiguous() : *v_new;
+    p.k_new = k_new4.data_ptr();
+    p.v_new = v_new4.data_ptr();
+    fill_strides(p.k_new_strides, k_new4);
+    fill_strides(p.v_new_strides, v_new4);
+  }
+  at::Tensor out = checked_empty({B, p.num_heads, Nq, d}, q.options(), "out");
+  p.out = out.data_ptr();
+  fill_strides(p.out_strides, out);
+  if (B * p.num_heads > 0) {
+    const Kernel& kernel = kernels().decode;
+    kernel.run(p, workspace(kernel, p, p, "the workspace of attention_with_kvcache").data_ptr<float>());
+  }
+  return out;
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
 // The entry points of Stanford CS149's assignment 4, with its signatures and its math: scale 1, no mask.
 // Q, K, V are (B, H, N, d); the integers must agree with them. Scratch tensors are accepted and ignored:
 // our kernels keep their own scratch.
@@ -643,6 +843,17 @@ std::optional<double> bf16_peak_gflops(int64_t num_threads, double seconds) {
   }
 }
 
+// Sums a float32 tensor with the current ISA's vector loads on num_threads threads (the decode benchmark times it
+// to measure the read bandwidth; the sum keeps the reads from being dropped).
+double read_probe(const at::Tensor& x, int64_t num_threads) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a float32 CPU tensor, got ",
+                   x.scalar_type(), " on ", x.device());
+  TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous");
+  TORCH_CHECK_VALUE(num_threads >= 1 && num_threads <= 4096, "num_threads must be >= 1 and <= 4096, got ",
+                    num_threads);
+  return kernels().read_probe(x.data_ptr<float>(), x.numel(), static_cast<int>(num_threads));
+}
+
 void set_isa_checked(const std::string& name) {
   try {
     cs149gpt::set_isa(name.c_str());
@@ -674,6 +885,162 @@ void refuse_forward_ad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, 
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
 
+// The same for an op that writes some of its arguments (attention_with_kvcache's caches, `Tensor(a!)` in the
+// schema): afterwards their version counters move on, as for torch's own in-place ops, so autograd notices a
+// cache that a saved graph still needs.
+void refuse_forward_ad_and_bump(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < arguments.size(); ++i)
+    if (arguments[i].alias_info() && arguments[i].alias_info()->isWrite() && (*stack)[first + i].isTensor())
+      written.push_back((*stack)[first + i].toTensor());
+  refuse_forward_ad(op, keys, stack);
+  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+}
+
+}  // namespace
+}  // namespace cs149gpt
+
+namespace cs149gpt {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// The eager fast path of cs149gpt.attention() and cs149gpt.scaled_dot_product_attention(): the decisions the
+// Python wrappers would take (is the argument valid, must autograd see the call, does torch's SDPA take it), made
+// here in a fraction of a microsecond, then the operator called through the dispatcher (so the profiler, meta
+// tensors and dispatch modes see it as usual) below autograd. Python calls these only for plain tensors, outside
+// torch.compile and __torch_function__; they return None where the Python wrapper must decide itself (an error to
+// word, autograd to record, a fallback to torch), and the wrapper then runs its own path.
+// ---------------------------------------------------------------------------------------------------
+namespace py = pybind11;
+
+using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::string&,
+                               std::optional<double>, const std::string&, std::optional<int64_t>,
+                               std::optional<int64_t>);
+using FlashFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   std::optional<double>, const std::string&, std::optional<int64_t>,
+                                                   std::optional<int64_t>);
+
+// Whether autograd (reverse or forward mode) must record a call on these tensors: then the wrappers take it.
+bool autograd_needed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    if (at::GradMode::is_enabled() && t->requires_grad()) return true;
+    if (t->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  return false;
+}
+
+bool plain_dense(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && !t.is_nested() && !t.is_quantized();
+}
+
+py::object call_below_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
+                               std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                               std::optional<int64_t> block_k, bool return_lse) {
+  static const auto attention_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("cs149gpt::attention", "").typed<AttentionFn>();
+  static const auto flash_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("cs149gpt::flash_attention", "").typed<FlashFn>();
+  at::Tensor out, lse;
+  {
+    py::gil_scoped_release no_gil;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    if (return_lse)
+      std::tie(out, lse) = flash_op.call(q, k, v, scale, causal, block_q, block_k);
+    else
+      out = attention_op.call(q, k, v, impl, scale, causal, block_q, block_k);
+  }
+  if (return_lse) return py::make_tuple(out, lse);
+  return py::cast(out);
+}
+
+// A Python float or int (not bool) that is a finite float32 into *value; false for anything else.
+bool scale_from(py::handle scale, std::optional<double>* value) {
+  if (scale.is_none()) return true;
+  if (!(PyFloat_CheckExact(scale.ptr()) || PyLong_CheckExact(scale.ptr()))) return false;
+  const double s = PyFloat_AsDouble(scale.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  if (!(std::isfinite(s) && std::fabs(s) < kFloat32Overflow)) return false;
+  *value = s;
+  return true;
+}
+
+// None or a Python int (not bool) that fits int64 into *value; false for anything else.
+bool int_from(py::handle x, std::optional<int64_t>* value) {
+  if (x.is_none()) return true;
+  if (!PyLong_CheckExact(x.ptr())) return false;
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(x.ptr(), &overflow);
+  if (overflow || (n == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  *value = n;
+  return true;
+}
+
+// cs149gpt.attention(q, k, v, impl, scale, is_causal, block_q, block_k, return_lse) for plain tensors, or None.
+// The arguments come as Python objects: anything unexpected (a wrong type too) is the Python wrapper's to word.
+py::object attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, py::handle impl_arg,
+                          py::handle scale_arg, py::handle is_causal, py::handle block_q_arg, py::handle block_k_arg,
+                          py::handle return_lse_arg) {
+  std::string causal;
+  if (is_causal.is_none() || is_causal.ptr() == Py_False)
+    causal = "none";
+  else if (is_causal.ptr() == Py_True)
+    causal = "top_left";
+  else if (PyUnicode_Check(is_causal.ptr()))  // the two names cs149gpt.attention takes ("none" is not one)
+    causal = is_causal.cast<std::string>();
+  if (!(causal == "none" || causal == "top_left" || causal == "bottom_right") ||
+      (PyUnicode_Check(is_causal.ptr()) && causal == "none"))
+    return py::none();
+  if (!PyUnicode_Check(impl_arg.ptr())) return py::none();
+  const std::string impl = impl_arg.cast<std::string>();
+  if (!(impl == "flash" || impl == "naive" || impl == "blocked" || impl == "fused")) return py::none();
+  if (return_lse_arg.ptr() != Py_True && return_lse_arg.ptr() != Py_False) return py::none();
+  const bool return_lse = return_lse_arg.ptr() == Py_True;
+  if (return_lse && impl != "flash") return py::none();
+  std::optional<double> scale;
+  std::optional<int64_t> block_q, block_k;
+  if (!scale_from(scale_arg, &scale) || !int_from(block_q_arg, &block_q) || !int_from(block_k_arg, &block_k))
+    return py::none();
+  if (!plain_dense(q) || !plain_dense(k) || !plain_dense(v) || autograd_needed(q, k, v)) return py::none();
+  return call_below_autograd(q, k, v, impl, scale, causal, block_q, block_k, return_lse);
+}
+
+// cs149gpt.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal, scale,
+// enable_gqa) for plain tensors when our kernel takes it (the conditions of ops.uses_our_kernel without a mask or
+// dropout) and no gradient is recorded; else None.
+py::object sdpa_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, py::handle is_causal,
+                     py::handle scale, py::handle enable_gqa_arg) {
+  if (enable_gqa_arg.ptr() != Py_True && enable_gqa_arg.ptr() != Py_False) return py::none();
+  const bool enable_gqa = enable_gqa_arg.ptr() == Py_True;
+  if (is_causal.ptr() != Py_True && is_causal.ptr() != Py_False) return py::none();
+  std::optional<double> scale_value;
+  if (!scale_from(scale, &scale_value)) return py::none();
+  if (!plain_dense(q) || !plain_dense(k) || !plain_dense(v)) return py::none();
+  const at::Device device = q.device();
+  if (!(device.is_cpu() || device.is_cuda()) || k.device() != device || v.device() != device) return py::none();
+  if (q.dim() < 3 || k.dim() != q.dim() || v.dim() != q.dim() || k.sizes() != v.sizes()) return py::none();
+  const auto dtype = q.scalar_type();
+  if (!(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) || k.scalar_type() != dtype ||
+      v.scalar_type() != dtype)
+    return py::none();
+  const int64_t d = q.size(-1);
+  if (device.is_cuda() && (dtype == at::kFloat || (d != 64 && d != 128))) return py::none();
+  if (k.size(-1) != d || k.sizes().slice(0, k.dim() - 3) != q.sizes().slice(0, q.dim() - 3)) return py::none();
+  if (q.size(-2) == 0 || d == 0 || k.size(-2) == 0) return py::none();
+  const int64_t h_q = q.size(-3), h_kv = k.size(-3);
+  if (h_kv == 0 || !(h_q == h_kv || (enable_gqa && h_q % h_kv == 0))) return py::none();
+  if (autograd_needed(q, k, v)) return py::none();
+  return call_below_autograd(q, k, v, "flash", scale_value, is_causal.ptr() == Py_True ? "top_left" : "none",
+                             std::nullopt, std::nullopt, false);
+}
+
 }  // namespace
 }  // namespace cs149gpt
 
@@ -687,12 +1054,16 @@ TORCH_LIBRARY(cs149gpt, m) {
   m.def("flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? scale=None, str causal='none', int? block_q=None, int? block_k=None) -> (Tensor dq, Tensor dk, "
         "Tensor dv)");
+  m.def("attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+        "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
   m.impl("attention", &cs149gpt::attention);
   m.impl("flash_attention", &cs149gpt::flash_attention);
   m.impl("flash_attention_backward", &cs149gpt::flash_attention_backward);
+  m.impl("attention_with_kvcache", &cs149gpt::attention_with_kvcache);
 }
 
 // Sparse, nested and quantized CPU tensors dispatch to these keys. The CPU implementations refuse them (check_attention: a
@@ -712,6 +1083,7 @@ CS149GPT_REFUSING_IMPL(NestedTensorCPU)
 TORCH_LIBRARY_IMPL(cs149gpt, ADInplaceOrView, m) {
   for (const char* op : {"attention", "flash_attention", "flash_attention_backward"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad>());
+  m.impl("attention_with_kvcache", torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad_and_bump>());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -736,6 +1108,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                        std::optional<int64_t> block_q, std::optional<int64_t> block_k) {
     check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k);
   }, "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+  m.def("check_attention_with_kvcache", [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                           const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                                           const std::optional<at::Tensor>& v_new,
+                                           const std::optional<at::Tensor>& block_table, std::optional<double> scale) {
+    check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale);
+  }, "raises what torch.ops.cs149gpt.attention_with_kvcache would for these arguments, on sizes alone");
+  m.def("attention_fast", &attention_fast, "cs149gpt.attention's eager path for plain tensors (None: not taken)");
+  m.def("sdpa_fast", &sdpa_fast,
+        "cs149gpt.scaled_dot_product_attention's eager path without mask or dropout (None: not taken)");
   m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
   m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
   m.def("set_backward_path", [](const std::string& path) {
@@ -754,6 +1135,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_peak_gflops", &bf16_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured bf16 dot-product peak in GFLOP/s (AMX or vdpbf16ps) on num_threads threads; None without one");
+  m.def("read_probe", &read_probe, py::arg("x"), py::arg("num_threads") = 1, py::call_guard<py::gil_scoped_release>(),
+        "sum of a float32 tensor read with vector loads on num_threads threads (time it: read bandwidth)");
   m.def("amx_unavailable_reason", [] { return std::string(amx_unavailable_reason()); },
         "why the AMX kernels are not used on a CPU that has AMX (the kernel refused the permission), or ''");
   m.def("vector_exp", &vector_exp, "exp by the kernels' vectorised exp (current ISA), for tests");

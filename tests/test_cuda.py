@@ -199,6 +199,64 @@ def test_fast_backward(dtype, d, causal, shape):
             f"{name}: relative max error {e_ours:.3g} vs SDPA's {e_sdpa:.3g}"
 
 
+# The tile configurations benchmarks/bench_cuda.py --configs sweeps (csrc/cuda/flash_launch.cuh: kFwdConfigs,
+# kBwdConfigs), each chosen by CS149GPT_FWD_CONFIG / CS149GPT_BWD_CONFIG, on ragged GQA shapes (no tile multiple).
+FWD_CONFIGS, BWD_CONFIGS = 7, 4
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+@pytest.mark.parametrize("config", range(max(FWD_CONFIGS, BWD_CONFIGS)))
+def test_every_tile_configuration(d, causal, config, monkeypatch):
+    dtype = torch.bfloat16
+    B, Hq, Hkv, Nq, Nk = 1, 4, 2, 333, 290
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, d, dtype, seed=config + d)
+    dout = rand((B, Hq, Nq, d), dtype, 98)
+    if config < FWD_CONFIGS:
+        monkeypatch.setenv("CS149GPT_FWD_CONFIG", str(config))
+        check_close_to_sdpa(cs149gpt.attention(q, k, v, is_causal=causal), q, k, v, causal, f"forward config {config}")
+    monkeypatch.delenv("CS149GPT_FWD_CONFIG", raising=False)
+    if config < BWD_CONFIGS:
+        monkeypatch.setenv("CS149GPT_BWD_CONFIG", str(config))
+        _, dq, dk, dv = grads(lambda a, b, c: cs149gpt.attention(a, b, c, is_causal=causal), q, k, v, dout)
+        _, rq, rk, rv = grads(lambda a, b, c: reference(a, b, c, causal=causal)[0], q.double(), k.double(),
+                              v.double(), dout.double())
+        scale = max(g.abs().max().item() for g in (rq, rk, rv))
+        for name, ours, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+            assert max_err(ours, ref) / scale < 2e-2, f"backward config {config}: {name}"
+
+
+@pytest.mark.parametrize("causal", [False, "top_left"])
+def test_backward_gqa_one_block_per_kv_head(causal, monkeypatch):
+    """CS149GPT_BWD_GQA_SPLIT=0: each block sums its kv head's group inside (the default: one block per query head,
+    the group's shares summed afterwards). Both must give the same gradients, to rounding."""
+    dtype, d = torch.bfloat16, 128
+    q, k, v = make_qkv(2, 6, 2, 200, 260, d, dtype, seed=11)
+    dout = rand((2, 6, 200, d), dtype, 12)
+    fn = lambda a, b, c: cs149gpt.attention(a, b, c, is_causal=causal)  # noqa: E731
+    split = grads(fn, q, k, v, dout)[1:]
+    monkeypatch.setenv("CS149GPT_BWD_GQA_SPLIT", "0")
+    whole = grads(fn, q, k, v, dout)[1:]
+    _, rq, rk, rv = grads(lambda a, b, c: reference(a, b, c, causal=causal)[0], q.double(), k.double(), v.double(),
+                          dout.double())
+    scale = max(g.abs().max().item() for g in (rq, rk, rv))
+    for name, a, b, ref in zip(("dq", "dk", "dv"), split, whole, (rq, rk, rv)):
+        assert max_err(a, ref) / scale < 2e-2 and max_err(b, ref) / scale < 2e-2, name
+        assert max_err(a, b) / scale < 1e-2, f"{name}: split and whole differ"
+
+
+def test_a_configuration_past_the_last_is_an_error(monkeypatch):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16)
+    monkeypatch.setenv("CS149GPT_FWD_CONFIG", str(FWD_CONFIGS))
+    with pytest.raises(RuntimeError, match="flash forward"):
+        cs149gpt.attention(q, k, v)
+    monkeypatch.setenv("CS149GPT_FWD_CONFIG", "0")
+    monkeypatch.setenv("CS149GPT_BWD_CONFIG", str(BWD_CONFIGS))
+    q.requires_grad_()
+    with pytest.raises(RuntimeError, match="flash backward"):
+        cs149gpt.attention(q, k, v).sum().backward()
+
+
 def test_backward_float32_is_a_clear_error():
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 1, 16, 16, 32, torch.float32))
     with pytest.raises(TypeError, match="bfloat16 or float16"):

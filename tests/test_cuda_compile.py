@@ -1,7 +1,9 @@
 """Compile-checks the CUDA kernels with a bare nvcc, no torch headers and no GPU: sm_80 and sm_90a.
 
 The .cu files under csrc/cuda/ include no torch header (flash_api.cpp alone touches Tensors), so the CPU-only
-dev box and CI can catch a compile error in them. Skipped where nvcc is not on PATH. Compile only: nothing runs.
+dev box and CI can catch a compile error in them. Skipped where nvcc is not on PATH. Compile only, host and device
+code both (`-c`, as the JIT build compiles them; `-cubin` alone would miss host-side errors in the launchers):
+nothing runs.
 The default run compiles the shipped tile configuration of each kernel (-DCS149GPT_DEFAULT_CONFIG_ONLY, about
 30 s on 2 cores); `pytest -m slow` also compiles every configuration the sweep can select (over a minute).
 """
@@ -26,8 +28,8 @@ NVCC_ENV = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN
 
 def compile_all(arch, tmp_path, extra):
     def compile_one(src):
-        out = tmp_path / (os.path.basename(src) + ".cubin")
-        cmd = [NVCC, "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin",
+        out = tmp_path / (os.path.basename(src) + ".o")
+        cmd = [NVCC, "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-c",
                *extra, "-o", str(out), str(_build.ROOT / src)]
         return src, subprocess.run(cmd, capture_output=True, text=True, env=NVCC_ENV)
 

@@ -77,6 +77,27 @@ def test_cached_decoding_matches_full_recomputation(impl):
         model(x[:, :1], kv_caches=caches)
 
 
+@pytest.mark.parametrize("impl", ["flash", "fused"])
+def test_gqa_model_cached_decoding_matches_sdpa(impl):
+    """A GQA model (4 query heads on 2 kv heads): prefill, then chunks of 1..5 tokens; "flash" decodes through
+    attention_with_kvcache (the caches written by the kernel), the others through views of the cache."""
+    torch.manual_seed(0)
+    config = replace(TINY, n_head=4, n_kv_head=2, n_embd=48)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight.mul_(20)
+    x = tokens(2, config.block_size, config.vocab_size)
+    want, _ = model.set_attention("sdpa")(x)
+    model.set_attention(impl)
+    caches = model.new_kv_caches(2)
+    assert caches[0].k.shape == (2, 2, config.block_size, 12)
+    cuts = [0, 20, 21, 26, 27] + list(range(28, config.block_size + 1))
+    got = torch.cat([model(x[:, a:b], kv_caches=caches)[0] for a, b in zip(cuts, cuts[1:])], dim=1)
+    torch.testing.assert_close(got, want, **TOL)
+    assert caches[0].length == config.block_size and caches[0].seqlens.tolist() == [config.block_size] * 2
+
+
 def test_kv_cache_returns_views_of_its_storage():
     cache = KVCache(batch_size=1, n_head=2, max_len=8, head_size=4)
     k, v = cache.append(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))

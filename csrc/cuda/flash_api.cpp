@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -29,6 +30,12 @@ constexpr int64_t kTeachingBlockQ = 64, kTeachingBlockK = 32;  // Br (threads pe
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "cs149gpt: launching the CUDA ", what, " failed: ", cudaGetErrorString(err));
+}
+
+// An on/off switch from the environment (benchmarks compare both sides in one run): unset -> default_value.
+bool config_flag(const char* name, bool default_value) {
+  const char* value = std::getenv(name);
+  return value == nullptr || *value == '\0' ? default_value : std::string(value) != "0";
 }
 
 int device_attribute(cudaDeviceAttr attr, int device) {
@@ -244,18 +251,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   bp.fwd.lse_strides[1] = lse3.stride(1);
   bp.dout = dout4.data_ptr();
   fill_strides(bp.dout_strides, dout4);
+  // GQA: one block per query head and key block, each writing its head's share of dK, dV; the group's shares are
+  // summed here (as FlashAttention-2 does): as many blocks as plain attention, so a causal grid balances.
+  // CS149GPT_BWD_GQA_SPLIT=0 (benchmarks) keeps one block per kv head, summing the group inside the block.
+  const int64_t group = bp.fwd.num_heads / bp.fwd.num_kv_heads;
+  const bool per_query_head = group > 1 && config_flag("CS149GPT_BWD_GQA_SPLIT", true);
   at::Tensor dk = at::empty(prep.k4.sizes(), k.options()), dv = at::empty(prep.v4.sizes(), v.options());
-  bp.dk = dk.data_ptr();
-  bp.dv = dv.data_ptr();
-  fill_strides(bp.dk_strides, dk);
-  fill_strides(bp.dv_strides, dv);
+  at::Tensor dk_heads = dk, dv_heads = dv;  // what the kernel writes
+  if (per_query_head) {
+    dk_heads = at::empty({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.kv_len, bp.fwd.head_dim}, k.options());
+    dv_heads = at::empty_like(dk_heads);
+  }
+  bp.dk = dk_heads.data_ptr();
+  bp.dv = dv_heads.data_ptr();
+  fill_strides(bp.dk_strides, dk_heads);
+  fill_strides(bp.dv_strides, dv_heads);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dq_accum = at::zeros({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len, bp.fwd.head_dim}, f32);
-  at::Tensor delta = at::empty({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len}, f32);
+  at::Tensor delta = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
   if (bp.fwd.batch * bp.fwd.num_heads > 0) {
-    check_launch(flash_bwd(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(),
+    check_launch(flash_bwd(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head,
                            c10::cuda::getCurrentCUDAStream()),
                  "flash backward");
+  }
+  if (per_query_head) {  // (batch, kv heads, group, kv_len, d) summed over the group
+    const auto grouped = [&](const at::Tensor& t) {
+      return t.view({bp.fwd.batch, bp.fwd.num_kv_heads, group, bp.fwd.kv_len, bp.fwd.head_dim});
+    };
+    at::sum_out(dk, grouped(dk_heads), {2});
+    at::sum_out(dv, grouped(dv_heads), {2});
   }
   at::Tensor dq = dq_accum.mul_(bp.fwd.scale).to(q.scalar_type());
   return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};

@@ -4,26 +4,32 @@
 //   D_i  = rowsum(dO_i ∘ O_i)                                      (flash_bwd_delta_kernel)
 //   for each key tile j (one thread block, block_k keys; dK_j, dV_j in registers):
 //     for each query head of j's kv head and each query tile i that sees these keys:
-//       Sᵀ  = K_j Q_iᵀ;   Pᵀ = exp(scale·Sᵀ − lse_i)               (each warp: 16 keys x block_q queries)
-//       dV_j += Pᵀ dO_i
-//       dPᵀ = V_j dO_iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)
-//       dK_j += dSᵀ Q_i
+//       Sᵀ  = K_j Q_iᵀ;   Pᵀ = exp(scale·Sᵀ − lse_i)               (warp tiles of keys x queries)
+//       dPᵀ = V_j dO_iᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)                   (Pᵀ, dSᵀ -> shared memory)
+//       dV_j += Pᵀ dO_i;  dK_j += dSᵀ Q_i                          (warp tiles of keys x head dim)
 //       dQ_i += dS K_j                                             (float32 atomics: blocks share dQ_i)
 //   dK *= scale (here); dQ = scale·dQ (flash_api.cpp, when it converts dQ to the input dtype).
-// Working on Sᵀ (keys as rows) keeps dK and dV in the C fragments of the warp that owns their rows.
+// Working on Sᵀ (keys as rows) keeps dK and dV, which stay in registers for the whole block, row-major in keys.
 #pragma once
 
 #include <cmath>
 
 #include "flash_common.cuh"
 #include "kernel_traits.cuh"
+#include "warp_gemm.cuh"
 
 namespace cs149gpt {
 namespace cuda {
 
-// D_i = sum_d dO[i, d] O[i, d], one warp per row; rows past q_len are never read.
+// The per-row statistics the backward reads, in the workspace `stats` (flash_cuda.h: bwd_row_stats_floats):
+// stats[(b·H + h)·q_pad + i] = D_i and stats[B·H·q_pad + (b·H + h)·q_pad + i] = lse_i·log2(e) (+inf for a row that
+// sees no key: its P is then exp2(-inf) = 0). Rows padded to q_pad (a multiple of 4), so the main kernel copies
+// both with 16-byte cp.async, off its critical path.
+__device__ __forceinline__ int64_t q_padded(int64_t q_len) { return (q_len + 3) / 4 * 4; }
+
+// D_i = sum_d dO[i, d] O[i, d] and lse_i·log2(e), one warp per row; rows past q_len are never read.
 template <class T, int kHeadDim>
-__global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* delta) {
+__global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* stats) {
   const AttentionParams& p = bp.fwd;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -40,140 +46,122 @@ __global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* 
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (lane == 0) delta[row] = sum;
-}
-
-// C (16 x kBlockM per warp) = A Bᵀ, A = the warp's 16 rows of sA (K or V), B = the rows of sB (Q or dO):
-// Sᵀ = K Qᵀ and dPᵀ = V dOᵀ.
-template <class Traits>
-__device__ __forceinline__ void gemm_rows_bt(float (&c)[Traits::kBlockM / 8][4], const typename Traits::T* sA,
-                                             const typename Traits::T* sB, int warp, int lane) {
-  using T = typename Traits::T;
-  constexpr int kStrideA = Traits::KVTile::kStride, kStrideB = Traits::QTile::kStride;
-#pragma unroll
-  for (int n = 0; n < Traits::kBlockM / 8; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
-    uint32_t a[4];
-    ldmatrix_x4(a, sA + (warp * 16 + lane % 16) * kStrideA + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-    for (int nn = 0; nn < Traits::kBlockM / 16; ++nn) {
-      uint32_t b[4];
-      ldmatrix_x4(b, sB + (nn * 16 + (lane % 8) + (lane / 16) * 8) * kStrideB + kk * 16 + ((lane / 8) % 2) * 8);
-      mma_16x8x16<T>(c[2 * nn], a, b[0], b[1]);
-      mma_16x8x16<T>(c[2 * nn + 1], a, b[2], b[3]);
-    }
+  if (lane == 0) {
+    const int64_t q_pad = q_padded(p.q_len), at = bh * q_pad + i;
+    const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
+    stats[at] = sum;
+    stats[p.batch * p.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
   }
 }
 
-// acc (16 x head_dim per warp) += A B, A = the C fragments of Pᵀ or dSᵀ (16 x kBlockM, rounded to T),
-// B = sB (dO or Q, kBlockM x head_dim, row-major): dV += Pᵀ dO and dK += dSᵀ Q.
-template <class Traits>
-__device__ __forceinline__ void gemm_frag_b(float (&acc)[Traits::kHeadDim / 8][4],
-                                            const float (&a_frag)[Traits::kBlockM / 8][4],
-                                            const typename Traits::T* sB, int lane) {
-  using T = typename Traits::T;
-  constexpr int kStride = Traits::QTile::kStride;
+// dq_accum[i, :] += the warp's dQ tile (kMi m16 row tiles x kNj n8 column tiles, C fragments), rows past q_len
+// dropped. Four adjacent columns per reduction: lanes t and t ^ 1 of a quad swap halves so that the even lane
+// holds row g, columns 4(t/2) .. +3 and the odd lane row g + 8, the same columns.
+template <int kHeadDim, int kMi, int kNj>
+__device__ __forceinline__ void add_dq(float* dq_accum, int64_t q_len, int64_t row0, int col0,
+                                       const float (&acc)[kMi][kNj][4], int lane) {
+  const bool odd = lane % 2;
 #pragma unroll
-  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
-    const uint32_t a[4] = {pack2<T>(a_frag[2 * kk][0], a_frag[2 * kk][1]),
-                           pack2<T>(a_frag[2 * kk][2], a_frag[2 * kk][3]),
-                           pack2<T>(a_frag[2 * kk + 1][0], a_frag[2 * kk + 1][1]),
-                           pack2<T>(a_frag[2 * kk + 1][2], a_frag[2 * kk + 1][3])};
+  for (int mi = 0; mi < kMi; ++mi) {
+    const int64_t i = row0 + mi * 16 + lane / 4 + (odd ? 8 : 0);
 #pragma unroll
-    for (int dn = 0; dn < Traits::kHeadDim / 16; ++dn) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, sB + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride + dn * 16 + (lane / 16) * 8);
-      mma_16x8x16<T>(acc[2 * dn], a, b[0], b[1]);
-      mma_16x8x16<T>(acc[2 * dn + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// dQ_i += dS K_j for this warp's slice (16 query rows x kDqCols), 32 columns at a time, added to the
-// float32 dq_accum with atomics. dS is read from sdS, stored transposed (keys x queries).
-template <class Traits>
-__device__ __forceinline__ void accumulate_dq(float* dq_accum, int64_t q_len, int64_t m0, const typename Traits::T* sdS,
-                                              const typename Traits::T* sK, int warp, int lane) {
-  using T = typename Traits::T;
-  constexpr int kHeadDim = Traits::kHeadDim;
-  const int m_slice = warp % (Traits::kBlockM / 16), col0 = (warp / (Traits::kBlockM / 16)) * Traits::kDqCols;
-#pragma unroll
-  for (int c0 = col0; c0 < col0 + Traits::kDqCols; c0 += 32) {
-    float acc[4][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-      // A = dS (queries x keys) from dSᵀ (keys x queries): transposed loads. Matrices: (queries 0-7, keys 0-7)
-      // (queries 8-15, keys 0-7) (queries 0-7, keys 8-15) (queries 8-15, keys 8-15).
-      uint32_t a[4];
-      ldmatrix_x4_trans(a, sdS + (kk * 16 + (lane % 8) + (lane / 16) * 8) * Traits::DSTile::kStride + m_slice * 16 +
-                               ((lane / 8) % 2) * 8);
-#pragma unroll
-      for (int dn = 0; dn < 2; ++dn) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, sK + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Traits::KVTile::kStride + c0 +
-                                 dn * 16 + (lane / 16) * 8);
-        mma_16x8x16<T>(acc[2 * dn], a, b[0], b[1]);
-        mma_16x8x16<T>(acc[2 * dn + 1], a, b[2], b[3]);
-      }
-    }
-    // Four adjacent columns per atomic: lanes t and t ^ 1 of a quad swap halves so that the even lane holds
-    // row g, columns 4(t/2) .. +3 and the odd lane row g + 8, the same columns.
-    const bool odd = lane % 2;
-    const int64_t i = m0 + m_slice * 16 + lane / 4 + (odd ? 8 : 0);
-    const int col = c0 + (lane % 4 / 2) * 4;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
+    for (int n = 0; n < kNj; ++n) {
       // even lane sends its row g + 8 pair and keeps row g; odd lane sends its row g pair and keeps row g + 8
-      const float send0 = odd ? acc[n][0] : acc[n][2], send1 = odd ? acc[n][1] : acc[n][3];
+      const float send0 = odd ? acc[mi][n][0] : acc[mi][n][2], send1 = odd ? acc[mi][n][1] : acc[mi][n][3];
       const float got0 = __shfl_xor_sync(0xffffffff, send0, 1), got1 = __shfl_xor_sync(0xffffffff, send1, 1);
-      const float4 v =
-          odd ? make_float4(got0, got1, acc[n][2], acc[n][3]) : make_float4(acc[n][0], acc[n][1], got0, got1);
-      if (i < q_len) atomic_add4(dq_accum + i * kHeadDim + col + n * 8, v);
+      const float4 v = odd ? make_float4(got0, got1, acc[mi][n][2], acc[mi][n][3])
+                           : make_float4(acc[mi][n][0], acc[mi][n][1], got0, got1);
+      if (i < q_len) atomic_add4(dq_accum + i * kHeadDim + col0 + n * 8 + (lane % 4 / 2) * 4, v);
     }
   }
 }
 
-template <class Traits, bool kIsCausal>
+// Writes a warp's C fragments (kMi m16 x kNj n8, rounded to T) into a row-major shared-memory tile.
+template <class T, int kLd, int kMi, int kNj>
+__device__ __forceinline__ void store_c_frags(T* tile, const float (&c)[kMi][kNj][4], int lane) {
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi)
+#pragma unroll
+    for (int n = 0; n < kNj; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<uint32_t*>(tile + (mi * 16 + lane / 4 + r * 8) * kLd + n * 8 + (lane % 4) * 2) =
+            pack2<T>(c[mi][n][2 * r], c[mi][n][2 * r + 1]);
+}
+
+// Grid: (key blocks, batch x kv heads), or with kPerQueryHead (key blocks, batch x query heads): a block then takes
+// one query head of its kv head's group and writes that head's share of dK, dV at the query head's index (the
+// caller sums the group), so that GQA has as many blocks as plain attention. Without a mask the key blocks of a
+// head run side by side and share its Q, dO in L2; under a causal mask the grid is one dimension in
+// grouped_heavy_first's order (flash_common.cuh).
+template <class Traits, bool kIsCausal, bool kPerQueryHead>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    flash_bwd_kernel(const AttentionBackwardParams bp, const float* delta, float* dq_accum) {
+    flash_bwd_kernel(const AttentionBackwardParams bp, const float* stats, float* dq_accum, int heads_per_group) {
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kNThreads = Traits::kNThreads;
+  constexpr int kLdKV = Traits::KVTile::kStride, kLdQ = Traits::QTile::kStride, kLdP = Traits::PTile::kStride;
   const AttentionParams& p = bp.fwd;
   extern __shared__ __align__(16) char smem[];
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + Traits::KVTile::kElems;
-  T* sQ = sV + Traits::KVTile::kElems;   // [2]
+  T* sQ = sV + Traits::KVTile::kElems;      // [2]
   T* sdO = sQ + 2 * Traits::QTile::kElems;  // [2]
-  T* sdS = sdO + 2 * Traits::QTile::kElems;
-  float* sLse = reinterpret_cast<float*>(sdS + Traits::DSTile::kElems);  // [2][kBlockM], in exp2 units
-  float* sDelta = sLse + 2 * kBlockM;                                     // [2][kBlockM]
+  T* sPt = sdO + 2 * Traits::QTile::kElems;
+  T* sdSt = sPt + Traits::PTile::kElems;
+  float* sLse = reinterpret_cast<float*>(sdSt + Traits::PTile::kElems);  // [2][kBlockM], in exp2 units
+  float* sDelta = sLse + 2 * kBlockM;                                    // [2][kBlockM]
 
-  const int n_block = blockIdx.x;
-  const int64_t b = blockIdx.y / p.num_kv_heads, hk = blockIdx.y % p.num_kv_heads;
-  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t heads_here = kPerQueryHead ? p.num_heads : p.num_kv_heads;
+  int n_block, bh;
+  if constexpr (kIsCausal) {  // grouped_heavy_first: a head's first key block is its costliest
+    const int n_blocks = static_cast<int>((p.kv_len + kBlockN - 1) / kBlockN);
+    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * heads_here), n_blocks,
+                                            heads_per_group);
+    n_block = ht.tile_rank;
+    bh = ht.head;
+  } else {
+    n_block = blockIdx.x;
+    bh = blockIdx.y;
+  }
+  const int64_t b = bh / heads_here, head = bh % heads_here;
+  const int64_t hk = kPerQueryHead ? head / (p.num_heads / p.num_kv_heads) : head;
+  // The query heads this block visits: h_first .. h_first + group - 1.
+  const int group = kPerQueryHead ? 1 : static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int64_t h_first = kPerQueryHead ? head : hk * group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t n0 = static_cast<int64_t>(n_block) * kBlockN;
   const int keys_valid = static_cast<int>(min64(kBlockN, p.kv_len - n0));
   const float scale_log2 = p.scale * kLog2e;
 
+  // This warp's tiles of the five products (traits: the warp grids).
+  const int sdp_key0 = (warp % Traits::kWarpsKeysSdP) * Traits::kSdpKeys;
+  const int sdp_q0 = (warp / Traits::kWarpsKeysSdP) * Traits::kSdpQueries;
+  const int kv_key0 = (warp % Traits::kWarpsKeysKV) * Traits::kKvKeys;
+  const int kv_col0 = (warp / Traits::kWarpsKeysKV) * Traits::kKvCols;
+  const int dq_row0 = (warp % Traits::kWarpsRowsDq) * Traits::kDqRows;
+  const int dq_col0 = (warp / Traits::kWarpsRowsDq) * Traits::kDqCols;
+  constexpr int kSdpMi = Traits::kSdpKeys / 16, kSdpNj = Traits::kSdpQueries / 8;
+  constexpr int kKvMi = Traits::kKvKeys / 16, kKvNj = Traits::kKvCols / 8;
+  constexpr int kDqMi = Traits::kDqRows / 16, kDqNj = Traits::kDqCols / 8;
+
   // The query tiles that see some key of this block: all, or under the causal mask those with a row
   // i >= n0 - causal_offset.
-  const int64_t m_tiles_all = (p.q_len + kBlockM - 1) / kBlockM;
-  const int64_t m_first = kIsCausal ? min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM) : 0;
-  const int64_t m_tiles = m_tiles_all - m_first;
-  const int64_t steps = group * m_tiles;  // (query head of the group, query tile) pairs
+  const int m_tiles_all = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
+  const int m_first = kIsCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM)) : 0;
+  const int m_tiles = m_tiles_all - m_first;
+  const int steps = group * m_tiles;  // (query head of the group, query tile) pairs, query tiles fastest
 
   const T* k = head_ptr(static_cast<const T*>(p.k), p.k_strides, b, hk) + n0 * p.k_strides[2];
   const T* v = head_ptr(static_cast<const T*>(p.v), p.v_strides, b, hk) + n0 * p.v_strides[2];
   copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], keys_valid);
   copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], keys_valid);
 
-  // Copies step s's Q, dO (asynchronously) and lse, D (plainly) into buffer s % 2.
-  auto load_step = [&](int64_t s) {
-    const int64_t h = hk * group + s / m_tiles, m0 = (m_first + s % m_tiles) * kBlockM;
-    const int buf = static_cast<int>(s % 2);
+  const int64_t q_pad = q_padded(p.q_len);
+  const float* delta_rows = stats + b * p.num_heads * q_pad;
+  const float* lse2_rows = stats + (p.batch + b) * p.num_heads * q_pad;
+  // Copies the step (query head h, query rows m0 ..) into buffer buf, asynchronously: Q, dO, lse·log2e, D.
+  auto load_step = [&](int h, int64_t m0, int buf) {
     const int rows = static_cast<int>(min64(kBlockM, p.q_len - m0));
     copy_tile_async<typename Traits::QTile, kNThreads>(
         sQ + buf * Traits::QTile::kElems, head_ptr(static_cast<const T*>(p.q), p.q_strides, b, h) + m0 * p.q_strides[2],
@@ -182,113 +170,136 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         sdO + buf * Traits::QTile::kElems,
         head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + m0 * bp.dout_strides[2], bp.dout_strides[2],
         rows);
-    for (int r = threadIdx.x; r < kBlockM; r += kNThreads) {
-      float lse2 = INFINITY, d = 0.f;  // rows past q_len, and rows that see no key: P = 0
-      if (r < rows) {
-        const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + m0 + r];
-        if (lse != -INFINITY) lse2 = lse * kLog2e;
-        d = delta[(b * p.num_heads + h) * p.q_len + m0 + r];
-      }
-      sLse[buf * kBlockM + r] = lse2;
-      sDelta[buf * kBlockM + r] = d;
-    }
+    // (rows past q_len read 0 here; the mask zeroes their P)
+    copy_floats_async<kBlockM>(sLse + buf * kBlockM, lse2_rows + h * q_pad + m0, rows);
+    copy_floats_async<kBlockM>(sDelta + buf * kBlockM, delta_rows + h * q_pad + m0, rows);
   };
-  if (steps > 0) load_step(0);
+  // The step's query head and tile, advanced without a division: (h, mt) now, (h_next, mt_next) one step ahead.
+  int h = static_cast<int>(h_first);
+  int mt = m_first;
+  if (steps > 0) load_step(h, static_cast<int64_t>(mt) * kBlockM, 0);
   cp_async_commit();
 
-  float dk[kD / 8][4], dv[kD / 8][4];
-#pragma unroll
-  for (int n = 0; n < kD / 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+  float dk[kKvMi][kKvNj][4], dv[kKvMi][kKvNj][4];
+  zero_frags(dk);
+  zero_frags(dv);
 
-  for (int64_t s = 0; s < steps; ++s) {
+  for (int s = 0; s < steps; ++s) {
+    const int buf = s % 2;
+    const int64_t m0 = static_cast<int64_t>(mt) * kBlockM;
+    const bool last_tile = mt + 1 == m_tiles_all;
+    const int h_next = last_tile ? h + 1 : h;
+    const int mt_next = last_tile ? m_first : mt + 1;
     cp_async_wait<0>();
-    __syncthreads();  // step s is in buffer s % 2; every warp is done with the other buffer and with sdS
-    if (s + 1 < steps) load_step(s + 1);
+    __syncthreads();  // step s is in buffer s % 2; every warp is done with the other buffer and with sPt, sdSt
+    if (s + 1 < steps) load_step(h_next, static_cast<int64_t>(mt_next) * kBlockM, buf ^ 1);
     cp_async_commit();
-    const int64_t h = hk * group + s / m_tiles, m0 = (m_first + s % m_tiles) * kBlockM;
-    const int buf = static_cast<int>(s % 2);
     const T* sQs = sQ + buf * Traits::QTile::kElems;
     const T* sdOs = sdO + buf * Traits::QTile::kElems;
     const float* lse2 = sLse + buf * kBlockM;
     const float* d_row = sDelta + buf * kBlockM;
 
-    // Pᵀ = exp2(scale·log2e · Sᵀ − lse·log2e), masked keys and queries 0.
-    float pt[kBlockM / 8][4];
-    gemm_rows_bt<Traits>(pt, sK, sQs, warp, lane);
-    const bool needs_mask = n0 + kBlockN > p.kv_len || m0 + kBlockM > p.q_len ||
-                            (kIsCausal && n0 + kBlockN - 1 > m0 + p.causal_offset);
+    // Sᵀ = K Qᵀ (the warp's keys x queries); Pᵀ = exp2(scale·log2e · Sᵀ − lse·log2e), masked keys and queries 0.
+    float pt[kSdpMi][kSdpNj][4];
+    zero_frags(pt);
+    warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(pt, sK + sdp_key0 * kLdKV, sQs + sdp_q0 * kLdQ,
+                                                                   lane);
+    // In tile coordinates: key kj (< keys_valid) is visible to query qi (< rows_valid) iff kj - qi <= diag.
+    const int rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
+    const int64_t diag64 = m0 + p.causal_offset - n0;
+    const bool needs_mask = keys_valid < kBlockN || rows_valid < kBlockM || (kIsCausal && diag64 < kBlockN - 1);
+    const int diag = static_cast<int>(max64(-2 * kBlockN, min64(diag64, 2 * kBlockN)));
 #pragma unroll
-    for (int n = 0; n < kBlockM / 8; ++n)
+    for (int mi = 0; mi < kSdpMi; ++mi)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = n * 8 + (lane % 4) * 2 + (e % 2);  // query within the tile
-        float x = exp2_approx(fmaf(pt[n][e], scale_log2, -lse2[qi]));
-        if (needs_mask) {
-          const int64_t key = n0 + warp * 16 + lane / 4 + (e / 2) * 8, i = m0 + qi;
-          if (!(i < p.q_len && key < p.kv_len && (!kIsCausal || key <= i + p.causal_offset))) x = 0.f;
+      for (int n = 0; n < kSdpNj; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = sdp_q0 + n * 8 + (lane % 4) * 2 + (e % 2);  // query within the tile
+          float x = exp2_approx(fmaf(pt[mi][n][e], scale_log2, -lse2[qi]));
+          if (needs_mask) {
+            const int kj = sdp_key0 + mi * 16 + lane / 4 + (e / 2) * 8;  // key within the block
+            if (!(qi < rows_valid && kj < keys_valid && (!kIsCausal || kj - qi <= diag))) x = 0.f;
+          }
+          pt[mi][n][e] = x;
         }
-        pt[n][e] = x;
-      }
 
-    gemm_frag_b<Traits>(dv, pt, sdOs, lane);  // dV += Pᵀ dO
+    // dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − D), in place.
+    float dst[kSdpMi][kSdpNj][4];
+    zero_frags(dst);
+    warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(dst, sV + sdp_key0 * kLdKV, sdOs + sdp_q0 * kLdQ,
+                                                                   lane);
+#pragma unroll
+    for (int mi = 0; mi < kSdpMi; ++mi)
+#pragma unroll
+      for (int n = 0; n < kSdpNj; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dst[mi][n][e] = pt[mi][n][e] * (dst[mi][n][e] - d_row[sdp_q0 + n * 8 + (lane % 4) * 2 + (e % 2)]);
 
-    // dSᵀ = Pᵀ ∘ (dPᵀ − D), into dp in place.
-    float dp[kBlockM / 8][4];
-    gemm_rows_bt<Traits>(dp, sV, sdOs, warp, lane);
-#pragma unroll
-    for (int n = 0; n < kBlockM / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[n][e] = pt[n][e] * (dp[n][e] - d_row[n * 8 + (lane % 4) * 2 + (e % 2)]);
-
-    gemm_frag_b<Traits>(dk, dp, sQs, lane);  // dK += dSᵀ Q
-
-    // dSᵀ to shared memory, for dQ = dS K, which needs every warp's keys.
-#pragma unroll
-    for (int n = 0; n < kBlockM / 8; ++n)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<uint32_t*>(sdS + (warp * 16 + lane / 4 + r * 8) * Traits::DSTile::kStride + n * 8 +
-                                     (lane % 4) * 2) = pack2<T>(dp[n][2 * r], dp[n][2 * r + 1]);
+    // Pᵀ and dSᵀ to shared memory: the products below need other warps' keys and queries.
+    store_c_frags<T, kLdP>(sPt + sdp_key0 * kLdP + sdp_q0, pt, lane);
+    store_c_frags<T, kLdP>(sdSt + sdp_key0 * kLdP + sdp_q0, dst, lane);
     __syncthreads();
-    accumulate_dq<Traits>(dq_accum + (b * p.num_heads + h) * p.q_len * kD, p.q_len, m0, sdS, sK, warp, lane);
+
+    // dV += Pᵀ dO;  dK += dSᵀ Q  (the warp's keys x head-dim columns; dO, Q stored (query, d): k-major B).
+    warp_gemm_ss<T, kKvMi, kKvNj, kBlockM, kLdP, false, kLdQ, true>(dv, sPt + kv_key0 * kLdP, sdOs + kv_col0, lane);
+    warp_gemm_ss<T, kKvMi, kKvNj, kBlockM, kLdP, false, kLdQ, true>(dk, sdSt + kv_key0 * kLdP, sQs + kv_col0, lane);
+
+    // dQ_i += dS K_j (the warp's queries x head-dim columns): A = dS read from dSᵀ, B = K stored (key, d).
+    float dq[kDqMi][kDqNj][4];
+    zero_frags(dq);
+    warp_gemm_ss<T, kDqMi, kDqNj, kBlockN, kLdP, true, kLdKV, true>(dq, sdSt + dq_row0, sK + dq_col0, lane);
+    add_dq<kD>(dq_accum + (b * p.num_heads + h) * p.q_len * kD, p.q_len, m0 + dq_row0, dq_col0, dq, lane);
+    h = h_next;
+    mt = mt_next;
   }
 
   cp_async_wait<0>();  // (when no query tile sees these keys, K and V were copied and never waited for)
 
-  // dK (scaled) and dV of this block's keys, summed over the group's query heads.
-  T* dk_out = head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, b, hk) + n0 * bp.dk_strides[2];
-  T* dv_out = head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, b, hk) + n0 * bp.dv_strides[2];
+  // dK (scaled) and dV of this block's keys, summed over the query heads it visited.
+  T* dk_out = head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, b, head) + n0 * bp.dk_strides[2];
+  T* dv_out = head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, b, head) + n0 * bp.dv_strides[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = warp * 16 + lane / 4 + r * 8;
-    if (key < keys_valid) {
+  for (int mi = 0; mi < kKvMi; ++mi)
 #pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        const int col = n * 8 + (lane % 4) * 2;
-        *reinterpret_cast<uint32_t*>(dk_out + key * bp.dk_strides[2] + col) =
-            pack2<T>(dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dv_out + key * bp.dv_strides[2] + col) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+    for (int r = 0; r < 2; ++r) {
+      const int key = kv_key0 + mi * 16 + lane / 4 + r * 8;
+      if (key < keys_valid) {
+#pragma unroll
+        for (int n = 0; n < kKvNj; ++n) {
+          const int col = kv_col0 + n * 8 + (lane % 4) * 2;
+          *reinterpret_cast<uint32_t*>(dk_out + key * bp.dk_strides[2] + col) =
+              pack2<T>(dk[mi][n][2 * r] * p.scale, dk[mi][n][2 * r + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(dv_out + key * bp.dv_strides[2] + col) =
+              pack2<T>(dv[mi][n][2 * r], dv[mi][n][2 * r + 1]);
+        }
       }
     }
-  }
 }
 
 template <class Traits>
-cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* delta, float* dq_accum, cudaStream_t stream) {
+cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* stats, float* dq_accum, bool per_query_head,
+                             cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
   const int64_t rows = p.batch * p.num_heads * p.q_len;
   flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
-      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, delta);
+      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN),
-                  static_cast<unsigned>(p.batch * p.num_kv_heads));
-  auto kernel = p.is_causal ? flash_bwd_kernel<Traits, true> : flash_bwd_kernel<Traits, false>;
+  const unsigned heads = static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads));
+  const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
+  if (heads == 0 || n_blocks == 0) return cudaSuccess;  // no keys: dK, dV are empty, dQ stays 0
+  const dim3 grid = p.is_causal ? dim3(heads * n_blocks) : dim3(n_blocks, heads);
+  auto kernel = p.is_causal
+                    ? (per_query_head ? flash_bwd_kernel<Traits, true, true> : flash_bwd_kernel<Traits, true, false>)
+                    : (per_query_head ? flash_bwd_kernel<Traits, false, true> : flash_bwd_kernel<Traits, false, false>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, delta, dq_accum);
+  int heads_per_group = 1;
+  if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, n_blocks, &heads_per_group);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, stats, dq_accum, heads_per_group);
   return cudaGetLastError();
 }
 

@@ -6,21 +6,9 @@ namespace cs149gpt {
 namespace cuda {
 template <>
 cudaError_t flash_bwd_run<128, __nv_bfloat16>(const AttentionBackwardParams& p, float* delta, float* dq_accum,
-                                  cudaStream_t stream) {
-  const int config = config_from_env("CS149GPT_BWD_CONFIG", kDefaultBwdConfig<128>);
-#ifdef CS149GPT_DEFAULT_CONFIG_ONLY  // the quick compile check: the shipped configuration alone
-  if (config == kDefaultBwdConfig<128>)
-    return launch_flash_bwd<BwdConfig<128, kDefaultBwdConfig<128>, __nv_bfloat16>>(p, delta, dq_accum, stream);
-  return cudaErrorInvalidValue;
-#else
-  switch (config) {
-    case 1: return launch_flash_bwd<BwdConfig<128, 1, __nv_bfloat16>>(p, delta, dq_accum, stream);
-    case 2: return launch_flash_bwd<BwdConfig<128, 2, __nv_bfloat16>>(p, delta, dq_accum, stream);
-    case 3: return launch_flash_bwd<BwdConfig<128, 3, __nv_bfloat16>>(p, delta, dq_accum, stream);
-    case 0: return launch_flash_bwd<BwdConfig<128, 0, __nv_bfloat16>>(p, delta, dq_accum, stream);
-    default: return cudaErrorInvalidValue;  // no such configuration
-  }
-#endif
+                                 bool per_query_head, cudaStream_t stream) {
+  return launch_bwd_config<128, __nv_bfloat16>(config_from_env("CS149GPT_BWD_CONFIG", kDefaultBwdConfig<128>), p, delta,
+                                     dq_accum, per_query_head, stream);
 }
 }  // namespace cuda
 }  // namespace cs149gpt

@@ -24,18 +24,65 @@ __device__ __forceinline__ T* head_ptr(T* base, const int64_t (&strides)[3], int
 // Copies rows [0, rows_valid) of a kRows x head_dim tile from global memory (rows `row_stride` elements apart,
 // columns contiguous) into a padded shared-memory tile; rows past rows_valid become zeros. Asynchronous:
 // the block waits with cp_async_wait + __syncthreads before reading it.
+// Each thread keeps one 16-byte column chunk and walks rows kNThreads / chunks-per-row apart: one 64-bit pointer
+// increment per chunk, no per-chunk multiply (the copy sits inside the kernels' loops).
 template <class Tile, int kNThreads, class T>
 __device__ __forceinline__ void copy_tile_async(T* smem, const T* gmem, int64_t row_stride, int rows_valid) {
   constexpr int kChunksPerRow = Tile::kCols / 8;  // 16-byte chunks
-  constexpr int kChunks = Tile::kRows * kChunksPerRow;
-  static_assert(kChunks % kNThreads == 0, "every thread copies the same number of chunks");
+  static_assert(kNThreads % kChunksPerRow == 0 && Tile::kRows % (kNThreads / kChunksPerRow) == 0,
+                "every thread copies the same number of chunks, all in one column");
+  constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
+  const int r0 = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * 8;
+  const T* src = gmem + r0 * row_stride + col;
+  T* dst = smem + r0 * Tile::kStride + col;
+  const int64_t src_step = kRowsPerPass * row_stride;
 #pragma unroll
-  for (int i = 0; i < kChunks / kNThreads; ++i) {
-    const int c = i * kNThreads + threadIdx.x;
-    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-    const bool valid = r < rows_valid;
-    cp_async_16(smem + r * Tile::kStride + col, valid ? gmem + r * row_stride + col : gmem, valid);
+  for (int i = 0; i < Tile::kRows / kRowsPerPass; ++i) {
+    const bool valid = r0 + i * kRowsPerPass < rows_valid;
+    cp_async_16(dst + i * kRowsPerPass * Tile::kStride, valid ? src : gmem, valid);
+    src += src_step;
   }
+}
+
+// Copies n_valid floats (n_valid <= kCount, kCount a multiple of 4, src and dst 16-byte aligned) into shared
+// memory, zeros past n_valid; asynchronous like copy_tile_async. Threads 0 .. kCount / 4 - 1 take a chunk each.
+template <int kCount>
+__device__ __forceinline__ void copy_floats_async(float* smem, const float* gmem, int n_valid) {
+  static_assert(kCount % 4 == 0, "16-byte chunks");
+  const int i = threadIdx.x * 4;
+  if (i < kCount) {
+    const int bytes = 4 * max(0, min(4, n_valid - i));
+    cp_async_16_bytes(smem + i, bytes > 0 ? gmem + i : gmem, bytes);
+  }
+}
+
+// The launch order of the blocks under a causal mask, where tiles differ in cost. Block id (a 1-D grid) -> (head,
+// tile rank; rank 0 = the costliest tile). The ids run through groups of heads_per_group heads; within a group,
+// rank by rank from the costliest, every head of the group at each rank. The costliest tiles start first and the
+// cheap ones fill the tail, while the blocks resident together belong to few heads and share their K, V (or Q, dO)
+// in L2 (heads_per_group from group_heads: a group's blocks about fill the GPU once).
+struct HeadTile {
+  int head, tile_rank;
+};
+__device__ __forceinline__ HeadTile grouped_heavy_first(int id, int heads, int tiles, int heads_per_group) {
+  const int group = id / (heads_per_group * tiles);
+  const int first_head = group * heads_per_group;
+  const int in_group = min(heads_per_group, heads - first_head);
+  const int within = id - first_head * tiles;
+  return {first_head + within % in_group, within / in_group};
+}
+
+// Heads per group for grouped_heavy_first: the blocks the GPU holds at once (occupancy x SMs) over tiles per head.
+template <class Kernel>
+inline cudaError_t group_heads(Kernel kernel, int threads, int smem_bytes, int64_t tiles, int* heads_per_group) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+  const int64_t resident = static_cast<int64_t>(sms) * (per_sm > 0 ? per_sm : 1);
+  const int64_t heads = resident / (tiles > 0 ? tiles : 1);  // (host code: no min64/max64, they are __device__)
+  *heads_per_group = static_cast<int>(heads < 1 ? 1 : heads > (1 << 20) ? (1 << 20) : heads);
+  return err;
 }
 
 // Causal mask: query row i sees key j iff j <= i + causal_offset (and j < kv_len always).

@@ -22,10 +22,16 @@ constexpr int kFastHeadDims[] = {64, 128};
 inline bool fast_path_supports(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 cudaError_t flash_fwd(const AttentionParams& p, cudaStream_t stream);
 
-// Backward of flash_fwd. `delta` (batch, num_heads, q_len) float32 workspace; `dq_accum` (batch, num_heads,
+// Backward of flash_fwd. `delta`: float32 workspace of bwd_row_stats_floats(p.fwd) floats (per query row D = dO·O and
+// lse·log2(e), rows padded to a multiple of 4 for 16-byte copies); `dq_accum` (batch, num_heads,
 // q_len, head_dim) float32, contiguous, zeroed by the caller: dq = scale * dq_accum afterwards (the caller
-// converts). Writes dk, dv (summed over the query heads of each kv head's group, already scaled).
-cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, cudaStream_t stream);
+// converts). Writes dk, dv, already scaled: summed over the query heads of each kv head's group, or with
+// dkv_per_query_head one share per query head (dk, dv then have num_heads heads; the caller sums each group's).
+inline int64_t bwd_row_stats_floats(const AttentionParams& p) {
+  return 2 * p.batch * p.num_heads * ((p.q_len + 3) / 4 * 4);
+}
+cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
+                      cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace cs149gpt

@@ -14,15 +14,16 @@ cudaError_t flash_fwd(const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
-cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, cudaStream_t stream) {
+cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
+                      cudaStream_t stream) {
   const bool bf16 = p.fwd.dtype == DType::bf16;
   switch (p.fwd.head_dim) {
     case 64:
-      return bf16 ? flash_bwd_run<64, __nv_bfloat16>(p, delta, dq_accum, stream)
-                  : flash_bwd_run<64, __half>(p, delta, dq_accum, stream);
+      return bf16 ? flash_bwd_run<64, __nv_bfloat16>(p, delta, dq_accum, dkv_per_query_head, stream)
+                  : flash_bwd_run<64, __half>(p, delta, dq_accum, dkv_per_query_head, stream);
     case 128:
-      return bf16 ? flash_bwd_run<128, __nv_bfloat16>(p, delta, dq_accum, stream)
-                  : flash_bwd_run<128, __half>(p, delta, dq_accum, stream);
+      return bf16 ? flash_bwd_run<128, __nv_bfloat16>(p, delta, dq_accum, dkv_per_query_head, stream)
+                  : flash_bwd_run<128, __half>(p, delta, dq_accum, dkv_per_query_head, stream);
     default: return cudaErrorInvalidValue;
   }
 }

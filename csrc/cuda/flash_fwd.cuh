@@ -14,83 +14,10 @@
 
 #include "flash_common.cuh"
 #include "kernel_traits.cuh"
+#include "warp_gemm.cuh"
 
 namespace cs149gpt {
 namespace cuda {
-
-// S (kMi m16 tiles x kBlockN per warp, C fragments) = Q K_jᵀ. Q's A fragments come from registers
-// (kQInRegs) or from the warp's rows of sQ; K_j's rows are in shared memory.
-template <class Traits>
-__device__ __forceinline__ void gemm_q_kt(float (&s)[Traits::kMi][Traits::kBlockN / 8][4],
-                                          const uint32_t (&q_frag)[Traits::kMi][Traits::kHeadDim / 16][4],
-                                          const typename Traits::T* sQ, const typename Traits::T* sK, int warp,
-                                          int lane) {
-  using T = typename Traits::T;
-  constexpr int kMi = Traits::kMi;
-  constexpr int kStride = Traits::KVTile::kStride;
-#pragma unroll
-  for (int mi = 0; mi < kMi; ++mi)
-#pragma unroll
-    for (int n = 0; n < Traits::kBlockN / 8; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
-    uint32_t a[kMi][4];
-#pragma unroll
-    for (int mi = 0; mi < kMi; ++mi) {
-      if (Traits::kQInRegs) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[mi][e] = q_frag[mi][kk][e];
-      } else {
-        ldmatrix_x4(a[mi],
-                    sQ + ((warp * kMi + mi) * 16 + lane % 16) * Traits::QTile::kStride + kk * 16 + (lane / 16) * 8);
-      }
-    }
-#pragma unroll
-    for (int nn = 0; nn < Traits::kBlockN / 16; ++nn) {
-      // Keys nn*16 .. +15 as two n8 tiles; matrices: (keys 0-7, d 0-7) (keys 0-7, d 8-15) (keys 8-15, ...).
-      uint32_t b[4];
-      ldmatrix_x4(b, sK + (nn * 16 + (lane % 8) + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
-#pragma unroll
-      for (int mi = 0; mi < kMi; ++mi) {
-        mma_16x8x16<T>(s[mi][2 * nn], a[mi], b[0], b[1]);
-        mma_16x8x16<T>(s[mi][2 * nn + 1], a[mi], b[2], b[3]);
-      }
-    }
-  }
-}
-
-// O (kMi m16 tiles x head_dim per warp) += P (the C fragments of S, rounded to T) V_j (rows in shared memory).
-template <class Traits>
-__device__ __forceinline__ void gemm_p_v(float (&o)[Traits::kMi][Traits::kHeadDim / 8][4],
-                                         const float (&p)[Traits::kMi][Traits::kBlockN / 8][4],
-                                         const typename Traits::T* sV, int lane) {
-  using T = typename Traits::T;
-  constexpr int kMi = Traits::kMi;
-  constexpr int kStride = Traits::KVTile::kStride;
-#pragma unroll
-  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-    uint32_t a[kMi][4];
-#pragma unroll
-    for (int mi = 0; mi < kMi; ++mi) {
-      a[mi][0] = pack2<T>(p[mi][2 * kk][0], p[mi][2 * kk][1]);
-      a[mi][1] = pack2<T>(p[mi][2 * kk][2], p[mi][2 * kk][3]);
-      a[mi][2] = pack2<T>(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
-      a[mi][3] = pack2<T>(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
-    }
-#pragma unroll
-    for (int dn = 0; dn < Traits::kHeadDim / 16; ++dn) {
-      // V is (key, d) row-major, B needs (k = key, n = d): transposed loads. Matrices: (keys 0-7, d 0-7)
-      // (keys 8-15, d 0-7) (keys 0-7, d 8-15) (keys 8-15, d 8-15).
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, sV + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * kStride + dn * 16 + (lane / 16) * 8);
-#pragma unroll
-      for (int mi = 0; mi < kMi; ++mi) {
-        mma_16x8x16<T>(o[mi][2 * dn], a[mi], b[0], b[1]);
-        mma_16x8x16<T>(o[mi][2 * dn + 1], a[mi], b[2], b[3]);
-      }
-    }
-  }
-}
 
 // Masks keys past the end and, under the causal mask, keys past each row's diagonal: S = -inf there.
 // row0: the thread's first row within the block (its second is row0 + 8); n0: the tile's first key.
@@ -108,12 +35,13 @@ __device__ __forceinline__ void mask_scores(float (&s)[Traits::kBlockN / 8][4], 
 }
 
 // The online-softmax step on one tile of scores, for the thread's rows r = 0 (g) and r = 1 (g + 8):
-//   m' = max(m, rowmax S);  P = exp(scale (S - m'));  l = e^{scale(m - m')} l + rowsum P;  O *= e^{scale(m - m')}
-// In place: S becomes P. m is in raw logits; a row that has seen no key keeps m = -inf and P = 0, no NaN.
-// l is this thread's part of the row sum; the quad's four parts are added once, at the end.
+//   m' = max(m, rowmax S);  P = exp(scale (S - m'));  alpha = e^{scale(m - m')};  l = alpha l + rowsum P
+// In place: S becomes P; O *= alpha is left to rescale_o. m is in raw logits; a row that has seen no key keeps
+// m = -inf and P = 0, no NaN. l is this thread's part of the row sum; the quad's four parts are added once, at
+// the end.
 template <class Traits>
-__device__ __forceinline__ void online_softmax(float (&s)[Traits::kBlockN / 8][4], float (&o)[Traits::kHeadDim / 8][4],
-                                               float (&m)[2], float (&l)[2], float scale_log2) {
+__device__ __forceinline__ void online_softmax(float (&s)[Traits::kBlockN / 8][4], float (&m)[2], float (&l)[2],
+                                               float (&alpha)[2], float scale_log2) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float row_max = m[r];
@@ -122,7 +50,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[Traits::kBlockN / 8][4
     row_max = quad_max(row_max);
     // The shift in exp2 units; 0 while the row has seen nothing (then every P is exp2(-inf) = 0).
     const float shift = row_max == -INFINITY ? 0.f : row_max * scale_log2;
-    const float alpha = exp2_approx(m[r] * scale_log2 - shift);  // 0 when m = -inf
+    alpha[r] = exp2_approx(m[r] * scale_log2 - shift);  // 0 when m = -inf, exactly 1 when the max stays
     m[r] = row_max;
     float row_sum = 0.f;
 #pragma unroll
@@ -131,17 +59,27 @@ __device__ __forceinline__ void online_softmax(float (&s)[Traits::kBlockN / 8][4
       s[n][2 * r + 1] = exp2_approx(fmaf(s[n][2 * r + 1], scale_log2, -shift));
       row_sum += s[n][2 * r] + s[n][2 * r + 1];
     }
-    l[r] = l[r] * alpha + row_sum;
-#pragma unroll
-    for (int n = 0; n < Traits::kHeadDim / 8; ++n) {
-      o[n][2 * r] *= alpha;
-      o[n][2 * r + 1] *= alpha;
-    }
+    l[r] = l[r] * alpha[r] + row_sum;
   }
 }
 
+// O *= alpha, row by row.
+template <class Traits>
+__device__ __forceinline__ void rescale_o(float (&o)[Traits::kMi][Traits::kHeadDim / 8][4],
+                                          const float (&alpha)[Traits::kMi][2]) {
+#pragma unroll
+  for (int mi = 0; mi < Traits::kMi; ++mi)
+#pragma unroll
+    for (int n = 0; n < Traits::kHeadDim / 8; ++n) {
+      o[mi][n][0] *= alpha[mi][0];
+      o[mi][n][1] *= alpha[mi][0];
+      o[mi][n][2] *= alpha[mi][1];
+      o[mi][n][3] *= alpha[mi][1];
+    }
+}
+
 template <class Traits, bool kIsCausal>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const AttentionParams p, int heads_per_group) {
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kNThreads = Traits::kNThreads;
@@ -150,9 +88,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
   T* sK = sQ + Traits::QTile::kElems;  // [2] buffers
   T* sV = sK + 2 * Traits::KVTile::kElems;
 
-  // The costliest query blocks (the last ones, under a causal mask) first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int64_t b = blockIdx.y / p.num_heads, h = blockIdx.y % p.num_heads;
+  // Grid (launch_flash_fwd): without a mask (query blocks, batch x heads): the blocks of one head run side by side
+  // and share its K, V in L2. Causal: one dimension in grouped_heavy_first's order (the last query block of a head
+  // is its costliest).
+  int m_block, bh;
+  if constexpr (kIsCausal) {
+    const int m_blocks = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
+    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * p.num_heads), m_blocks,
+                                            heads_per_group);
+    m_block = m_blocks - 1 - ht.tile_rank;
+    bh = ht.head;
+  } else {
+    m_block = blockIdx.x;
+    bh = blockIdx.y;
+  }
+  const int64_t b = bh / p.num_heads, h = bh % p.num_heads;
   const int64_t hk = h / (p.num_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
@@ -189,20 +139,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
     l[mi][0] = l[mi][1] = 0.f;
   }
   uint32_t q_frag[kMi][kD / 16][4];
+  constexpr int kLdQ = Traits::QTile::kStride, kLdKV = Traits::KVTile::kStride;
+  const T* sQw = sQ + warp * 16 * kMi * kLdQ;  // the warp's kMi x 16 query rows
   // The thread's rows within the block: g and g + 8 of each of its warp's kMi m16 tiles.
   const int row0 = warp * 16 * kMi + lane / 4;
 
   for (int j = 0; j < n_tiles; ++j) {
     cp_async_wait<0>();
     __syncthreads();  // tile j is in buffer j % 2, and every warp is done with buffer (j + 1) % 2
-    if (Traits::kQInRegs && j == 0) {
-#pragma unroll
-      for (int mi = 0; mi < kMi; ++mi)
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk)
-          ldmatrix_x4(q_frag[mi][kk],
-                      sQ + ((warp * kMi + mi) * 16 + lane % 16) * Traits::QTile::kStride + kk * 16 + (lane / 16) * 8);
-    }
+    if constexpr (Traits::kQInRegs) if (j == 0) load_a_frags<T, kMi, kD, kLdQ>(q_frag, sQw, lane);
     if (j + 1 < n_tiles) {  // copy tile j + 1 while tile j is multiplied
       const int64_t n1 = static_cast<int64_t>(j + 1) * kBlockN;
       const int keys = static_cast<int>(min64(kBlockN, p.kv_len - n1));
@@ -216,17 +161,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
     const T* sKj = sK + (j % 2) * Traits::KVTile::kElems;
     const T* sVj = sV + (j % 2) * Traits::KVTile::kElems;
 
+    // S = Q K_jᵀ (K_j's rows are Kᵀ's columns: B stored n-major)
     float s[kMi][kBlockN / 8][4];
-    gemm_q_kt<Traits>(s, q_frag, sQ, sKj, warp, lane);
+    zero_frags(s);
+    if constexpr (Traits::kQInRegs) warp_gemm_rs<T, kMi, kBlockN / 8, kD, kLdKV, false>(s, q_frag, sKj, lane);
+    else warp_gemm_ss<T, kMi, kBlockN / 8, kD, kLdQ, false, kLdKV, false>(s, sQw, sKj, lane);
 
     const int64_t n0 = static_cast<int64_t>(j) * kBlockN;
     const bool needs_mask = n0 + kBlockN > p.kv_len || (kIsCausal && n0 + kBlockN - 1 > m0 + p.causal_offset);
+    float alpha[kMi][2];
 #pragma unroll
     for (int mi = 0; mi < kMi; ++mi) {
       if (needs_mask) mask_scores<Traits, kIsCausal>(s[mi], p, m0, row0 + mi * 16, n0, lane);
-      online_softmax<Traits>(s[mi], o[mi], m[mi], l[mi], scale_log2);
+      online_softmax<Traits>(s[mi], m[mi], l[mi], alpha[mi], scale_log2);
     }
-    gemm_p_v<Traits>(o, s, sVj, lane);
+    rescale_o<Traits>(o, alpha);
+    // O += P V_j: P rounded to T at once (its float C fragments die here, which frees registers for the
+    // product); V_j is (key, d) row-major, so B = V_j is stored k-major.
+    uint32_t p_frag[kMi][kBlockN / 16][4];
+    c_to_a_frags<T>(p_frag, s);
+    warp_gemm_rs<T, kMi, kD / 8, kBlockN, kLdKV, true>(o, p_frag, sVj, lane);
   }
 
   // O /= l, written in T; lse = scale·m + log l (−inf, and O = 0, for a row that saw no key).
@@ -252,12 +206,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
 
 template <class Traits>
 cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM),
-                  static_cast<unsigned>(p.batch * p.num_heads));
+  const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
+  const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
+  if (heads == 0 || m_blocks == 0) return cudaSuccess;  // no query rows: nothing to write
+  const dim3 grid = p.is_causal ? dim3(heads * m_blocks) : dim3(m_blocks, heads);
   auto kernel = p.is_causal ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p);
+  int heads_per_group = 1;
+  if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, heads_per_group);
   return cudaGetLastError();
 }
 

@@ -6,22 +6,7 @@ namespace cs149gpt {
 namespace cuda {
 template <>
 cudaError_t flash_fwd_run<64, __nv_bfloat16>(const AttentionParams& p, cudaStream_t stream) {
-  const int config = config_from_env("CS149GPT_FWD_CONFIG", kDefaultFwdConfig<64>);
-#ifdef CS149GPT_DEFAULT_CONFIG_ONLY  // the quick compile check: the shipped configuration alone
-  if (config == kDefaultFwdConfig<64>)
-    return launch_flash_fwd<FwdConfig<64, kDefaultFwdConfig<64>, __nv_bfloat16>>(p, stream);
-  return cudaErrorInvalidValue;
-#else
-  switch (config) {
-    case 1: return launch_flash_fwd<FwdConfig<64, 1, __nv_bfloat16>>(p, stream);
-    case 2: return launch_flash_fwd<FwdConfig<64, 2, __nv_bfloat16>>(p, stream);
-    case 3: return launch_flash_fwd<FwdConfig<64, 3, __nv_bfloat16>>(p, stream);
-    case 4: return launch_flash_fwd<FwdConfig<64, 4, __nv_bfloat16>>(p, stream);
-    case 5: return launch_flash_fwd<FwdConfig<64, 5, __nv_bfloat16>>(p, stream);
-    case 0: return launch_flash_fwd<FwdConfig<64, 0, __nv_bfloat16>>(p, stream);
-    default: return cudaErrorInvalidValue;  // no such configuration
-  }
-#endif
+  return launch_fwd_config<64, __nv_bfloat16>(config_from_env("CS149GPT_FWD_CONFIG", kDefaultFwdConfig<64>), p, stream);
 }
 }  // namespace cuda
 }  // namespace cs149gpt

@@ -1,7 +1,7 @@
 // Tile shapes, warps and shared-memory layouts of the tensor-core flash kernels, apart from the algorithm.
 //
-// Every warp owns 16 rows of a tile (one m16 row of mma fragments): in the forward, 16 query rows of the
-// block_q x head_dim output; in the backward, 16 key rows of the block_k x head_dim dK and dV.
+// Forward: every warp owns kMi x 16 query rows of the block_q x head_dim output. Backward: each of the five
+// products has its own grid of warp tiles (BwdTraits). The warp-level products themselves: warp_gemm.cuh.
 // Shared-memory tiles are row-major with each row padded by 8 elements (16 bytes): the 8 rows an ldmatrix
 // reads then start in 8 different 16-byte bank groups, so it is conflict-free without a swizzle.
 #pragma once
@@ -41,28 +41,39 @@ struct FwdTraits {
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "mma tiles are 16 wide");
 };
 
-// Backward: a block owns block_k = 16 * warps keys of one (batch, kv head) and keeps dK, dV for them in
-// registers; it loops over every query head of the kv head's group and every query tile of block_q rows
-// that sees these keys (Q, dO, lse, D double-buffered). dQ is accumulated in float32 with atomics.
-template <int kHeadDim_, int kNWarps_, int kBlockM_, class T_>
+// Backward: a block owns block_k = kBlockN keys of one (batch, kv head) and keeps dK, dV for them in registers;
+// it loops over every query head of the kv head's group and every query tile of block_q = kBlockM rows that sees
+// these keys (Q, dO, lse, D double-buffered). Pᵀ and dSᵀ go through shared memory, so each of the five products
+// has its own warp tiling, as FlashAttention-2's (the warp grids below; larger, squarer warp tiles read less
+// shared memory per mma). dQ is accumulated in float32 with atomics.
+//   Sᵀ, dPᵀ (keys x queries):  kWarpsKeysSdP x (warps / kWarpsKeysSdP)
+//   dK, dV  (keys x head_dim): kWarpsKeysKV  x (warps / kWarpsKeysKV)
+//   dQ      (queries x head_dim): kWarpsRowsDq x (warps / kWarpsRowsDq)
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsKeysSdP_, int kWarpsKeysKV_,
+          int kWarpsRowsDq_, class T_>
 struct BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = 32 * kNWarps;
-  static constexpr int kBlockN = 16 * kNWarps;  // keys per block
-  static constexpr int kBlockM = kBlockM_;      // query rows per step
+  static constexpr int kBlockM = kBlockM_;  // query rows per step (Br)
+  static constexpr int kBlockN = kBlockN_;  // keys per block (Bc)
+  static constexpr int kWarpsKeysSdP = kWarpsKeysSdP_, kWarpsKeysKV = kWarpsKeysKV_, kWarpsRowsDq = kWarpsRowsDq_;
+  // Warp tiles (rows x columns of the product each warp computes).
+  static constexpr int kSdpKeys = kBlockN / kWarpsKeysSdP, kSdpQueries = kBlockM / (kNWarps / kWarpsKeysSdP);
+  static constexpr int kKvKeys = kBlockN / kWarpsKeysKV, kKvCols = kHeadDim / (kNWarps / kWarpsKeysKV);
+  static constexpr int kDqRows = kBlockM / kWarpsRowsDq, kDqCols = kHeadDim / (kNWarps / kWarpsRowsDq);
   using KVTile = SmemTile<kBlockN, kHeadDim, T>;
   using QTile = SmemTile<kBlockM, kHeadDim, T>;
-  using DSTile = SmemTile<kBlockN, kBlockM, T>;  // dSᵀ: (keys, queries)
-  // dQ = dS K: each warp takes one 16-row slice of the query tile and a slice of the head dim.
-  static constexpr int kWarpsPerQSlice = kNWarps / (kBlockM / 16);
-  static constexpr int kDqCols = kHeadDim / kWarpsPerQSlice;
-  static constexpr int kSmemBytes = 2 * KVTile::kBytes + 4 * QTile::kBytes + DSTile::kBytes +
+  using PTile = SmemTile<kBlockN, kBlockM, T>;  // Pᵀ and dSᵀ: (keys, queries)
+  static constexpr int kSmemBytes = 2 * KVTile::kBytes + 4 * QTile::kBytes + 2 * PTile::kBytes +
                                     4 * kBlockM * static_cast<int>(sizeof(float));
-  // (K, V, Q[2], dO[2], dS, lse[2], D[2])
-  static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0, "mma tiles are 16 wide");
-  static_assert(kNWarps % (kBlockM / 16) == 0 && kDqCols % 32 == 0, "dQ slices must tile the head dim");
+  // (K, V, Q[2], dO[2], Pᵀ, dSᵀ, lse[2], D[2])
+  static_assert(kNWarps % kWarpsKeysSdP == 0 && kNWarps % kWarpsKeysKV == 0 && kNWarps % kWarpsRowsDq == 0,
+                "warp grids must use every warp");
+  static_assert(kSdpKeys % 16 == 0 && kSdpQueries % 16 == 0 && kKvKeys % 16 == 0 && kKvCols % 16 == 0 &&
+                    kDqRows % 16 == 0 && kDqCols % 16 == 0,
+                "warp tiles are multiples of 16 x 16");
 };
 
 }  // namespace cuda

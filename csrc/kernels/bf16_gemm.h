@@ -9,8 +9,11 @@
 //
 // Operand layouts (the packing functions below write them):
 //   A  M × K bf16, row-major, rows lda elements apart.
-//   B  K × N in "VNNI" pairs: K/2 rows, each of N pairs (B[2i][n], B[2i+1][n]) — two bf16 of consecutive k
-//      side by side, so one 32-bit lane holds what one dot-product step needs; rows ldb pairs apart.
+//   B  K × N in "VNNI" pairs (B[2i][n], B[2i+1][n]) — two bf16 of consecutive k side by side, so one 32-bit
+//      lane holds what one dot-product step needs — stored as 32 × 16 tiles: a tile is 16 pair rows of 16
+//      pairs, 1 KB, contiguous (what one AMX tile load reads, and a stream the hardware prefetcher follows);
+//      the tiles of a strip of 32 k lie one after another in n, and strips are 32·ldb bf16 apart (ldb: N
+//      rounded up to 16, the pairs a VNNI row would hold). vnni_index gives the position of element (k, n).
 //   C  M × N float32, rows ldc floats apart.
 //   M a multiple of kDotRows, N of kDotCols, K of kDotK (callers pad with zeros).
 #pragma once
@@ -35,25 +38,10 @@ constexpr int64_t kDotRows = 32;
 #endif
 constexpr int64_t kDotCols = 16, kDotK = 32;
 
-// 2^t for a result that will be rounded to bfloat16: relative error below 3e-6 (2^-8 is bf16's step), from a
-// degree-4 polynomial for 2^f, f = t − round(t) in [−½, ½] (coefficients fitted for least maximum relative
-// error), times 2^round(t) by scalef. Half the instructions of simd.h's exp (no Cody–Waite split of ln 2, two
-// fewer polynomial terms). t ≤ −150 (−inf too) gives 0; NaN stays NaN (vmaxps returns its second operand).
-inline __m512 exp2_for_bf16(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), t);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(9.570068877e-03f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.591780848e-02f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402474506e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931218213e-01f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999992616e-01f));
-  return _mm512_scalef_ps(y, n);
-}
-
 // y[c] = bf16(exp(scale·x[c] − shift)) for c < n and 0 for n ≤ c < n_pad; returns the float32 sum of the
 // exponentials (round to nearest even; NaN stays NaN). The online softmax's exp pass and the rounding of P for
-// P·V in one sweep over the scores. exp(u) = 2^(u·log2 e): log2 e rides in the FMA's two constants.
+// P·V in one sweep over the scores. exp(u) = 2^(u·log2 e): log2 e rides in the FMA's two constants, and
+// the degree-4 2^ of simd.h is accurate enough for a P rounded to bf16.
 inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
                                      int64_t n_pad) {
   constexpr float kLog2e = 1.44269504088896341f;
@@ -61,8 +49,8 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight, one 32-lane bf16 store
-    const __m512 e0 = exp2_for_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
-    const __m512 e1 = exp2_for_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
+    const __m512 e0 = exp2_poly<4>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
+    const __m512 e1 = exp2_poly<4>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
     sum0 = _mm512_add_ps(sum0, e0);
     sum1 = _mm512_add_ps(sum1, e1);
     _mm512_storeu_si512(y + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -70,7 +58,7 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
   for (; c < n; c += 16) {
     const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
     const __m512 u = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, x + c), a, s);
-    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_for_bf16(u));
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_poly<4>(u));
     sum0 = _mm512_add_ps(sum0, e);
     _mm256_mask_storeu_epi16(y + c, lanes, (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -83,7 +71,7 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
 //   P[c]  = exp(scale·S[c] − lse[c])    where query c sees key t (begin[c] ≤ t < end[c]), else 0
 //   dS[c] = P[c] · (dP[c] − D[c])         where it sees it, else 0 (even where dP is NaN, from a hidden value row)
 // both rounded to bf16 (the A operands of dV += Pᵀ dO and dK += dSᵀ Q). lse2[c] = lse[c] · log2(e): the exp is a
-// power of 2 (exp2_for_bf16), its argument one FMA.
+// power of 2 (simd.h's exp2_poly<4>), its argument one FMA.
 inline void softmax_backward_row_to_bf16(const float* S, const float* dP, const float* lse2, const float* D,
                                          const int32_t* begin, const int32_t* end, int32_t t, float scale, int64_t n,
                                          bf16_bits* P, bf16_bits* dS) {
@@ -94,17 +82,20 @@ inline void softmax_backward_row_to_bf16(const float* S, const float* dP, const 
     const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_loadu_si512(begin + c), key) &
                            _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(end + c), key);
     const __m512 u = _mm512_fmsub_ps(_mm512_loadu_ps(S + c), a, _mm512_loadu_ps(lse2 + c));
-    const __m512 p = _mm512_maskz_mov_ps(seen, exp2_for_bf16(u));
+    const __m512 p = _mm512_maskz_mov_ps(seen, exp2_poly<4>(u));
     const __m512 ds = _mm512_maskz_mul_ps(seen, p, _mm512_sub_ps(_mm512_loadu_ps(dP + c), _mm512_loadu_ps(D + c)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(P + c), (__m256i)_mm512_cvtneps_pbh(p));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dS + c), (__m256i)_mm512_cvtneps_pbh(ds));
   }
 }
 
-// Element (k, n) of a VNNI-packed B with rows ldb pairs apart.
-inline int64_t vnni_index(int64_t k, int64_t n, int64_t ldb) { return (k / 2) * ldb * 2 + n * 2 + (k % 2); }
+// The first element of the packed B tile holding element (k, n), and the position of (k, n) itself.
+inline int64_t b_tile_offset(int64_t k, int64_t n, int64_t ldb) { return (k / 32) * 32 * ldb + (n / 16) * 512; }
+inline int64_t vnni_index(int64_t k, int64_t n, int64_t ldb) {
+  return b_tile_offset(k, n, ldb) + (k % 32) / 2 * 32 + (n % 16) * 2 + k % 2;
+}
 
-// The two ways a B operand arrives, packed into VNNI pairs (rows ldb pairs apart, already zeroed past the data):
+// The two ways a B operand arrives, packed as above (into a buffer already zeroed past the data):
 //   pack_vnni_rows       from B itself, K rows of N values (P V's V_j: k = key, n = head dim). Rows 2i and 2i+1
 //                        are interleaved value by value (one permute of two 32-value loads per 32 pairs).
 //   pack_vnni_transposed from Bᵀ, N rows of K values (Q Kᵀ's K_j: a key's row holds the k values of column n).
@@ -122,17 +113,17 @@ inline int64_t pack_vnni_rows(int64_t K, int64_t N, const bf16_bits* src, int64_
   int64_t nonfinite = 0;
   for (int64_t k = 0; k < K; k += 2) {
     const bf16_bits *even = src + k * ld, *odd = even + ld;
-    bf16_bits* row = B + (k / 2) * ldb * 2;
     for (int64_t n = 0; n < N; n += 32) {
       const __mmask32 lanes = N - n >= 32 ? ~__mmask32{0} : (__mmask32)((1u << (N - n)) - 1u);
       const __m512i a = _mm512_maskz_loadu_epi16(lanes, even + n);
       const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(lanes, odd + n) : _mm512_setzero_si512();
       nonfinite += nonfinite_bf16(a, lanes) + nonfinite_bf16(b, lanes);
       const __mmask16 first = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1u);
-      _mm512_mask_storeu_epi32(row + 2 * n, first, _mm512_permutex2var_epi16(a, low_pairs, b));
+      _mm512_mask_storeu_epi32(B + vnni_index(k, n, ldb), first, _mm512_permutex2var_epi16(a, low_pairs, b));
       if (N - n > 16) {
         const __mmask16 second = N - n >= 32 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n - 16)) - 1u);
-        _mm512_mask_storeu_epi32(row + 2 * n + 32, second, _mm512_permutex2var_epi16(a, high_pairs, b));
+        _mm512_mask_storeu_epi32(B + vnni_index(k, n + 16, ldb), second,
+                                 _mm512_permutex2var_epi16(a, high_pairs, b));
       }
     }
   }
@@ -146,9 +137,9 @@ inline void pack_vnni_transposed(int64_t K, int64_t N, const bf16_bits* src, int
     for (; k + 2 <= K; k += 2) {
       uint32_t pair;
       std::memcpy(&pair, row + k, sizeof pair);
-      words[(k / 2) * ldb + n] = pair;
+      words[vnni_index(k, n, ldb) / 2] = pair;
     }
-    if (k < K) words[(k / 2) * ldb + n] = row[k];  // odd K: the last pair's second half is the zero padding
+    if (k < K) words[vnni_index(k, n, ldb) / 2] = row[k];  // odd K: the last pair's second half is the zero padding
   }
 }
 
@@ -201,7 +192,7 @@ class DotScope {
 template <int NB>
 inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
                       int64_t ldc, bool accumulate) {
-  const int64_t a_stride = lda * 2, b_stride = ldb * 4, c_stride = ldc * 4;  // bytes
+  const int64_t a_stride = lda * 2, b_stride = 64, c_stride = ldc * 4;  // bytes (a B tile is contiguous)
   if (accumulate) {
     _tile_loadd(0, C, c_stride);
     _tile_loadd(2, C + 16 * ldc, c_stride);
@@ -220,12 +211,12 @@ inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bit
   for (int64_t k = 0; k < K; k += kDotK) {
     _tile_loadd(4, A + k, a_stride);
     _tile_loadd(5, A + 16 * lda + k, a_stride);
-    const bf16_bits* Bk = B + (k / 2) * ldb * 2;
+    const bf16_bits* Bk = B + b_tile_offset(k, 0, ldb);
     _tile_loadd(6, Bk, b_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
     if (NB == 2) {
-      _tile_loadd(7, Bk + 32, b_stride);
+      _tile_loadd(7, Bk + 512, b_stride);
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -244,14 +235,15 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
   for (int64_t m = 0; m < M; m += 32) {
     int64_t n = 0;
     for (; n + 32 <= N; n += 32)
-      amx_block<2>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
-    if (n < N) amx_block<1>(K, A + m * lda, lda, B + n * 2, ldb, C + m * ldc + n, ldc, accumulate);
+      amx_block<2>(K, A + m * lda, lda, B + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
+    if (n < N) amx_block<1>(K, A + m * lda, lda, B + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
   }
 }
 
 #else  // CS149_ISA_AVX512_BF16
 // ---------------------------------------------------------------------------------------------------
-// vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; a VNNI row of B is one zmm of 16 pairs.
+// vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; 16 pairs of one VNNI row of B (a row of a
+// B tile) are one zmm.
 // ---------------------------------------------------------------------------------------------------
 struct DotScope {};  // vdpbf16ps needs no set-up
 
@@ -268,7 +260,7 @@ inline void dot_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bit
   for (int64_t kk = 0; kk < K / 2; ++kk) {
     __m512i b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + kk * ldb * 2 + v * 32);
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + vnni_index(2 * kk, 16 * v, ldb));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_set1_epi32(static_cast<int>(A_pairs[r * lda_pairs + kk]));
@@ -289,10 +281,10 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
     const bf16_bits* Am = A + m * lda;
     float* Cm = C + m * ldc;
     int64_t n = 0;
-    for (; n + 48 <= N; n += 48) dot_block<R, 3>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate);
+    for (; n + 48 <= N; n += 48) dot_block<R, 3>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate);
     switch ((N - n) / 16) {
-      case 1: dot_block<R, 1>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate); break;
-      case 2: dot_block<R, 2>(K, Am, lda, B + n * 2, ldb, Cm + n, ldc, accumulate); break;
+      case 1: dot_block<R, 1>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate); break;
+      case 2: dot_block<R, 2>(K, Am, lda, B + b_tile_offset(0, n, ldb), ldb, Cm + n, ldc, accumulate); break;
       default: break;
     }
   }

@@ -17,7 +17,9 @@
 //   (micro_gemm in simd.h) whose right operand is read a row of vectors at a time. So K is packed once,
 //   transposed, tile by tile (K_jᵀ: d × Bc), before the main loop, by all threads together; V is read in
 //   place, or packed once too when it is not float32 or d is not a whole number of vectors.
-// - Q_i is copied once per tile, pre-multiplied by `scale` (and converted to float32).
+// - Q_i is copied once per tile, pre-multiplied by `scale` · log2(e) (and converted to float32): the logits
+//   are then in base 2, exp(x) = 2^(x · log2 e), and the online softmax takes 2^(S − m), which is cheaper
+//   than exp (simd.h's exp2); lse goes back to base e at the end.
 // - A query tile is processed a row group of G rows at a time (G = kRowGroup, all rows of the
 //   micro-kernels): S for G rows stays in L1 while the group goes QKᵀ → online softmax → PV.
 // - Causal: key tiles beyond a query tile's last visible key are never visited; within a tile a row
@@ -37,11 +39,16 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
 
-// Defaults, from tile sweeps (benchmarks/tile_sweep.py) on the 2-core dev box, where query tiles of 24–192 rows
-// and key tiles of 64–512 keys came within ~10 % of each other: a query tile of 4 row groups; key tiles of 128
-// keys keep K_jᵀ and V_j (2 · 128 · d floats) in L2 next to the query tile.
+// Defaults, from tile sweeps (benchmarks/tile_sweep.py): a query tile of 4 row groups; key tiles of 512 keys
+// with AVX-512 (on the device host's Xeon, one thread, 8–15 % faster than 128 at d = 64 and 128:
+// results/cpu_16core_tile_sweep_f32.txt; K_jᵀ and V_j, 2 · 512 · d floats, still fit its 2 MB L2), 128 keys
+// elsewhere (the 2-core dev box's sweep put 64–512 within ~10 % of each other).
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
+#if defined(CS149_ISA_AVX512)
+constexpr int64_t kDefaultBlockK = 512;
+#else
 constexpr int64_t kDefaultBlockK = 128;
+#endif
 
 // Tile sizes and where each piece of the workspace lives. All sizes in floats.
 struct Layout {
@@ -119,10 +126,13 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   float *alpha = scratch + L.alpha_off, *m_new = alpha + kRowGroup;  // per row of the current group
   int64_t visible[kRowGroup];  // how many keys of the current tile each row of the group sees
 
-  // Q_i = scale · Q[i0 : i0 + rows], zero rows up to whole row groups; m = −inf, l = 0, O_i = 0.
+  // Q_i = scale · log2(e) · Q[i0 : i0 + rows] (logits in base 2), zero rows up to whole row groups;
+  // m = −inf, l = 0, O_i = 0.
+  constexpr float kLog2e = 1.44269504088896341f;
+  const float q_scale = p.scale * kLog2e;
   const T* Q = q_head<T>(p, b, h) + i0 * p.q_strides[2];
   for (int64_t r = 0; r < groups * kRowGroup; ++r)
-    for (int64_t c = 0; c < d; ++c) Qi[r * d + c] = r < rows ? p.scale * to_float(Q[r * p.q_strides[2] + c]) : 0.0f;
+    for (int64_t c = 0; c < d; ++c) Qi[r * d + c] = r < rows ? q_scale * to_float(Q[r * p.q_strides[2] + c]) : 0.0f;
   fill_row(kNegInf, m, groups * kRowGroup);
   fill_row(0.0f, l, groups * kRowGroup);
   fill_row(0.0f, Oi, groups * kRowGroup * d_pad);
@@ -151,7 +161,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
       for (int64_t r = 0; r < kRowGroup; ++r)
         visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      online_softmax(S, L.Bc_pad, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new);
+      online_softmax(S, L.Bc_pad, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new,
+                     PInPlaceBase2{});
 
       // O_g = α · O_g + P V_j. The keys that every row of the group sees (all of them, but for the causal
       // diagonal) go through the micro-kernel; the few that only the later rows see are added row by row,
@@ -165,7 +176,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
     }
   }
 
-  finish_rows<T>(p, b, h, i0, rows, Oi, d_pad, m, l);
+  finish_rows<T>(p, b, h, i0, rows, Oi, d_pad, m, l, /*base2=*/true);
 }
 
 template <class T>

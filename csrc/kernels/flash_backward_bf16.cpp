@@ -226,8 +226,8 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   pack_vnni_rows(rows, d, dO, bp.dout_strides[2], s.dOv, L.d_n);
 
   // Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ   (m_keys × n_q, float32)
-  bf16_gemm(m_keys, n_q, L.d_k, s.Kr, L.d_k, QT + 2 * c0, Br, s.ST + c0, Br, false);
-  bf16_gemm(m_keys, n_q, L.d_k, s.Vr, L.d_k, dOT + 2 * c0, Br, s.dPT + c0, Br, false);
+  bf16_gemm(m_keys, n_q, L.d_k, s.Kr, L.d_k, QT + b_tile_offset(0, c0, Br), Br, s.ST + c0, Br, false);
+  bf16_gemm(m_keys, n_q, L.d_k, s.Vr, L.d_k, dOT + b_tile_offset(0, c0, Br), Br, s.dPT + c0, Br, false);
 
   // Pᵀ, dSᵀ in bf16, 0 where the query does not see the key
   const float *lse2 = s.lse2 + g * L.q_pad + i0, *delta = s.delta + g * L.q_pad + i0;
@@ -237,8 +237,8 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
                                  s.dST + t * Br + c0);
 
   // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (k: the query rows [c0, c1))
-  bf16_gemm(m_keys, L.d_n, n_q, s.PT + c0, Br, s.dOv + c0 * L.d_n, L.d_n, s.dV, L.d_n, true);
-  bf16_gemm(m_keys, L.d_n, n_q, s.dST + c0, Br, s.Qv + c0 * L.d_n, L.d_n, s.dK, L.d_n, true);
+  bf16_gemm(m_keys, L.d_n, n_q, s.PT + c0, Br, s.dOv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dV, L.d_n, true);
+  bf16_gemm(m_keys, L.d_n, n_q, s.dST + c0, Br, s.Qv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dK, L.d_n, true);
 
   // dQ_iᵀ += K_jᵀ dSᵀ   (d_k × n_q; k: the keys)
   float* dQT = s.dQT + g * L.d_k * L.q_pad + i0;

@@ -30,10 +30,11 @@ using flash::finish_rows;
 using flash::online_softmax;
 using flash::round_up;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
-// Defaults: query tiles of 128 rows (2 AMX groups or 4 vdpbf16ps ones; fewer when the threads need more
-// tasks); key tiles of 128 keys for vdpbf16ps, and for AMX 256 (head_dim ≤ 64) or 512 keys: with AMX the
-// products are cheap and each key tile loads and stores the group's O_i through tile registers, so longer
-// tiles amortise that (sweeps on the device host: results/cpu_amx_phases_run4.txt, cpu_amx_tile_sweep_*).
+// Defaults: query tiles of 128 rows (2 AMX groups, 4 vdpbf16ps ones; fewer when the threads need more tasks;
+// 256 rows measured 0–25 % slower on the device host, results/cpu_16core_forward_session3.txt); key tiles of
+// 128 keys for vdpbf16ps, and for AMX 256 (head_dim ≤ 64) or 512 keys: with AMX the products are cheap and each
+// key tile loads and stores the group's O_i through tile registers, so longer tiles amortise that (sweeps on
+// the device host: results/cpu_amx_phases_run5.txt, cpu_amx_tile_sweep_*).
 constexpr int64_t kDefaultBlockQ = 128;
 inline int64_t default_block_k(int64_t head_dim) {
 #if defined(CS149_ISA_AMX)
@@ -118,6 +119,7 @@ void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t ldp, const int64_
 
 // The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j.
 struct PToBf16 {
+  static constexpr bool kBase2 = false;
   bf16_bits* P;
   int64_t ld, k_keys;
   float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {

@@ -63,9 +63,18 @@ void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t 
 // it (over S by default).
 // Where P = exp(S − m_new) goes: over S itself (the float32 kernels), or elsewhere (flash_bf16.cpp writes it in
 // bf16 for the next product). exp_sum writes row r's P and returns its sum; zero writes a row of zeros.
+// kBase2: the logits S (and so m) are in base 2, P = 2^(S − m_new) (flash.cpp folds log2 e into Q's scale).
 struct PInPlace {
+  static constexpr bool kBase2 = false;
   float exp_sum(int64_t, float* s, float shift, int64_t n, float scale) const {
     return exp_shifted_sum(s, shift, n, scale);
+  }
+  void zero(int64_t, float* s, int64_t n) const { fill_row(0.0f, s, n); }
+};
+struct PInPlaceBase2 {
+  static constexpr bool kBase2 = true;
+  float exp_sum(int64_t, float* s, float shift, int64_t n, float scale) const {
+    return exp2_shifted_sum(s, shift, n, scale);
   }
   void zero(int64_t, float* s, int64_t n) const { fill_row(0.0f, s, n); }
 };
@@ -83,7 +92,10 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
     m_new[r] = max_nan(m[r], (scale_in_exp ? scale : 1.0f) * max_of(s, n_keys));
     alpha[r] = m_new[r] == kNegInf ? 0.0f : m[r] - m_new[r];  // exponent of α; −inf on a first tile
   }
-  exp_row(alpha, G);
+  if constexpr (PWriter::kBase2)
+    exp2_row(alpha, G);
+  else
+    exp_row(alpha, G);
   for (int64_t r = 0; r < G; ++r) {
     float* s = S + r * ld;
     if (m_new[r] == kNegInf) {
@@ -95,12 +107,12 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
   }
 }
 
-// The end of a query tile: rows [i0, i0 + rows) of head h, O = O_i / l and lse = m + log(l), O_i's rows ldo
-// floats apart. Rows that saw no key (l = 0): O = 0, lse = −inf. A NaN l (a NaN or +inf logit) gives NaN in
+// The end of a query tile: rows [i0, i0 + rows) of head h, O = O_i / l and lse = m + log(l) (m in base 2:
+// lse = ln 2 · (m + log2(l))), O_i's rows ldo floats apart. Rows that saw no key (l = 0): O = 0, lse = −inf. A NaN l (a NaN or +inf logit) gives NaN in
 // both: hence `l == 0`, never `l > 0`, which would read NaN as "no key".
 template <class T>
 void finish_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t rows, const float* Oi,
-                 int64_t ldo, const float* m, const float* l) {
+                 int64_t ldo, const float* m, const float* l, bool base2 = false) {
   T* out = out_head<T>(p, b, h) + i0 * p.out_strides[2];
   for (int64_t r = 0; r < rows; ++r) {
     const float inv_l = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
@@ -108,7 +120,9 @@ void finish_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int
   }
   if (p.lse) {
     float* lse = p.lse + b * p.lse_strides[0] + h * p.lse_strides[1] + i0;
-    for (int64_t r = 0; r < rows; ++r) lse[r] = l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);
+    constexpr float kLn2 = 0.693147180559945309f;
+    for (int64_t r = 0; r < rows; ++r)
+      lse[r] = l[r] == 0.0f ? kNegInf : base2 ? kLn2 * (m[r] + std::log2(l[r])) : m[r] + std::log(l[r]);
   }
 }
 

@@ -1,13 +1,30 @@
 // Flash-decoding: a few query rows (the tokens being generated) against a long key/value cache.
 //
-// One query row offers no parallelism across query tiles, and a row group of the tiled kernel would be mostly
-// padding, so here the keys are split instead. Split s of S computes for its keys, row by row,
+// Decoding is bound by memory: every step reads the whole cache once, and the arithmetic per key is small. So
+// the kernel is arranged to read each cached key and value exactly once per call:
+// - one task holds every query row of a GQA group — the G = Hq / Hkv query heads that share a kv head, times the
+//   q_len rows of a short chunk — and reads each K/V block once for all of them (rows ρ = i·G + g, so rows of one
+//   position are adjacent and visibility grows with ρ);
+// - the keys are split instead of the queries: split s of S covers keys [s·Ls, (s+1)·Ls), and tasks are
+//   (batch, kv head, split): S is the fewest splits of at least kMinSplitKeys keys that make kMinTasks tasks, enough
+//   to fill any thread count up to that (a batch of many sequences needs no split at all). S depends on the shape
+//   only, never on the thread count, and the splits are merged in a fixed order, so results are bitwise the same for
+//   any number of threads.
+// Split s computes for its keys, row by row, with the online softmax over blocks of keys (flash_common.h):
 //   m_s = max_j s_j,   l_s = Σ_j exp(s_j − m_s),   O_s = Σ_j exp(s_j − m_s) v_j        (s_j = scale · q·k_j)
-// and a merge combines the splits exactly, as the online softmax does tiles:
+// and the merge combines the splits exactly, as the online softmax does blocks:
 //   M = max_s m_s,   l = Σ_s exp(m_s − M) l_s,   O = Σ_s exp(m_s − M) O_s / l,   lse = M + log l.
-// Work per query row is O(kv_len · d), read once from the cache in place: no packing, no padding.
+// K and V are read in place, in their own dtype (decode_micro.h converts in registers; bf16 keys go through
+// vdpbf16ps where the CPU has it): no packing, no conversion pass. Small calls run on the calling thread, with no
+// parallel region at all. The workspace (the splits' partials, per-thread scratch) comes from the caller.
+//
+// The same kernel serves attention_with_kvcache: sequences of their own lengths (cache_seqlens), a paged cache
+// (block_table), and new keys/values appended to the cache before attending (attention.h).
+// Non-finite values follow the README's rule: a NaN or +inf logit makes its row NaN, −inf logits weigh 0, and a
+// key the causal mask hides from a row is never read for it (neither its k nor its v).
 #include "../attention.h"
-#include "simd.h"
+#include "decode_micro.h"
+#include "flash_common.h"
 
 #include <algorithm>
 #include <omp.h>
@@ -16,81 +33,204 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash_decode {
 
-constexpr int64_t kMaxRows = 4;             // q_len up to this takes this path
-// Keys per split: fixed, not derived from the thread count, so that results are the same for any number of
-// threads. 512 keys are a few µs of work, against a merge of one row per split.
-constexpr int64_t kKeysPerSplit = 512;
+using flash::online_softmax;
+using flash::round_up;
+
+constexpr int64_t kMaxRows = 16;  // the flash forward hands calls with q_len up to this here
+constexpr int64_t kBlockKeys = 64;    // keys per online-softmax step: K and V blocks stay in L1/L2
+constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with long chunks) are cut into tasks
+// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~10 µs of reading at
+// d = 128, against a merge of one row per split); a whole number of key blocks each.
+constexpr int64_t kMinTasks = 64;
+constexpr int64_t kMinSplitKeys = 256;
+// Below this many bytes of K and V read (all tasks together), the call runs on the calling thread: waking the
+// other threads costs more than they save. On the 16-core device host (benchmarks/results/decode_16core_run2_*)
+// 1 MB of float32 keys and values (128 keys of Llama's 8 kv heads) took 40 µs on one thread and 20 µs on 16, and
+// 512 KB (the same in bf16), run on one thread, took 36 µs where torch's SDPA on 16 threads took 25 µs.
+constexpr int64_t kSerialBytes = 256 * 1024;
 
 // The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles.
 inline bool applies(const AttentionParams& p) { return p.q_len <= kMaxRows && p.block_q <= 0 && p.block_k <= 0; }
 
-inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+inline int64_t pad16(int64_t n) { return round_up(n, 16); }
 
 struct Layout {
-  int64_t splits, split_len, d_pad, part_row, parts_size, per_thread;
+  int64_t group;       // G: query heads per kv head
+  int64_t rows;        // G · q_len rows per (batch, kv head)
+  int64_t task_rows;   // rows per task (≤ kMaxTaskRows)
+  int64_t row_tasks;   // tasks per (batch, kv head, split) along the rows
+  int64_t split_len, splits;
+  int64_t d_pad, d_pair;  // head_dim to whole vectors (16 floats); to whole bf16 dot steps (32)
+  int64_t part_row;       // O_s, then m_s and l_s
+  int64_t parts_size;
+  int64_t q_off, qb_off, s_off, o_off, m_off, l_off, alpha_off, mnew_off, per_thread;  // per-thread scratch
   explicit Layout(const AttentionParams& p) {
-    const int64_t heads = p.batch * p.num_heads;
-    splits = (p.kv_len + kKeysPerSplit - 1) / kKeysPerSplit;
-    split_len = kKeysPerSplit;
+    group = p.num_heads / p.num_kv_heads;
+    rows = group * p.q_len;
+    task_rows = std::min(rows, kMaxTaskRows);
+    row_tasks = (rows + task_rows - 1) / task_rows;
+    const int64_t groups = p.batch * p.num_kv_heads * row_tasks;
+    const int64_t wanted = std::max<int64_t>(1, (kMinTasks + groups - 1) / groups);  // splits for kMinTasks tasks
+    split_len = std::max(kMinSplitKeys, round_up((p.kv_len + wanted - 1) / wanted, kBlockKeys));
+    splits = std::max<int64_t>(1, (p.kv_len + split_len - 1) / split_len);
     d_pad = pad16(p.head_dim);
-    part_row = d_pad + 2;  // O_s, then m_s and l_s
-    parts_size = heads * splits * p.q_len * part_row;
-    per_thread = pad16(split_len) + 2 * d_pad;  // scores of one split; q and k/v rows as float
+    d_pair = round_up(p.head_dim, 32);
+    part_row = d_pad + 2;
+    parts_size = splits == 1 ? 0 : p.batch * p.num_kv_heads * splits * rows * part_row;
+    q_off = 0;
+    qb_off = q_off + task_rows * d_pad;
+    s_off = qb_off + pad16(task_rows * d_pair / 2);
+    o_off = s_off + task_rows * kBlockKeys;
+    m_off = o_off + task_rows * d_pad;
+    l_off = m_off + pad16(task_rows);
+    alpha_off = l_off + pad16(task_rows);
+    mnew_off = alpha_off + pad16(task_rows);
+    per_thread = mnew_off + pad16(task_rows);
   }
+  int64_t tasks(const AttentionParams& p) const { return p.batch * p.num_kv_heads * splits * row_tasks; }
 };
 
-// The row as float32: itself for float, else converted into buf.
+// Row t of the keys (or values) of kv head kvh of sequence b, and how many rows from it on are contiguous
+// (through the row stride): to the end of its page in a paged cache, else all of them.
 template <class T>
-inline const float* as_float(const T* row, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return row;
-  } else {
-    for (int64_t c = 0; c < n; ++c) buf[c] = static_cast<float>(row[c]);
-    return buf;
+inline const T* cache_row(const AttentionParams& p, const void* base, const int64_t (&strides)[3], int64_t b,
+                          int64_t kvh, int64_t t, int64_t* run) {
+  if (!p.block_table) {
+    *run = INT64_MAX;
+    return static_cast<const T*>(base) + b * strides[0] + kvh * strides[1] + t * strides[2];
+  }
+  const int64_t page = p.block_table[b * p.block_table_stride + t / p.page_size], row = t % p.page_size;
+  *run = p.page_size - row;
+  return static_cast<const T*>(base) + page * strides[0] + kvh * strides[1] + row * strides[2];
+}
+
+// The keys query row i of sequence b sees: [0, visible). Causal: bottom-right for a cache of per-sequence lengths
+// (the last of the q_len queries sees the whole sequence), else as the call's causal_offset says.
+inline int64_t visible_keys_of(const AttentionParams& p, int64_t kv_len, int64_t i) {
+  if (!p.is_causal) return kv_len;
+  const int64_t offset = p.cache_seqlens ? kv_len - p.q_len : p.causal_offset;
+  return std::clamp<int64_t>(i + offset + 1, 0, kv_len);
+}
+
+// Appends k_new, v_new (batch, kv head b·Hkv + kvh) to the cache at rows [length − q_len, length).
+template <class T>
+void append_new_kv(const AttentionParams& p, int64_t b, int64_t kvh) {
+  const int64_t first = seq_kv_len(p, b) - p.q_len;
+  for (int64_t i = 0; i < p.q_len; ++i) {
+    int64_t run;
+    T* k = const_cast<T*>(cache_row<T>(p, p.k, p.k_strides, b, kvh, first + i, &run));
+    T* v = const_cast<T*>(cache_row<T>(p, p.v, p.v_strides, b, kvh, first + i, &run));
+    const T* kn = static_cast<const T*>(p.k_new) + b * p.k_new_strides[0] + kvh * p.k_new_strides[1] +
+                  i * p.k_new_strides[2];
+    const T* vn = static_cast<const T*>(p.v_new) + b * p.v_new_strides[0] + kvh * p.v_new_strides[1] +
+                  i * p.v_new_strides[2];
+    std::memcpy(k, kn, p.head_dim * sizeof(T));
+    std::memcpy(v, vn, p.head_dim * sizeof(T));
   }
 }
 
-// Split s of head h in batch b: partial (O_s, m_s, l_s) of every query row.
+// Query row ρ = i·G + g of kv head kvh is row i of query head kvh·G + g.
+inline int64_t head_of(const Layout& L, int64_t kvh, int64_t rho) { return kvh * L.group + rho % L.group; }
+
+// The end of a row: out = O / l, lse = m + log l. l = 0: no key had any weight, out = 0 (or NaN where O is), lse =
+// −inf. A NaN l stays NaN: never test `l > 0`.
 template <class T>
-void split_partials(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t s, float* part,
-                    float* scratch) {
-  const int64_t d = p.head_dim, j0 = s * L.split_len, j1 = std::min(p.kv_len, j0 + L.split_len);
-  float *scores = scratch, *q_buf = scratch + pad16(L.split_len), *kv_buf = q_buf + L.d_pad;
-  const T* K = k_head<T>(p, b, h);
-  const T* V = v_head<T>(p, b, h);
-  for (int64_t i = 0; i < p.q_len; ++i, part += L.part_row) {
-    float* O = part;
-    const int64_t n = std::clamp<int64_t>(std::min(visible_keys(p, i), j1) - j0, 0, j1 - j0);
-    fill_row(0.0f, O, d);
-    if (n == 0) {  // none of this split's keys is visible to row i
-      O[L.d_pad] = kNegInf;
-      O[L.d_pad + 1] = 0.0f;
-      continue;
+inline void finish_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, const float* O, float m, float l) {
+  T* out = out_head<T>(p, b, h) + i * p.out_strides[2];
+  const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
+  for (int64_t c = 0; c < p.head_dim; ++c) out[c] = static_cast<T>(O[c] * inv_l);
+  if (p.lse) p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = l == 0.0f ? kNegInf : m + std::log(l);
+}
+
+// One task: rows [ρ0, ρ0 + rows) of kv head kvh in sequence b against the keys of split s. Writes the rows'
+// partials (O_s, m_s, l_s), or, when there is one split, the rows' output.
+template <class T>
+void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t s, int64_t rho0,
+                float* parts, float* scratch) {
+  const int64_t d = p.head_dim, rows = std::min(L.task_rows, L.rows - rho0);
+  const int64_t kv_len = seq_kv_len(p, b);
+  const int64_t j0 = s * L.split_len, j1 = std::min(kv_len, j0 + L.split_len);
+  float *Q = scratch + L.q_off, *S = scratch + L.s_off, *O = scratch + L.o_off;
+  float *m = scratch + L.m_off, *l = scratch + L.l_off, *alpha = scratch + L.alpha_off, *m_new = scratch + L.mnew_off;
+  int64_t visible[kMaxTaskRows];  // keys of the current block each row sees
+  fill_row(kNegInf, m, rows);
+  fill_row(0.0f, l, rows);
+  fill_row(0.0f, O, rows * L.d_pad);
+
+  // The keys of this split the task's last row sees (the others see a prefix of them).
+  const int64_t keys_end = std::min(j1, visible_keys_of(p, kv_len, (rho0 + rows - 1) / L.group));
+  if (j0 < keys_end) {
+    // Q: the rows as float32, zero past d (and as bf16 pairs for vdpbf16ps).
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t rho = rho0 + r;
+      const T* q = q_head<T>(p, b, head_of(L, kvh, rho)) + (rho / L.group) * p.q_strides[2];
+      for (int64_t c = 0; c < L.d_pad; ++c) Q[r * L.d_pad + c] = c < d ? static_cast<float>(q[c]) : 0.0f;
+#if defined(CS149_ISA_BF16_DOT)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        auto* qb = reinterpret_cast<c10::BFloat16*>(scratch + L.qb_off) + r * L.d_pair;
+        for (int64_t c = 0; c < L.d_pair; ++c) qb[c] = c < d ? q[c] : c10::BFloat16(0.0f);
+      }
+#endif
     }
-    const float* q = as_float(q_head<T>(p, b, h) + i * p.q_strides[2], q_buf, d);
-    for (int64_t t = 0; t < n; ++t)
-      scores[t] = p.scale * dot(q, as_float(K + (j0 + t) * p.k_strides[2], kv_buf, d), d);
-    // m is NaN if a score is (max_of keeps NaN), and then so are l and O. Scores that are all −inf weigh 0
-    // (m = −inf, l = 0), like keys hidden by the mask; their values are still multiplied by that 0, as the
-    // tiled kernel does, so a NaN value row shows.
-    const float m = max_of(scores, n);
-    const float l = m == kNegInf ? (fill_row(0.0f, scores, n), 0.0f) : exp_shifted_sum(scores, m, n);
-    for (int64_t t = 0; t < n; ++t) axpy(scores[t], as_float(V + (j0 + t) * p.v_strides[2], kv_buf, d), O, d);
-    O[L.d_pad] = m;
-    O[L.d_pad + 1] = l;
+    for (int64_t t0 = j0; t0 < keys_end;) {
+      int64_t k_run, v_run;
+      const T* K = cache_row<T>(p, p.k, p.k_strides, b, kvh, t0, &k_run);
+      const T* V = cache_row<T>(p, p.v, p.v_strides, b, kvh, t0, &v_run);
+      const int64_t n = std::min({kBlockKeys, keys_end - t0, k_run, v_run});
+
+      // S = Q K_blockᵀ (rows × n, unscaled)
+#if defined(CS149_ISA_BF16_DOT)
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        decode::row_key_dots_bf16(rows, n, d, reinterpret_cast<const c10::BFloat16*>(scratch + L.qb_off), L.d_pair,
+                                  K, p.k_strides[2], S, kBlockKeys);
+      else
+#endif
+        decode::row_key_dots(rows, n, d, Q, L.d_pad, K, p.k_strides[2], S, kBlockKeys);
+
+      // S = scale · S, rounded before the max is taken, so that the largest logit's weight is exp(0) = 1
+      // exactly (a single visible key returns its value row bitwise). Then the online softmax over the block:
+      // S becomes P; m, l, α updated (flash_common.h).
+      for (int64_t r = 0; r < rows; ++r) {
+        visible[r] = std::clamp<int64_t>(visible_keys_of(p, kv_len, (rho0 + r) / L.group) - t0, 0, n);
+        scale_row(p.scale, S + r * kBlockKeys, visible[r]);
+      }
+      online_softmax(S, kBlockKeys, rows, n, visible, /*scale=*/1.0f, m, l, alpha, m_new);
+
+      // O = α · O + P V_block. Keys every row sees go through the block kernel; the few that only later rows
+      // see (the causal diagonal of a chunk) are added row by row, so a hidden key's value never touches a row.
+      const int64_t shared = visible[0];
+      decode::rows_times_values(rows, shared, S, kBlockKeys, V, p.v_strides[2], d, O, L.d_pad, alpha);
+      for (int64_t r = 1; r < rows; ++r)
+        if (visible[r] > shared)
+          decode::rows_times_values(1, visible[r] - shared, S + r * kBlockKeys + shared, kBlockKeys,
+                                    V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_pad, L.d_pad,
+                                    nullptr);
+      t0 += n;
+    }
+  }
+
+  if (L.splits == 1) {
+    for (int64_t r = 0; r < rows; ++r)
+      finish_row<T>(p, b, head_of(L, kvh, rho0 + r), (rho0 + r) / L.group, O + r * L.d_pad, m[r], l[r]);
+    return;
+  }
+  float* part = parts + (((b * p.num_kv_heads + kvh) * L.splits + s) * L.rows + rho0) * L.part_row;
+  for (int64_t r = 0; r < rows; ++r, part += L.part_row) {
+    std::memcpy(part, O + r * L.d_pad, L.d_pad * sizeof(float));
+    part[L.d_pad] = m[r];
+    part[L.d_pad + 1] = l[r];
   }
 }
 
-// Row i of head h: merges the splits' partials into out and lse.
+// Row ρ of kv head kvh in sequence b: merges the splits' partials, in split order, into out and lse.
 template <class T>
-void merge_row(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i, const float* parts,
+void merge_row(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t rho, const float* parts,
                float* O) {
   const int64_t d = p.head_dim;
-  const float* first = parts + ((b * p.num_heads + h) * L.splits * p.q_len + i) * L.part_row;
-  const int64_t split_stride = p.q_len * L.part_row;
+  const float* first = parts + ((b * p.num_kv_heads + kvh) * L.splits * L.rows + rho) * L.part_row;
+  const int64_t split_stride = L.rows * L.part_row;
   float M = kNegInf;
   for (int64_t s = 0; s < L.splits; ++s) M = max_nan(M, first[s * split_stride + L.d_pad]);
-  T* out = out_head<T>(p, b, h) + i * p.out_strides[2];
   float l = 0.0f;
   fill_row(0.0f, O, d);
   for (int64_t s = 0; s < L.splits; ++s) {
@@ -101,10 +241,25 @@ void merge_row(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, 
     l += w * part[L.d_pad + 1];
     axpy(w, part, O, d);  // even with w = 0: a NaN in O_s (from a NaN value row) must show
   }
-  // l = 0: no key had any weight, O = 0 (or NaN, above), lse = −inf. A NaN l stays NaN: never test `l > 0`.
-  const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;
-  for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>(O[c] * inv_l);
-  if (p.lse) p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = l == 0.0f ? kNegInf : M + std::log(l);
+  finish_row<T>(p, b, head_of(L, kvh, rho), rho / L.group, O, M, l);
+}
+
+// The three phases over their index ranges: appending, the split tasks, the merge.
+template <class T>
+void append_range(const AttentionParams& p, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) append_new_kv<T>(p, t / p.num_kv_heads, t % p.num_kv_heads);
+}
+template <class T>
+void task(const AttentionParams& p, const Layout& L, int64_t t, float* parts, float* scratch) {
+  const int64_t rt = t % L.row_tasks, s = (t / L.row_tasks) % L.splits;
+  const int64_t kvh = (t / (L.row_tasks * L.splits)) % p.num_kv_heads;
+  const int64_t b = t / (L.row_tasks * L.splits * p.num_kv_heads);
+  split_task<T>(p, L, b, kvh, s, rt * L.task_rows, parts, scratch);
+}
+template <class T>
+void merge(const AttentionParams& p, const Layout& L, int64_t r, const float* parts, float* scratch) {
+  const int64_t rho = r % L.rows, kvh = (r / L.rows) % p.num_kv_heads, b = r / (L.rows * p.num_kv_heads);
+  merge_row<T>(p, L, b, kvh, rho, parts, scratch);
 }
 
 template <class T>
@@ -112,18 +267,28 @@ void run(const AttentionParams& p, float* workspace) {
   const Layout L(p);
   float* parts = workspace;
   float* thread_scratch = workspace + L.parts_size;
-  const int64_t n_splits = p.batch * p.num_heads * L.splits, n_rows = p.batch * p.num_heads * p.q_len;
+  const int64_t n_heads = p.batch * p.num_kv_heads, n_tasks = L.tasks(p);
+  const int64_t n_rows = L.splits == 1 ? 0 : n_heads * L.rows;
+  const int64_t bytes = 2 * n_heads * p.kv_len * p.head_dim * static_cast<int64_t>(sizeof(T)) * L.row_tasks;
+  if (p.num_threads == 1 || bytes < kSerialBytes || n_tasks == 1) {  // the same work, in the same order
+    if (p.k_new) append_range<T>(p, 0, n_heads);
+    for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, thread_scratch);
+    for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, thread_scratch);
+    return;
+  }
 #pragma omp parallel num_threads(p.num_threads)
   {
+    if (p.k_new) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < n_heads; ++t) append_range<T>(p, t, t + 1);
+    }
     float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < n_splits; ++t) {
-      const int64_t s = t % L.splits, h = (t / L.splits) % p.num_heads, b = t / (L.splits * p.num_heads);
-      split_partials<T>(p, L, b, h, s, parts + t * p.q_len * L.part_row, scratch);
-    }
+    for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, scratch);
+    if (n_rows > 0) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n_rows; ++r)
-      merge_row<T>(p, L, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads, r % p.q_len, parts, scratch);
+      for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, scratch);
+    }
   }
 }
 
@@ -133,5 +298,17 @@ inline int64_t workspace_floats(const AttentionParams& p) {
 }
 
 }  // namespace flash_decode
+
+// The kernel table's entry for attention_with_kvcache (any q_len).
+inline int64_t flash_decode_workspace_floats(const AttentionParams& p) { return flash_decode::workspace_floats(p); }
+
+inline void flash_decode_attention(const AttentionParams& p, float* workspace) {
+  switch (p.dtype) {
+    case DType::f32: flash_decode::run<float>(p, workspace); break;
+    case DType::bf16: flash_decode::run<c10::BFloat16>(p, workspace); break;
+    case DType::f16: flash_decode::run<c10::Half>(p, workspace); break;
+  }
+}
+
 }  // namespace CS149_ISA
 }  // namespace cs149gpt

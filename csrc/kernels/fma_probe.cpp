@@ -32,6 +32,34 @@ double fma_probe(int64_t iterations, int num_threads) {
   return static_cast<double>(iterations) * kChains * Vec::width * 2 * num_threads + 0.0 * sink;
 }
 
+// The machine's read bandwidth, measured: the yardstick of the decode benchmark (decoding reads a KV cache once
+// and is bound by memory). Sums n floats with vector loads into 8 independent accumulators — a read that nothing
+// but the memory limits — the threads taking equal contiguous chunks, as the decode kernel's tasks do. Returns the
+// sum (so the reads cannot be dropped).
+double read_probe(const float* x, int64_t n, int num_threads) {
+  constexpr int W = Vec::width, kChains = 8;
+  double total = 0.0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total) if (num_threads > 1)
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t chunk = (n / threads) / (W * kChains) * (W * kChains);
+    const int64_t begin = t * chunk, end = t + 1 == threads ? n : begin + chunk;
+    Vec acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = Vec::zero();
+    int64_t i = begin;
+    for (; i + W * kChains <= end; i += W * kChains) {
+#pragma GCC unroll 8
+      for (int c = 0; c < kChains; ++c) acc[c] = acc[c] + Vec::load(x + i + c * W);
+    }
+    float rest = 0.0f;
+    for (; i < end; ++i) rest += x[i];
+    Vec sum = Vec::zero();
+    for (int c = 0; c < kChains; ++c) sum = sum + acc[c];
+    total += reduce_add(sum) + rest;
+  }
+  return total;
+}
+
 #if defined(CS149_ISA_BF16_DOT)
 // The bf16 dot-product peak, the yardstick of the bf16 path: FLOPs done in `iterations` rounds on each of
 // num_threads threads.

@@ -199,6 +199,72 @@ inline Vec exp(Vec x) {
 #endif
 
 // ---------------------------------------------------------------------------------------------------
+// 2^t for a whole vector: 2^t = 2^f · 2^n with n = round(t) and f = t − n in [−½, ½] exactly, a polynomial for
+// 2^f (coefficients fitted for least maximum relative error), times 2^n by scalef. For logits already in base 2
+// (flash.cpp folds log2(e) into Q's scale): no multiply by log2(e), no two-step (Cody–Waite) reduction as exp
+// needs. Degree 6: relative error 1.0e-7 in float32 arithmetic, as accurate as exp. Degree 4: 2.6e-6, for a
+// value that is then rounded to bfloat16 (step 2^-8; bf16_gemm.h). t ≤ −150 (−inf too) gives 0, t ≥ 129 +inf,
+// NaN stays NaN.
+// ---------------------------------------------------------------------------------------------------
+#if defined(CS149_ISA_AVX512)
+template <int kDegree>
+inline __m512 exp2_poly(__m512 t) {
+  static_assert(kDegree == 4 || kDegree == 6, "fitted for degrees 4 and 6");
+  constexpr float kDeg6[] = {1.5345798463e-04f, 1.3399929273e-03f, 9.6184889845e-03f, 5.5503287819e-02f,
+                             2.4022646891e-01f, 6.9314720573e-01f, 1.0000000006e+00f};
+  constexpr float kDeg4[] = {9.570068877e-03f, 5.591780848e-02f, 2.402474506e-01f, 6.931218213e-01f,
+                             9.999992616e-01f};
+  const float* c = kDegree == 6 ? kDeg6 : kDeg4;  // highest power first
+  // vmaxps/vminps return the second operand when one is NaN: t goes second, so NaN passes through.
+  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), _mm512_min_ps(_mm512_set1_ps(129.0f), t));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(c[0]);
+#pragma GCC unroll 6
+  for (int i = 1; i <= kDegree; ++i) y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(c[i]));
+  return _mm512_scalef_ps(y, n);
+}
+inline Vec exp2(Vec t) { return {exp2_poly<6>(t.v)}; }
+#else
+// AVX2 and scalar: through exp (t · ln 2 adds a rounding of relative size |t| · 2^-24 to the argument, which
+// only the tiny weights of far-below-max logits notice). These instruction sets are not the fast path.
+inline Vec exp2(Vec t) { return exp(t * Vec::broadcast(0.693147180559945309f)); }
+#endif
+
+// x[c] = 2^x[c]
+inline void exp2_row(float* x, int64_t n) {
+  constexpr int W = Vec::width;
+  int64_t c = 0;
+  for (; c + W <= n; c += W) exp2(Vec::load(x + c)).store(x + c);
+  if (c < n) exp2(Vec::load_partial(x + c, n - c)).store_partial(x + c, n - c);
+}
+
+// x[c] = 2^(scale·x[c] − shift); returns Σ x[c]: exp_shifted_sum for logits in base 2.
+inline float exp2_shifted_sum(float* x, float shift, int64_t n, float scale = 1.0f) {
+  constexpr int W = Vec::width;
+  const Vec s = Vec::broadcast(-shift), a = Vec::broadcast(scale);
+  Vec sum0 = Vec::zero(), sum1 = Vec::zero();  // two chains hide the add latency
+  int64_t c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    const Vec e0 = exp2(fmadd(Vec::load(x + c), a, s)), e1 = exp2(fmadd(Vec::load(x + c + W), a, s));
+    e0.store(x + c);
+    e1.store(x + c + W);
+    sum0 = sum0 + e0;
+    sum1 = sum1 + e1;
+  }
+  for (; c + W <= n; c += W) {
+    const Vec e = exp2(fmadd(Vec::load(x + c), a, s));
+    e.store(x + c);
+    sum0 = sum0 + e;
+  }
+  if (c < n) {
+    exp2(fmadd(Vec::load_partial(x + c, n - c), a, s)).store_partial(x + c, n - c);
+    sum1 = sum1 + Vec::load_partial(x + c, n - c);  // masked lanes of the 2^ hold 2^(0 − s), not 0
+  }
+  return reduce_add(sum0 + sum1);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Row operations over n contiguous floats.
 // ---------------------------------------------------------------------------------------------------
 
