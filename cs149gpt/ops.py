@@ -369,6 +369,10 @@ def _register_python_parts() -> None:
     # drift from the C++ one; C++ Meta kernels would have to compute the output shapes a second time, in C++.
     checks = _ext._module
 
+    # Under torch.autocast("cpu") the flash op runs in bfloat16, as torch's SDPA does there: its inputs may arrive
+    # in mixed dtypes (a GPT's q and k out of float32 rotary tables, v straight from a bf16 Linear).
+    torch.library.register_autocast(lib + "flash_attention", "cpu", torch.bfloat16)
+
     @torch.library.register_fake(lib + "attention")
     def _(q, k, v, impl="flash", scale=None, causal="none", block_q=None, block_k=None):
         checks.check_attention(q, k, v, impl, scale, causal, block_q, block_k)

@@ -155,8 +155,17 @@ inline int64_t window_last(const AttentionParams& p, int64_t i) {
 
 // The backward pass: reads the forward's inputs, its output and lse (fwd.out, fwd.lse) and dL/dout; writes
 // dL/dq, dL/dk, dL/dv (dk and dv have the kv heads' shape: the query heads of a group are summed).
+// The backward's algorithm (module.cpp decides, from the shape): two passes (flash_backward.cpp: dK, dV per key
+// tile, then dQ per query tile) or one (flash_backward_onepass.cpp: a task per (batch, kv head)). A kernel that
+// cannot run one_pass for some params runs two_pass.
+enum class BackwardPath { two_pass, one_pass };
+
 struct AttentionBackwardParams {
   AttentionParams fwd;  // q, k, v, out, lse (all read), sizes, scale, mask, tiles, threads
+  BackwardPath path = BackwardPath::two_pass;
+  // one_pass: each (batch, kv head) is split into this many runs of key tiles, tasks of their own whose partial dQ
+  // are summed in order afterwards (module.cpp asks for more than one when there are too few kv heads for the CPUs).
+  int64_t key_chunks = 1;
   const void* dout = nullptr;  // (batch, num_heads, q_len, head_dim)
   void* dq = nullptr;          // like q
   void* dk = nullptr;          // like k

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <pybind11/stl.h>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <ATen/TensorUtils.h>
@@ -440,7 +441,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 // workspace in plain int64 arithmetic, rounding tiles up to row groups and vectors (never more than 64 elements);
 // for sizes that are huge while the memory behind them is not (stride-0 expanded inputs) that arithmetic would wrap
 // around and hand the kernel a buffer far too small. With Q = B·H·(Nq+64)·(d+64), K = B·H·(Nk+64)·(d+64) and
-// T = threads·(Nq+Nk+128)·(d+64), the largest formula, flash_backward.cpp's, is below 6·Q + 8·K + 6·T; flash.cpp's
+// T = threads·(Nq+Nk+128)·(d+64), flash_backward.cpp's formula is below 6·Q + 8·K + 6·T; the one-pass backward
+// kernels' below 9·Q + 32·T (up to 8 key chunks' partial dQ, tiles of at most 512 × 512); flash.cpp's
 // below 19·K + 27·T (Bc = 1 pads every key to a vector); flash_decode.cpp's below 64·Q + 2·T (at most 64 splits of
 // a row); fused.cpp's below T; naive and blocked's is Nq·Nk. So while 64·(Q + K + T) + Nq·Nk fits, none of the
 // kernels' formulas overflows.
@@ -553,6 +555,44 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
                        window_right, dropout_p, dropout_seed);
 }
 
+// The flash backward's algorithm for these params. One pass (flash_backward_onepass.cpp, flash_backward_bf16.cpp:
+// five tile products, a task per (batch, kv head) owning its gradient rows; split into key_chunks runs of key tiles
+// when there are too few of them for the CPUs, each run's dQ summed in order afterwards) when its tasks keep at
+// least kOnePassMinBusy of this machine's CPUs busy; two passes (seven products, tasks per tile) otherwise.
+// Decided from the shape and the machine's CPU count, never the call's thread count, so that the gradients' bits do
+// not depend on it. set_backward_path() / set_backward_key_chunks() force them (tests run every path).
+constexpr double kOnePassMinBusy = 0.6;  // the one-pass kernel measured ~1.6x the two-pass one's speed per thread
+constexpr double kKeyChunksBusy = 0.85;  // split a kv head's keys until this many of the CPUs are busy
+constexpr int64_t kMaxKeyChunks = 8, kMinKeysPerChunk = 128;
+std::string g_backward_path = "auto";
+int64_t g_backward_key_chunks = 0;  // 0: decided by shape
+
+int64_t machine_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+// The share of `cpus` that `tasks` equal tasks keep busy over the rounds they take.
+double busy_share(int64_t tasks, int64_t cpus) {
+  const int64_t rounds = (tasks + cpus - 1) / cpus;
+  return static_cast<double>(tasks) / static_cast<double>(rounds * cpus);
+}
+
+void choose_backward(AttentionBackwardParams& bp) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t pairs = p.batch * p.num_kv_heads, cpus = machine_cpus();
+  const int64_t most_chunks = std::clamp<int64_t>(p.kv_len / kMinKeysPerChunk, 1, kMaxKeyChunks);
+  int64_t chunks = 1;
+  while (chunks * 2 <= most_chunks && busy_share(pairs * chunks, cpus) < kKeyChunksBusy) chunks *= 2;
+  if (g_backward_key_chunks > 0) chunks = g_backward_key_chunks;
+  bp.key_chunks = chunks;
+  if (g_backward_path != "auto")
+    bp.path = g_backward_path == "one_pass" ? BackwardPath::one_pass : BackwardPath::two_pass;
+  else
+    bp.path = busy_share(pairs * chunks, cpus) >= kOnePassMinBusy ? BackwardPath::one_pass : BackwardPath::two_pass;
+}
+
 // flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
 //   The gradients of flash_attention's out with respect to q, k, v, given dout = ∂L/∂out and the forward's
 //   out and lse; P is recomputed tile by tile from lse (flash_backward.cpp). dk, dv have k's and v's shape.
@@ -568,6 +608,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
+  choose_backward(bp);
   at::Tensor dq = checked_empty(prep.q4.sizes(), q.options(), "dq");
   at::Tensor dk = checked_empty(prep.k4.sizes(), k.options(), "dk");
   at::Tensor dv = checked_empty(prep.v4.sizes(), v.options(), "dv");
@@ -1210,6 +1251,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "cs149gpt.scaled_dot_product_attention's eager path without mask or dropout (None: not taken)");
   m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
   m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
+  m.def("set_backward_path", [](const std::string& path) {
+    TORCH_CHECK_VALUE(path == "auto" || path == "one_pass" || path == "two_pass",
+                      "path must be 'auto', 'one_pass' or 'two_pass'; got '", path, "'");
+    g_backward_path = path;
+  }, "force the flash backward's algorithm ('one_pass', 'two_pass'), or let the shape decide ('auto', the default)");
+  m.def("backward_path", [] { return g_backward_path; }, "the flash backward's algorithm setting (set_backward_path)");
+  m.def("set_backward_key_chunks", [](int64_t chunks) {
+    TORCH_CHECK_VALUE(chunks >= 0 && chunks <= 8, "chunks must be in [0, 8] (0: decided by shape), got ", chunks);
+    g_backward_key_chunks = chunks;
+  }, "force the one-pass backward to split each kv head's keys into this many tasks (0: decided by shape)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured FMA peak in GFLOP/s of the current ISA's vectors on num_threads threads");

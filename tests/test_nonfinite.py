@@ -252,12 +252,18 @@ def test_backward_agrees_with_the_forward(case):
         return
     q, k, v = (t.detach().requires_grad_() for t in inputs(case))
     block_q, block_k = case["tiles"]
+    # Every backward algorithm (module.cpp picks one by shape and CPU count), by the seed: one pass, one pass with
+    # each kv head's keys split into 2 tasks, two passes.
+    module().set_backward_path(("one_pass", "one_pass", "two_pass")[case["seed"] % 3])
+    module().set_backward_key_chunks(2 if case["seed"] % 3 == 1 else 0)
     try:
         out = cs149gpt.attention(q, k, v, is_causal=case["causal"], block_q=block_q, block_k=block_k)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(case["seed"] + 1))
         grads = torch.autograd.grad(out, (q, k, v), dout)
     finally:
         module().set_isa(original)
+        module().set_backward_path("auto")
+        module().set_backward_key_chunks(0)
     # 1. every NaN row of the forward has a NaN in its dq row
     nan_rows = out.isnan().any(-1)
     assert grads[0].isnan().any(-1)[nan_rows].all(), "a NaN output row with a finite dq row"

@@ -342,11 +342,19 @@ void run(const AttentionBackwardParams& bp, float* ws) {
 }  // namespace flash_backward
 
 int64_t flash_backward_workspace_floats(const AttentionBackwardParams& bp) {
+#if defined(CS149_ISA_BF16_DOT)
+  if (flash_backward_bf16::applies(bp)) return flash_backward_bf16::workspace_floats(bp);
+#endif
+  if (flash_backward_onepass::applies(bp)) return flash_backward_onepass::workspace_floats(bp);
   const flash_backward::Layout L(bp);
   return L.shared + bp.fwd.num_threads * L.per_thread;
 }
 
 void flash_attention_backward(const AttentionBackwardParams& bp, float* workspace) {
+#if defined(CS149_ISA_BF16_DOT)
+  if (flash_backward_bf16::applies(bp)) return flash_backward_bf16::run(bp, workspace);
+#endif
+  if (flash_backward_onepass::applies(bp)) return flash_backward_onepass::run_any(bp, workspace);
   switch (bp.fwd.dtype) {
     case DType::f32: flash_backward::run<float>(bp, workspace); break;
     case DType::bf16: flash_backward::run<c10::BFloat16>(bp, workspace); break;

@@ -1,0 +1,351 @@
+// The one-pass FlashAttention-2 backward (flash_backward_onepass.cpp) in bfloat16, on the CPU's bf16 dot-product
+// hardware (AMX tiles or AVX512-BF16's vdpbf16ps, bf16_gemm.h): every product takes bf16 operands and accumulates in
+// float32, and dQ, dK, dV accumulate in float32 across all tiles (torch's bf16 backward rounds its partial
+// gradients to bf16 between blocks; here each gradient is rounded once, when written).
+//
+// The tile products run transposed, keys as rows, so that each one's B operand is a cheap VNNI packing (pairs
+// of consecutive rows) and nothing is transposed per tile pair but Q_i and dO_i once each:
+//   Sᵀ   = K_j Q_iᵀ                      Pᵀ = exp(scale·Sᵀ − lse), 0 where a query does not see the key
+//   dPᵀ  = V_j dO_iᵀ                     dSᵀ = Pᵀ ∘ (dPᵀ − D)           (lse, D: one per column)
+//   dV_j += Pᵀ dO_i                      Pᵀ rounded to bf16
+//   dK_j += dSᵀ Q_i                      dSᵀ rounded to bf16            (× scale when written)
+//   dQ_iᵀ += K_jᵀ dSᵀ                    dQᵀ of the task, float32         (× scale, transposed back, when written)
+// One task per (batch, kv head), as the float32 one-pass kernel: it owns dQ of its group's query heads and dK, dV
+// of its kv head, so the bits do not depend on the thread count. Memory per thread: the task's dQᵀ, lse and D, and
+// the task's Qᵀ and dOᵀ (packed once per task where small, kMaxCachedQuery; else per tile pair), and the tiles;
+// K_j and V_j are packed per key tile, Q_i and dO_i by rows per tile pair.
+//
+// A key tile whose K holds a NaN or an infinity takes dQᵀ += K_jᵀ dSᵀ key by key over each query's visible keys
+// instead (a hidden key has dS = 0, and 0 · inf would be NaN: README, "Non-finite values").
+#include "../attention.h"
+#include "bf16_gemm.h"
+#include "flash_common.h"
+
+#include <algorithm>
+#include <omp.h>
+
+#if defined(CS149_ISA_BF16_DOT)
+
+namespace cs149gpt {
+namespace CS149_ISA {
+namespace flash_backward_bf16 {
+
+using flash::round_up;
+using flash_backward_onepass::KeyRange;
+using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
+
+// Query tiles of 128 rows (64 for head_dim > 64: less scratch per thread), key tiles of 128 keys (the better of
+// 32-128 x 64-256 on the dev box, avx512_bf16); both whole dot-product steps (32) and at most kMaxTile.
+constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C
+constexpr int64_t kDefaultBlockK = 128, kMaxTile = 512;
+inline int64_t default_block_q(int64_t head_dim) { return head_dim > 64 ? 64 : 128; }
+// A task packs Qᵀ and dOᵀ of its query rows once (instead of once per tile pair: a third of the pair's time on the
+// dev box) when they take at most this many bf16 each. Beyond, the cache would make the backward's memory exceed
+// torch's, which keeps a float32 dQ per thread as we do (1,16,4096,128: 89 MiB for torch, 121 with the cache).
+constexpr int64_t kMaxCachedQuery = int64_t{1} << 18;
+constexpr float kLog2e = 1.44269504088896341f;
+
+inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
+
+struct Layout {
+  int64_t Br, Bc, Tc, q_pad, d_k, d_n, group_size, chunks, pairs, tasks, threads;
+  bool cache_query;  // Qᵀ, dOᵀ packed once per task (else per tile pair)
+  int64_t partial_dq, shared;  // with key chunks (flash_backward_onepass.cpp): each task's partial dQᵀ
+  // per thread, in floats: dQᵀ without key chunks (group × d_k × q_pad), lse·log2(e) and D (group × q_pad); K_j, V_j (Bc × d_k bf16),
+  // K_jᵀ (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
+// q_pad/Br × d_k × Br bf16), Q_i, dO_i in VNNI pairs (Br × d_n bf16);
+  // Sᵀ, dPᵀ (Bc × Br float32); Pᵀ, dSᵀ (Bc × Br bf16) and dSᵀ in VNNI pairs; dK_j, dV_j (Bc × d_n float32);
+  // each query column's visible keys (Br int32 twice)
+  int64_t dqt_off, lse2_off, delta_off, kr_off, vr_off, kt_off, qt_off, dot_off, qv_off, dov_off, st_off, dpt_off,
+      pt_off, dst_off, dsv_off, dk_off, dv_off, begin_off, end_off, per_thread;
+
+  explicit Layout(const AttentionBackwardParams& bp) {
+    const AttentionParams& p = bp.fwd;
+    Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kStep) : default_block_q(p.head_dim);
+    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kStep) : kDefaultBlockK;
+    Br = std::min({Br, round_up(p.q_len, kStep), kMaxTile});
+    Bc = std::min({Bc, round_up(p.kv_len, kStep), kMaxTile});
+    q_pad = round_up(p.q_len, Br);
+    d_k = round_up(p.head_dim, kDotK);     // k of Sᵀ, dPᵀ; rows (M) of dQᵀ
+    d_n = round_up(p.head_dim, kDotCols);  // n of dV, dK
+    group_size = p.num_heads / p.num_kv_heads;
+    Tc = (p.kv_len + Bc - 1) / Bc;
+    chunks = std::clamp<int64_t>(bp.key_chunks, 1, Tc);
+    pairs = p.batch * p.num_kv_heads;
+    tasks = pairs * chunks;
+    threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
+    const int64_t dq_size = group_size * d_k * q_pad;
+    partial_dq = 0;
+    shared = chunks > 1 ? tasks * dq_size : 0;
+    dqt_off = 0;
+    lse2_off = dqt_off + (chunks > 1 ? 0 : dq_size);
+    delta_off = lse2_off + group_size * q_pad;
+    kr_off = delta_off + group_size * q_pad;
+    vr_off = kr_off + floats_for(Bc * d_k);
+    kt_off = vr_off + floats_for(Bc * d_k);
+    cache_query = group_size * d_k * q_pad <= kMaxCachedQuery;
+    const int64_t query_t = cache_query ? group_size * d_k * q_pad : d_k * Br;
+    qt_off = kt_off + floats_for(d_k * Bc);
+    dot_off = qt_off + floats_for(query_t);
+    qv_off = dot_off + floats_for(query_t);
+    dov_off = qv_off + floats_for(Br * d_n);
+    st_off = dov_off + floats_for(Br * d_n);
+    dpt_off = st_off + Bc * Br;
+    pt_off = dpt_off + Bc * Br;
+    dst_off = pt_off + floats_for(Bc * Br);
+    dsv_off = dst_off + floats_for(Bc * Br);
+    dk_off = dsv_off + floats_for(Bc * Br);
+    dv_off = dk_off + Bc * d_n;
+    begin_off = dv_off + Bc * d_n;
+    end_off = begin_off + round_up(Br, 16);
+    per_thread = end_off + round_up(Br, 16);
+  }
+};
+
+inline float from_bf16(bf16_bits x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline bool finite_bf16(bf16_bits x) { return (x & 0x7F80) != 0x7F80; }
+
+inline const bf16_bits* row_of(const void* base, const int64_t (&strides)[3], int64_t b, int64_t h, int64_t i) {
+  return static_cast<const bf16_bits*>(base) + b * strides[0] + h * strides[1] + i * strides[2];
+}
+
+struct Scratch {
+  float *dQT, *lse2, *delta, *ST, *dPT, *dK, *dV;
+  bf16_bits *Kr, *Vr, *KT, *QT, *dOT, *Qv, *dOv, *PT, *dST, *dSv;
+  int32_t *begin, *end;
+  Scratch(const Layout& L, float* s)
+      : dQT(s + L.dqt_off), lse2(s + L.lse2_off), delta(s + L.delta_off), ST(s + L.st_off), dPT(s + L.dpt_off),
+        dK(s + L.dk_off), dV(s + L.dv_off), Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
+        Vr(reinterpret_cast<bf16_bits*>(s + L.vr_off)), KT(reinterpret_cast<bf16_bits*>(s + L.kt_off)),
+        QT(reinterpret_cast<bf16_bits*>(s + L.qt_off)), dOT(reinterpret_cast<bf16_bits*>(s + L.dot_off)),
+        Qv(reinterpret_cast<bf16_bits*>(s + L.qv_off)), dOv(reinterpret_cast<bf16_bits*>(s + L.dov_off)),
+        PT(reinterpret_cast<bf16_bits*>(s + L.pt_off)), dST(reinterpret_cast<bf16_bits*>(s + L.dst_off)),
+        dSv(reinterpret_cast<bf16_bits*>(s + L.dsv_off)), begin(reinterpret_cast<int32_t*>(s + L.begin_off)),
+        end(reinterpret_cast<int32_t*>(s + L.end_off)) {}
+};
+
+// lse·log2(e) and D = rowsum(dO ∘ O) of every query row of head h (rows past q_len: +inf and 0, never seen).
+void row_statistics(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, float* lse2,
+                    float* delta) {
+  const AttentionParams& p = bp.fwd;
+  for (int64_t i = 0; i < L.q_pad; ++i) {
+    if (i >= p.q_len) {
+      lse2[i] = std::numeric_limits<float>::infinity();
+      delta[i] = 0.0f;
+      continue;
+    }
+    const bf16_bits *g = row_of(bp.dout, bp.dout_strides, b, h, i), *o = row_of(p.out, p.out_strides, b, h, i);
+    float sum = 0.0f;
+    for (int64_t c = 0; c < p.head_dim; ++c) sum += from_bf16(g[c]) * from_bf16(o[c]);
+    delta[i] = sum;
+    // lse = −inf (a row that sees no key) as +inf: exp(S − inf) = 0. NaN stays NaN.
+    const float l = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
+    lse2[i] = (l == kNegInf ? std::numeric_limits<float>::infinity() : l) * kLog2e;
+  }
+}
+
+// Q_iᵀ and dO_iᵀ in VNNI pairs (B of Sᵀ = K_j Q_iᵀ and dPᵀ = V_j dO_iᵀ: k = head dim, n = query row) for every
+// query tile of head h, tile after tile (d_k × Br each), zero past q_len and head_dim. Once per task: every key
+// tile reads them.
+void pack_query_tiles(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, bf16_bits* QT,
+                      bf16_bits* dOT) {
+  const AttentionParams& p = bp.fwd;
+  std::fill(QT, QT + L.q_pad * L.d_k, bf16_bits{0});
+  std::fill(dOT, dOT + L.q_pad * L.d_k, bf16_bits{0});
+  for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br) {
+    const int64_t rows = std::min(L.Br, p.q_len - i0);
+    pack_vnni_transposed(p.head_dim, rows, row_of(p.q, p.q_strides, b, h, i0), p.q_strides[2], QT + i0 * L.d_k, L.Br);
+    pack_vnni_transposed(p.head_dim, rows, row_of(bp.dout, bp.dout_strides, b, h, i0), bp.dout_strides[2],
+                         dOT + i0 * L.d_k, L.Br);
+  }
+}
+
+// Key tile [j0, j0 + n_keys) of kv head (b, kvh): K_j and V_j by rows, K_jᵀ; zero past the keys and head_dim.
+// Returns whether K_j is all finite.
+bool pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j0, int64_t n_keys,
+                   const Scratch& s) {
+  const int64_t d = p.head_dim;
+  std::fill(s.Kr, s.Kr + L.Bc * L.d_k, bf16_bits{0});
+  std::fill(s.Vr, s.Vr + L.Bc * L.d_k, bf16_bits{0});
+  std::fill(s.KT, s.KT + L.d_k * L.Bc, bf16_bits{0});
+  bool finite = true;
+  for (int64_t t = 0; t < n_keys; ++t) {
+    const bf16_bits *k = row_of(p.k, p.k_strides, b, kvh, j0 + t), *v = row_of(p.v, p.v_strides, b, kvh, j0 + t);
+    std::copy(k, k + d, s.Kr + t * L.d_k);
+    std::copy(v, v + d, s.Vr + t * L.d_k);
+    for (int64_t c = 0; c < d; ++c) {
+      s.KT[c * L.Bc + t] = k[c];
+      finite = finite && finite_bf16(k[c]);
+    }
+  }
+  return finite;
+}
+
+// One tile pair: query rows [i0, i0 + Br) of head h (group member g) against key tile [j0, j0 + n_keys).
+void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, int64_t g, int64_t i0,
+               int64_t j0, int64_t n_keys, bool k_finite, const Scratch& s) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t d = p.head_dim, Br = L.Br, rows = std::min(Br, p.q_len - i0);
+
+  // Each query column's visible keys in this tile, [begin, end); the columns and key rows some query sees.
+  int64_t first_col = Br, last_col = 0, max_end = 0;
+  for (int64_t c = 0; c < Br; ++c) {
+    const KeyRange r = visible_key_range(p, i0 + c);
+    const int64_t begin = std::clamp<int64_t>(r.begin - j0, 0, n_keys), end = std::clamp<int64_t>(r.end - j0, 0, n_keys);
+    s.begin[c] = static_cast<int32_t>(begin);
+    s.end[c] = static_cast<int32_t>(std::max(begin, end));
+    if (end > begin) {
+      first_col = std::min(first_col, c);
+      last_col = c + 1;
+      max_end = std::max(max_end, end);
+    }
+  }
+  if (first_col >= last_col) return;
+  const int64_t c0 = first_col / kStep * kStep, c1 = round_up(last_col, kStep), n_q = c1 - c0;
+  const int64_t m_keys = round_up(max_end, kStep);  // key rows computed
+
+  // Q_i and dO_i by rows in VNNI pairs (B of dK, dV: k = query row); transposed (B of Sᵀ, dPᵀ: k = head dim),
+  // packed once per task.
+  const bf16_bits *Q = row_of(p.q, p.q_strides, b, h, i0), *dO = row_of(bp.dout, bp.dout_strides, b, h, i0);
+  std::fill(s.Qv, s.Qv + Br * L.d_n, bf16_bits{0});
+  std::fill(s.dOv, s.dOv + Br * L.d_n, bf16_bits{0});
+  const int64_t tile_t = (g * L.q_pad + i0) * L.d_k;  // this query tile's Q_iᵀ, dO_iᵀ (pack_query_tiles)
+  const bf16_bits *QT = L.cache_query ? s.QT + tile_t : s.QT, *dOT = L.cache_query ? s.dOT + tile_t : s.dOT;
+  if (!L.cache_query) {
+    std::fill(s.QT, s.QT + L.d_k * Br, bf16_bits{0});
+    std::fill(s.dOT, s.dOT + L.d_k * Br, bf16_bits{0});
+    pack_vnni_transposed(d, rows, Q, p.q_strides[2], s.QT, Br);
+    pack_vnni_transposed(d, rows, dO, bp.dout_strides[2], s.dOT, Br);
+  }
+  pack_vnni_rows(rows, d, Q, p.q_strides[2], s.Qv, L.d_n);
+  pack_vnni_rows(rows, d, dO, bp.dout_strides[2], s.dOv, L.d_n);
+
+  // Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ   (m_keys × n_q, float32)
+  bf16_gemm(m_keys, n_q, L.d_k, s.Kr, L.d_k, QT + b_tile_offset(0, c0, Br), Br, s.ST + c0, Br, false);
+  bf16_gemm(m_keys, n_q, L.d_k, s.Vr, L.d_k, dOT + b_tile_offset(0, c0, Br), Br, s.dPT + c0, Br, false);
+
+  // Pᵀ, dSᵀ in bf16, 0 where the query does not see the key
+  const float *lse2 = s.lse2 + g * L.q_pad + i0, *delta = s.delta + g * L.q_pad + i0;
+  for (int64_t t = 0; t < m_keys; ++t)
+    softmax_backward_row_to_bf16(s.ST + t * Br + c0, s.dPT + t * Br + c0, lse2 + c0, delta + c0, s.begin + c0,
+                                 s.end + c0, static_cast<int32_t>(t), p.scale, n_q, s.PT + t * Br + c0,
+                                 s.dST + t * Br + c0);
+
+  // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (k: the query rows [c0, c1))
+  bf16_gemm(m_keys, L.d_n, n_q, s.PT + c0, Br, s.dOv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dV, L.d_n, true);
+  bf16_gemm(m_keys, L.d_n, n_q, s.dST + c0, Br, s.Qv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dK, L.d_n, true);
+
+  // dQ_iᵀ += K_jᵀ dSᵀ   (d_k × n_q; k: the keys)
+  float* dQT = s.dQT + g * L.d_k * L.q_pad + i0;
+  if (k_finite) {
+    pack_vnni_rows(m_keys, n_q, s.dST + c0, Br, s.dSv, Br);
+    bf16_gemm(L.d_k, n_q, m_keys, s.KT, L.Bc, s.dSv, Br, dQT + c0, L.q_pad, true);
+  } else {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t t = s.begin[c]; t < s.end[c]; ++t) {
+        const float ds = from_bf16(s.dST[t * Br + c]);
+        for (int64_t e = 0; e < d; ++e) dQT[e * L.q_pad + c] += ds * from_bf16(s.Kr[t * L.d_k + e]);
+      }
+  }
+}
+
+// The task of chunk `chunk` of kv head kvh in batch b (key tiles [chunk·Tc/C, (chunk+1)·Tc/C)): dK, dV of its keys,
+// its share of the dQᵀ of the group's query heads into s.dQT, written out here when the task has all the keys.
+void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
+                  const Scratch& s) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t d = p.head_dim, h0 = kvh * L.group_size;
+  fill_row(0.0f, s.dQT, L.group_size * L.d_k * L.q_pad);
+  for (int64_t g = 0; g < L.group_size; ++g) {
+    row_statistics(bp, L, b, h0 + g, s.lse2 + g * L.q_pad, s.delta + g * L.q_pad);
+    if (L.cache_query) pack_query_tiles(bp, L, b, h0 + g, s.QT + g * L.q_pad * L.d_k, s.dOT + g * L.q_pad * L.d_k);
+  }
+
+  for (int64_t j = chunk * L.Tc / L.chunks; j < (chunk + 1) * L.Tc / L.chunks; ++j) {
+    const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
+    const bool k_finite = pack_key_tile(p, L, b, kvh, j0, n_keys, s);
+    fill_row(0.0f, s.dK, L.Bc * L.d_n);
+    fill_row(0.0f, s.dV, L.Bc * L.d_n);
+    for (int64_t g = 0; g < L.group_size; ++g)
+      for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br) tile_pair(bp, L, b, h0 + g, g, i0, j0, n_keys, k_finite, s);
+    auto* dk_out = static_cast<c10::BFloat16*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] +
+                   j0 * bp.dk_strides[2];
+    auto* dv_out = static_cast<c10::BFloat16*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] +
+                   j0 * bp.dv_strides[2];
+    for (int64_t t = 0; t < n_keys; ++t)
+      for (int64_t c = 0; c < d; ++c) {
+        dk_out[t * bp.dk_strides[2] + c] = static_cast<c10::BFloat16>(p.scale * s.dK[t * L.d_n + c]);
+        dv_out[t * bp.dv_strides[2] + c] = static_cast<c10::BFloat16>(s.dV[t * L.d_n + c]);
+      }
+  }
+  if (L.chunks > 1) return;  // run() sums the chunks' dQᵀ
+  for (int64_t g = 0; g < L.group_size; ++g) {
+    auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
+    const float* dQT = s.dQT + g * L.d_k * L.q_pad;
+    for (int64_t i = 0; i < p.q_len; ++i)
+      for (int64_t c = 0; c < d; ++c)
+        dq_out[i * bp.dq_strides[2] + c] = static_cast<c10::BFloat16>(p.scale * dQT[c * L.q_pad + i]);
+  }
+}
+
+// With key chunks: dQ row i of query head h = scale · Σ_c (chunk c's partial dQᵀ column), in the order of c.
+void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, const float* partial, int64_t b, int64_t h,
+                   int64_t i) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t kvh = h / L.group_size, g = h % L.group_size, dq_size = L.group_size * L.d_k * L.q_pad;
+  auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] +
+                 i * bp.dq_strides[2];
+  for (int64_t e = 0; e < p.head_dim; ++e) {
+    float sum = 0.0f;
+    for (int64_t c = 0; c < L.chunks; ++c)
+      sum += partial[(c * L.pairs + b * p.num_kv_heads + kvh) * dq_size + (g * L.d_k + e) * L.q_pad + i];
+    dq_out[e] = static_cast<c10::BFloat16>(p.scale * sum);
+  }
+}
+
+void run(const AttentionBackwardParams& bp, float* ws) {
+  const AttentionParams& p = bp.fwd;
+  const Layout L(bp);
+#pragma omp parallel num_threads(static_cast<int>(L.threads))
+  {
+    Scratch s(L, ws + L.shared + omp_get_thread_num() * L.per_thread);
+    const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
+    const int64_t dq_size = L.group_size * L.d_k * L.q_pad;
+    float* own_dqt = s.dQT;
+    // Tasks chunk by chunk: under a causal mask the first keys meet the most query rows, so go first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < L.tasks; ++t) {
+      s.dQT = L.chunks > 1 ? ws + L.partial_dq + t * dq_size : own_dqt;
+      kv_head_task(bp, L, (t % L.pairs) / p.num_kv_heads, t % p.num_kv_heads, t / L.pairs, s);
+    }
+    // (implicit barrier: every chunk's dQᵀ is complete)
+    if (L.chunks > 1) {
+      const int64_t rows = p.batch * p.num_heads * p.q_len;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r)
+        sum_chunks_dq(bp, L, ws + L.partial_dq, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads,
+                      r % p.q_len);
+    }
+  }
+}
+
+// bf16 inputs on the one-pass path (module.cpp's choice); anything else goes to the float32 kernels.
+inline bool applies(const AttentionBackwardParams& bp) {
+  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16;
+}
+
+inline int64_t workspace_floats(const AttentionBackwardParams& bp) {
+  const Layout L(bp);
+  return L.shared + L.threads * L.per_thread;
+}
+
+}  // namespace flash_backward_bf16
+}  // namespace CS149_ISA
+}  // namespace cs149gpt
+
+#endif  // CS149_ISA_BF16_DOT

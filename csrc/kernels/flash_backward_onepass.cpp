@@ -1,0 +1,360 @@
+// FlashAttention-2's backward in one pass (Dao, 2023, Algorithm 2): S and dP once per (query tile, key tile).
+//
+// With S = Q Kᵀ, P = exp(scale·S − lse) (the forward's softmax, recomputed from its saved lse) and dO = ∂L/∂O:
+//   D   = rowsum(dO ∘ O)                 one number per query row, once per task
+//   for each key tile j:                 dK_j = dV_j = 0
+//     for each query tile i that sees a key of tile j:
+//       S    = Q_i K_jᵀ                   P = exp(scale·S − lse), 0 for keys the row does not see
+//       dP   = dO_i V_jᵀ                  dS = P ∘ (dP − D)
+//       dV_j += Pᵀ dO_i
+//       dK_j += dSᵀ Q_i                   (× scale when written)
+//       dQ_i += dS K_j                    (× scale when written)
+// Five tile products per tile pair, where the two-pass kernel (flash_backward.cpp) recomputes S and dP in each of
+// its passes and does seven.
+//
+// No two threads ever write the same gradient row, without atomics: one task per (batch, kv head) owns the dQ
+// rows of every query head of its group (accumulated in float32 in the thread's scratch, in the fixed order of
+// the key tiles) and the dK, dV rows of its kv head (the group's heads summed in a fixed order). Where there are
+// too few kv heads for the CPUs, module.cpp splits each one's key tiles into key_chunks runs: a task per run, with
+// its own partial dQ (in the shared workspace), the partials summed in the order of the runs once all are done.
+// Either way the bits of the result do not depend on the number of threads. module.cpp picks this kernel when its
+// tasks keep the machine's CPUs busy (BackwardPath::one_pass); the two-pass kernel otherwise.
+//
+// Memory: per thread, one task's dQ accumulator, D and lse (its group's query rows) and the tiles; nothing is
+// packed for the whole tensor. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values
+// against the pair's 10·Br·Bc·d FLOPs), K_jᵀ, V_jᵀ and K_j once per key tile.
+//
+// Which keys a query row sees is decided in one place, visible_key_range(); everything else follows from it.
+#include "flash_common.h"
+
+#include <algorithm>
+#include <numeric>
+#include <omp.h>
+
+namespace cs149gpt {
+namespace CS149_ISA {
+namespace flash_backward_onepass {
+
+using namespace flash;
+
+// Key tiles are whole row groups (the rows of dK_j, dV_j += ...) and whole vectors (the columns of S).
+constexpr int64_t kKeyAlign = kRowGroup / std::gcd(kRowGroup, W) * W;  // lcm(kRowGroup, W)
+constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
+const int64_t kDefaultBlockK = round_up(96, kKeyAlign);
+constexpr int64_t kMaxTile = 512;
+constexpr int64_t kMaxRows = (kMaxTile + kRowGroup - 1) / kRowGroup * kRowGroup;  // Br ≤ this
+
+// Keys [begin, end) of query row i; none for the padding rows past q_len.
+struct KeyRange {
+  int64_t begin, end;
+};
+inline KeyRange visible_key_range(const AttentionParams& p, int64_t i) {
+  if (i >= p.q_len) return {0, 0};
+  return {0, visible_keys(p, i)};
+}
+// The same, relative to a key tile [j0, j0 + n_keys) and clamped to it (begin == end: none).
+inline KeyRange visible_in_tile(const AttentionParams& p, int64_t i, int64_t j0, int64_t n_keys) {
+  const KeyRange r = visible_key_range(p, i);
+  const int64_t begin = std::clamp<int64_t>(r.begin - j0, 0, n_keys), end = std::clamp<int64_t>(r.end - j0, 0, n_keys);
+  return {begin, std::max(begin, end)};
+}
+
+struct Layout {
+  int64_t Br, Bc, Tr, Tc, q_pad, d_pad, group_size, chunks, pairs, tasks, threads;
+  // shared, with key chunks: each task's partial dQ (tasks × group_size × q_pad × d_pad).
+  int64_t partial_dq, shared;
+  // per thread: dQ of the task's group without key chunks (group_size × q_pad × d_pad), D and lse (group_size ×
+  // q_pad);
+  // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones
+  int64_t dq_off, delta_off, lse_off, kt_off, vt_off, kr_off, qi_off, doi_off, p_off, ds_off, dk_off, dv_off, ones_off,
+      per_thread;
+
+  explicit Layout(const AttentionBackwardParams& bp) {
+    const AttentionParams& p = bp.fwd;
+    // A caller's tile is clamped to the sequence (module.cpp) before it is rounded up.
+    Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kRowGroup) : kDefaultBlockQ;
+    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kKeyAlign) : kDefaultBlockK;
+    // At most kMaxTile: the tiles' scratch (Br × Bc) stays small whatever a caller asks.
+    Br = std::min({Br, round_up(p.q_len, kRowGroup), kMaxRows});
+    Bc = std::min({Bc, round_up(p.kv_len, kKeyAlign), round_up(kMaxTile, kKeyAlign)});
+    Tr = (p.q_len + Br - 1) / Br;
+    Tc = (p.kv_len + Bc - 1) / Bc;
+    q_pad = Tr * Br;
+    d_pad = round_up(p.head_dim, W);
+    group_size = p.num_heads / p.num_kv_heads;
+    chunks = std::clamp<int64_t>(bp.key_chunks, 1, Tc);
+    pairs = p.batch * p.num_kv_heads;
+    tasks = pairs * chunks;
+    threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
+    const int64_t dq_size = group_size * q_pad * d_pad;
+    partial_dq = 0;
+    shared = chunks > 1 ? tasks * dq_size : 0;
+    dq_off = 0;
+    delta_off = dq_off + (chunks > 1 ? 0 : dq_size);
+    lse_off = delta_off + group_size * q_pad;
+    kt_off = lse_off + group_size * q_pad;
+    vt_off = kt_off + p.head_dim * Bc;
+    kr_off = vt_off + p.head_dim * Bc;
+    qi_off = kr_off + Bc * d_pad;
+    doi_off = qi_off + Br * d_pad;
+    p_off = doi_off + Br * d_pad;
+    ds_off = p_off + Br * Bc;
+    dk_off = ds_off + Br * Bc;
+    dv_off = dk_off + Bc * d_pad;
+    ones_off = dv_off + Bc * d_pad;
+    per_thread = round_up(ones_off + std::max(Br, Bc), 16);
+  }
+};
+
+template <class T>
+const T* row_of(const void* base, const int64_t (&strides)[3], int64_t b, int64_t h, int64_t i) {
+  return static_cast<const T*>(base) + b * strides[0] + h * strides[1] + i * strides[2];
+}
+
+// D = rowsum(dO ∘ O) and lse for every query row of head h (rows past q_len: 0 and +inf, never read).
+template <class T>
+void row_statistics(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, float* delta,
+                    float* lse) {
+  const AttentionParams& p = bp.fwd;
+  for (int64_t i = 0; i < L.q_pad; ++i) {
+    if (i >= p.q_len) {
+      delta[i] = 0.0f;
+      lse[i] = std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const T* g = row_of<T>(bp.dout, bp.dout_strides, b, h, i);
+    const T* o = row_of<T>(p.out, p.out_strides, b, h, i);
+    float sum = 0.0f;
+    for (int64_t c = 0; c < p.head_dim; ++c) sum += to_float(g[c]) * to_float(o[c]);
+    delta[i] = sum;
+    // A row whose logits all weigh 0 (lse = −inf) has P = 0: with +inf in its place, exp(S − inf) = 0 where
+    // exp(S + inf) would be inf. (A NaN lse, from a NaN row, stays NaN and so do its P.)
+    const float l = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
+    lse[i] = l == kNegInf ? std::numeric_limits<float>::infinity() : l;
+  }
+}
+
+// rows [i0, i0 + Br) of a (b, h, i) tensor as float32, d_pad columns, zero past q_len and head_dim.
+template <class T>
+void pack_rows(const void* base, const int64_t (&strides)[3], const AttentionParams& p, const Layout& L, int64_t b,
+               int64_t h, int64_t i0, float* out) {
+  fill_row(0.0f, out, L.Br * L.d_pad);
+  const int64_t rows = std::min(L.Br, p.q_len - i0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = row_of<T>(base, strides, b, h, i0 + r);
+    for (int64_t c = 0; c < p.head_dim; ++c) out[r * L.d_pad + c] = to_float(src[c]);
+  }
+}
+
+// Key tile j of kv head (b, kvh): K_jᵀ and V_jᵀ (d × Bc), K_j by rows (Bc × d_pad); zero past the keys.
+template <class T>
+void pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j0, float* kt,
+                   float* vt, float* kr) {
+  const int64_t d = p.head_dim, cols = std::min(L.Bc, p.kv_len - j0);
+  fill_row(0.0f, kt, d * L.Bc);
+  fill_row(0.0f, vt, d * L.Bc);
+  fill_row(0.0f, kr, L.Bc * L.d_pad);
+  for (int64_t t = 0; t < cols; ++t) {
+    const T* k = row_of<T>(p.k, p.k_strides, b, kvh, j0 + t);
+    const T* v = row_of<T>(p.v, p.v_strides, b, kvh, j0 + t);
+    for (int64_t c = 0; c < d; ++c) {
+      kt[c * L.Bc + t] = kr[t * L.d_pad + c] = to_float(k[c]);
+      vt[c * L.Bc + t] = to_float(v[c]);
+    }
+  }
+}
+
+// One tile pair: query rows [i0, i0 + Br) of head h against key tile [j0, j0 + n_keys), whose K_jᵀ, V_jᵀ, K_j are
+// packed. Accumulates into dK_j, dV_j (scratch) and the task's dQ rows.
+template <class T>
+void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, int64_t i0, int64_t j0,
+               int64_t n_keys, const float* delta, const float* lse, float* dQ, float* scratch) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t d = p.head_dim, d_pad = L.d_pad, Bc = L.Bc;
+  // Which rows see which keys of this tile; the products run over the rows and keys that some row sees.
+  KeyRange ranges[kMaxRows];  // one per row of the tile
+  int64_t first_row = L.Br, last_row = 0, max_end = 0;
+  for (int64_t r = 0; r < L.Br; ++r) {
+    ranges[r] = visible_in_tile(p, i0 + r, j0, n_keys);
+    if (ranges[r].end > ranges[r].begin) {
+      first_row = std::min(first_row, r);
+      last_row = r + 1;
+      max_end = std::max(max_end, ranges[r].end);
+    }
+  }
+  if (first_row >= last_row) return;
+  const int64_t n_cols = round_up(max_end, kKeyAlign);  // whole vectors (S's columns), whole row groups (dK's rows)
+
+  float *Qi = scratch + L.qi_off, *dOi = scratch + L.doi_off, *P = scratch + L.p_off, *dS = scratch + L.ds_off;
+  const float *KTj = scratch + L.kt_off, *VTj = scratch + L.vt_off, *Kj = scratch + L.kr_off;
+  float *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
+  const float* ones = scratch + L.ones_off;
+  pack_rows<T>(p.q, p.q_strides, p, L, b, h, i0, Qi);
+  pack_rows<T>(bp.dout, bp.dout_strides, p, L, b, h, i0, dOi);
+
+  // S = Q_i K_jᵀ into P, dP = dO_i V_jᵀ into dS, for the row groups [r0, r1) that hold a row seeing a key here
+  const int64_t r0 = first_row / kRowGroup * kRowGroup, r1 = round_up(last_row, kRowGroup);
+  group_gemm<kQkVecs>(r1 - r0, d, Qi + r0 * d_pad, d_pad, 1, KTj, Bc, n_cols, P + r0 * Bc, Bc, nullptr);
+  group_gemm<kQkVecs>(r1 - r0, d, dOi + r0 * d_pad, d_pad, 1, VTj, Bc, n_cols, dS + r0 * Bc, Bc, nullptr);
+
+  // P = exp(scale·S − lse), dS = P ∘ (dP − D); both 0 outside each row's visible keys (there dP may be NaN, from
+  // a hidden value row: 0 · NaN must not leak).
+  for (int64_t r = r0; r < r1; ++r) {
+    float *pr = P + r * Bc, *dsr = dS + r * Bc;
+    const KeyRange k = ranges[r];
+    if (k.end <= k.begin) {
+      fill_row(0.0f, pr, n_cols);
+      fill_row(0.0f, dsr, n_cols);
+      continue;
+    }
+    exp_shifted_sum(pr + k.begin, lse[i0 + r], k.end - k.begin, p.scale);
+    fill_row(0.0f, pr, k.begin);
+    fill_row(0.0f, pr + k.end, n_cols - k.end);
+    const Vec D = Vec::broadcast(delta[i0 + r]);
+    for (int64_t c = 0; c < n_cols; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
+    fill_row(0.0f, dsr, k.begin);
+    fill_row(0.0f, dsr + k.end, n_cols - k.end);
+  }
+
+  // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (n_cols key rows; k runs over the query rows that see a key here)
+  const int64_t k_rows = last_row - first_row;
+  group_gemm<kPvVecs>(n_cols, k_rows, P + first_row * Bc, 1, Bc, dOi + first_row * d_pad, d_pad, d_pad, dV, d_pad,
+                      ones);
+  group_gemm<kPvVecs>(n_cols, k_rows, dS + first_row * Bc, 1, Bc, Qi + first_row * d_pad, d_pad, d_pad, dK, d_pad,
+                      ones);
+
+  // dQ_i += dS K_j, a row group at a time: the keys every row of the group sees through the micro-kernel, each
+  // row's others one by one, so that a hidden key's K (maybe inf or NaN) never meets a row (0 · inf = NaN).
+  float* dQi = dQ + i0 * d_pad;
+  for (int64_t g0 = r0; g0 < r1; g0 += kRowGroup) {
+    int64_t shared_begin = 0, shared_end = n_cols;
+    for (int64_t r = g0; r < g0 + kRowGroup; ++r) {
+      if (i0 + r >= p.q_len) break;  // padding rows: their dQ is never written out
+      shared_begin = std::max(shared_begin, ranges[r].begin);
+      shared_end = std::min(shared_end, ranges[r].end);
+    }
+    shared_end = std::max(shared_begin, shared_end);
+    if (shared_end > shared_begin)
+      group_gemm<kPvVecs>(kRowGroup, shared_end - shared_begin, dS + g0 * Bc + shared_begin, Bc, 1,
+                          Kj + shared_begin * d_pad, d_pad, d_pad, dQi + g0 * d_pad, d_pad, ones);
+    for (int64_t r = g0; r < g0 + kRowGroup; ++r) {
+      const KeyRange k = ranges[r];
+      const float* dsr = dS + r * Bc;
+      float* dq = dQi + r * d_pad;
+      if (shared_end > shared_begin) {  // the row's keys outside the shared ones
+        if (k.begin < shared_begin)
+          weighted_row_sum<true>(dsr + k.begin, Kj + k.begin * d_pad, d_pad, shared_begin - k.begin, dq, d_pad);
+        if (k.end > shared_end)
+          weighted_row_sum<true>(dsr + shared_end, Kj + shared_end * d_pad, d_pad, k.end - shared_end, dq, d_pad);
+      } else if (k.end > k.begin) {
+        weighted_row_sum<true>(dsr + k.begin, Kj + k.begin * d_pad, d_pad, k.end - k.begin, dq, d_pad);
+      }
+    }
+  }
+}
+
+// The key tiles of chunk c of C: [c·Tc/C, (c+1)·Tc/C).
+inline int64_t chunk_start(const Layout& L, int64_t c) { return c * L.Tc / L.chunks; }
+
+// The task of chunk `chunk` of kv head kvh in batch b: dK, dV of its keys, and its share of the dQ of the query heads
+// of the group, into dQ (group_size × q_pad × d_pad); written out here when the task has all the keys.
+template <class T>
+void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
+                  float* dQ, float* scratch) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t d = p.head_dim, d_pad = L.d_pad, h0 = kvh * L.group_size;
+  float *delta = scratch + L.delta_off, *lse = scratch + L.lse_off;
+  float *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
+  fill_row(0.0f, dQ, L.group_size * L.q_pad * d_pad);
+  for (int64_t g = 0; g < L.group_size; ++g)
+    row_statistics<T>(bp, L, b, h0 + g, delta + g * L.q_pad, lse + g * L.q_pad);
+
+  for (int64_t j = chunk_start(L, chunk); j < chunk_start(L, chunk + 1); ++j) {
+    const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
+    pack_key_tile<T>(p, L, b, kvh, j0, scratch + L.kt_off, scratch + L.vt_off, scratch + L.kr_off);
+    fill_row(0.0f, dK, L.Bc * d_pad);
+    fill_row(0.0f, dV, L.Bc * d_pad);
+    for (int64_t g = 0; g < L.group_size; ++g)
+      for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br)
+        tile_pair<T>(bp, L, b, h0 + g, i0, j0, n_keys, delta + g * L.q_pad, lse + g * L.q_pad,
+                     dQ + g * L.q_pad * d_pad, scratch);
+    T* dk_out = static_cast<T*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] + j0 * bp.dk_strides[2];
+    T* dv_out = static_cast<T*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] + j0 * bp.dv_strides[2];
+    for (int64_t t = 0; t < n_keys; ++t)
+      for (int64_t c = 0; c < d; ++c) {
+        dk_out[t * bp.dk_strides[2] + c] = static_cast<T>(p.scale * dK[t * d_pad + c]);
+        dv_out[t * bp.dv_strides[2] + c] = static_cast<T>(dV[t * d_pad + c]);
+      }
+  }
+  if (L.chunks > 1) return;  // run() sums the chunks' dQ
+  for (int64_t g = 0; g < L.group_size; ++g) {
+    T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
+    const float* dQg = dQ + g * L.q_pad * d_pad;
+    for (int64_t i = 0; i < p.q_len; ++i)
+      for (int64_t c = 0; c < d; ++c) dq_out[i * bp.dq_strides[2] + c] = static_cast<T>(p.scale * dQg[i * d_pad + c]);
+  }
+}
+
+// With key chunks: dQ row i of query head h = scale · Σ_c (chunk c's partial dQ), summed in the order of c (into
+// chunk 0's row, which only this call touches).
+template <class T>
+void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, float* partial, int64_t b, int64_t h,
+                   int64_t i) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t kvh = h / L.group_size, g = h % L.group_size, dq_size = L.group_size * L.q_pad * L.d_pad;
+  const int64_t row = (g * L.q_pad + i) * L.d_pad;
+  float* sum = partial + (b * p.num_kv_heads + kvh) * dq_size + row;
+  for (int64_t c = 1; c < L.chunks; ++c) {
+    const float* part = partial + (c * L.pairs + b * p.num_kv_heads + kvh) * dq_size + row;
+    for (int64_t e = 0; e < p.head_dim; ++e) sum[e] += part[e];
+  }
+  T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i * bp.dq_strides[2];
+  for (int64_t e = 0; e < p.head_dim; ++e) dq_out[e] = static_cast<T>(p.scale * sum[e]);
+}
+
+template <class T>
+void run(const AttentionBackwardParams& bp, float* ws) {
+  const AttentionParams& p = bp.fwd;
+  const Layout L(bp);
+#pragma omp parallel num_threads(static_cast<int>(L.threads))
+  {
+    float* scratch = ws + L.shared + omp_get_thread_num() * L.per_thread;
+    fill_row(1.0f, scratch + L.ones_off, std::max(L.Br, L.Bc));  // α = 1: the products accumulate
+    const int64_t dq_size = L.group_size * L.q_pad * L.d_pad;
+    // Tasks chunk by chunk: under a causal mask the first keys meet the most query rows, so go first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < L.tasks; ++t) {
+      const int64_t chunk = t / L.pairs, b = (t % L.pairs) / p.num_kv_heads, kvh = t % p.num_kv_heads;
+      float* dQ = L.chunks > 1 ? ws + L.partial_dq + t * dq_size : scratch + L.dq_off;
+      kv_head_task<T>(bp, L, b, kvh, chunk, dQ, scratch);
+    }
+    // (implicit barrier: every chunk's dQ is complete)
+    if (L.chunks > 1) {
+      const int64_t rows = p.batch * p.num_heads * p.q_len;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r)
+        sum_chunks_dq<T>(bp, L, ws + L.partial_dq, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads,
+                         r % p.q_len);
+    }
+  }
+}
+
+// Whether this kernel runs these params: module.cpp asked for it.
+inline bool applies(const AttentionBackwardParams& bp) { return bp.path == BackwardPath::one_pass; }
+
+inline int64_t workspace_floats(const AttentionBackwardParams& bp) {
+  const Layout L(bp);
+  return L.shared + L.threads * L.per_thread;
+}
+
+inline void run_any(const AttentionBackwardParams& bp, float* ws) {
+  switch (bp.fwd.dtype) {
+    case DType::f32: run<float>(bp, ws); break;
+    case DType::bf16: run<c10::BFloat16>(bp, ws); break;
+    case DType::f16: run<c10::Half>(bp, ws); break;
+  }
+}
+
+}  // namespace flash_backward_onepass
+}  // namespace CS149_ISA
+}  // namespace cs149gpt
