@@ -336,7 +336,8 @@ void run(const AttentionBackwardParams& bp, float* ws) {
 
 // bf16 inputs on the one-pass path (module.cpp's choice); anything else goes to the float32 kernels.
 inline bool applies(const AttentionBackwardParams& bp) {
-  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16;
+  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16 && !has_mask_or_window(bp.fwd) &&
+         bp.fwd.dropout_p == 0.0f;  // masks, windows, dropout: the two-pass kernel (flash_backward.cpp)
 }
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {

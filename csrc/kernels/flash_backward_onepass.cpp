@@ -340,7 +340,11 @@ void run(const AttentionBackwardParams& bp, float* ws) {
 }
 
 // Whether this kernel runs these params: module.cpp asked for it.
-inline bool applies(const AttentionBackwardParams& bp) { return bp.path == BackwardPath::one_pass; }
+// The one-pass kernels take no attn_mask, window or dropout (yet): those calls keep the two-pass kernel
+// (flash_backward.cpp), which does, whatever path module.cpp chose.
+inline bool applies(const AttentionBackwardParams& bp) {
+  return bp.path == BackwardPath::one_pass && !has_mask_or_window(bp.fwd) && bp.fwd.dropout_p == 0.0f;
+}
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {
   const Layout L(bp);
