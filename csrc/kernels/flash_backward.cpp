@@ -32,8 +32,7 @@ namespace flash_backward {
 
 using namespace flash;
 
-// Key tiles hold whole row groups (they are the rows of dK, dV) and whole vectors (the columns of S).
-constexpr int64_t kKeyAlign = kRowGroup / std::gcd(kRowGroup, W) * W;  // lcm(kRowGroup, W)
+// Key tiles: multiples of kKeyAlign (flash_common.h).
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
 constexpr int64_t kDefaultBlockK = 4 * kRowGroup;
 constexpr int64_t kQueryChunk = 2 * kKeyAlign;  // query rows per step of pass 1

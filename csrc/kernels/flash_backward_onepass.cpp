@@ -37,8 +37,7 @@ namespace flash_backward_onepass {
 
 using namespace flash;
 
-// Key tiles are whole row groups (the rows of dK_j, dV_j += ...) and whole vectors (the columns of S).
-constexpr int64_t kKeyAlign = kRowGroup / std::gcd(kRowGroup, W) * W;  // lcm(kRowGroup, W)
+// Key tiles: multiples of kKeyAlign (flash_common.h).
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
 const int64_t kDefaultBlockK = round_up(96, kKeyAlign);
 constexpr int64_t kMaxTile = 512;

@@ -7,6 +7,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <numeric>
 #include <type_traits>
 
 namespace cs149gpt {
@@ -24,6 +25,9 @@ constexpr int kAccumulators = 24, kRowGroup = 24, kQkVecs = 2, kPvVecs = 4;
 constexpr int kAccumulators = 12, kRowGroup = 12, kQkVecs = 3, kPvVecs = 3;
 #endif
 constexpr int W = Vec::width;
+// The backward kernels' key tiles hold whole row groups (they are the rows of dK, dV) and whole vectors (the
+// columns of S): a multiple of lcm(kRowGroup, W).
+constexpr int64_t kKeyAlign = kRowGroup / std::gcd(kRowGroup, W) * W;
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
