@@ -218,25 +218,14 @@ void run(const AttentionParams& p, float* workspace) {
   float* v_all = workspace + L.kt_size;
   float* v_finite = v_all + L.v_size;
   float* thread_scratch = v_finite + L.flags_size;
-  const int64_t n_pack = p.batch * p.num_kv_heads * L.Tc;
-  const int64_t n_tasks = p.batch * p.num_heads * L.Tr;
-
-#pragma omp parallel num_threads(p.num_threads)
-  {
-    // 1. Pack every K tile (and V) once, all threads together.
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_pack; ++t)
-      pack_kv_tile<T>(p, L, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc, kt_all, v_all, v_finite);
-    // (implicit barrier: every tile is packed before any is read)
-
-    // 2. Query tiles. Causal tiles differ in cost (later ones see more keys): the costliest go first.
-    float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t i = L.Tr - 1 - task % L.Tr, h = (task / L.Tr) % p.num_heads, b = task / (L.Tr * p.num_heads);
-      query_tile<T>(p, L, b, h, i * L.Br, kt_all, v_all, v_finite, scratch);
-    }
-  }
+  // 1. Pack every K tile (and V) once, all threads together; 2. the query tiles, costliest first
+  // (flash_common.h).
+  run_forward_tiles(
+      p, L.Br, L.Tr, L.Tc, thread_scratch, L.per_thread,
+      [&](int64_t b, int64_t kvh, int64_t j) { pack_kv_tile<T>(p, L, b, kvh, j, kt_all, v_all, v_finite); },
+      [&](int64_t b, int64_t h, int64_t i0, float* scratch) {
+        query_tile<T>(p, L, b, h, i0, kt_all, v_all, v_finite, scratch);
+      });
 }
 
 }  // namespace flash

@@ -32,6 +32,7 @@ using flash::mask_block;
 using flash::MaskBlock;
 using flash::online_softmax;
 using flash::round_up;
+using flash::run_forward_tiles;
 using flash::shown_keys_end;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
 // Defaults: query tiles of 128 rows (2 AMX groups, 4 vdpbf16ps ones; fewer when the threads need more tasks;
@@ -214,26 +215,14 @@ void run(const AttentionParams& p, float* workspace) {
   bf16_bits* v_all = reinterpret_cast<bf16_bits*>(workspace + L.kt_floats);
   float* v_finite = workspace + L.kt_floats + L.v_floats;
   float* thread_scratch = v_finite + L.flags_floats;
-  const int64_t n_pack = p.batch * p.num_kv_heads * L.Tc;
-  const int64_t n_tasks = p.batch * p.num_heads * L.Tr;
-
-#pragma omp parallel num_threads(p.num_threads)
-  {
-    // 1. Pack every K and V tile once, all threads together.
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_pack; ++t)
-      pack_kv_tile(p, L, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc, kt_all, v_all, v_finite);
-    // (implicit barrier: every tile is packed before any is read)
-
-    // 2. Query tiles, the costliest (causal: the last) first.
-    float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
-    const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t i = L.Tr - 1 - task % L.Tr, h = (task / L.Tr) % p.num_heads, b = task / (L.Tr * p.num_heads);
-      query_tile(p, L, b, h, i * L.Br, kt_all, v_all, v_finite, scratch);
-    }
-  }
+  // Pack every K and V tile once, then the query tiles, each thread under our AMX tile configuration (DotScope:
+  // the previous one restored after).
+  run_forward_tiles<DotScope>(
+      p, L.Br, L.Tr, L.Tc, thread_scratch, L.per_thread,
+      [&](int64_t b, int64_t kvh, int64_t j) { pack_kv_tile(p, L, b, kvh, j, kt_all, v_all, v_finite); },
+      [&](int64_t b, int64_t h, int64_t i0, float* scratch) {
+        query_tile(p, L, b, h, i0, kt_all, v_all, v_finite, scratch);
+      });
 }
 
 inline int64_t workspace_floats(const AttentionParams& p) {

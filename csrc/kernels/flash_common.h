@@ -10,6 +10,8 @@
 #include <numeric>
 #include <type_traits>
 
+#include <omp.h>
+
 namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
@@ -279,6 +281,32 @@ bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t c = 0; c < d; ++c) finite &= std::isfinite(static_cast<float>(x[t * ld + c]));
   return finite;
+}
+
+// The forward's two phases on one team of threads (flash.cpp, flash_bf16.cpp):
+//   1. pack(b, kvh, j): every key tile j of every (batch, kv head), once, all threads together;
+//   2. tile(b, h, i0, scratch): every query tile, taken dynamically, the costliest first (with the causal mask
+//      the last query tiles see the most keys), each thread on its own slice of thread_scratch.
+// PerThread is constructed by each thread around phase 2 (flash_bf16.cpp: AMX's tile configuration).
+struct NoPerThreadSetup {};
+template <class PerThread = NoPerThreadSetup, class Pack, class Tile>
+void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t Tc, float* thread_scratch,
+                       int64_t per_thread, const Pack& pack, const Tile& tile) {
+  const int64_t n_pack = p.batch * p.num_kv_heads * Tc;
+  const int64_t n_tasks = p.batch * p.num_heads * Tr;
+#pragma omp parallel num_threads(p.num_threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_pack; ++t) pack(t / (p.num_kv_heads * Tc), (t / Tc) % p.num_kv_heads, t % Tc);
+    // (implicit barrier: every tile is packed before any is read)
+    float* scratch = thread_scratch + omp_get_thread_num() * per_thread;
+    const PerThread setup;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < n_tasks; ++task) {
+      const int64_t i = Tr - 1 - task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
+      tile(b, h, i * Br, scratch);
+    }
+  }
 }
 
 // The end of a query tile: rows [i0, i0 + rows) of head h, O = O_i / l and lse = m + log(l) (m in base 2:
