@@ -117,14 +117,17 @@ inline float max_nan(float a, float b) { return a > b || a != a ? a : b; }
 // exp(x) for a whole vector, accurate to a couple of float32 ulps (Cephes' expf scheme).
 //   exp(x) = 2^n · exp(r),  n = round(x·log2(e)),  r = x − n·ln2  with |r| ≤ ln2/2,
 // exp(r) from a degree-6 polynomial, 2^n written straight into the exponent bits.
-// x > 88.72 overflows to +inf as it should; x = −inf gives 0, and so does x < −87.34 (where exp(x) < FLT_MIN;
-// AVX-512 returns the subnormal there, the others 0);
-// NaN stays NaN.
+// x > 88.72 overflows to +inf as it should; x < −87 (−inf too) gives exactly 0 — exp(x) < 2^-125.5 is a
+// subnormal or nearly one — on every ISA; NaN stays NaN.
+// Why never a subnormal, not even on the way to 0: on Intel cores an instruction whose result underflows with
+// MXCSR's flush-to-zero off takes a microcode assist of ~100+ cycles, and the masked (causal) lanes of every
+// diagonal tile are −inf logits, so each such row would pay it (benchmarks/denormal_probe.cpp measures it).
+// So no lane is ever computed below 2^-125: arguments are clamped above the subnormal range first and the
+// lanes below it set to 0 by a mask.
 // ---------------------------------------------------------------------------------------------------
 namespace exp_constants {
 constexpr float kMaxArg = 89.0f;  // above ln(FLT_MAX) = 88.72: y · 2^n overflows to +inf, as exp does
-constexpr float kMinArg = -87.33654475f;  // ln(FLT_MIN): 2^n stays a normal number above this
-constexpr float kScalefMinArg = -150.0f;  // AVX-512: y · 2^n (n ≤ −216) underflows to exactly 0
+constexpr float kMinArg = -87.0f;  // just above ln(FLT_MIN) = −87.34: y · 2^n stays a normal number
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f;  // ln2 split in two so that n·kLn2Hi is exact
 constexpr float kLn2Lo = -2.12194440e-4f;
@@ -135,9 +138,11 @@ constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.33345190
 #if defined(CS149_ISA_AVX512)
 inline Vec exp(Vec x) {
   using namespace exp_constants;
-  // Clamped to [kScalefMinArg, kMaxArg]: below, scalef's 2^n flushes to exactly 0 (also for −inf).
-  // NaN passes through both (the second operand of min/max is returned for NaN).
-  __m512 xc = _mm512_max_ps(_mm512_set1_ps(kScalefMinArg), _mm512_min_ps(_mm512_set1_ps(kMaxArg), x.v));
+  // Clamped to [kMinArg, kMaxArg]; lanes below kMinArg (−inf too) are zeroed at the end, never computed as
+  // an underflow. NaN passes through both (the second operand of min/max is returned for NaN) and the
+  // unordered compare keeps its lane.
+  const __mmask16 normal = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kMinArg), _CMP_NLT_UQ);
+  __m512 xc = _mm512_max_ps(_mm512_set1_ps(kMinArg), _mm512_min_ps(_mm512_set1_ps(kMaxArg), x.v));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
@@ -149,13 +154,13 @@ inline Vec exp(Vec x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  // y · 2^n with scalef: no exponent-field overflow at n = 128, and an exact 0 far below FLT_MIN.
-  return {_mm512_scalef_ps(y, n)};
+  // y · 2^n with scalef: no exponent-field overflow at n = 128.
+  return {_mm512_maskz_scalef_ps(normal, y, n)};
 }
 #elif defined(CS149_ISA_AVX2)
 inline Vec exp(Vec x) {
   using namespace exp_constants;
-  __m256 xc = _mm256_min_ps(_mm256_set1_ps(kMaxArg), x.v);
+  __m256 xc = _mm256_max_ps(_mm256_set1_ps(kMinArg), _mm256_min_ps(_mm256_set1_ps(kMaxArg), x.v));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
@@ -203,8 +208,8 @@ inline Vec exp(Vec x) {
 // 2^f (coefficients fitted for least maximum relative error), times 2^n by scalef. For logits already in base 2
 // (flash.cpp folds log2(e) into Q's scale): no multiply by log2(e), no two-step (Cody–Waite) reduction as exp
 // needs. Degree 6: relative error 1.0e-7 in float32 arithmetic, as accurate as exp. Degree 4: 2.6e-6, for a
-// value that is then rounded to bfloat16 (step 2^-8; bf16_gemm.h). t ≤ −150 (−inf too) gives 0, t ≥ 129 +inf,
-// NaN stays NaN.
+// value that is then rounded to bfloat16 (step 2^-8; bf16_gemm.h). t < −125 (−inf too) gives exactly 0 without
+// computing a subnormal (see exp), t ≥ 129 +inf, NaN stays NaN.
 // ---------------------------------------------------------------------------------------------------
 #if defined(CS149_ISA_AVX512)
 template <int kDegree>
@@ -215,14 +220,16 @@ inline __m512 exp2_poly(__m512 t) {
   constexpr float kDeg4[] = {9.570068877e-03f, 5.591780848e-02f, 2.402474506e-01f, 6.931218213e-01f,
                              9.999992616e-01f};
   const float* c = kDegree == 6 ? kDeg6 : kDeg4;  // highest power first
-  // vmaxps/vminps return the second operand when one is NaN: t goes second, so NaN passes through.
-  t = _mm512_max_ps(_mm512_set1_ps(-150.0f), _mm512_min_ps(_mm512_set1_ps(129.0f), t));
+  // vmaxps/vminps return the second operand when one is NaN: t goes second, so NaN passes through (and the
+  // unordered compare keeps its lane).
+  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
+  t = _mm512_max_ps(_mm512_set1_ps(-125.0f), _mm512_min_ps(_mm512_set1_ps(129.0f), t));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 y = _mm512_set1_ps(c[0]);
 #pragma GCC unroll 6
   for (int i = 1; i <= kDegree; ++i) y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(c[i]));
-  return _mm512_scalef_ps(y, n);
+  return _mm512_maskz_scalef_ps(normal, y, n);
 }
 inline Vec exp2(Vec t) { return {exp2_poly<6>(t.v)}; }
 #else
