@@ -51,6 +51,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--models", default="llama,gpt2", help="which of llama (prefill, generate), gpt2 (train step)")
     args = parser.parse_args()
     import transformers
 
@@ -86,6 +87,8 @@ def main() -> int:
                                                               labels=ids).loss.backward(),
         }
         for (name, phase), fn in phases.items():
+            if name not in args.models.split(","):
+                continue
             times = {}
             for impl in ("sdpa", "cs149gpt"):
                 model = models[name, impl]

@@ -159,6 +159,15 @@ def test_decode_hidden_keys_are_never_read(isa):
         assert torch.isfinite(out).all(), dtype
         assert not out_problems(out, lse, q, k, v, mask, tag=f"nan in hidden keys {dtype}")
 
+        # a scattered mask (many runs of shown keys a block), NaN at every key it hides
+        scattered = random_bool_mask((2, 1, 1, 400), g, p_keep=0.6)
+        k_bad, v_bad = k.clone(), v.clone()
+        k_bad[~scattered[:, 0, 0][:, None, :].expand(2, 2, 400)] = float("nan")
+        v_bad[~scattered[:, 0, 0][:, None, :].expand(2, 2, 400)] = float("inf")
+        out, lse = cs149gpt.attention(q, k_bad, v_bad, attn_mask=scattered, return_lse=True)
+        assert torch.isfinite(out).all(), dtype
+        assert not out_problems(out, lse, q, k, v, scattered, tag=f"inf in scattered hidden keys {dtype}")
+
         per_head = torch.ones(2, 4, 1, 400, dtype=torch.bool)
         per_head[:, 0, :, 5] = False  # head 0 hides key 5; head 1 (same kv head) sees it
         v_nan = v.clone()

@@ -31,7 +31,7 @@
 //                           value), −inf on the rows it hides; the block's keys stop at the last one any row sees.
 // A key-padding mask ((B,1,1,K), or (B,1,Nq,K)) is hidden or visible on every block but the one or two its padding
 // ends in, and the rows of a GQA group (one mask row) are looked at once. As with the causal mask, a key the mask
-// hides from a row never touches it: when such a block's values are not all finite, P V is added key run by key run.
+// hides from a row never touches it: P V runs over the keys the row sees (masked_block).
 #include "../attention.h"
 #include "decode_micro.h"
 #include "flash_common.h"
@@ -197,11 +197,34 @@ void plain_block(const AttentionParams& p, const Layout& L, int64_t rho0, int64_
                                 V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_pad, L.d_pad, nullptr);
 }
 
+// Whether n rows of d values (ldv apart) are all finite: the exponent bits of each element, not all ones (integer
+// tests the compiler vectorises, no conversion).
+template <class T>
+bool values_finite(const T* V, int64_t ldv, int64_t n, int64_t d) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+  constexpr Bits exponent = sizeof(T) == 4 ? Bits(0x7f800000u) : std::is_same_v<T, c10::Half> ? Bits(0x7c00u)
+                                                                                                : Bits(0x7f80u);
+  Bits any_special = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const Bits* row = reinterpret_cast<const Bits*>(V + t * ldv);
+    Bits special = 0;
+    for (int64_t c = 0; c < d; ++c) special |= static_cast<Bits>((row[c] & exponent) == exponent);
+    any_special |= special;
+  }
+  return any_special == 0;
+}
+
+// Beyond this many runs of shown keys in a row's block (a scattered mask), its P V is one block product over all
+// its keys when the block's values are all finite (0 · v adds nothing), instead of a product per run.
+constexpr int64_t kMaxRuns = 4;
+
 // One block that attn_mask or the window cuts (mask_rows: row r sees keys among its first keys[r], through its
 // offsets bias[r] where it has them); n: the keys past which no row sees any, the only ones read.
 //   S_r = scale · q_r·K + bias_r,  −inf past keys[r];  then the online softmax;  O_r = α_r · O_r + P_r V.
-// P is 0 at every hidden key; where the block's values are all finite, P V is one block product (0 · v adds
-// nothing), else each row adds its runs of shown keys only, so that a hidden key's NaN or inf never reaches it.
+// P V goes over the keys a row sees only, so that a hidden key's value (NaN or inf in padding) never reaches it:
+// rows that see the same keys (one bias row and prefix: the heads of a GQA group under a padding mask) together,
+// run of consecutive shown keys by run (a padding mask's edge: one run). A scattered mask's many runs take one block
+// product instead where the block's values are all finite (P is 0 at every hidden key).
 template <class T>
 void masked_block(const AttentionParams& p, const Layout& L, int64_t rows, int64_t n, const T* K, const T* V,
                   int64_t* keys, const float* const* bias, float* scratch) {
@@ -216,27 +239,36 @@ void masked_block(const AttentionParams& p, const Layout& L, int64_t rows, int64
   }
   online_softmax(S, kBlockKeys, rows, n, keys, /*scale=*/1.0f, m, l, alpha, m_new);
 
-  if (flash::rows_finite(V, ldv, n, d)) {
-    decode::rows_times_values(rows, n, S, kBlockKeys, V, ldv, d, O, L.d_pad, alpha);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* shown = bias[r];
-    const float* row_alpha = alpha + r;  // applied with the first run (or alone, when the row sees no key here)
-    for (int64_t t = 0; t < keys[r];) {
-      if (shown && shown[t] == kNegInf) {
-        ++t;
-        continue;
+  int finite = -1;  // the block's values: unknown until a scattered row asks
+  for (int64_t r0 = 0; r0 < rows;) {
+    const float* shown = bias[r0];
+    const int64_t end = keys[r0];
+    int64_t r1 = r0 + 1;
+    while (r1 < rows && bias[r1] == shown && keys[r1] == end) ++r1;
+    const auto hidden = [&](int64_t t) { return shown && shown[t] == kNegInf; };
+    int64_t runs = 0;
+    for (int64_t t = 0; t < end; ++t) runs += !hidden(t) && (t == 0 || hidden(t - 1));
+    float* P = S + r0 * kBlockKeys;
+    if (runs > kMaxRuns && (finite < 0 ? (finite = values_finite(V, ldv, n, d)) : finite)) {
+      decode::rows_times_values(r1 - r0, end, P, kBlockKeys, V, ldv, d, O + r0 * L.d_pad, L.d_pad, alpha + r0);
+    } else {
+      const float* run_alpha = alpha + r0;  // applied with the first run (alone when the rows see no key here)
+      for (int64_t t = 0; t < end;) {
+        if (hidden(t)) {
+          ++t;
+          continue;
+        }
+        int64_t e = t + 1;
+        while (e < end && !hidden(e)) ++e;
+        decode::rows_times_values(r1 - r0, e - t, P + t, kBlockKeys, V + t * ldv, ldv, d, O + r0 * L.d_pad, L.d_pad,
+                                  run_alpha);
+        run_alpha = nullptr;
+        t = e;
       }
-      int64_t e = t + 1;
-      while (e < keys[r] && !(shown && shown[e] == kNegInf)) ++e;
-      decode::rows_times_values(1, e - t, S + r * kBlockKeys + t, kBlockKeys, V + t * ldv, ldv, d, O + r * L.d_pad,
-                                L.d_pad, row_alpha);
-      row_alpha = nullptr;
-      t = e;
+      if (run_alpha)
+        decode::rows_times_values(r1 - r0, 0, P, kBlockKeys, V, ldv, d, O + r0 * L.d_pad, L.d_pad, run_alpha);
     }
-    if (row_alpha) decode::rows_times_values(1, 0, S + r * kBlockKeys, kBlockKeys, V, ldv, d, O + r * L.d_pad,
-                                             L.d_pad, row_alpha);
+    r0 = r1;
   }
 }
 
