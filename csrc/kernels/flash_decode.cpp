@@ -202,14 +202,17 @@ void plain_block(const AttentionParams& p, const Layout& L, int64_t rho0, int64_
 template <class T>
 bool values_finite(const T* V, int64_t ldv, int64_t n, int64_t d) {
   using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+  static_assert(sizeof(Bits) == sizeof(T));
   constexpr Bits exponent = sizeof(T) == 4 ? Bits(0x7f800000u) : std::is_same_v<T, c10::Half> ? Bits(0x7c00u)
                                                                                                 : Bits(0x7f80u);
   Bits any_special = 0;
   for (int64_t t = 0; t < n; ++t) {
-    const Bits* row = reinterpret_cast<const Bits*>(V + t * ldv);
-    Bits special = 0;
-    for (int64_t c = 0; c < d; ++c) special |= static_cast<Bits>((row[c] & exponent) == exponent);
-    any_special |= special;
+    const T* row = V + t * ldv;
+    for (int64_t c = 0; c < d; ++c) {
+      Bits x;
+      std::memcpy(&x, row + c, sizeof x);
+      any_special |= static_cast<Bits>((x & exponent) == exponent);
+    }
   }
   return any_special == 0;
 }
