@@ -94,7 +94,7 @@ struct Layout {
     m_off = o_off + round_up(Br_pad * d_pad, 16);
     l_off = m_off + round_up(Br_pad, 16);
     alpha_off = l_off + round_up(Br_pad, 16);
-    bias_off = alpha_off + round_up(2 * kRowGroup, 16);  // α and the row sums of one row group
+    bias_off = alpha_off + round_up(2 * kRowGroup, 16);  // α and m_new of one row group
     per_thread = bias_off + (masked ? kRowGroup * Bc_pad : 0);
   }
 };
@@ -132,7 +132,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   const int64_t groups = (rows + kRowGroup - 1) / kRowGroup;
   float *Qi = scratch + L.q_off, *S = scratch + L.s_off, *Oi = scratch + L.o_off;
   float *m = scratch + L.m_off, *l = scratch + L.l_off;
-  float *alpha = scratch + L.alpha_off, *row_sum = alpha + kRowGroup;  // per row of the current group
+  float *alpha = scratch + L.alpha_off, *m_new = alpha + kRowGroup;  // per row of the current group
   float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
   int64_t visible[kRowGroup];  // how many keys of the current tile each row of the group sees
 
@@ -179,7 +179,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
       for (int64_t r = 0; r < kRowGroup; ++r)
         visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      online_softmax(S, L.Bc_pad, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, row_sum,
+      online_softmax(S, L.Bc_pad, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new,
                      PInPlaceBase2{});
       if (p.dropout_p > 0.0f)  // P V with the dropped P; l (and lse) keep the undropped sum
         for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.Bc_pad, visible[r], 1);

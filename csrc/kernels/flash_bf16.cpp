@@ -85,7 +85,7 @@ struct Layout {
     m_off = o_off + Br * d_n;
     l_off = m_off + round_up(Br, 16);
     alpha_off = l_off + round_up(Br, 16);
-    bias_off = alpha_off + round_up(2 * G, 16);       // α and the row sums of one group
+    bias_off = alpha_off + round_up(2 * G, 16);       // α and m_new of one group
     per_thread = bias_off + (has_mask_or_window(p) ? G * Bc_pad : 0);  // attn_mask's offsets, G × Bc_pad
   }
 };
@@ -152,7 +152,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   bf16_bits* Qi = reinterpret_cast<bf16_bits*>(scratch + L.q_off);
   bf16_bits* Pb = reinterpret_cast<bf16_bits*>(scratch + L.p_off);
   float *S = scratch + L.s_off, *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
-  float *alpha = scratch + L.alpha_off, *row_sum = alpha + G;
+  float *alpha = scratch + L.alpha_off, *m_new = alpha + G;
   float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
   int64_t visible[G];
 
@@ -194,7 +194,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16; m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      online_softmax(S, L.Bc_pad, G, n_keys, visible, partial ? 1.0f : p.scale, m + g0, l + g0, alpha, row_sum,
+      online_softmax(S, L.Bc_pad, G, n_keys, visible, partial ? 1.0f : p.scale, m + g0, l + g0, alpha, m_new,
                      PToBf16{Pb, L.Bc_pad, k_keys, p.dropout_p > 0.0f ? &p : nullptr, b * p.num_heads + h, i0 + g0, j0});
 
       // O_g = α · O_g + P V_j

@@ -68,7 +68,7 @@ void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t 
 //   S = P = exp(S − m_new);   l = α · l + rowsum P;   m = m_new.
 // A row that sees no key yet (m_new = −inf) keeps P = 0, α = 1. The max keeps a NaN (max_nan, max_of):
 // m_new = NaN makes α, P and l NaN, so a NaN logit turns the whole row NaN; so does +inf, through
-// exp(inf − inf). alpha and row_sum are G floats of scratch; alpha holds α afterwards. P goes where PWriter puts
+// exp(inf − inf). alpha and m_new are G floats of scratch; alpha holds α afterwards. P goes where PWriter puts
 // it (over S by default).
 // Where P = exp(S − m_new) goes: over S itself (the float32 kernels), or elsewhere (flash_bf16.cpp writes it in
 // bf16 for the next product). exp_sum writes row r's P and returns its sum; zero writes a row of zeros.
@@ -90,33 +90,30 @@ struct PInPlaceBase2 {
 
 template <class PWriter = PInPlace>
 inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, const int64_t* visible, float scale,
-                           float* m, float* l, float* alpha, float* row_sum, const PWriter& P = PWriter()) {
+                           float* m, float* l, float* alpha, float* m_new, const PWriter& P = PWriter()) {
   // A positive scale rides along (max of scale·S = scale · max of S; the exp's argument is one FMA);
   // another is applied to S first.
   const bool scale_in_exp = scale > 0.0f;
-  // Row by row, the max and then the exponentials at once, while the row (Bc floats) is still in L1: the
-  // group's S (G · Bc floats) is larger than L1, and a pass of maxes over all rows before a pass of exps
-  // would read it from L2 twice. α's exponentials wait for the end, all G in one vector pass, and l after them.
   for (int64_t r = 0; r < G; ++r) {
     float* s = S + r * ld;
     if (!scale_in_exp) scale_row(scale, s, visible[r]);
     fill_row(kNegInf, s + visible[r], n_keys - visible[r]);
-    const float m_new = max_nan(m[r], (scale_in_exp ? scale : 1.0f) * max_of(s, n_keys));
-    if (m_new == kNegInf) {  // sees no key yet: P = 0, α = 1 (exponent 0), l and m stay
-      P.zero(r, s, n_keys);
-      alpha[r] = 0.0f;
-      row_sum[r] = 0.0f;
-      continue;
-    }
-    alpha[r] = m[r] - m_new;  // the exponent of α; −inf on a row's first tile
-    row_sum[r] = P.exp_sum(r, s, m_new, n_keys, scale_in_exp ? scale : 1.0f);
-    m[r] = m_new;
+    m_new[r] = max_nan(m[r], (scale_in_exp ? scale : 1.0f) * max_of(s, n_keys));
+    alpha[r] = m_new[r] == kNegInf ? 0.0f : m[r] - m_new[r];  // exponent of α; −inf on a first tile
   }
   if constexpr (PWriter::kBase2)
     exp2_row(alpha, G);
   else
     exp_row(alpha, G);
-  for (int64_t r = 0; r < G; ++r) l[r] = alpha[r] * l[r] + row_sum[r];
+  for (int64_t r = 0; r < G; ++r) {
+    float* s = S + r * ld;
+    if (m_new[r] == kNegInf) {
+      P.zero(r, s, n_keys);
+      continue;
+    }
+    l[r] = alpha[r] * l[r] + P.exp_sum(r, s, m_new[r], n_keys, scale_in_exp ? scale : 1.0f);
+    m[r] = m_new[r];
+  }
 }
 
 // attn_mask and the sliding window over a block: rows [i0, i0 + n_i) × keys [j0, j0 + n_j) of query head h in
