@@ -915,6 +915,15 @@ at::Tensor vector_exp(const at::Tensor& x) {
   return y;
 }
 
+// 2^x of every element of a float32 tensor, by the current ISA's vectorised 2^x (the float32 flash kernel's; a
+// test hook).
+at::Tensor vector_exp2(const at::Tensor& x) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  at::Tensor y = x.contiguous().clone();
+  kernels().exp2_row(y.data_ptr<float>(), y.numel());
+  return y;
+}
+
 // The FMA peak of this machine in GFLOP/s, with the current ISA's vectors on num_threads threads.
 // Both arguments are range-checked: num_threads is handed to OpenMP as an int, and the doubling of the iterations
 // must stop before it overflows (a minute of probing is far more than any measurement needs).
@@ -1272,6 +1281,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_unavailable_reason", [] { return std::string(amx_unavailable_reason()); },
         "why the AMX kernels are not used on a CPU that has AMX (the kernel refused the permission), or ''");
   m.def("vector_exp", &vector_exp, "exp by the kernels' vectorised exp (current ISA), for tests");
+  m.def("vector_exp2", &vector_exp2, "2^x by the kernels' vectorised 2^x (current ISA), for tests");
   m.def("cpu_supports", [](const std::string& name) { return cpu_supports(name.c_str()); },
         "whether this CPU runs the kernels of the named instruction set");
 }
