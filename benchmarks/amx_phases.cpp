@@ -207,16 +207,16 @@ void query_tile_phases(const AttentionParams& p, const Layout& L, int64_t i0, co
     const bf16_bits* Vj = v_all + j * L.v_tile;
     for (int64_t g0 = 0; g0 < rows; g0 += G) {
       const int64_t n_keys = cols;
-      if (QK) gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.ld_s, false);
+      if (QK) gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);
       const int64_t k_keys = round_up(n_keys, kDotK);
       for (int64_t r = 0; r < G; ++r) visible[r] = n_keys;
       if (SM) {
-        online_softmax(S, L.ld_s, G, n_keys, visible, p.scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16{Pb, L.ld_p, k_keys});
+        online_softmax(S, L.Bc_pad, G, n_keys, visible, p.scale, m + g0, l + g0, alpha, m_new,
+                       PToBf16{Pb, L.Bc_pad, k_keys});
         float* Og = Oi + g0 * L.d_n;
         for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
       }
-      if (PV) pv_gemm(G, L.d_n, k_keys, Pb, L.ld_p, Vj, L.d_n, Oi + g0 * L.d_n, L.d_n, true);
+      if (PV) pv_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Oi + g0 * L.d_n, L.d_n, true);
     }
   }
   if (SM) finish_rows<c10::BFloat16>(p, 0, 0, i0, rows, Oi, L.d_n, m, l);

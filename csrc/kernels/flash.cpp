@@ -56,8 +56,7 @@ constexpr int64_t kDefaultBlockK = 128;
 // Tile sizes and where each piece of the workspace lives. All sizes in floats.
 struct Layout {
   int64_t Br, Bc, Tr, Tc;
-  int64_t Br_pad, Bc_pad, d_pad;  // rows to whole row groups, keys and columns to whole vectors (Bc_pad, the row
-                                  // stride of K_jᵀ and S, one cache line more where that is a multiple of 1 KB)
+  int64_t Br_pad, Bc_pad, d_pad;  // rows to whole row groups, keys and columns to whole vectors
   bool pack_v;                    // V is converted/padded once rather than read in place
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place)
@@ -78,7 +77,7 @@ struct Layout {
     Tr = (p.q_len + Br - 1) / Br;
     Tc = (p.kv_len + Bc - 1) / Bc;
     Br_pad = round_up(Br, kRowGroup);
-    Bc_pad = row_stride(round_up(Bc, W), sizeof(float));
+    Bc_pad = round_up(Bc, W);
     d_pad = round_up(d, W);
     pack_v = p.dtype != DType::f32 || d_pad != d;
     kt_tile = d * Bc_pad;

@@ -32,7 +32,6 @@ using flash::mask_block;
 using flash::MaskBlock;
 using flash::online_softmax;
 using flash::round_up;
-using flash::row_stride;
 using flash::run_forward_tiles;
 using flash::shown_keys_end;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
@@ -56,8 +55,6 @@ inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1)
 struct Layout {
   int64_t Br, Bc, Tr, Tc;
   int64_t Bc_pad;           // keys to whole dot-product steps (kDotK); Br is already whole groups
-  int64_t ld_s, ld_p;       // row strides of S (floats) and P (bf16): Bc_pad, one cache line more where a row
-                            // would be a multiple of 1 KB (flash_common.h's row_stride)
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n)
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats)
@@ -73,8 +70,6 @@ struct Layout {
     Tr = (p.q_len + Br - 1) / Br;
     Tc = (p.kv_len + Bc - 1) / Bc;
     Bc_pad = round_up(Bc, kDotK);
-    ld_s = row_stride(Bc_pad, sizeof(float));
-    ld_p = row_stride(Bc_pad, sizeof(bf16_bits));
     d_k = round_up(p.head_dim, kDotK);
     d_n = round_up(p.head_dim, kDotCols);
     kt_tile = d_k * Bc_pad;
@@ -84,14 +79,14 @@ struct Layout {
     v_floats = floats_for(tiles * v_tile);
     flags_floats = round_up(tiles, 16);
     q_off = 0;                                        // Q_i, bf16, Br × d_k
-    s_off = q_off + floats_for(Br * d_k);         // S of one group, float32, G × ld_s
-    p_off = s_off + G * ld_s;                         // P of one group, bf16, G × ld_p
-    o_off = p_off + floats_for(G * ld_p);             // O_i, float32, Br × d_n
+    s_off = q_off + floats_for(Br * d_k);         // S/P of one group, float32, G × Bc_pad
+    p_off = s_off + G * Bc_pad;                       // P of one group, bf16, G × Bc_pad
+    o_off = p_off + floats_for(G * Bc_pad);           // O_i, float32, Br × d_n
     m_off = o_off + Br * d_n;
     l_off = m_off + round_up(Br, 16);
     alpha_off = l_off + round_up(Br, 16);
     bias_off = alpha_off + round_up(2 * G, 16);       // α and m_new of one group
-    per_thread = bias_off + (has_mask_or_window(p) ? G * ld_s : 0);  // attn_mask's offsets, G × ld_s
+    per_thread = bias_off + (has_mask_or_window(p) ? G * Bc_pad : 0);  // attn_mask's offsets, G × Bc_pad
   }
 };
 
@@ -121,15 +116,14 @@ inline float from_bf16(bf16_bits x) {
 }
 
 // O_g[r] += Σ_{t < visible[r]} P[r, t] · V_j[t] in float32, row by row: only for a V tile holding NaN or inf.
-// With attn_mask's offsets (bias, rows L.ld_s apart; null where it hides nothing) the keys it hides are left out
-// too. P's rows are L.ld_p apart.
-void pv_visible_only(int64_t rows, const bf16_bits* P, const int64_t* visible, const float* bias, const bf16_bits* vt,
-                     const Layout& L, int64_t d, float* O, int64_t ldo) {
+// With attn_mask's offsets (bias, rows ldp apart; null where it hides nothing) the keys it hides are left out too.
+void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t ldp, const int64_t* visible, const float* bias,
+                     const bf16_bits* vt, const Layout& L, int64_t d, float* O, int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < visible[r]; ++t)
-      if (!bias || bias[r * L.ld_s + t] != kNegInf)
+      if (!bias || bias[r * ldp + t] != kNegInf)
         for (int64_t c = 0; c < d; ++c)
-          O[r * ldo + c] += from_bf16(P[r * L.ld_p + t]) * from_bf16(vt[vnni_index(t, c, L.d_n)]);
+          O[r * ldo + c] += from_bf16(P[r * ldp + t]) * from_bf16(vt[vnni_index(t, c, L.d_n)]);
 }
 
 // The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j. With dropout,
@@ -183,33 +177,33 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path, one it cuts
       // stops at the last key it shows.
       const int64_t group_rows = std::min(G, rows - g0);
-      const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.ld_s, 1);
+      const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
-      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.ld_s, group_rows, n_keys);
+      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles)
-      bf16_gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.ld_s, false);
+      bf16_gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);
       // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
       const bool partial = block == MaskBlock::partial;
       if (partial)
         for (int64_t r = 0; r < group_rows; ++r) {
-          scale_row(p.scale, S + r * L.ld_s, n_keys);
-          add_mask(S + r * L.ld_s, bias + r * L.ld_s, n_keys);
+          scale_row(p.scale, S + r * L.Bc_pad, n_keys);
+          add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys);
         }
 
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16; m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      online_softmax(S, L.ld_s, G, n_keys, visible, partial ? 1.0f : p.scale, m + g0, l + g0, alpha, m_new,
-                     PToBf16{Pb, L.ld_p, k_keys, p.dropout_p > 0.0f ? &p : nullptr, b * p.num_heads + h, i0 + g0, j0});
+      online_softmax(S, L.Bc_pad, G, n_keys, visible, partial ? 1.0f : p.scale, m + g0, l + g0, alpha, m_new,
+                     PToBf16{Pb, L.Bc_pad, k_keys, p.dropout_p > 0.0f ? &p : nullptr, b * p.num_heads + h, i0 + g0, j0});
 
       // O_g = α · O_g + P V_j
       float* Og = Oi + g0 * L.d_n;
       for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
       if (v_finite[tile] != 0.0f)
-        bf16_gemm(G, L.d_n, k_keys, Pb, L.ld_p, Vj, L.d_n, Og, L.d_n, true);
+        bf16_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Og, L.d_n, true);
       else
-        pv_visible_only(group_rows, Pb, visible, partial ? bias : nullptr, Vj, L, d, Og, L.d_n);
+        pv_visible_only(group_rows, Pb, L.Bc_pad, visible, partial ? bias : nullptr, Vj, L, d, Og, L.d_n);
     }
   }
   finish_rows<c10::BFloat16>(p, b, h, i0, rows, Oi, L.d_n, m, l);

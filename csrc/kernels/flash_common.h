@@ -33,12 +33,6 @@ constexpr int64_t kKeyAlign = kRowGroup / std::gcd(kRowGroup, W) * W;
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// The row stride for rows of n elements of `bytes` bytes: one cache line longer when a row would be a whole number
-// of KB. L1 has 64 sets of 64-byte lines, so rows 1 KB apart share 4 sets (rows 4 KB apart, one), and a
-// micro-kernel that reads down a column of such rows — the packed K_jᵀ of 512 keys, S — evicts its own operands
-// after 12 (the ways of a set). One line more spreads the rows over every set.
-inline int64_t row_stride(int64_t n, int64_t bytes) { return (n * bytes) % 1024 == 0 ? n + 64 / bytes : n; }
-
 template <class T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
