@@ -39,11 +39,10 @@ using namespace flash;
 
 // Key tiles: multiples of kKeyAlign (flash_common.h).
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
-// Key tiles of 96 keys, 192 for head dims above 64: a longer k loop for dQ_i += dS K_j and a wider S per Q_i, dO_i
-// packed, for a per-thread scratch of ~0.7 MiB at d = 128 (within torch's backward memory at (1,16,4096,128); dev
-// box, one thread, (1,2,2048,128): 96x192 ~3% faster than 96x96; the device host's sweep:
-// benchmarks/results/backward_session4_tiles.txt).
-inline int64_t default_block_k(int64_t head_dim) { return round_up(head_dim > 64 ? 192 : 96, kKeyAlign); }
+// Key tiles of 96 keys. Device host, 16 threads, (1,16,4096,128) float32 (benchmarks/results/
+// backward_session4_tiles.txt, a noisy day: one tile size measured 25% apart in two calls): 96x96 ahead of 96x192,
+// 192x96 and 192x192 causal and not; 96x288 fastest causal, slowest not.
+const int64_t kDefaultBlockK = round_up(96, kKeyAlign);
 constexpr int64_t kMaxTile = 512;
 constexpr int64_t kMaxRows = (kMaxTile + kRowGroup - 1) / kRowGroup * kRowGroup;  // Br ≤ this
 
@@ -76,7 +75,7 @@ struct Layout {
     const AttentionParams& p = bp.fwd;
     // A caller's tile is clamped to the sequence (module.cpp) before it is rounded up.
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kRowGroup) : kDefaultBlockQ;
-    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kKeyAlign) : default_block_k(p.head_dim);
+    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kKeyAlign) : kDefaultBlockK;
     // At most kMaxTile: the tiles' scratch (Br × Bc) stays small whatever a caller asks.
     Br = std::min({Br, round_up(p.q_len, kRowGroup), kMaxRows});
     Bc = std::min({Bc, round_up(p.kv_len, kKeyAlign), round_up(kMaxTile, kKeyAlign)});
