@@ -106,9 +106,87 @@ inline void gemm_column_blocks(int64_t M, int64_t N, int64_t K, const bf16_bits*
 }
 #undef CS149_AMX_K_STEP
 
+// Loop-order, K-chunking and prefetch variants of bf16_gemm (same 2 × 2 blocks of C tiles), to find where the
+// tile loads come from: with 2 × 2 blocks every tdpbf16ps (16 cycles) needs one 1 KB tile load, 64 B a cycle,
+// which L1 delivers and L2 barely does; tile registers are not renamed, so a slow load stalls the products.
+//   kNOuter: column blocks outer, row blocks inner (a B strip is reused at once by every row block, from L1).
+//   kChunk:  K in chunks of this many (0: whole), every block over one chunk before the next chunk, so the
+//            chunk's A and B stay in L1 (C loaded and stored once per chunk instead).
+//   kPrefetch: the next k step's A rows and B tiles prefetched into L1 during this one.
+template <int NB, bool kPrefetch>
+inline void amx_block_pf(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
+                         int64_t ldc, bool accumulate) {
+  const int64_t a_stride = lda * 2, b_stride = 64, c_stride = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, C, c_stride);
+    _tile_loadd(2, C + 16 * ldc, c_stride);
+    if (NB == 2) {
+      _tile_loadd(1, C + 16, c_stride);
+      _tile_loadd(3, C + 16 * ldc + 16, c_stride);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (NB == 2) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t k = 0; k < K; k += kDotK) {
+    if (kPrefetch && k + kDotK < K) {
+      const char* next_b = reinterpret_cast<const char*>(B + b_tile_offset(k + kDotK, 0, ldb));
+      for (int i = 0; i < 16 * NB; ++i) _mm_prefetch(next_b + 64 * i, _MM_HINT_T0);
+      for (int r = 0; r < 32; ++r) _mm_prefetch(reinterpret_cast<const char*>(A + r * lda + k + kDotK), _MM_HINT_T0);
+    }
+    _tile_loadd(4, A + k, a_stride);
+    const bf16_bits* Bk = B + b_tile_offset(k, 0, ldb);
+    _tile_loadd(6, Bk, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, A + 16 * lda + k, a_stride);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NB == 2) {
+      _tile_loadd(7, Bk + 512, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, C, c_stride);
+  _tile_stored(2, C + 16 * ldc, c_stride);
+  if (NB == 2) {
+    _tile_stored(1, C + 16, c_stride);
+    _tile_stored(3, C + 16 * ldc + 16, c_stride);
+  }
+}
+
+template <bool kNOuter, int kChunk, bool kPrefetch>
+void gemm_variant(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb,
+                  float* C, int64_t ldc, bool accumulate) {
+  const int64_t chunk = kChunk > 0 ? kChunk : K;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t kc = std::min(chunk, K - k0);
+    const bool acc = accumulate || k0 > 0;
+    auto block = [&](int64_t m, int64_t n) {
+      const bf16_bits* Am = A + m * lda + k0;
+      const bf16_bits* Bn = B + b_tile_offset(k0, n, ldb);
+      float* Cmn = C + m * ldc + n;
+      if (n + 32 <= N)
+        amx_block_pf<2, kPrefetch>(kc, Am, lda, Bn, ldb, Cmn, ldc, acc);
+      else
+        amx_block_pf<1, kPrefetch>(kc, Am, lda, Bn, ldb, Cmn, ldc, acc);
+    };
+    if (kNOuter) {
+      for (int64_t n = 0; n < N; n += 32)
+        for (int64_t m = 0; m < M; m += 32) block(m, n);
+    } else {
+      for (int64_t m = 0; m < M; m += 32)
+        for (int64_t n = 0; n < N; n += 32) block(m, n);
+    }
+  }
+}
+
 using Gemm = void (*)(int64_t, int64_t, int64_t, const bf16_bits*, int64_t, const bf16_bits*, int64_t, float*,
                      int64_t, bool);
-template <bool QK, bool SM, bool PV, Gemm gemm = bf16_gemm>
+template <bool QK, bool SM, bool PV, Gemm gemm = bf16_gemm, Gemm pv_gemm = gemm>
 void query_tile_phases(const AttentionParams& p, const Layout& L, int64_t i0, const bf16_bits* kt_all,
                        const bf16_bits* v_all, float* scratch) {
   const int64_t d = p.head_dim, rows = std::min(L.Br, p.q_len - i0), groups = (rows + G - 1) / G;
@@ -138,32 +216,61 @@ void query_tile_phases(const AttentionParams& p, const Layout& L, int64_t i0, co
         float* Og = Oi + g0 * L.d_n;
         for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
       }
-      if (PV) gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Oi + g0 * L.d_n, L.d_n, true);
+      if (PV) pv_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Oi + g0 * L.d_n, L.d_n, true);
     }
   }
   if (SM) finish_rows<c10::BFloat16>(p, 0, 0, i0, rows, Oi, L.d_n, m, l);
 }
 
 
-// The products and the softmax pieces alone, on cache-resident data.
+// The products alone (the kernel's shapes: M = a group of 64 query rows, QK: N = Bc keys, K = d; PV: N = d,
+// K = Bc), each variant of gemm_variant, and the softmax pieces alone.
+struct Variant {
+  const char* name;
+  Gemm gemm;
+};
+static const Variant kVariants[] = {
+    {"m-outer (bf16_gemm)", bf16_gemm},
+    {"n-outer", gemm_variant<true, 0, false>},
+    {"m-outer prefetch", gemm_variant<false, 0, true>},
+    {"n-outer prefetch", gemm_variant<true, 0, true>},
+    {"m-outer k-chunk 64", gemm_variant<false, 64, false>},
+    {"m-outer k-chunk 128", gemm_variant<false, 128, false>},
+    {"n-outer k-chunk 128", gemm_variant<true, 128, false>},
+    {"n-outer k-chunk 128 pf", gemm_variant<true, 128, true>},
+};
+
 void micro_kernels() {
   std::mt19937 rng(2);
   std::normal_distribution<float> normal;
   const DotScope tiles;
   for (int64_t d : {64, 128}) {
-    for (int64_t M : {64, 128}) {
-      const int64_t Bc = 256;
+    for (int64_t Bc : {256, 512}) {
+      const int64_t M = 64;
       std::vector<bf16_bits> A(M * std::max(d, Bc)), B(d * Bc), V(Bc * d);
       for (auto* v : {&A, &B, &V})
         for (auto& x : *v) x = c10::BFloat16(normal(rng) * 0.3f).x;
       std::vector<float> S(M * Bc), O(M * d, 0.f);
-      auto report = [&](const char* name, double s) {
-        std::printf("d=%3ld M=%3ld %-26s %6.0f GFLOP/s\n", d, M, name, 2.0 * M * Bc * d / s / 1e9);
-      };
-      report("QK bf16_gemm", seconds_per_call([&] { bf16_gemm(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc, false); }, 0.1));
-      report("QK column blocks", seconds_per_call([&] { gemm_column_blocks(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc, false); }, 0.1));
-      report("PV bf16_gemm", seconds_per_call([&] { bf16_gemm(M, d, Bc, A.data(), Bc, V.data(), d, O.data(), d, true); }, 0.1));
-      report("PV column blocks", seconds_per_call([&] { gemm_column_blocks(M, d, Bc, A.data(), Bc, V.data(), d, O.data(), d, true); }, 0.1));
+      // Every variant computes what bf16_gemm computes (products of the same bf16 in float32: equal up to the
+      // order of the K sums; printed as the largest difference).
+      std::vector<float> S_ref(M * Bc), O_ref(M * d, 0.f), O_got(M * d);
+      bf16_gemm(M, Bc, d, A.data(), d, B.data(), Bc, S_ref.data(), Bc, false);
+      bf16_gemm(M, d, Bc, A.data(), Bc, V.data(), d, O_ref.data(), d, false);
+      for (const Variant& v : kVariants) {
+        v.gemm(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc, false);
+        v.gemm(M, d, Bc, A.data(), Bc, V.data(), d, O_got.data(), d, false);
+        float diff = 0;
+        for (size_t i = 0; i < S.size(); ++i) diff = std::max(diff, std::abs(S[i] - S_ref[i]));
+        for (size_t i = 0; i < O_got.size(); ++i) diff = std::max(diff, std::abs(O_got[i] - O_ref[i]));
+        if (diff > 1e-3f) std::printf("d=%3ld Bc=%3ld %-24s WRONG: differs from bf16_gemm by %g\n", d, Bc, v.name, diff);
+      }
+      for (const Variant& v : kVariants) {
+        const double qk = seconds_per_call([&] { v.gemm(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc, false); }, 0.05);
+        const double pv = seconds_per_call([&] { v.gemm(M, d, Bc, A.data(), Bc, V.data(), d, O.data(), d, true); }, 0.05);
+        const double flops = 2.0 * M * Bc * d;
+        std::printf("d=%3ld Bc=%3ld %-24s QK %5.0f GFLOP/s   PV %5.0f GFLOP/s\n", d, Bc, v.name, flops / qk / 1e9,
+                    flops / pv / 1e9);
+      }
     }
   }
   const int64_t Bc = 256, R = 64;
@@ -234,42 +341,42 @@ int main(int argc, char** argv) {
       p.scale = 1.0f / std::sqrt(float(d));
       p.num_threads = 1;
       const double flops = 4.0 * N * N * d;
-      for (int64_t Bc : {128, 256, 512}) {
-        for (int64_t Br : {128, 256}) {
-          p.block_q = Br; p.block_k = Bc;
-          const Layout L(p);
-          std::vector<float> ws(workspace_floats(p) + 64);
-          run(p, ws.data());  // packs K, V into ws
-          const bf16_bits* kt_all = reinterpret_cast<bf16_bits*>(ws.data());
-          const bf16_bits* v_all = reinterpret_cast<bf16_bits*>(ws.data() + L.kt_floats);
-          float* scratch = ws.data() + L.kt_floats + L.v_floats + L.flags_floats;
-          const DotScope tiles;
-          double best[2] = {1e30, 1e30};
-          for (int round = 0; round < 3; ++round) {
-            best[0] = std::min(best[0], seconds_per_call([&] {
-              for (int64_t i0 = 0; i0 < N; i0 += L.Br) query_tile_phases<true, true, true>(p, L, i0, kt_all, v_all, scratch);
-            }, 0.05));
-            best[1] = std::min(best[1], seconds_per_call([&] {
-              for (int64_t i0 = 0; i0 < N; i0 += L.Br)
-                query_tile_phases<true, true, true, gemm_column_blocks>(p, L, i0, kt_all, v_all, scratch);
-            }, 0.05));
-          }
-          std::printf("d=%3ld N=%4ld Br=%3ld Bc=%3ld  2x2 blocks %4.0f GFLOP/s   column blocks %4.0f GFLOP/s\n", d, N,
-                      Br, Bc, flops / best[0] / 1e9, flops / best[1] / 1e9);
-          if (Br == 128 && Bc == 256) {
-            auto phase = [&](const char* name, auto tile_fn) {
-              double t = 1e30;
-              for (int round = 0; round < 3; ++round)
-                t = std::min(t, seconds_per_call([&] { for (int64_t i0 = 0; i0 < N; i0 += L.Br) tile_fn(i0); }, 0.05));
-              std::printf("    phase %-22s %.3f ns per score\n", name, t * 1e9 / (N * N));
-            };
-            phase("QK (2x2)", [&](int64_t i0) { query_tile_phases<true, false, false>(p, L, i0, kt_all, v_all, scratch); });
-            phase("QK (column blocks)", [&](int64_t i0) { query_tile_phases<true, false, false, gemm_column_blocks>(p, L, i0, kt_all, v_all, scratch); });
-            phase("softmax", [&](int64_t i0) { query_tile_phases<false, true, false>(p, L, i0, kt_all, v_all, scratch); });
-            phase("PV (2x2)", [&](int64_t i0) { query_tile_phases<false, false, true>(p, L, i0, kt_all, v_all, scratch); });
-            phase("PV (column blocks)", [&](int64_t i0) { query_tile_phases<false, false, true, gemm_column_blocks>(p, L, i0, kt_all, v_all, scratch); });
-          }
-        }
+      for (int64_t Bc : {256, 512}) {
+        const int64_t Br = 128;
+        p.block_q = Br; p.block_k = Bc;
+        const Layout L(p);
+        std::vector<float> ws(workspace_floats(p) + 64);
+        run(p, ws.data());  // packs K, V into ws
+        const bf16_bits* kt_all = reinterpret_cast<bf16_bits*>(ws.data());
+        const bf16_bits* v_all = reinterpret_cast<bf16_bits*>(ws.data() + L.kt_floats);
+        float* scratch = ws.data() + L.kt_floats + L.v_floats + L.flags_floats;
+        const DotScope tiles;
+        using TileFn = std::function<void(int64_t)>;
+        const std::pair<const char*, TileFn> combos[] = {
+            {"QK m-outer  / PV m-outer (now)", [&](int64_t i0) { query_tile_phases<true, true, true>(p, L, i0, kt_all, v_all, scratch); }},
+            {"QK n-outer  / PV m-outer", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, false>, bf16_gemm>(p, L, i0, kt_all, v_all, scratch); }},
+            {"QK n-outer  / PV k-chunk 128", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, false>, gemm_variant<false, 128, false>>(p, L, i0, kt_all, v_all, scratch); }},
+            {"QK n-outer  / PV n-outer k-chunk 128", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, false>, gemm_variant<true, 128, false>>(p, L, i0, kt_all, v_all, scratch); }},
+            {"QK n-out pf / PV m-outer pf", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, true>, gemm_variant<false, 0, true>>(p, L, i0, kt_all, v_all, scratch); }},
+            {"QK n-out pf / PV k-chunk 64", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, true>, gemm_variant<false, 64, false>>(p, L, i0, kt_all, v_all, scratch); }},
+            {"QK only (now)", [&](int64_t i0) { query_tile_phases<true, false, false>(p, L, i0, kt_all, v_all, scratch); }},
+            {"QK only n-outer", [&](int64_t i0) { query_tile_phases<true, false, false, gemm_variant<true, 0, false>>(p, L, i0, kt_all, v_all, scratch); }},
+            {"softmax only", [&](int64_t i0) { query_tile_phases<false, true, false>(p, L, i0, kt_all, v_all, scratch); }},
+            {"PV only (now)", [&](int64_t i0) { query_tile_phases<false, false, true>(p, L, i0, kt_all, v_all, scratch); }},
+            {"PV only k-chunk 128", [&](int64_t i0) { query_tile_phases<false, false, true, bf16_gemm, gemm_variant<false, 128, false>>(p, L, i0, kt_all, v_all, scratch); }},
+            {"PV only n-outer k-chunk 128", [&](int64_t i0) { query_tile_phases<false, false, true, bf16_gemm, gemm_variant<true, 128, false>>(p, L, i0, kt_all, v_all, scratch); }},
+        };
+        constexpr int kCombos = sizeof(combos) / sizeof(combos[0]);
+        double best[kCombos];
+        std::fill(best, best + kCombos, 1e30);
+        for (int round = 0; round < 3; ++round)  // in alternation, best of 3: the host is shared
+          for (int c = 0; c < kCombos; ++c)
+            best[c] = std::min(best[c], seconds_per_call([&] {
+              for (int64_t i0 = 0; i0 < N; i0 += L.Br) combos[c].second(i0);
+            }, 0.04));
+        for (int c = 0; c < kCombos; ++c)
+          std::printf("d=%3ld N=%4ld Br=%3ld Bc=%3ld  %-38s %5.0f GFLOP/s  %.3f ns per score\n", d, N, Br, Bc,
+                      combos[c].first, flops / best[c] / 1e9, best[c] * 1e9 / (double(N) * N));
       }
     }
   }

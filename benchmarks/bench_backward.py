@@ -6,7 +6,8 @@ For every (shape, causal, threads) it measures, for ours (cs149gpt.attention, im
     bwd       the backward alone: torch.autograd.grad of a forward recorded once (retain_graph)
     fwd+bwd   a training step's attention: forward, then backward
 interleaved (sdpa, ours, ours, sdpa, ...) with torch.utils.benchmark, and prints ms, GFLOP/s, the ratio to SDPA
-(SDPA time / our time: > 1 means faster) and the peak extra memory of one backward.
+(SDPA time / our time: > 1 means faster) and the peak extra memory of one backward. Rows where an implementation's
+backward alone took longer than its forward + backward are marked "noisy" (and "noisy": true in the JSON).
 
 FLOPs follow the FlashAttention papers: the backward does 2.5× the forward's 4·B·H·pairs·d (five matrix
 products against two), recomputing P included in neither count.
@@ -81,6 +82,14 @@ def run(shape: Shape, causal: bool, threads: int, args) -> list[dict]:
                                  threads=threads, impl=name, phase=phase, ms=best[name] * 1e3,
                                  gflops=flops / best[name] * 1e-9, vs_sdpa=best["sdpa"] / best[name],
                                  max_grad_diff=error))
+        # A backward alone slower than a forward plus that backward can only be noise (another process, a clock
+        # change during one phase): said on the rows, since one noisy phase flips a ratio.
+        for name in attends:
+            ms = {r["phase"]: r["ms"] for r in rows if r["impl"] == name}
+            if ms["bwd"] > ms["fwd+bwd"]:
+                for r in rows:
+                    if r["impl"] == name and r["phase"] in ("bwd", "fwd+bwd"):
+                        r["noisy"] = True
         if args.memory:
             for name, a in attends.items():
                 out = a(q, k, v)
@@ -133,7 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for r in new:
                     print(f"{r['shape']:>14} causal={r['causal']:d} t={r['threads']:<2} {r['phase']:>7} "
                           f"{r['impl']:>5} {r['ms']:9.2f} ms {r['gflops']:7.1f} GFLOP/s x{r['vs_sdpa']:.2f}"
-                          + (f" peak {r['bwd_peak_mib']:.1f} MiB" if r.get("bwd_peak_mib") is not None else ""),
+                          + (f" peak {r['bwd_peak_mib']:.1f} MiB" if r.get("bwd_peak_mib") is not None else "")
+                          + (" noisy: bwd > fwd+bwd" if r.get("noisy") else ""),
                           flush=True)
                 rows += new
     print()

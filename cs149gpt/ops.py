@@ -352,6 +352,17 @@ def _flash_backward(ctx, dout, _dlse):
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
+def _grad_like(t: torch.Tensor) -> torch.Tensor:
+    """The flash backward's gradient of t, as module.cpp (empty_grad_like) lays it out: on the CPU, (..., N, H, d) in
+    memory when t keeps its heads inside its tokens (head stride below row stride), like torch's CPU attention;
+    contiguous otherwise, and always on CUDA."""
+    n = t.dim()
+    if (t.device.type == "cpu" and n >= 3 and t.size(-3) > 1 and t.size(-2) > 1
+            and t.stride(-3) < t.stride(-2)):
+        return t.new_empty((*t.shape[:-3], t.size(-2), t.size(-3), t.size(-1))).transpose(-3, -2)
+    return t.new_empty(t.shape)
+
+
 def _not_differentiable(what: str):
     def backward(ctx, *grads):
         raise RuntimeError(f"{what} is not differentiable: only cs149gpt.attention(impl='flash') "
@@ -390,7 +401,7 @@ def _register_python_parts() -> None:
           window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None):
         checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
                                         window_left, window_right, dropout_p, dropout_seed)
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        return _grad_like(q), _grad_like(k), _grad_like(v)
 
     @torch.library.register_fake(lib + "attention_with_kvcache")
     def _(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None, scale=None, is_causal=True):

@@ -213,8 +213,9 @@ struct KernelTable {
   double (*bf16_dot_probe)(int64_t iterations, int num_threads);
   // Reads n floats (sums them, returned) on num_threads threads: time it to get the read bandwidth.
   double (*read_probe)(const float* x, int64_t n, int num_threads);
-  // The vectorised exp the kernels use, over a row in place (exposed so tests can check it).
+  // The vectorised exp and 2^x the kernels use, over a row in place (exposed so tests can check them).
   void (*exp_row)(float* x, int64_t n);
+  void (*exp2_row)(float* x, int64_t n);
 };
 
 namespace amx { extern const KernelTable kernel_table; }          // AVX-512 + AMX-BF16 tiles for bf16

@@ -608,6 +608,23 @@ void choose_backward(AttentionBackwardParams& bp) {
     bp.path = busy_share(pairs * chunks, cpus) >= kOnePassMinBusy ? BackwardPath::one_pass : BackwardPath::two_pass;
 }
 
+// The gradient of t (q, k or v), laid out as t is, like torch's CPU attention does: (..., N, H, d) in memory when t
+// keeps its heads inside its tokens (a GPT's fused qkv projection viewed as (B, H, N, d): t's head stride below its
+// row stride), contiguous otherwise. The autograd of those views (transpose, select) then takes the gradient with a
+// dense copy instead of a strided one. The fake (ops.py, _grad_like) decides the same from the same sizes and strides.
+bool heads_inside_tokens(const at::Tensor& t) {
+  const int64_t n = t.dim();
+  return n >= 3 && t.size(n - 3) > 1 && t.size(n - 2) > 1 && t.stride(n - 3) < t.stride(n - 2);
+}
+
+at::Tensor empty_grad_like(const at::Tensor& t, const char* name) {
+  if (!heads_inside_tokens(t)) return checked_empty(t.sizes(), t.options(), name);
+  const int64_t n = t.dim();
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+  std::swap(sizes[n - 3], sizes[n - 2]);
+  return checked_empty(sizes, t.options(), name).transpose(n - 3, n - 2);
+}
+
 // flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
 //   The gradients of flash_attention's out with respect to q, k, v, given dout = ∂L/∂out and the forward's
 //   out and lse; P is recomputed tile by tile from lse (flash_backward.cpp). dk, dv have k's and v's shape.
@@ -624,9 +641,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
   choose_backward(bp);
-  at::Tensor dq = checked_empty(prep.q4.sizes(), q.options(), "dq");
-  at::Tensor dk = checked_empty(prep.k4.sizes(), k.options(), "dk");
-  at::Tensor dv = checked_empty(prep.v4.sizes(), v.options(), "dv");
+  const at::Tensor dq = empty_grad_like(q, "dq"), dk = empty_grad_like(k, "dk"), dv = empty_grad_like(v, "dv");
+  const at::Tensor dq4 = as_4d(dq, "dq"), dk4 = as_4d(dk, "dk"), dv4 = as_4d(dv, "dv");  // views
   const at::Tensor dout4 = as_4d(dout, "dout"), out4 = as_4d(out, "out");
   const at::Tensor lse3 = lse.reshape({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len}).contiguous();
   bp.fwd.out = out4.data_ptr();
@@ -636,17 +652,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   bp.fwd.lse_strides[1] = lse3.stride(1);
   bp.dout = dout4.data_ptr();
   fill_strides(bp.dout_strides, dout4);
-  bp.dq = dq.data_ptr();
-  bp.dk = dk.data_ptr();
-  bp.dv = dv.data_ptr();
-  fill_strides(bp.dq_strides, dq);
-  fill_strides(bp.dk_strides, dk);
-  fill_strides(bp.dv_strides, dv);
+  bp.dq = dq4.data_ptr();
+  bp.dk = dk4.data_ptr();
+  bp.dv = dv4.data_ptr();
+  fill_strides(bp.dq_strides, dq4);
+  fill_strides(bp.dk_strides, dk4);
+  fill_strides(bp.dv_strides, dv4);
   if (bp.fwd.batch * bp.fwd.num_heads > 0) {
     const BackwardKernel& kernel = kernels().flash_backward;
     kernel.run(bp, workspace(kernel, bp, bp.fwd, "the workspace of the flash backward").data_ptr<float>());
   }
-  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
+  return {dq, dk, dv};
 }
 
 namespace {
@@ -927,6 +943,15 @@ at::Tensor vector_exp(const at::Tensor& x) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   at::Tensor y = x.contiguous().clone();
   kernels().exp_row(y.data_ptr<float>(), y.numel());
+  return y;
+}
+
+// 2^x of every element of a float32 tensor, by the current ISA's vectorised 2^x (the float32 flash kernel's; a
+// test hook).
+at::Tensor vector_exp2(const at::Tensor& x) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  at::Tensor y = x.contiguous().clone();
+  kernels().exp2_row(y.data_ptr<float>(), y.numel());
   return y;
 }
 
@@ -1287,6 +1312,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_unavailable_reason", [] { return std::string(amx_unavailable_reason()); },
         "why the AMX kernels are not used on a CPU that has AMX (the kernel refused the permission), or ''");
   m.def("vector_exp", &vector_exp, "exp by the kernels' vectorised exp (current ISA), for tests");
+  m.def("vector_exp2", &vector_exp2, "2^x by the kernels' vectorised 2^x (current ISA), for tests");
   m.def("cpu_supports", [](const std::string& name) { return cpu_supports(name.c_str()); },
         "whether this CPU runs the kernels of the named instruction set");
 }

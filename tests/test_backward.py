@@ -522,6 +522,27 @@ def test_opcheck_flash_attention_backward(ops):
                           (dout, q, k, v, out, lse, 0.5, "top_left", None, None))
 
 
+def test_gradients_laid_out_like_fused_qkv_inputs(ops):
+    """q, k, v viewed out of one (B, N, 3, H, d) projection (heads inside tokens): dq, dk, dv come back laid out
+    (B, N, H, d) in memory, as torch's CPU attention lays its gradients out (the views' autograd then copies them
+    densely), bitwise equal to the gradients of contiguous copies; opcheck checks the fake's strides against them.
+    Contiguous inputs keep contiguous gradients."""
+    g = gen(719)
+    B, N, H, d = 2, 13, 3, 8
+    qkv = randn(B, N, 3, H, d, gen=g)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, d), head stride d, row stride 3·H·d
+    dout = randn(B, H, N, d, gen=g)
+    out, lse = ops.flash_attention(q, k, v, None, "top_left", None, None)
+    grads = ops.flash_attention_backward(dout, q, k, v, out, lse, None, "top_left", None, None)
+    q_c, k_c, v_c = (t.contiguous() for t in (q, k, v))
+    want = ops.flash_attention_backward(dout, q_c, k_c, v_c, out, lse, None, "top_left", None, None)
+    for name, got, ref in zip(NAMES[1:], grads, want):
+        assert got.shape == ref.shape and got.stride() == (N * H * d, d, H * d, 1), (name, got.stride())
+        assert ref.is_contiguous(), name
+        assert torch.equal(got, ref), name
+    torch.library.opcheck(ops.flash_attention_backward.default, (dout, q, k, v, out, lse, None, "top_left", None, None))
+
+
 def test_saved_for_backward_is_o_of_n(ops):
     """Autograd keeps exactly q, k, v (the inputs themselves, not copies or GQA expansions), out and lse:
     O(N) memory, no N x N tensor."""

@@ -702,6 +702,29 @@ def test_vector_exp(isa):
     assert not failures, "\n".join(failures)
 
 
+def test_vector_exp2(isa):
+    """2^x as the float32 flash kernel takes it (logits in base 2): within 4 ulp · (1 + |x|) of float64 (AVX2 and
+    scalar go through exp(x · ln 2), whose rounded argument costs |x| · 2^-24 relative); below 2^-125 at most 2^-125
+    and never negative (AVX-512 returns 0 there rather than compute a subnormal); +inf from 128; NaN stays NaN."""
+    m = module()
+    x = torch.cat([torch.linspace(-130.0, 130.0, 1_000_003, dtype=torch.float32),
+                   torch.tensor([-125.0, -124.99999, -125.00001, -126.0, -149.0, -150.0, -1e30, -3.4e38, 127.0,
+                                 127.99999, 128.0, 1e30, 0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 1.0, -1.0])])
+    y = m.vector_exp2(x).double()
+    ref = torch.exp2(x.double())
+    normal = (ref >= 2.0**-125) & (ref <= FLT_MAX)
+    rel = ((y - ref).abs() / ref)[normal]
+    tol = (4 * 2.0**-24 * (1 + x.double().abs()))[normal]
+    worst = (rel / tol).argmax()
+    assert (rel <= tol).all(), f"relative error {rel[worst].item():.3g} at x = {x[normal][worst].item()!r}"
+    tiny = ref < 2.0**-125
+    assert ((y[tiny] >= 0) & (y[tiny] <= 2.0**-125)).all(), y[tiny][(y[tiny] < 0) | (y[tiny] > 2.0**-125)][:4]
+    assert torch.isposinf(y[ref > FLT_MAX]).all()
+    special = m.vector_exp2(torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0], dtype=torch.float32))
+    assert special[0].item() == 0.0 and special[1].item() == math.inf and math.isnan(special[2].item())
+    assert special[3].item() == 1.0 or abs(special[3].item() - 1.0) <= 2 * 2.0**-24
+
+
 def test_vector_exp_rejects_other_dtypes():
     with pytest.raises(TypeError, match="x must be float32"):
         module().vector_exp(torch.zeros(4, dtype=torch.float64))

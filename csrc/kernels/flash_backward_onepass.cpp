@@ -39,6 +39,9 @@ using namespace flash;
 
 // Key tiles: multiples of kKeyAlign (flash_common.h).
 constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
+// Key tiles of 96 keys. Device host, 16 threads, (1,16,4096,128) float32 (benchmarks/results/
+// backward_session4_tiles.txt, a noisy day: one tile size measured 25% apart in two calls): 96x96 ahead of 96x192,
+// 192x96 and 192x192 causal and not; 96x288 fastest causal, slowest not.
 const int64_t kDefaultBlockK = round_up(96, kKeyAlign);
 constexpr int64_t kMaxTile = 512;
 constexpr int64_t kMaxRows = (kMaxTile + kRowGroup - 1) / kRowGroup * kRowGroup;  // Br ≤ this
