@@ -14,9 +14,11 @@
 //   m_s = max_j s_j,   l_s = Σ_j exp(s_j − m_s),   O_s = Σ_j exp(s_j − m_s) v_j        (s_j = scale · q·k_j)
 // and the merge combines the splits exactly, as the online softmax does blocks:
 //   M = max_s m_s,   l = Σ_s exp(m_s − M) l_s,   O = Σ_s exp(m_s − M) O_s / l,   lse = M + log l.
-// K and V are read in place, in their own dtype (decode_micro.h converts in registers; bf16 keys go through
-// vdpbf16ps where the CPU has it): no packing, no conversion pass. Small calls run on the calling thread, with no
-// parallel region at all. The workspace (the splits' partials, per-thread scratch) comes from the caller.
+// K and V are read in place, in their own dtype (decode_micro.h converts in registers, each key once for all the
+// rows of a task): no packing, no conversion pass. While a block of keys is worked on, the next one is prefetched
+// into L2, so that reading the cache overlaps the arithmetic instead of alternating with it. Small calls run on the
+// calling thread, with no parallel region at all. The workspace (the splits' partials, per-thread scratch) comes
+// from the caller.
 //
 // The same kernel serves attention_with_kvcache: sequences of their own lengths (cache_seqlens), a paged cache
 // (block_table), and new keys/values appended to the cache before attending (attention.h).
@@ -39,15 +41,18 @@ using flash::round_up;
 constexpr int64_t kMaxRows = 16;  // the flash forward hands calls with q_len up to this here
 constexpr int64_t kBlockKeys = 64;    // keys per online-softmax step: K and V blocks stay in L1/L2
 constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with long chunks) are cut into tasks
-// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~10 µs of reading at
-// d = 128, against a merge of one row per split); a whole number of key blocks each.
+// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~3 µs of work for a
+// GQA group of 4 at d = 128, against a task's fixed cost of ~0.2 µs: its rows of q and O converted, its partials
+// merged); a whole number of key blocks each. 128 keys of 8 kv heads (one short call) are then 8 tasks.
 constexpr int64_t kMinTasks = 64;
-constexpr int64_t kMinSplitKeys = 256;
-// Below this many bytes of K and V read (all tasks together), the call runs on the calling thread: waking the
-// other threads costs more than they save. On the 16-core device host (benchmarks/results/decode_16core_run2_*)
-// 1 MB of float32 keys and values (128 keys of Llama's 8 kv heads) took 40 µs on one thread and 20 µs on 16, and
-// 512 KB (the same in bf16), run on one thread, took 36 µs where torch's SDPA on 16 threads took 25 µs.
-constexpr int64_t kSerialBytes = 256 * 1024;
+constexpr int64_t kMinSplitKeys = 128;
+// Threads: one per kBytesPerThread of K and V read (all tasks together), at most the caller's: a thread woken for
+// less reading (~5 µs) costs about as much in its wake-up and the barrier as it saves, and a model calls this
+// between operators that leave most threads idle. Below 2·kBytesPerThread the call runs on the calling thread,
+// with no parallel region at all. On the 16-core device host (benchmarks/results/decode_16core_run2_*) 1 MB of
+// float32 keys and values (128 keys of Llama's 8 kv heads) took 40 µs on one thread and 20 µs on 16, and 512 KB
+// (the same in bf16), run on one thread, took 36 µs where torch's SDPA on 16 threads took 25 µs.
+constexpr int64_t kBytesPerThread = 128 * 1024;
 
 // The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles or passed
 // an attn_mask, a window or dropout (the tiled kernels take those).
@@ -65,6 +70,7 @@ struct Layout {
   int64_t row_tasks;   // tasks per (batch, kv head, split) along the rows
   int64_t split_len, splits;
   int64_t d_pad, d_pair;  // head_dim to whole vectors (16 floats); to whole bf16 dot steps (32)
+  int64_t d_row;          // Q and O rows in the micro-kernels' chunk order (decode_micro.h): whole chunks
   int64_t part_row;       // O_s, then m_s and l_s
   int64_t parts_size;
   int64_t q_off, qb_off, s_off, o_off, m_off, l_off, alpha_off, mnew_off, per_thread;  // per-thread scratch
@@ -79,13 +85,14 @@ struct Layout {
     splits = std::max<int64_t>(1, (p.kv_len + split_len - 1) / split_len);
     d_pad = pad16(p.head_dim);
     d_pair = round_up(p.head_dim, 32);
+    d_row = round_up(p.head_dim, decode::kMaxChunkCols);
     part_row = d_pad + 2;
     parts_size = splits == 1 ? 0 : p.batch * p.num_kv_heads * splits * rows * part_row;
     q_off = 0;
-    qb_off = q_off + task_rows * d_pad;
+    qb_off = q_off + task_rows * d_row;
     s_off = qb_off + pad16(task_rows * d_pair / 2);
     o_off = s_off + task_rows * kBlockKeys;
-    m_off = o_off + task_rows * d_pad;
+    m_off = o_off + task_rows * d_row;
     l_off = m_off + pad16(task_rows);
     alpha_off = l_off + pad16(task_rows);
     mnew_off = alpha_off + pad16(task_rows);
@@ -159,37 +166,47 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
   int64_t visible[kMaxTaskRows];  // keys of the current block each row sees
   fill_row(kNegInf, m, rows);
   fill_row(0.0f, l, rows);
-  fill_row(0.0f, O, rows * L.d_pad);
+  fill_row(0.0f, O, rows * L.d_row);
 
   // The keys of this split the task's last row sees (the others see a prefix of them).
   const int64_t keys_end = std::min(j1, visible_keys_of(p, kv_len, (rho0 + rows - 1) / L.group));
   if (j0 < keys_end) {
-    // Q: the rows as float32, zero past d (and as bf16 pairs for vdpbf16ps).
+    // Q: the rows as float32 in the micro-kernels' chunk order, zero past d (or as bf16 pairs for vdpbf16ps).
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t rho = rho0 + r;
       const T* q = q_head<T>(p, b, head_of(L, kvh, rho)) + (rho / L.group) * p.q_strides[2];
-      for (int64_t c = 0; c < L.d_pad; ++c) Q[r * L.d_pad + c] = c < d ? static_cast<float>(q[c]) : 0.0f;
 #if defined(CS149_ISA_BF16_DOT)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && decode::kKeysByBf16Dot) {
         auto* qb = reinterpret_cast<c10::BFloat16*>(scratch + L.qb_off) + r * L.d_pair;
         for (int64_t c = 0; c < L.d_pair; ++c) qb[c] = c < d ? q[c] : c10::BFloat16(0.0f);
+        continue;
       }
 #endif
+      decode::to_chunk_order(q, d, Q + r * L.d_row, L.d_row);
     }
+    int64_t k_run, v_run;
+    const T* K = cache_row<T>(p, p.k, p.k_strides, b, kvh, j0, &k_run);
+    const T* V = cache_row<T>(p, p.v, p.v_strides, b, kvh, j0, &v_run);
     for (int64_t t0 = j0; t0 < keys_end;) {
-      int64_t k_run, v_run;
-      const T* K = cache_row<T>(p, p.k, p.k_strides, b, kvh, t0, &k_run);
-      const T* V = cache_row<T>(p, p.v, p.v_strides, b, kvh, t0, &v_run);
       const int64_t n = std::min({kBlockKeys, keys_end - t0, k_run, v_run});
+      // The next block's rows, prefetched while this one is worked on.
+      decode::NextBlock<T> K_next, V_next;
+      if (t0 + n < keys_end) {
+        K_next.rows = cache_row<T>(p, p.k, p.k_strides, b, kvh, t0 + n, &k_run);
+        V_next.rows = cache_row<T>(p, p.v, p.v_strides, b, kvh, t0 + n, &v_run);
+        K_next.ld = p.k_strides[2];
+        V_next.ld = p.v_strides[2];
+        K_next.n = V_next.n = std::min({kBlockKeys, keys_end - t0 - n, k_run, v_run});
+      }
 
       // S = Q K_blockᵀ (rows × n, unscaled)
 #if defined(CS149_ISA_BF16_DOT)
-      if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if constexpr (std::is_same_v<T, c10::BFloat16> && decode::kKeysByBf16Dot)
         decode::row_key_dots_bf16(rows, n, d, reinterpret_cast<const c10::BFloat16*>(scratch + L.qb_off), L.d_pair,
-                                  K, p.k_strides[2], S, kBlockKeys);
+                                  K, p.k_strides[2], S, kBlockKeys, K_next);
       else
 #endif
-        decode::row_key_dots(rows, n, d, Q, L.d_pad, K, p.k_strides[2], S, kBlockKeys);
+        decode::row_key_dots(rows, n, d, Q, L.d_row, K, p.k_strides[2], S, kBlockKeys, K_next);
 
       // S = scale · S, rounded before the max is taken, so that the largest logit's weight is exp(0) = 1
       // exactly (a single visible key returns its value row bitwise). Then the online softmax over the block:
@@ -203,24 +220,27 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
       // O = α · O + P V_block. Keys every row sees go through the block kernel; the few that only later rows
       // see (the causal diagonal of a chunk) are added row by row, so a hidden key's value never touches a row.
       const int64_t shared = visible[0];
-      decode::rows_times_values(rows, shared, S, kBlockKeys, V, p.v_strides[2], d, O, L.d_pad, alpha);
+      decode::rows_times_values(rows, shared, S, kBlockKeys, V, p.v_strides[2], d, O, L.d_row, alpha, V_next);
       for (int64_t r = 1; r < rows; ++r)
         if (visible[r] > shared)
           decode::rows_times_values(1, visible[r] - shared, S + r * kBlockKeys + shared, kBlockKeys,
-                                    V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_pad, L.d_pad,
+                                    V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_row, L.d_row,
                                     nullptr);
       t0 += n;
+      K = K_next.rows;
+      V = V_next.rows;
     }
+    for (int64_t r = 0; r < rows; ++r) decode::from_chunk_order<T>(O + r * L.d_row, L.d_row);
   }
 
   if (L.splits == 1) {
     for (int64_t r = 0; r < rows; ++r)
-      finish_row<T>(p, b, head_of(L, kvh, rho0 + r), (rho0 + r) / L.group, O + r * L.d_pad, m[r], l[r]);
+      finish_row<T>(p, b, head_of(L, kvh, rho0 + r), (rho0 + r) / L.group, O + r * L.d_row, m[r], l[r]);
     return;
   }
   float* part = parts + (((b * p.num_kv_heads + kvh) * L.splits + s) * L.rows + rho0) * L.part_row;
   for (int64_t r = 0; r < rows; ++r, part += L.part_row) {
-    std::memcpy(part, O + r * L.d_pad, L.d_pad * sizeof(float));
+    std::memcpy(part, O + r * L.d_row, L.d_pad * sizeof(float));
     part[L.d_pad] = m[r];
     part[L.d_pad + 1] = l[r];
   }
@@ -274,18 +294,19 @@ void run(const AttentionParams& p, float* workspace) {
   const int64_t n_heads = p.batch * p.num_kv_heads, n_tasks = L.tasks(p);
   const int64_t n_rows = L.splits == 1 ? 0 : n_heads * L.rows;
   const int64_t bytes = 2 * n_heads * p.kv_len * p.head_dim * static_cast<int64_t>(sizeof(T)) * L.row_tasks;
-  if (p.num_threads == 1 || bytes < kSerialBytes || n_tasks == 1) {  // the same work, in the same order
-    if (p.k_new) append_range<T>(p, 0, n_heads);
+  // Appending copies q_len rows per kv head (a few KB): on the calling thread, before any task reads the cache,
+  // where a parallel loop would cost a barrier more than the copy.
+  if (p.k_new) append_range<T>(p, 0, n_heads);
+  // The tasks and merges are the same whichever thread runs them: the results do not depend on the thread count.
+  const int64_t most = std::min<int64_t>(p.num_threads, n_tasks);
+  const int threads = static_cast<int>(std::clamp<int64_t>(bytes / kBytesPerThread, 1, most));
+  if (threads == 1) {
     for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, thread_scratch);
     for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, thread_scratch);
     return;
   }
-#pragma omp parallel num_threads(p.num_threads)
+#pragma omp parallel num_threads(threads)
   {
-    if (p.k_new) {
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < n_heads; ++t) append_range<T>(p, t, t + 1);
-    }
     float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, scratch);
