@@ -23,7 +23,7 @@ timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_decode.py --threads ${THR
 G=${GENERATE_TIMEOUT:-60}
 timeout $G python3 benchmarks/bench_generate.py --contexts 1024,2048 --threads 1,16 --impls flash --repeats 5 \
   2>&1 | tee "$OUT/generate_shipped.txt"
-{ timeout $G python3 benchmarks/bench_generate.py --llama --contexts 1024,4096 --threads 16 --impls flash --decode 16 \
+{ timeout 90 python3 benchmarks/bench_generate.py --llama --contexts 1024,4096 --threads 16 --impls flash --decode 16 \
     --repeats 3
   timeout $G python3 benchmarks/bench_generate.py --llama --contexts 4096 --threads 1 --impls flash --decode 8 \
     --repeats 3 --decode-only

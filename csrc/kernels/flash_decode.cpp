@@ -41,11 +41,11 @@ using flash::round_up;
 constexpr int64_t kMaxRows = 16;  // the flash forward hands calls with q_len up to this here
 constexpr int64_t kBlockKeys = 64;    // keys per online-softmax step: K and V blocks stay in L1/L2
 constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with long chunks) are cut into tasks
-// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~3 µs of work for a
-// GQA group of 4 at d = 128, against a task's fixed cost of ~0.2 µs: its rows of q and O converted, its partials
-// merged); a whole number of key blocks each. 128 keys of 8 kv heads (one short call) are then 8 tasks.
+// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~5 µs of work for a
+// GQA group of 4 at d = 128, against a task's fixed cost of a few tenths of a µs: its rows of q and O converted,
+// its partials written and merged); a whole number of key blocks each.
 constexpr int64_t kMinTasks = 64;
-constexpr int64_t kMinSplitKeys = 128;
+constexpr int64_t kMinSplitKeys = 256;
 // Threads: one per kBytesPerThread of K and V read (all tasks together), at most the caller's: a thread woken for
 // less reading (~5 µs) costs about as much in its wake-up and the barrier as it saves, and a model calls this
 // between operators that leave most threads idle. Below 2·kBytesPerThread the call runs on the calling thread,
