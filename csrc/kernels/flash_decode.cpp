@@ -46,13 +46,16 @@ constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with lon
 // its partials written and merged); a whole number of key blocks each.
 constexpr int64_t kMinTasks = 64;
 constexpr int64_t kMinSplitKeys = 256;
-// Threads: one per kBytesPerThread of K and V read (all tasks together), at most the caller's: a thread woken for
-// less reading (~5 µs) costs about as much in its wake-up and the barrier as it saves, and a model calls this
-// between operators that leave most threads idle. Below 2·kBytesPerThread the call runs on the calling thread,
-// with no parallel region at all. On the 16-core device host (benchmarks/results/decode_16core_run2_*) 1 MB of
-// float32 keys and values (128 keys of Llama's 8 kv heads) took 40 µs on one thread and 20 µs on 16, and 512 KB
-// (the same in bf16), run on one thread, took 36 µs where torch's SDPA on 16 threads took 25 µs.
-constexpr int64_t kBytesPerThread = 128 * 1024;
+// Up to this many bytes of K and V read (all tasks together), the call runs on the calling thread, with no parallel
+// region at all; above, on all the caller's threads. Measured on the 16-core device host, inside the shipped GPT
+// (bench_generate.py, 4 layers, 1 MB of cache per call at context 1024): its decode ran at 0.74× SDPA with 16
+// threads per call (results/decode_16core_run2_*), and at 0.34× when a call asked for only 8 of the 16
+// (results/decode_session4_*; teams of changing size are what torch's parallel_for avoids by never passing
+// num_threads: "bugs in GOMP's thread pool", pytorch#32008); SDPA's own 16-thread call took 55 µs there
+// (decode_session4_profile.txt) for ~25 µs of reading: between a model's other operators, waking the pool costs
+// tens of µs. One thread reads 1 MB in ~45 µs (decode_session4_decode.txt, 128 Llama keys, float32). Back-to-back
+// calls (bench_decode.py) find the pool awake and would gain from threads at a few hundred KB already.
+constexpr int64_t kSerialBytes = 1024 * 1024;
 
 // The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles or passed
 // an attn_mask, a window or dropout (the tiled kernels take those).
@@ -297,15 +300,12 @@ void run(const AttentionParams& p, float* workspace) {
   // Appending copies q_len rows per kv head (a few KB): on the calling thread, before any task reads the cache,
   // where a parallel loop would cost a barrier more than the copy.
   if (p.k_new) append_range<T>(p, 0, n_heads);
-  // The tasks and merges are the same whichever thread runs them: the results do not depend on the thread count.
-  const int64_t most = std::min<int64_t>(p.num_threads, n_tasks);
-  const int threads = static_cast<int>(std::clamp<int64_t>(bytes / kBytesPerThread, 1, most));
-  if (threads == 1) {
+  if (p.num_threads == 1 || bytes <= kSerialBytes || n_tasks == 1) {  // the same work, in the same order
     for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, thread_scratch);
     for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, thread_scratch);
     return;
   }
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(p.num_threads)
   {
     float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
 #pragma omp for schedule(dynamic, 1)
