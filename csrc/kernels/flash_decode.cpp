@@ -46,8 +46,8 @@ constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with lon
 // its partials written and merged); a whole number of key blocks each.
 constexpr int64_t kMinTasks = 64;
 constexpr int64_t kMinSplitKeys = 256;
-// Up to this many bytes of K and V read (all tasks together), the call runs on the calling thread, with no parallel
-// region at all; above, on all the caller's threads. Measured on the 16-core device host, inside the shipped GPT
+// Below this many bytes of K and V read (all tasks together), the call runs on the calling thread, with no parallel
+// region at all; from there on, on all the caller's threads. Measured on the 16-core device host, inside the shipped GPT
 // (bench_generate.py, 4 layers, 1 MB of cache per call at context 1024): its decode ran at 0.74× SDPA with 16
 // threads per call (results/decode_16core_run2_*), and at 0.34× when a call asked for only 8 of the 16
 // (results/decode_session4_*; teams of changing size are what torch's parallel_for avoids by never passing
@@ -300,7 +300,7 @@ void run(const AttentionParams& p, float* workspace) {
   // Appending copies q_len rows per kv head (a few KB): on the calling thread, before any task reads the cache,
   // where a parallel loop would cost a barrier more than the copy.
   if (p.k_new) append_range<T>(p, 0, n_heads);
-  if (p.num_threads == 1 || bytes <= kSerialBytes || n_tasks == 1) {  // the same work, in the same order
+  if (p.num_threads == 1 || bytes < kSerialBytes || n_tasks == 1) {  // the same work, in the same order
     for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, thread_scratch);
     for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, thread_scratch);
     return;
