@@ -24,6 +24,16 @@
 // (block_table), and new keys/values appended to the cache before attending (attention.h).
 // Non-finite values follow the README's rule: a NaN or +inf logit makes its row NaN, −inf logits weigh 0, and a
 // key the causal mask hides from a row is never read for it (neither its k nor its v).
+//
+// attn_mask and the sliding window (attention()'s decoding calls; a KV cache call has neither) are looked at block
+// by block of keys, row by row, as flash_common.h's mask_block classifies a tile:
+//   hidden for every row:   the block is skipped, its keys and values never read;
+//   visible for every row:  the unmasked path above, the mask read (a first look) and nothing else;
+//   otherwise:              S_r = scale · q_r·K + bias_r on the rows the mask cuts (bias: 0, −inf or the additive
+//                           value), −inf on the rows it hides; the block's keys stop at the last one any row sees.
+// A key-padding mask ((B,1,1,K), or (B,1,Nq,K)) is hidden or visible on every block but the one or two its padding
+// ends in, and the rows of a GQA group (one mask row) are looked at once. As with the causal mask, a key the mask
+// hides from a row never touches it: P V runs over the keys the row sees (masked_block).
 #include "../attention.h"
 #include "decode_micro.h"
 #include "flash_common.h"
@@ -38,7 +48,7 @@ namespace flash_decode {
 using flash::online_softmax;
 using flash::round_up;
 
-constexpr int64_t kMaxRows = 16;  // the flash forward hands calls with q_len up to this here
+constexpr int64_t kMaxRows = kDecodeMaxRows;  // attention() hands calls with q_len up to this here (attention.h)
 constexpr int64_t kBlockKeys = 64;    // keys per online-softmax step: K and V blocks stay in L1/L2
 constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with long chunks) are cut into tasks
 // Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~5 µs of work for a
@@ -57,12 +67,9 @@ constexpr int64_t kMinSplitKeys = 256;
 // calls (bench_decode.py) find the pool awake and would gain from threads at a few hundred KB already.
 constexpr int64_t kSerialBytes = 1024 * 1024;
 
-// The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles or passed
-// an attn_mask, a window or dropout (the tiled kernels take those).
-inline bool applies(const AttentionParams& p) {
-  return p.q_len <= kMaxRows && p.block_q <= 0 && p.block_k <= 0 && !has_mask_or_window(p) &&
-         p.dropout_p == 0.0f;
-}
+// The flash kernel (flash.cpp) hands a call of decode_kernel_takes's shape to this path when it has no attn_mask and
+// no window (module.cpp sends every call of that shape to the kernel table's `decode` directly, masked ones too).
+inline bool applies(const AttentionParams& p) { return decode_kernel_takes(p) && !has_mask_or_window(p); }
 
 inline int64_t pad16(int64_t n) { return round_up(n, 16); }
 
@@ -76,7 +83,7 @@ struct Layout {
   int64_t d_row;          // Q and O rows in the micro-kernels' chunk order (decode_micro.h): whole chunks
   int64_t part_row;       // O_s, then m_s and l_s
   int64_t parts_size;
-  int64_t q_off, qb_off, s_off, o_off, m_off, l_off, alpha_off, mnew_off, per_thread;  // per-thread scratch
+  int64_t q_off, qb_off, s_off, o_off, m_off, l_off, alpha_off, mnew_off, bias_off, per_thread;  // per thread
   explicit Layout(const AttentionParams& p) {
     group = p.num_heads / p.num_kv_heads;
     rows = group * p.q_len;
@@ -99,7 +106,8 @@ struct Layout {
     l_off = m_off + pad16(task_rows);
     alpha_off = l_off + pad16(task_rows);
     mnew_off = alpha_off + pad16(task_rows);
-    per_thread = mnew_off + pad16(task_rows);
+    bias_off = mnew_off + pad16(task_rows);  // attn_mask / window offsets of a block: a row per distinct mask row
+    per_thread = bias_off + (has_mask_or_window(p) ? task_rows * kBlockKeys : 0);
   }
   int64_t tasks(const AttentionParams& p) const { return p.batch * p.num_kv_heads * splits * row_tasks; }
 };
@@ -156,6 +164,175 @@ inline void finish_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i
   if (p.lse) p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = l == 0.0f ? kNegInf : m + std::log(l);
 }
 
+// S = Q K_blockᵀ: the task's rows against n keys of the block (rows × n, unscaled, kBlockKeys apart); K_next: the
+// next block's keys, prefetched meanwhile (none by default).
+template <class T>
+void block_scores(const AttentionParams& p, const Layout& L, int64_t rows, int64_t n, const T* K, float* scratch,
+                  const decode::NextBlock<T>& K_next = decode::NextBlock<T>()) {
+  float* S = scratch + L.s_off;
+#if defined(CS149_ISA_BF16_DOT)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && decode::kKeysByBf16Dot) {
+    decode::row_key_dots_bf16(rows, n, p.head_dim, reinterpret_cast<const c10::BFloat16*>(scratch + L.qb_off),
+                              L.d_pair, K, p.k_strides[2], S, kBlockKeys, K_next);
+    return;
+  }
+#endif
+  decode::row_key_dots(rows, n, p.head_dim, scratch + L.q_off, L.d_row, K, p.k_strides[2], S, kBlockKeys, K_next);
+}
+
+// One block of n keys from t0 that no attn_mask or window cuts: the causal mask alone.
+template <class T>
+void plain_block(const AttentionParams& p, const Layout& L, int64_t rho0, int64_t rows, int64_t kv_len, int64_t t0,
+                 int64_t n, const T* K, const T* V, const decode::NextBlock<T>& K_next,
+                 const decode::NextBlock<T>& V_next, float* scratch) {
+  const int64_t d = p.head_dim;
+  float *S = scratch + L.s_off, *O = scratch + L.o_off;
+  float *m = scratch + L.m_off, *l = scratch + L.l_off, *alpha = scratch + L.alpha_off, *m_new = scratch + L.mnew_off;
+  int64_t visible[kMaxTaskRows];  // keys of the block each row sees
+  block_scores<T>(p, L, rows, n, K, scratch, K_next);
+
+  // S = scale · S, rounded before the max is taken, so that the largest logit's weight is exp(0) = 1
+  // exactly (a single visible key returns its value row bitwise). Then the online softmax over the block:
+  // S becomes P; m, l, α updated (flash_common.h).
+  for (int64_t r = 0; r < rows; ++r) {
+    visible[r] = std::clamp<int64_t>(visible_keys_of(p, kv_len, (rho0 + r) / L.group) - t0, 0, n);
+    scale_row(p.scale, S + r * kBlockKeys, visible[r]);
+  }
+  online_softmax(S, kBlockKeys, rows, n, visible, /*scale=*/1.0f, m, l, alpha, m_new);
+
+  // O = α · O + P V_block. Keys every row sees go through the block kernel; the few that only later rows
+  // see (the causal diagonal of a chunk) are added row by row, so a hidden key's value never touches a row.
+  const int64_t shared = visible[0];
+  decode::rows_times_values(rows, shared, S, kBlockKeys, V, p.v_strides[2], d, O, L.d_row, alpha, V_next);
+  for (int64_t r = 1; r < rows; ++r)
+    if (visible[r] > shared)
+      decode::rows_times_values(1, visible[r] - shared, S + r * kBlockKeys + shared, kBlockKeys,
+                                V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_row, L.d_row, nullptr);
+}
+
+// Whether n rows of d values (ldv apart) are all finite: the exponent bits of each element, not all ones (integer
+// tests the compiler vectorises, no conversion).
+template <class T>
+bool values_finite(const T* V, int64_t ldv, int64_t n, int64_t d) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+  constexpr Bits exponent = sizeof(T) == 4 ? Bits(0x7f800000u) : std::is_same_v<T, c10::Half> ? Bits(0x7c00u)
+                                                                                                : Bits(0x7f80u);
+  Bits any_special = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const Bits* row = reinterpret_cast<const Bits*>(V + t * ldv);
+    Bits special = 0;
+    for (int64_t c = 0; c < d; ++c) special |= static_cast<Bits>((row[c] & exponent) == exponent);
+    any_special |= special;
+  }
+  return any_special == 0;
+}
+
+// Beyond this many runs of shown keys in a row's block (a scattered mask), its P V is one block product over all
+// its keys when the block's values are all finite (0 · v adds nothing), instead of a product per run.
+constexpr int64_t kMaxRuns = 4;
+
+// One block that attn_mask or the window cuts (mask_rows: row r sees keys among its first keys[r], through its
+// offsets bias[r] where it has them); n: the keys past which no row sees any, the only ones read.
+//   S_r = scale · q_r·K + bias_r,  −inf past keys[r];  then the online softmax;  O_r = α_r · O_r + P_r V.
+// P V goes over the keys a row sees only, so that a hidden key's value (NaN or inf in padding) never reaches it:
+// rows that see the same keys (one bias row and prefix: the heads of a GQA group under a padding mask) together,
+// run of consecutive shown keys by run (a padding mask's edge: one run). A scattered mask's many runs take one block
+// product instead where the block's values are all finite (P is 0 at every hidden key).
+template <class T>
+void masked_block(const AttentionParams& p, const Layout& L, int64_t rows, int64_t n, const T* K, const T* V,
+                  int64_t* keys, const float* const* bias, float* scratch) {
+  const int64_t d = p.head_dim, ldv = p.v_strides[2];
+  float *S = scratch + L.s_off, *O = scratch + L.o_off;
+  float *m = scratch + L.m_off, *l = scratch + L.l_off, *alpha = scratch + L.alpha_off, *m_new = scratch + L.mnew_off;
+  block_scores<T>(p, L, rows, n, K, scratch);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = S + r * kBlockKeys;
+    scale_row(p.scale, s, keys[r]);
+    if (bias[r]) flash::add_mask(s, bias[r], keys[r]);
+  }
+  online_softmax(S, kBlockKeys, rows, n, keys, /*scale=*/1.0f, m, l, alpha, m_new);
+
+  int finite = -1;  // the block's values: unknown until a scattered row asks
+  for (int64_t r0 = 0; r0 < rows;) {
+    const float* shown = bias[r0];
+    const int64_t end = keys[r0];
+    int64_t r1 = r0 + 1;
+    while (r1 < rows && bias[r1] == shown && keys[r1] == end) ++r1;
+    const auto hidden = [&](int64_t t) { return shown && shown[t] == kNegInf; };
+    int64_t runs = 0;
+    for (int64_t t = 0; t < end; ++t) runs += !hidden(t) && (t == 0 || hidden(t - 1));
+    float* P = S + r0 * kBlockKeys;
+    if (runs > kMaxRuns && (finite < 0 ? (finite = values_finite(V, ldv, n, d)) : finite)) {
+      decode::rows_times_values(r1 - r0, end, P, kBlockKeys, V, ldv, d, O + r0 * L.d_row, L.d_row, alpha + r0);
+    } else {
+      const float* run_alpha = alpha + r0;  // applied with the first run (alone when the rows see no key here)
+      for (int64_t t = 0; t < end;) {
+        if (hidden(t)) {
+          ++t;
+          continue;
+        }
+        int64_t e = t + 1;
+        while (e < end && !hidden(e)) ++e;
+        decode::rows_times_values(r1 - r0, e - t, P + t, kBlockKeys, V + t * ldv, ldv, d, O + r0 * L.d_row, L.d_row,
+                                  run_alpha);
+        run_alpha = nullptr;
+        t = e;
+      }
+      if (run_alpha)
+        decode::rows_times_values(r1 - r0, 0, P, kBlockKeys, V, ldv, d, O + r0 * L.d_row, L.d_row, run_alpha);
+    }
+    r0 = r1;
+  }
+}
+
+// attn_mask and the window over keys [t0, t0 + n) for rows [ρ0, ρ0 + rows) of kv head kvh in sequence b. Row r:
+//   hidden   (mask_block: no key it shows is shown by them):  keys[r] = 0;
+//   visible  (they hide none of its keys and add nothing):    keys[r] = its causal prefix, bias[r] = null;
+//   partial:  bias[r] = its offsets (0, −inf or the additive value; −inf past the causal prefix), keys[r] = the
+//             keys up to the last one it sees.
+// Rows that read one mask row over the same shown keys (the G heads of a group under a mask broadcast over heads;
+// every row of a key-padding mask that is broadcast over the queries too) share one look and one bias row.
+// Returns visible when every row is (the unmasked path, keys[] untouched), hidden when none sees any key, else
+// partial, with *keys_end the keys past which no row sees any.
+inline flash::MaskBlock mask_rows(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t rho0,
+                                  int64_t rows, int64_t t0, int64_t n, float* bias_rows, int64_t* keys,
+                                  const float** bias, int64_t* keys_end) {
+  using flash::MaskBlock;
+  bool all_visible = true;
+  int64_t end = 0, used = 0;
+  int64_t last_at = -1, last_lo = -1, last_hi = -1;  // the previous look: its mask row and its shown keys
+  MaskBlock last = MaskBlock::visible;
+  int64_t last_keys = 0;
+  const float* last_bias = nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t rho = rho0 + r, i = rho / L.group, h = head_of(L, kvh, rho);
+    int64_t lo, hi;  // the keys of the block that the causal mask and the window show row i
+    flash::shown_keys(p, i, t0, n, &lo, &hi);
+    const int64_t at = p.mask ? b * p.mask_strides[0] + h * p.mask_strides[1] + i * p.mask_strides[2] : 0;
+    if (r == 0 || at != last_at || lo != last_lo || hi != last_hi) {
+      float* row_bias = bias_rows + used * kBlockKeys;
+      last = flash::mask_block(p, b, h, i, 1, t0, n, row_bias, kBlockKeys, 1);
+      last_at = at, last_lo = lo, last_hi = hi;
+      last_bias = nullptr;
+      if (last == MaskBlock::hidden) {
+        last_keys = 0;
+      } else if (last == MaskBlock::visible) {
+        last_keys = std::clamp<int64_t>(visible_keys(p, i) - t0, 0, n);
+      } else {
+        last_bias = row_bias;
+        last_keys = flash::shown_keys_end(row_bias, kBlockKeys, 1, n);
+        ++used;
+      }
+    }
+    all_visible &= last == MaskBlock::visible;
+    keys[r] = last_keys;
+    bias[r] = last_bias;
+    end = std::max(end, last_keys);
+  }
+  *keys_end = end;
+  return all_visible ? MaskBlock::visible : end == 0 ? MaskBlock::hidden : MaskBlock::partial;
+}
+
 // One task: rows [ρ0, ρ0 + rows) of kv head kvh in sequence b against the keys of split s. Writes the rows'
 // partials (O_s, m_s, l_s), or, when there is one split, the rows' output.
 template <class T>
@@ -164,9 +341,10 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
   const int64_t d = p.head_dim, rows = std::min(L.task_rows, L.rows - rho0);
   const int64_t kv_len = seq_kv_len(p, b);
   const int64_t j0 = s * L.split_len, j1 = std::min(kv_len, j0 + L.split_len);
-  float *Q = scratch + L.q_off, *S = scratch + L.s_off, *O = scratch + L.o_off;
-  float *m = scratch + L.m_off, *l = scratch + L.l_off, *alpha = scratch + L.alpha_off, *m_new = scratch + L.mnew_off;
-  int64_t visible[kMaxTaskRows];  // keys of the current block each row sees
+  float *Q = scratch + L.q_off, *O = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
+  int64_t keys[kMaxTaskRows];       // a masked block: the keys each row sees a prefix of (mask_rows)
+  const float* bias[kMaxTaskRows];  // and the row's attn_mask / window offsets (null: none)
+  const bool masked = has_mask_or_window(p);  // attention() only: a KV cache call has neither
   fill_row(kNegInf, m, rows);
   fill_row(0.0f, l, rows);
   fill_row(0.0f, O, rows * L.d_row);
@@ -201,34 +379,18 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
         V_next.ld = p.v_strides[2];
         K_next.n = V_next.n = std::min({kBlockKeys, keys_end - t0 - n, k_run, v_run});
       }
-
-      // S = Q K_blockᵀ (rows × n, unscaled)
-#if defined(CS149_ISA_BF16_DOT)
-      if constexpr (std::is_same_v<T, c10::BFloat16> && decode::kKeysByBf16Dot)
-        decode::row_key_dots_bf16(rows, n, d, reinterpret_cast<const c10::BFloat16*>(scratch + L.qb_off), L.d_pair,
-                                  K, p.k_strides[2], S, kBlockKeys, K_next);
-      else
-#endif
-        decode::row_key_dots(rows, n, d, Q, L.d_row, K, p.k_strides[2], S, kBlockKeys, K_next);
-
-      // S = scale · S, rounded before the max is taken, so that the largest logit's weight is exp(0) = 1
-      // exactly (a single visible key returns its value row bitwise). Then the online softmax over the block:
-      // S becomes P; m, l, α updated (flash_common.h).
-      for (int64_t r = 0; r < rows; ++r) {
-        visible[r] = std::clamp<int64_t>(visible_keys_of(p, kv_len, (rho0 + r) / L.group) - t0, 0, n);
-        scale_row(p.scale, S + r * kBlockKeys, visible[r]);
+      if (masked) {
+        int64_t shown_end;
+        switch (mask_rows(p, L, b, kvh, rho0, rows, t0, n, scratch + L.bias_off, keys, bias, &shown_end)) {
+          case flash::MaskBlock::hidden: break;  // no row sees a key of it: never read
+          case flash::MaskBlock::visible:
+            plain_block<T>(p, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
+            break;
+          case flash::MaskBlock::partial: masked_block<T>(p, L, rows, shown_end, K, V, keys, bias, scratch); break;
+        }
+      } else {
+        plain_block<T>(p, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
       }
-      online_softmax(S, kBlockKeys, rows, n, visible, /*scale=*/1.0f, m, l, alpha, m_new);
-
-      // O = α · O + P V_block. Keys every row sees go through the block kernel; the few that only later rows
-      // see (the causal diagonal of a chunk) are added row by row, so a hidden key's value never touches a row.
-      const int64_t shared = visible[0];
-      decode::rows_times_values(rows, shared, S, kBlockKeys, V, p.v_strides[2], d, O, L.d_row, alpha, V_next);
-      for (int64_t r = 1; r < rows; ++r)
-        if (visible[r] > shared)
-          decode::rows_times_values(1, visible[r] - shared, S + r * kBlockKeys + shared, kBlockKeys,
-                                    V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_row, L.d_row,
-                                    nullptr);
       t0 += n;
       K = K_next.rows;
       V = V_next.rows;
