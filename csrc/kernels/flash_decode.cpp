@@ -47,14 +47,14 @@ constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with lon
 constexpr int64_t kMinTasks = 64;
 constexpr int64_t kMinSplitKeys = 256;
 // Below this many bytes of K and V read (all tasks together), the call runs on the calling thread, with no parallel
-// region at all; from there on, on all the caller's threads. Measured on the 16-core device host, inside the shipped GPT
-// (bench_generate.py, 4 layers, 1 MB of cache per call at context 1024): its decode ran at 0.74× SDPA with 16
+// region at all; from there on, on all the caller's threads. Measured on the 16-core device host, inside the shipped
+// GPT (bench_generate.py, 4 layers, 1 MB of cache per call at context 1024): its decode ran at 0.74× SDPA with 16
 // threads per call (results/decode_16core_run2_*), and at 0.34× when a call asked for only 8 of the 16
-// (results/decode_session4_*; teams of changing size are what torch's parallel_for avoids by never passing
-// num_threads: "bugs in GOMP's thread pool", pytorch#32008); SDPA's own 16-thread call took 55 µs there
-// (decode_session4_profile.txt) for ~25 µs of reading: between a model's other operators, waking the pool costs
-// tens of µs. One thread reads 1 MB in ~45 µs (decode_session4_decode.txt, 128 Llama keys, float32). Back-to-back
-// calls (bench_decode.py) find the pool awake and would gain from threads at a few hundred KB already.
+// (results/decode_session4_*; teams of changing size are what torch's parallel_for avoids by never passing num_threads:
+// "bugs in GOMP's thread pool", pytorch#32008); SDPA's own 16-thread call took 55 µs there
+// (decode_session4_profile.txt) for ~25 µs of reading: between a model's other operators, waking the pool costs tens of
+// µs. One thread reads 1 MB in ~45 µs (decode_session4_decode.txt, 128 Llama keys, float32). Back-to-back calls
+// (bench_decode.py) find the pool awake and would gain from threads at a few hundred KB already.
 constexpr int64_t kSerialBytes = 1024 * 1024;
 
 // The flash kernel hands a call to this path when it has this shape, unless the caller fixed the tiles or passed
