@@ -9,7 +9,9 @@ attention dropout 0.1: ours runs it in the kernel, torch's in its SDPA).
     python benchmarks/bench_models.py                       # 1 thread
     python benchmarks/bench_models.py --threads 1,16 --batch 4 --seq 1024
 
-×SDPA = SDPA's median / ours (> 1: ours faster). Needs transformers.
+×SDPA = SDPA's median / ours (> 1: ours faster); one model per architecture, switched between the two attentions
+(set_attn_implementation) in alternating rounds, so both run the same weights at the same addresses. Needs
+transformers.
 """
 from __future__ import annotations
 
@@ -25,14 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cs149gpt  # noqa: E402
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+def median_times(model, fns: dict, repeats: int) -> dict:
+    """Median seconds of each attention implementation on one model (the same weights in memory for both, switched
+    with set_attn_implementation), in rounds that alternate their order after a warm-up call of each."""
+    samples = {impl: [] for impl in fns}
+    order = list(fns)
+    for round_ in range(repeats + 1):
+        for impl in order:
+            model.set_attn_implementation(impl)
+            start = time.perf_counter()
+            fns[impl]()
+            if round_ > 0:
+                samples[impl].append(time.perf_counter() - start)
+        order.reverse()
+    return {impl: statistics.median(v) for impl, v in samples.items()}
 
 
 def padded(batch: int, seq: int, vocab: int, g: torch.Generator):
@@ -51,6 +59,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--models", default="llama,gpt2", help="which of llama (prefill, generate), gpt2 (train step)")
     args = parser.parse_args()
     import transformers
 
@@ -61,14 +70,13 @@ def main() -> int:
                  eos_token_id=None)
     gpt2 = dict(vocab_size=1000, n_positions=4096, n_embd=512, n_layer=4, n_head=8, pad_token_id=0,
                 eos_token_id=None)
-    models = {}
-    for impl in ("sdpa", "cs149gpt"):
-        torch.manual_seed(0)
-        models["llama", impl] = transformers.AutoModelForCausalLM.from_config(
-            transformers.LlamaConfig(**llama), attn_implementation=impl).to(dtype).eval()
-        torch.manual_seed(0)
-        models["gpt2", impl] = transformers.AutoModelForCausalLM.from_config(
-            transformers.GPT2Config(**gpt2), attn_implementation=impl).to(dtype).train()
+    # One model each, switched between the two attentions: the same weights, at the same addresses, for both.
+    torch.manual_seed(0)
+    models = {"llama": transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**llama), attn_implementation="sdpa").to(dtype).eval()}
+    torch.manual_seed(0)
+    models["gpt2"] = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(**gpt2), attn_implementation="sdpa").to(dtype).train()
     g = torch.Generator().manual_seed(0)
     ids, mask = padded(args.batch, args.seq, 1000, g)
     print(f"# torch {torch.__version__}, transformers {transformers.__version__}, isa {cs149gpt.isa()}, "
@@ -86,12 +94,13 @@ def main() -> int:
                                                               labels=ids).loss.backward(),
         }
         for (name, phase), fn in phases.items():
-            times = {}
-            for impl in ("sdpa", "cs149gpt"):
-                model = models[name, impl]
-                grad = torch.enable_grad() if phase.startswith("train") else torch.no_grad()
-                with grad:
-                    times[impl] = median_time(lambda: fn(model), args.repeats)
+            if name not in args.models.split(","):
+                continue
+            model = models[name]
+            grad = torch.enable_grad() if phase.startswith("train") else torch.no_grad()
+            with grad:
+                times = median_times(model, {impl: lambda: fn(model) for impl in ("sdpa", "cs149gpt")},
+                                     args.repeats)
             print(f"| {name} | {phase} | {threads} | {times['sdpa'] * 1e3:.1f} | {times['cs149gpt'] * 1e3:.1f} | "
                   f"{times['sdpa'] / times['cs149gpt']:.2f} |", flush=True)
     return 0

@@ -145,6 +145,15 @@ inline uint64_t dropout_seed_key(uint64_t seed) { return mix64(seed + 0x632BE59B
 inline bool has_window(const AttentionParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
 // Whether anything beyond the causal mask hides keys (attn_mask, a window): the kernels then classify their blocks.
 inline bool has_mask_or_window(const AttentionParams& p) { return p.mask_kind != MaskKind::none || has_window(p); }
+
+// Whether an attention() call goes to flash-decoding (flash_decode.cpp, the kernel table's `decode`) rather than the
+// tiled flash kernels: a handful of query rows (the tokens being generated against a cache), with or without
+// attn_mask and window, and tiles left to the kernel. Dropout stays on the tiled kernels (inference never uses it).
+// module.cpp decides with this; flash.cpp hands the calls of this shape without a mask over too.
+constexpr int64_t kDecodeMaxRows = 16;
+inline bool decode_kernel_takes(const AttentionParams& p) {
+  return p.q_len <= kDecodeMaxRows && p.block_q <= 0 && p.block_k <= 0 && p.dropout_p == 0.0f;
+}
 // The keys of row i's window: [window_first(i), window_last(i)] (unclamped; INT64 extremes when unbounded).
 inline int64_t window_first(const AttentionParams& p, int64_t i) {
   return p.window_left < 0 ? INT64_MIN / 2 : i + p.window_offset - p.window_left;
@@ -194,7 +203,8 @@ struct BackwardKernel {
 struct KernelTable {
   const char* isa;  // "amx", "avx512_bf16", "avx512", "avx2", "scalar"
   Kernel naive, blocked, fused, flash;
-  Kernel decode;  // flash-decoding over a KV cache (flash_decode.cpp): any q_len, paged or not, appends k_new/v_new
+  Kernel decode;  // flash-decoding over a KV cache (flash_decode.cpp): any q_len, paged or not, appends k_new/v_new;
+                  // attention()'s calls that decode_kernel_takes, attn_mask and window included
   BackwardKernel flash_backward;
   // FMA throughput probe: runs `iterations` rounds of independent vector FMAs on each of num_threads
   // threads and returns the floating-point operations done (time it to get the peak).

@@ -143,7 +143,7 @@ def test_forward_every_mask_shape(isa, dtype, kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoding_rows_with_a_padding_mask(isa, dtype):
     """A few query rows against a long cache with a key-padding mask (B, 1, 1, Nk) or (B, 1, Nq, Nk), as
-    generation with a padded batch passes: the tiled kernel takes them (flash_decode takes unmasked calls)."""
+    generation with a padded batch passes: the decode kernel takes them (test_mask_decode.py tests it further)."""
     g = gen(1101)
     failures = []
     for n_q in (1, 3):

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 OURS = "cs149gpt::flash_attention"
 OURS_BACKWARD = "cs149gpt::flash_attention_backward"
+DECODE = "cs149gpt::flash_decode"  # the decode kernel (calls of <= 16 query rows), inside OURS's event
 TORCH_SDPA = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_attention_math")
 # float32 logits/hidden states of two attention implementations of the same weights (measured: <= 3e-7 here).
@@ -43,7 +44,7 @@ def attention_calls(fn):
         result = fn()
     counts = {}
     for event in prof.events():
-        if event.name in (OURS, OURS_BACKWARD, *TORCH_SDPA):
+        if event.name in (OURS, OURS_BACKWARD, DECODE, *TORCH_SDPA):
             counts[event.name] = counts.get(event.name, 0) + 1
     return result, counts
 
@@ -109,6 +110,7 @@ def test_padded_greedy_generation_gives_torchs_tokens(name):
         tokens, counts = attention_calls(lambda: ours.generate(input_ids=ids, **kwargs))
         want = theirs.generate(input_ids=ids, **kwargs)
     assert_all_ours(counts, expected=2 * new)  # prefill, then one step per further token; 2 layers each
+    assert counts.get(DECODE) == 2 * new  # masked, <= 16 query rows (a 9-token prefill too): the decode kernel
     assert torch.equal(tokens, want)
 
 
@@ -123,6 +125,7 @@ def test_static_cache_generation():
         tokens, counts = attention_calls(lambda: ours.generate(input_ids=ids, **kwargs))
         want = theirs.generate(input_ids=ids, **kwargs)
     assert_all_ours(counts, expected=2 * new)
+    assert counts.get(DECODE) == 2 * new  # a (B, 1, Nq, max_len) mask on every step: the decode kernel
     assert torch.equal(tokens, want)
 
 
