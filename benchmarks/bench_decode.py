@@ -17,7 +17,8 @@ the large ones); "% bw" is the probe's time over ours. --mask bool|additive give
 mask, as a padded batch's generation passes it ((B, 1, 1, N): sequence i's first i·N/(2B) keys are padding; bool,
 or additive −inf in the input's dtype); kvcache runs unmasked beside them. The header gives the probe's figure for 1 GiB (memory).
 Also the per-call time at 128 keys (overhead-bound). --extra-isa times our kernel under a second instruction set in
-the same rounds (e.g. avx512 beside amx: bf16 keys converted in registers instead of vdpbf16ps).
+the same rounds, for bf16 and fp16 (float32 runs the same code under every AVX-512 ISA); e.g. avx512_bf16 beside
+amx: bf16 keys through vdpbf16ps instead of FMAs on converted keys (decode_micro.h, kKeysByBf16Dot).
 
     python benchmarks/bench_decode.py                      # threads 1,all; the full grid
     python benchmarks/bench_decode.py --threads 16 --keys 4096 --batches 1 --dtypes bfloat16
@@ -111,7 +112,7 @@ def bench_shape(B, hq, hkv, n, d, dtype, min_seconds, threads, extra_isa=None, m
         "kvcache": lambda: cs149gpt.attention_with_kvcache(q, k_cache, v_cache, seqlens, is_causal=False),
         "probe": lambda: m.read_probe(probe_buffer, threads),
     }
-    if extra_isa:
+    if extra_isa and dtype != torch.float32:  # float32 runs the same code under every AVX-512 ISA
         isa = m.isa()
 
         def ours_extra():
@@ -160,7 +161,10 @@ def main():
                     us, nbytes = bench_shape(B, hq, hkv, n, d, dtype, args.seconds, t, args.extra_isa, args.mask)
                     gbs = nbytes / (us["ours"] * 1e-6) / 1e9
                     probe_gbs = nbytes / (us["probe"] * 1e-6) / 1e9
-                    extra = (f" {us['extra']:.1f} | {us['sdpa'] / us['extra']:.2f} |" if args.extra_isa else "")
+                    extra = ""
+                    if args.extra_isa:
+                        extra = (f" {us['extra']:.1f} | {us['sdpa'] / us['extra']:.2f} |" if "extra" in us
+                                 else " — | — |")
                     print(f"| {dname} | {B} | {n} | {us['sdpa']:.1f} | {us['ours']:.1f} | {us['kvcache']:.1f} | "
                           f"{us['sdpa'] / us['ours']:.2f} | {us['sdpa'] / us['kvcache']:.2f} | {gbs:.1f} | "
                           f"{probe_gbs:.1f} | {100 * us['probe'] / us['ours']:.0f} % |{extra}", flush=True)

@@ -14,11 +14,17 @@ model is the same PyTorch code, so the ratio ×SDPA is what the attention kernel
     python benchmarks/bench_generate.py --contexts 2048 --threads all --impls flash --repeats 3
     python benchmarks/bench_generate.py --agreement 2000         # also: how often a part samples another token
     python benchmarks/bench_generate.py --llama --contexts 1024,4096 --threads all --impls flash
+    python benchmarks/bench_generate.py --llama --contexts 8192 --batch 8 --decode-only --decode 8 --impls flash
 
 --llama measures a Llama-shaped model instead of the shipped one: GQA with 32 query heads on 8 kv heads, head size
 128 (n_embd 4096), bfloat16, a 32000-token vocabulary, --llama-layers layers (default 2) of random weights (speed
 only: nothing is sampled from it). Decoding there is what LLM users run: one query against a long bf16 cache per
 layer, with the model's weights read once per token beside it.
+
+--batch B decodes B sequences together (tokens/s counts all of them). --decode-only skips the prefill: the caches
+are filled with random keys and values (KVCache.append) to the context's length, then --decode tokens are timed;
+a decode step's cost does not depend on what the cache holds, and a long batched context (where reading the
+cache, not the weights, is most of a token's time) is then measurable without minutes of prefill.
 
 --agreement N writes N tokens with SDPA from a fixed seed, then replays them through each part (same prompt,
 same random numbers) and reports, per decoding step, the largest |logit difference| from SDPA, whether the
@@ -58,10 +64,25 @@ def time_prefill(model: GPT, prompt: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def time_decode(model: GPT, tokens: torch.Tensor, decode: int) -> float:
-    """Seconds to decode the last `decode` of tokens (1, N) one at a time, after prefilling the rest (untimed)."""
-    caches = model.new_kv_caches(tokens.size(0))
-    model(tokens[:, :-decode], kv_caches=caches)
+def filled_caches(model: GPT, batch: int, length: int):
+    """The model's KV caches holding `length` random keys and values per sequence (no forward run)."""
+    caches = model.new_kv_caches(batch)
+    g = torch.Generator().manual_seed(1)
+    for cache in caches:
+        shape = (batch, cache.k.size(1), length, cache.k.size(3))
+        k, v = (torch.randn(shape, generator=g).to(cache.k.dtype) for _ in range(2))
+        cache.append(k, v)
+    return caches
+
+
+def time_decode(model: GPT, tokens: torch.Tensor, decode: int, fill: bool = False) -> float:
+    """Seconds to decode the last `decode` of tokens (B, N) one at a time, after prefilling the rest (untimed; with
+    fill, random keys and values instead of a prefill)."""
+    if fill:
+        caches = filled_caches(model, tokens.size(0), tokens.size(1) - decode)
+    else:
+        caches = model.new_kv_caches(tokens.size(0))
+        model(tokens[:, :-decode], kv_caches=caches)
     start = time.perf_counter()
     for t in range(tokens.size(1) - decode, tokens.size(1)):
         model(tokens[:, t:t + 1], kv_caches=caches)
@@ -70,7 +91,7 @@ def time_decode(model: GPT, tokens: torch.Tensor, decode: int) -> float:
 
 @torch.inference_mode()
 def bench(contexts: List[int], threads: List[int], impls: List[str], decode: int, repeats: int,
-          llama_layers: int = 0) -> List[Dict]:
+          llama_layers: int = 0, batch: int = 1, decode_only: bool = False) -> List[Dict]:
     rows = []
     for n in contexts:
         if llama_layers:
@@ -79,19 +100,20 @@ def bench(contexts: List[int], threads: List[int], impls: List[str], decode: int
         else:
             model, vocab = load_pretrained(MODEL_FOR_CONTEXT[n])
             vocab_size = len(vocab)
-        tokens = torch.randint(vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(vocab_size, (batch, n), generator=torch.Generator().manual_seed(0))
         for t in threads:
             torch.set_num_threads(t)
-            for phase in ("prefill", "decode"):
+            for phase in ("decode",) if decode_only else ("prefill", "decode"):
                 seconds = {impl: [] for impl in impls}
                 order = list(impls)
                 for _ in range(repeats + 1):  # the first round warms up: caches, pages, OpenMP's threads
                     for impl in order:
                         model.set_attention(impl)
-                        s = time_prefill(model, tokens) if phase == "prefill" else time_decode(model, tokens, decode)
+                        s = (time_prefill(model, tokens) if phase == "prefill"
+                             else time_decode(model, tokens, decode, decode_only))
                         seconds[impl].append(s)
                     order.reverse()
-                count = n if phase == "prefill" else decode
+                count = batch * (n if phase == "prefill" else decode)
                 rate = {impl: count / statistics.median(s[1:]) for impl, s in seconds.items()}
                 rows.append(dict(context=n, threads=t, phase=phase, rate=rate))
                 print(f"  context {n:>4}, {t} thread(s), {phase:<7}: " +
@@ -175,6 +197,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="measurements per cell, median taken (default 5)")
     parser.add_argument("--llama", action="store_true", help="a Llama-shaped bf16 GQA model instead (see above)")
     parser.add_argument("--llama-layers", type=int, default=2, help="layers of the --llama model (default 2)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences generated together (default 1)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="no prefill: random caches of the context's length, decode timed alone (see above)")
     parser.add_argument("--agreement", type=int, default=0, metavar="N",
                         help="also compare each part's sampling with SDPA's over N tokens of shakes2048")
     args = parser.parse_args()
@@ -187,11 +212,13 @@ def main() -> None:
 
     print(f"cs149gpt {cs149gpt.isa()}, torch {torch.__version__}, {torch.get_num_threads()} cores", file=sys.stderr)
     if contexts:
-        rows = bench(contexts, threads, impls, args.decode, args.repeats, args.llama_layers if args.llama else 0)
+        rows = bench(contexts, threads, impls, args.decode, args.repeats, args.llama_layers if args.llama else 0,
+                     args.batch, args.decode_only)
         if args.llama:
             print(f"\nLlama-shaped model: {args.llama_layers} layers, {LLAMA}, bfloat16, random weights.")
-        print(f"\nGeneration tokens/s, median of {args.repeats}; prefill: the whole N-token prompt in one forward; "
-              f"decode: the last {args.decode} tokens of N, one forward each against the KV cache.\n")
+        print(f"\nGeneration tokens/s, median of {args.repeats}, batch {args.batch}; prefill: the whole N-token prompt "
+              f"in one forward; decode: the last {args.decode} tokens of N, one forward each against the KV cache"
+              f"{' (filled with random keys and values, no prefill)' if args.decode_only else ''}.\n")
         print(markdown_table(rows, impls, args.decode))
     if args.agreement:
         print()

@@ -162,6 +162,27 @@ def test_paged_cache(dtype, block_size):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_query_rows_in_every_group_size(isa, dtype):
+    """The key micro-kernel takes a task's query rows 4, 2 and 1 at a time (the keys W/4, W/2 and W at a time),
+    and its last keys one by one: row counts 1, 6, 7 and 15 (GQA group × chunk rows: 4 + 2, 4 + 2 + 1, ...), key
+    counts that are no multiple of 16, head dims of a partial chunk, whole chunks and one and a half (bf16's
+    chunk is 32 columns, float32's 16)."""
+    g = gen(1150)
+    failures = []
+    for hq, hkv, nq, n, d in [(7, 7, 1, 77, 48), (3, 1, 2, 131, 32), (5, 1, 3, 45, 17), (6, 2, 5, 200, 64),
+                              (4, 4, 7, 99, 8)]:
+        q = randn((2, hq, nq, d), g, dtype)
+        k, v = randn((2, hkv, n, d), g, dtype), randn((2, hkv, n, d), g, dtype)
+        seqlens = torch.tensor([n, n - 13], dtype=torch.int32)
+        for is_causal in (True, False):
+            out = cs149gpt.attention_with_kvcache(q, k, v, seqlens, is_causal=is_causal)
+            problem = error_of(out, reference(q, k, v, seqlens, is_causal), dtype)
+            if problem:
+                failures.append(f"{(hq, hkv, nq, n, d)} causal={is_causal}: {problem}")
+    assert not failures, "\n".join(failures)
+
+
 def test_paged_equals_contiguous_for_one_block():
     """A paged cache whose block holds a whole sequence computes exactly what the contiguous cache does."""
     g = gen(1200)
@@ -236,6 +257,23 @@ def test_thread_count_does_not_change_bits(dtype, restore_threads):
         for name, a, b in zip(("contiguous", "paged", "attention out", "attention lse"), run, runs[0]):
             assert torch.equal(a, b), f"{name}: {threads} threads differ from 1"
     assert error_of(runs[0][0], reference(q, k, v, seqlens), dtype) is None
+
+
+@pytest.mark.parametrize("n", [700, 1500])
+def test_thread_count_does_not_change_bits_at_any_size(n, restore_threads):
+    """On both sides of the kernel's serial threshold (1 MB of K and V: 700 keys are 700 KB, run on the calling
+    thread; 1500 keys take the parallel path): 1, 2 and 4 threads compute the same bits, batch 1, Llama's GQA group
+    of 4, d = 128."""
+    g = gen(1550)
+    q = randn((1, 8, 1, 128), g, torch.bfloat16)
+    k, v = randn((1, 2, n, 128), g, torch.bfloat16), randn((1, 2, n, 128), g, torch.bfloat16)
+    seqlens = torch.tensor([n], dtype=torch.int32)
+    runs = []
+    for threads in (1, 2, 4):
+        torch.set_num_threads(threads)
+        runs.append(cs149gpt.attention_with_kvcache(q, k, v, seqlens))
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    assert error_of(runs[0], reference(q, k, v, seqlens), torch.bfloat16) is None
 
 
 def test_decode_path_of_attention_matches_the_reference(isa):

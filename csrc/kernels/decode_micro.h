@@ -1,18 +1,27 @@
 // The micro-kernels of flash-decoding (flash_decode.cpp): a few query rows against blocks of cached keys, the
 // keys read once, in place, in their own dtype (float32, bfloat16 or float16), never converted ahead.
 //
-//   load_as_float      W floats from a row of float, bf16 or fp16: bf16 is the upper half of a float32 (shift by
-//                      16), fp16 goes through vcvtph2ps. Converted in registers, on the way to the FMAs.
-//   row_key_dots       S[r, t] = q_r · k_t for every row r and key t of a block: per row and W keys, W vector
-//                      accumulators (one per key) over d, then one transposing reduction turns them into the W
-//                      dot products as one vector (≈ 3 instructions per dot product instead of ≈ 8 for a
-//                      reduction per key). With vdpbf16ps (CS149_ISA_BF16_DOT) bf16 keys are multiplied as bf16
-//                      pairs with float32 accumulation: q is bf16 too, so every product is exact.
+//   load_chunk         the next chunk of a K or V row as float32 vectors, converted in registers. A chunk is what
+//                      one load gives: W columns of float32 or float16 (one vector, in column order), or 2W
+//                      columns of bfloat16 as two vectors, the even columns then the odd ones: bf16 is the upper
+//                      half of a float32, so a shift left by 16 of each 32-bit pair gives the even columns and
+//                      masking off the lower half the odd ones — 2 instructions for 2W columns, where widening
+//                      them in order takes 4 (two vpmovzxwd on the shuffle port, two shifts). Q and O rows are
+//                      kept in this chunk order (to_chunk_order, from_chunk_order: once per task).
+//   row_key_dots       S[r, t] = q_r · k_t for every row r and key t of a block: R rows × W/R keys at a time, one
+//                      vector accumulator per (row, key) over d, each key chunk loaded and converted once for the
+//                      R rows, then one transposing reduction (sum_each) turns the W accumulators into W dot
+//                      products as one vector.
+//   row_key_dots_bf16  the same with vdpbf16ps (q as bf16 pairs, every product exact), one row at a time: used
+//                      where that instruction is as fast as an FMA (kKeysByBf16Dot below).
 //   rows_times_values  O[r, :] = α_r · O[r, :] + Σ_t P[r, t] · v_t: an R × NV block of O in registers, each value
-//                      vector loaded (and converted) once for R rows.
+//                      chunk loaded (and converted) once for R rows.
+// Both kernels can prefetch the next block of keys (or values) into L2 while they work on this one, one row per
+// row they read, so the cache's next rows arrive while the arithmetic runs instead of after it.
 // Compiled once per ISA, like simd.h, whose Vec it uses.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -28,12 +37,36 @@ namespace decode {
 
 constexpr int W = Vec::width;
 
+// Keys by vdpbf16ps or by FMAs on converted keys. On the device host's Xeon (Emerald Rapids, the AMX build) the
+// bf16 dot-product probe runs vdpbf16ps at 82 GFLOP/s on one thread against 154 GFLOP/s of float32 FMAs
+// (benchmarks/results/cpu_amx_bf16_isa_avx512_bf16.txt): 32 products per instruction at a quarter of the FMA's
+// rate, slower than converting each key once (2 instructions per 32 columns) and multiplying 16 columns per FMA
+// for all R rows: in one run there (results/decode_session4_decode.txt, --extra-isa avx512_bf16) the vdpbf16ps keys
+// were slower at 19 of 20 bf16 shapes, by up to 26 %. AMX CPUs therefore take the FMAs; other bf16 dot-product CPUs
+// (AMD Zen 4/5, not measured against each other here) vdpbf16ps.
+#if defined(CS149_ISA_BF16_DOT) && !defined(CS149_ISA_AMX)
+constexpr bool kKeysByBf16Dot = true;
+#else
+constexpr bool kKeysByBf16Dot = false;
+#endif
+
 // The accumulators of a block live in registers only if the helpers that update them are inlined into one loop.
 #define CS149_DECODE_INLINE inline __attribute__((always_inline))
 
 // ---------------------------------------------------------------------------------------------------
-// W (or the first n < W) elements of a row as float32.
+// Chunks: kCols columns of a row as kVecs float32 vectors (see the top of the file).
 // ---------------------------------------------------------------------------------------------------
+template <class T>
+struct Chunk {
+  static constexpr bool kEvenOdd = std::is_same_v<T, c10::BFloat16> && W > 1;
+  static constexpr int kVecs = kEvenOdd ? 2 : 1;
+  static constexpr int kCols = kVecs * W;
+  // Where column c (< kCols) of a chunk sits in chunk order.
+  static constexpr int position(int c) { return kEvenOdd ? (c % 2) * W + c / 2 : c; }
+};
+constexpr int kMaxChunkCols = 2 * W;  // row lengths in chunk order are padded to a multiple of this
+
+// W (or the first n < W) elements of a row as float32, in column order (float16, and float32 itself).
 template <class T>
 CS149_DECODE_INLINE Vec load_as_float(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
@@ -76,6 +109,113 @@ CS149_DECODE_INLINE Vec load_as_float_partial(const T* p, int64_t n) {
   }
 }
 
+// The bf16 chunk: 2W columns, even columns to out[0], odd ones to out[1].
+#if defined(CS149_ISA_AVX512)
+CS149_DECODE_INLINE void split_even_odd(__m512i x, Vec* out) {
+  out[0] = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
+  out[1] = {_mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+#elif defined(CS149_ISA_AVX2)
+CS149_DECODE_INLINE void split_even_odd(__m256i x, Vec* out) {
+  out[0] = {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16))};
+  out[1] = {_mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+#endif
+
+template <class T>
+CS149_DECODE_INLINE void load_chunk(const T* p, Vec* out) {
+  if constexpr (Chunk<T>::kEvenOdd) {
+#if defined(CS149_ISA_AVX512)
+    split_even_odd(_mm512_loadu_si512(p), out);
+#elif defined(CS149_ISA_AVX2)
+    split_even_odd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), out);
+#endif
+  } else {
+    out[0] = load_as_float(p);
+  }
+}
+
+// The first n < kCols columns of a chunk, zeros after (never a read past them).
+template <class T>
+CS149_DECODE_INLINE void load_chunk_partial(const T* p, int64_t n, Vec* out) {
+  if constexpr (Chunk<T>::kEvenOdd) {
+#if defined(CS149_ISA_AVX512)
+    split_even_odd(_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1ull), p), out);
+#elif defined(CS149_ISA_AVX2)
+    T buf[2 * W] = {};
+    std::memcpy(buf, p, n * sizeof(T));
+    split_even_odd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(buf)), out);
+#endif
+  } else {
+    out[0] = load_as_float_partial(p, n);
+  }
+}
+
+// A row of d elements as float32 in chunk order, zeros up to d_round (a multiple of kMaxChunkCols): what
+// load_chunk gives, stored.
+template <class T>
+inline void to_chunk_order(const T* src, int64_t d, float* dst, int64_t d_round) {
+  constexpr int C = Chunk<T>::kCols, V = Chunk<T>::kVecs;
+  Vec x[V];
+  int64_t c = 0;
+  for (; c + C <= d; c += C) {
+    load_chunk(src + c, x);
+    for (int v = 0; v < V; ++v) x[v].store(dst + c + v * W);
+  }
+  if (c < d) {
+    load_chunk_partial(src + c, d - c, x);
+    for (int v = 0; v < V; ++v) x[v].store(dst + c + v * W);
+    c += C;
+  }
+  for (; c < d_round; ++c) dst[c] = 0.0f;
+}
+
+// A row of d_round floats in chunk order back to column order, in place.
+template <class T>
+inline void from_chunk_order(float* row, int64_t d_round) {
+  if constexpr (Chunk<T>::kEvenOdd) {
+#if defined(CS149_ISA_AVX512)
+    // Interleave the even and odd halves: lanes [e0, o0, e1, o1, ...].
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t c0 = 0; c0 < d_round; c0 += 2 * W) {
+      const __m512 even = _mm512_loadu_ps(row + c0), odd = _mm512_loadu_ps(row + c0 + W);
+      _mm512_storeu_ps(row + c0, _mm512_permutex2var_ps(even, first, odd));
+      _mm512_storeu_ps(row + c0 + W, _mm512_permutex2var_ps(even, second, odd));
+    }
+#else
+    constexpr int C = Chunk<T>::kCols;
+    float chunk[C];
+    for (int64_t c0 = 0; c0 < d_round; c0 += C) {
+      std::memcpy(chunk, row + c0, sizeof(chunk));
+      for (int c = 0; c < C; ++c) row[c0 + c] = chunk[Chunk<T>::position(c)];
+    }
+#endif
+  }
+}
+
+// Rows [first, first + count) of a block (ld elements apart, d each) towards L2: the next block, while this one is
+// worked on. A prefetch never faults; these stay within the cache's rows anyway.
+template <class T>
+CS149_DECODE_INLINE void prefetch_rows(const T* p, int64_t first, int64_t count, int64_t ld, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = first; t < first + count; ++t) {
+    const char* row = reinterpret_cast<const char*>(p + t * ld);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+  }
+}
+
+// The next block to prefetch while working on this one: its first row, its row stride, how many rows.
+template <class T>
+struct NextBlock {
+  const T* rows = nullptr;  // null: none
+  int64_t ld = 0, n = 0;
+  // Rows [t, t + count) of it, those that exist.
+  CS149_DECODE_INLINE void prefetch(int64_t t, int64_t count, int64_t d) const {
+    if (rows && t < n) prefetch_rows(rows, t, std::min(count, n - t), ld, d);
+  }
+};
+
 // ---------------------------------------------------------------------------------------------------
 // Lane t of the result = the sum of the W lanes of acc[t]: W reductions at once, by halving, pairwise.
 // The order of the additions is fixed, so the result does not depend on anything but the inputs.
@@ -115,80 +255,98 @@ CS149_DECODE_INLINE Vec sum_each(const Vec* acc) {
 #endif
 }
 
+// dst[i] = lane first + i of x, for i < count.
+CS149_DECODE_INLINE void store_lanes(Vec x, int first, int count, float* dst) {
+#if defined(CS149_ISA_AVX512)
+  // dst − first is inside the same array (the callers' rows are at least W apart): lanes below first are off.
+  _mm512_mask_storeu_ps(dst - first, static_cast<__mmask16>(((1u << count) - 1u) << first), x.v);
+#else
+  alignas(64) float lanes[W];
+  x.store(lanes);
+  for (int i = 0; i < count; ++i) dst[i] = lanes[first + i];
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------
-// S[r·lds + t] = q_r · k_t  for r < rows, t < n;  q_r = q + r·ldq (float32, d_pad ≥ d floats, zero past d),
-// k_t = K + t·ldk (d elements of T). Keys are taken W at a time: a row's d columns, up to kDotVecs vectors of them
-// at a time, sit in registers while each of the W keys streams past once (one pointer, one FMA per loaded
-// vector); the last n % W keys one by one.
+// S[r·lds + t] = q_r · k_t  for r < rows, t < n;  q_r = Q + r·ldq (float32 in chunk order, zero past d),
+// k_t = K + t·ldk (d elements of T).
 // ---------------------------------------------------------------------------------------------------
-constexpr int kDotVecs = W >= 16 ? 8 : 4;  // q vectors held: with W accumulators, 24 of 32 zmm (12 of 16 ymm)
+
+// acc[r·KT + k] += q_r · k_k over the d columns, for R rows and KT = W / R keys: per chunk the R rows' q in
+// registers (R·kVecs vectors), each key's chunk loaded and converted once, then R·kVecs FMAs.
+template <int R, bool kTail, class T>
+CS149_DECODE_INLINE void key_dots_step(const float* Q, int64_t ldq, const T* K, int64_t ldk, int64_t last, Vec* acc) {
+  constexpr int KT = W / R, V = Chunk<T>::kVecs;
+  Vec q[R][V];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) q[r][v] = Vec::load(Q + r * ldq + v * W);
+#pragma GCC unroll 16
+  for (int k = 0; k < KT; ++k) {
+    Vec kv[V];
+    if (kTail)
+      load_chunk_partial(K + k * ldk, last, kv);
+    else
+      load_chunk(K + k * ldk, kv);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) acc[r * KT + k] = fmadd(q[r][v], kv[v], acc[r * KT + k]);
+  }
+}
 
 template <class T>
-inline float dot_as_float(const float* q, const T* k, int64_t d) {
-  Vec acc = Vec::zero();
+inline float dot_chunked(const float* q, const T* k, int64_t d) {
+  constexpr int C = Chunk<T>::kCols, V = Chunk<T>::kVecs;
+  Vec acc = Vec::zero(), kv[V];
   int64_t c = 0;
-  for (; c + W <= d; c += W) acc = fmadd(Vec::load(q + c), load_as_float(k + c), acc);
-  if (c < d) acc = fmadd(Vec::load(q + c), load_as_float_partial(k + c, d - c), acc);
+  for (; c + C <= d; c += C) {
+    load_chunk(k + c, kv);
+    for (int v = 0; v < V; ++v) acc = fmadd(Vec::load(q + c + v * W), kv[v], acc);
+  }
+  if (c < d) {
+    load_chunk_partial(k + c, d - c, kv);
+    for (int v = 0; v < V; ++v) acc = fmadd(Vec::load(q + c + v * W), kv[v], acc);
+  }
   return reduce_add(acc);
 }
 
-// acc[t] += q[0 : NV·W] · K[t·ldk + 0 : NV·W]  for t < W; kTail: the last vector has only `last` columns of K.
-template <int NV, bool kTail, class T>
-CS149_DECODE_INLINE void key_dots_chunk(const float* q, const T* K, int64_t ldk, int64_t last, Vec* acc) {
-  Vec qv[NV];
-#pragma GCC unroll 8
-  for (int v = 0; v < NV; ++v) qv[v] = Vec::load(q + v * W);
-#pragma GCC unroll 16
-  for (int t = 0; t < W; ++t) {
-    const T* k = K + t * ldk;
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v)
-      acc[t] = fmadd(qv[v], kTail && v == NV - 1 ? load_as_float_partial(k + v * W, last) : load_as_float(k + v * W),
-                     acc[t]);
-  }
-}
-
-template <class T>
-CS149_DECODE_INLINE void key_dots(const float* q, const T* K, int64_t ldk, int64_t d, Vec* acc) {
-  int64_t c = 0;
-  for (; c + kDotVecs * W <= d; c += kDotVecs * W) key_dots_chunk<kDotVecs, false>(q + c, K + c, ldk, W, acc);
-  const int64_t rest = d - c;
-  if (rest == 0) return;
-  const int64_t vecs = (rest + W - 1) / W, last = rest - (vecs - 1) * W;
-  const bool tail = last < W;
-  switch (vecs * 2 + tail) {
-#define CS149_KEY_DOTS_CASE(NV)                                                     \
-  case 2 * NV: key_dots_chunk<NV, false>(q + c, K + c, ldk, last, acc); break; \
-  case 2 * NV + 1: key_dots_chunk<NV, true>(q + c, K + c, ldk, last, acc); break;
-    CS149_KEY_DOTS_CASE(1)
-    CS149_KEY_DOTS_CASE(2)
-    CS149_KEY_DOTS_CASE(3)
-    CS149_KEY_DOTS_CASE(4)
-#if defined(CS149_ISA_AVX512)
-    CS149_KEY_DOTS_CASE(5)
-    CS149_KEY_DOTS_CASE(6)
-    CS149_KEY_DOTS_CASE(7)
-    CS149_KEY_DOTS_CASE(8)
-#endif
-#undef CS149_KEY_DOTS_CASE
-    default: break;
-  }
-}
-
-template <class T>
-inline void row_key_dots(int64_t rows, int64_t n, int64_t d, const float* q, int64_t ldq, const T* K, int64_t ldk,
-                         float* S, int64_t lds) {
+template <int R, class T>
+inline void key_dots_rows(int64_t n, int64_t d, const float* Q, int64_t ldq, const T* K, int64_t ldk, float* S,
+                          int64_t lds, const NextBlock<T>& next) {
+  constexpr int KT = W / R, C = Chunk<T>::kCols;
   int64_t t0 = 0;
-  for (; t0 + W <= n; t0 += W)
-    for (int64_t r = 0; r < rows; ++r) {
-      Vec acc[W];
+  for (; t0 + KT <= n; t0 += KT) {
+    next.prefetch(t0, KT, d);
+    Vec acc[W];
 #pragma GCC unroll 16
-      for (int t = 0; t < W; ++t) acc[t] = Vec::zero();
-      key_dots(q + r * ldq, K + t0 * ldk, ldk, d, acc);
-      sum_each(acc).store(S + r * lds + t0);
-    }
-  for (; t0 < n; ++t0)
-    for (int64_t r = 0; r < rows; ++r) S[r * lds + t0] = dot_as_float(q + r * ldq, K + t0 * ldk, d);
+    for (int i = 0; i < W; ++i) acc[i] = Vec::zero();
+    const T* Kt = K + t0 * ldk;
+    int64_t c = 0;
+    for (; c + C <= d; c += C) key_dots_step<R, false>(Q + c, ldq, Kt + c, ldk, C, acc);
+    if (c < d) key_dots_step<R, true>(Q + c, ldq, Kt + c, ldk, d - c, acc);
+    const Vec s = sum_each(acc);  // lane r·KT + k: q_r · k_{t0 + k}
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) store_lanes(s, r * KT, KT, S + r * lds + t0);
+  }
+  for (; t0 < n; ++t0) {
+    next.prefetch(t0, 1, d);
+    for (int r = 0; r < R; ++r) S[r * lds + t0] = dot_chunked(Q + r * ldq, K + t0 * ldk, d);
+  }
+}
+
+// Rows 4 at a time (W/4 keys per step), then 2, then 1 (W keys per step); only the first group prefetches.
+template <class T>
+inline void row_key_dots(int64_t rows, int64_t n, int64_t d, const float* Q, int64_t ldq, const T* K, int64_t ldk,
+                         float* S, int64_t lds, const NextBlock<T>& next) {
+  const NextBlock<T> none;
+  int64_t r = 0;
+  if constexpr (W % 4 == 0)
+    for (; r + 4 <= rows; r += 4) key_dots_rows<4>(n, d, Q + r * ldq, ldq, K, ldk, S + r * lds, lds, r ? none : next);
+  if constexpr (W % 2 == 0)
+    for (; r + 2 <= rows; r += 2) key_dots_rows<2>(n, d, Q + r * ldq, ldq, K, ldk, S + r * lds, lds, r ? none : next);
+  for (; r < rows; ++r) key_dots_rows<1>(n, d, Q + r * ldq, ldq, K, ldk, S + r * lds, lds, r ? none : next);
 }
 
 #if defined(CS149_ISA_BF16_DOT)
@@ -216,10 +374,12 @@ CS149_DECODE_INLINE void key_dots_bf16_chunk(const c10::BFloat16* q, const c10::
 }
 
 inline void row_key_dots_bf16(int64_t rows, int64_t n, int64_t d, const c10::BFloat16* qb, int64_t ldqb,
-                              const c10::BFloat16* K, int64_t ldk, float* S, int64_t lds) {
+                              const c10::BFloat16* K, int64_t ldk, float* S, int64_t lds,
+                              const NextBlock<c10::BFloat16>& next) {
   constexpr int kChunk = 4;  // 4 × 32 = 128 columns of q in registers
   int64_t t0 = 0;
-  for (; t0 + W <= n; t0 += W)
+  for (; t0 + W <= n; t0 += W) {
+    next.prefetch(t0, W, d);
     for (int64_t r = 0; r < rows; ++r) {
       Vec acc[W];
 #pragma GCC unroll 16
@@ -245,7 +405,9 @@ inline void row_key_dots_bf16(int64_t rows, int64_t n, int64_t d, const c10::BFl
       }
       sum_each(acc).store(S + r * lds + t0);
     }
-  for (; t0 < n; ++t0)
+  }
+  for (; t0 < n; ++t0) {
+    next.prefetch(t0, 1, d);
     for (int64_t r = 0; r < rows; ++r) {
       __m512 acc = _mm512_setzero_ps();
       const c10::BFloat16* q = qb + r * ldqb;
@@ -258,18 +420,21 @@ inline void row_key_dots_bf16(int64_t rows, int64_t n, int64_t d, const c10::BFl
                                (__m512bh)load_bf16_pairs_partial(k + c, d - c));
       S[r * lds + t0] = _mm512_reduce_add_ps(acc);
     }
+  }
 }
 #endif
 
 // ---------------------------------------------------------------------------------------------------
-// O[r·ldo + c] = α_r · O[r·ldo + c] + Σ_{t<n} P[r·ldp + t] · V[t·ldv + c]   for r < R, c < d
-// (α_r = 1 when alpha is null). O rows are d_pad ≥ d floats (whole vectors; the padding stays 0). The R × NV
-// block of O stays in registers over all n keys; each V vector is loaded and converted once for the R rows.
+// O[r·ldo + ·] = α_r · O[r·ldo + ·] + Σ_{t<n} P[r·ldp + t] · v_t   for r < R, over the d columns in chunk order
+// (α_r = 1 when alpha is null). O rows are whole chunks (the padding stays 0). The R × NV block of O stays in
+// registers over all n keys; each V chunk is loaded and converted once for the R rows.
 // ---------------------------------------------------------------------------------------------------
-template <int R, int NV, bool kTail, class T>
+template <int R, int NC, bool kTail, class T>
 CS149_DECODE_INLINE void rows_times_values_block(int64_t n, const float* P, int64_t ldp, const T* V, int64_t ldv,
-                                                 int64_t last, float* O, int64_t ldo, const float* alpha) {
-  // columns [0, NV·W) of O and V from here; kTail: the last vector has only `last` columns of V
+                                                 int64_t last, float* O, int64_t ldo, const float* alpha,
+                                                 const NextBlock<T>& next, int64_t d) {
+  // NC chunks of O and V from here; kTail: the last chunk has only `last` columns of V
+  constexpr int CV = Chunk<T>::kVecs, C = Chunk<T>::kCols, NV = NC * CV;
   Vec acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -278,11 +443,16 @@ CS149_DECODE_INLINE void rows_times_values_block(int64_t n, const float* P, int6
     for (int v = 0; v < NV; ++v) acc[r][v] = a * Vec::load(O + r * ldo + v * W);
   }
   for (int64_t t = 0; t < n; ++t) {
+    next.prefetch(t, 1, d);
     const T* vt = V + t * ldv;
     Vec b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      b[v] = kTail && v == NV - 1 ? load_as_float_partial(vt + v * W, last) : load_as_float(vt + v * W);
+    for (int ch = 0; ch < NC; ++ch) {
+      if (kTail && ch == NC - 1)
+        load_chunk_partial(vt + ch * C, last, b + ch * CV);
+      else
+        load_chunk(vt + ch * C, b + ch * CV);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const Vec p = Vec::broadcast(P[r * ldp + t]);
@@ -298,37 +468,48 @@ CS149_DECODE_INLINE void rows_times_values_block(int64_t n, const float* P, int6
 
 template <int R, class T>
 inline void rows_times_values_r(int64_t n, const float* P, int64_t ldp, const T* V, int64_t ldv, int64_t d, float* O,
-                                int64_t ldo, const float* alpha) {
-  constexpr int NV = 4;
+                                int64_t ldo, const float* alpha, const NextBlock<T>& next) {
+  constexpr int C = Chunk<T>::kCols, NC = 4 / Chunk<T>::kVecs;  // 4 vectors of O per row: 16 accumulators at R = 4
+  const NextBlock<T> none;
   int64_t c = 0;
-  for (; c + NV * W <= d; c += NV * W)
-    rows_times_values_block<R, NV, false>(n, P, ldp, V + c, ldv, W, O + c, ldo, alpha);
-  const int64_t rest = d - c;  // < NV·W columns left
+  for (; c + NC * C <= d; c += NC * C)
+    rows_times_values_block<R, NC, false>(n, P, ldp, V + c, ldv, C, O + c, ldo, alpha, c ? none : next, d);
+  const int64_t rest = d - c;  // < NC·C columns left
   if (rest == 0) return;
-  const int64_t vecs = (rest + W - 1) / W, last = rest - (vecs - 1) * W;
-  const bool tail = last < W;
-  switch (vecs * 2 + tail) {
-    case 2: rows_times_values_block<R, 1, false>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha); break;
-    case 3: rows_times_values_block<R, 1, true>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha); break;
-    case 4: rows_times_values_block<R, 2, false>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha); break;
-    case 5: rows_times_values_block<R, 2, true>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha); break;
-    case 6: rows_times_values_block<R, 3, false>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha); break;
-    case 7: rows_times_values_block<R, 3, true>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha); break;
-    case 9: rows_times_values_block<R, 4, true>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha); break;
+  const int64_t chunks = (rest + C - 1) / C, last = rest - (chunks - 1) * C;
+  const bool tail = last < C;
+  const NextBlock<T>& pf = c ? none : next;
+  switch (chunks * 2 + tail) {
+    case 2: rows_times_values_block<R, 1, false>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha, pf, d); break;
+    case 3: rows_times_values_block<R, 1, true>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha, pf, d); break;
+    case 4: rows_times_values_block<R, 2, false>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha, pf, d); break;
+    case 5: rows_times_values_block<R, 2, true>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha, pf, d); break;
+    case 6:
+      if constexpr (NC > 3) rows_times_values_block<R, 3, false>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha, pf, d);
+      break;
+    case 7:
+      if constexpr (NC > 3) rows_times_values_block<R, 3, true>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha, pf, d);
+      break;
+    case 9:
+      if constexpr (NC > 3) rows_times_values_block<R, 4, true>(n, P, ldp, V + c, ldv, last, O + c, ldo, alpha, pf, d);
+      break;
     default: break;
   }
 }
 
-// Any number of rows: R = 4 at a time (16 accumulators of O, 4 of V), then the rest.
+// Any number of rows: R = 4 at a time (16 accumulators of O), then the rest; only the first group prefetches.
 template <class T>
 inline void rows_times_values(int64_t rows, int64_t n, const float* P, int64_t ldp, const T* V, int64_t ldv, int64_t d,
-                              float* O, int64_t ldo, const float* alpha) {
+                              float* O, int64_t ldo, const float* alpha, const NextBlock<T>& next = NextBlock<T>()) {
   constexpr int R = W >= 16 ? 4 : 2;
+  const NextBlock<T> none;
   int64_t r = 0;
   for (; r + R <= rows; r += R)
-    rows_times_values_r<R>(n, P + r * ldp, ldp, V, ldv, d, O + r * ldo, ldo, alpha ? alpha + r : nullptr);
+    rows_times_values_r<R>(n, P + r * ldp, ldp, V, ldv, d, O + r * ldo, ldo, alpha ? alpha + r : nullptr,
+                           r ? none : next);
   for (; r < rows; ++r)
-    rows_times_values_r<1>(n, P + r * ldp, ldp, V, ldv, d, O + r * ldo, ldo, alpha ? alpha + r : nullptr);
+    rows_times_values_r<1>(n, P + r * ldp, ldp, V, ldv, d, O + r * ldo, ldo, alpha ? alpha + r : nullptr,
+                           r ? none : next);
 }
 
 }  // namespace decode

@@ -14,9 +14,11 @@
 //   m_s = max_j s_j,   l_s = Σ_j exp(s_j − m_s),   O_s = Σ_j exp(s_j − m_s) v_j        (s_j = scale · q·k_j)
 // and the merge combines the splits exactly, as the online softmax does blocks:
 //   M = max_s m_s,   l = Σ_s exp(m_s − M) l_s,   O = Σ_s exp(m_s − M) O_s / l,   lse = M + log l.
-// K and V are read in place, in their own dtype (decode_micro.h converts in registers; bf16 keys go through
-// vdpbf16ps where the CPU has it): no packing, no conversion pass. Small calls run on the calling thread, with no
-// parallel region at all. The workspace (the splits' partials, per-thread scratch) comes from the caller.
+// K and V are read in place, in their own dtype (decode_micro.h converts in registers, each key once for all the
+// rows of a task): no packing, no conversion pass. While a block of keys is worked on, the next one is prefetched
+// into L2, so that reading the cache overlaps the arithmetic instead of alternating with it. Small calls run on the
+// calling thread, with no parallel region at all. The workspace (the splits' partials, per-thread scratch) comes
+// from the caller.
 //
 // The same kernel serves attention_with_kvcache: sequences of their own lengths (cache_seqlens), a paged cache
 // (block_table), and new keys/values appended to the cache before attending (attention.h).
@@ -49,15 +51,21 @@ using flash::round_up;
 constexpr int64_t kMaxRows = kDecodeMaxRows;  // attention() hands calls with q_len up to this here (attention.h)
 constexpr int64_t kBlockKeys = 64;    // keys per online-softmax step: K and V blocks stay in L1/L2
 constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with long chunks) are cut into tasks
-// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~10 µs of reading at
-// d = 128, against a merge of one row per split); a whole number of key blocks each.
+// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~5 µs of work for a
+// GQA group of 4 at d = 128, against a task's fixed cost of a few tenths of a µs: its rows of q and O converted,
+// its partials written and merged); a whole number of key blocks each.
 constexpr int64_t kMinTasks = 64;
 constexpr int64_t kMinSplitKeys = 256;
-// Below this many bytes of K and V read (all tasks together), the call runs on the calling thread: waking the
-// other threads costs more than they save. On the 16-core device host (benchmarks/results/decode_16core_run2_*)
-// 1 MB of float32 keys and values (128 keys of Llama's 8 kv heads) took 40 µs on one thread and 20 µs on 16, and
-// 512 KB (the same in bf16), run on one thread, took 36 µs where torch's SDPA on 16 threads took 25 µs.
-constexpr int64_t kSerialBytes = 256 * 1024;
+// Below this many bytes of K and V read (all tasks together), the call runs on the calling thread, with no parallel
+// region at all; from there on, on all the caller's threads. Measured on the 16-core device host, inside the shipped
+// GPT (bench_generate.py, 4 layers, 1 MB of cache per call at context 1024): its decode ran at 0.74× SDPA with 16
+// threads per call (results/decode_16core_run2_*), and at 0.34× when a call asked for only 8 of the 16
+// (results/decode_session4_*; teams of changing size are what torch's parallel_for avoids by never passing num_threads:
+// "bugs in GOMP's thread pool", pytorch#32008); SDPA's own 16-thread call took 55 µs there
+// (decode_session4_profile.txt) for ~25 µs of reading: between a model's other operators, waking the pool costs tens of
+// µs. One thread reads 1 MB in ~45 µs (decode_session4_decode.txt, 128 Llama keys, float32). Back-to-back calls
+// (bench_decode.py) find the pool awake and would gain from threads at a few hundred KB already.
+constexpr int64_t kSerialBytes = 1024 * 1024;
 
 // The flash kernel (flash.cpp) hands a call of decode_kernel_takes's shape to this path when it has no attn_mask and
 // no window (module.cpp sends every call of that shape to the kernel table's `decode` directly, masked ones too).
@@ -72,6 +80,7 @@ struct Layout {
   int64_t row_tasks;   // tasks per (batch, kv head, split) along the rows
   int64_t split_len, splits;
   int64_t d_pad, d_pair;  // head_dim to whole vectors (16 floats); to whole bf16 dot steps (32)
+  int64_t d_row;          // Q and O rows in the micro-kernels' chunk order (decode_micro.h): whole chunks
   int64_t part_row;       // O_s, then m_s and l_s
   int64_t parts_size;
   int64_t q_off, qb_off, s_off, o_off, m_off, l_off, alpha_off, mnew_off, bias_off, per_thread;  // per thread
@@ -86,13 +95,14 @@ struct Layout {
     splits = std::max<int64_t>(1, (p.kv_len + split_len - 1) / split_len);
     d_pad = pad16(p.head_dim);
     d_pair = round_up(p.head_dim, 32);
+    d_row = round_up(p.head_dim, decode::kMaxChunkCols);
     part_row = d_pad + 2;
     parts_size = splits == 1 ? 0 : p.batch * p.num_kv_heads * splits * rows * part_row;
     q_off = 0;
-    qb_off = q_off + task_rows * d_pad;
+    qb_off = q_off + task_rows * d_row;
     s_off = qb_off + pad16(task_rows * d_pair / 2);
     o_off = s_off + task_rows * kBlockKeys;
-    m_off = o_off + task_rows * d_pad;
+    m_off = o_off + task_rows * d_row;
     l_off = m_off + pad16(task_rows);
     alpha_off = l_off + pad16(task_rows);
     mnew_off = alpha_off + pad16(task_rows);
@@ -154,29 +164,32 @@ inline void finish_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i
   if (p.lse) p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = l == 0.0f ? kNegInf : m + std::log(l);
 }
 
-// S = Q K_blockᵀ: the task's rows against n keys of the block (rows × n, unscaled, kBlockKeys apart).
+// S = Q K_blockᵀ: the task's rows against n keys of the block (rows × n, unscaled, kBlockKeys apart); K_next: the
+// next block's keys, prefetched meanwhile (none by default).
 template <class T>
-void block_scores(const AttentionParams& p, const Layout& L, int64_t rows, int64_t n, const T* K, float* scratch) {
+void block_scores(const AttentionParams& p, const Layout& L, int64_t rows, int64_t n, const T* K, float* scratch,
+                  const decode::NextBlock<T>& K_next = decode::NextBlock<T>()) {
   float* S = scratch + L.s_off;
 #if defined(CS149_ISA_BF16_DOT)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && decode::kKeysByBf16Dot) {
     decode::row_key_dots_bf16(rows, n, p.head_dim, reinterpret_cast<const c10::BFloat16*>(scratch + L.qb_off),
-                              L.d_pair, K, p.k_strides[2], S, kBlockKeys);
+                              L.d_pair, K, p.k_strides[2], S, kBlockKeys, K_next);
     return;
   }
 #endif
-  decode::row_key_dots(rows, n, p.head_dim, scratch + L.q_off, L.d_pad, K, p.k_strides[2], S, kBlockKeys);
+  decode::row_key_dots(rows, n, p.head_dim, scratch + L.q_off, L.d_row, K, p.k_strides[2], S, kBlockKeys, K_next);
 }
 
 // One block of n keys from t0 that no attn_mask or window cuts: the causal mask alone.
 template <class T>
 void plain_block(const AttentionParams& p, const Layout& L, int64_t rho0, int64_t rows, int64_t kv_len, int64_t t0,
-                 int64_t n, const T* K, const T* V, float* scratch) {
+                 int64_t n, const T* K, const T* V, const decode::NextBlock<T>& K_next,
+                 const decode::NextBlock<T>& V_next, float* scratch) {
   const int64_t d = p.head_dim;
   float *S = scratch + L.s_off, *O = scratch + L.o_off;
   float *m = scratch + L.m_off, *l = scratch + L.l_off, *alpha = scratch + L.alpha_off, *m_new = scratch + L.mnew_off;
   int64_t visible[kMaxTaskRows];  // keys of the block each row sees
-  block_scores<T>(p, L, rows, n, K, scratch);
+  block_scores<T>(p, L, rows, n, K, scratch, K_next);
 
   // S = scale · S, rounded before the max is taken, so that the largest logit's weight is exp(0) = 1
   // exactly (a single visible key returns its value row bitwise). Then the online softmax over the block:
@@ -190,11 +203,11 @@ void plain_block(const AttentionParams& p, const Layout& L, int64_t rho0, int64_
   // O = α · O + P V_block. Keys every row sees go through the block kernel; the few that only later rows
   // see (the causal diagonal of a chunk) are added row by row, so a hidden key's value never touches a row.
   const int64_t shared = visible[0];
-  decode::rows_times_values(rows, shared, S, kBlockKeys, V, p.v_strides[2], d, O, L.d_pad, alpha);
+  decode::rows_times_values(rows, shared, S, kBlockKeys, V, p.v_strides[2], d, O, L.d_row, alpha, V_next);
   for (int64_t r = 1; r < rows; ++r)
     if (visible[r] > shared)
       decode::rows_times_values(1, visible[r] - shared, S + r * kBlockKeys + shared, kBlockKeys,
-                                V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_pad, L.d_pad, nullptr);
+                                V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_row, L.d_row, nullptr);
 }
 
 // Whether n rows of d values (ldv apart) are all finite: the exponent bits of each element, not all ones (integer
@@ -253,7 +266,7 @@ void masked_block(const AttentionParams& p, const Layout& L, int64_t rows, int64
     for (int64_t t = 0; t < end; ++t) runs += !hidden(t) && (t == 0 || hidden(t - 1));
     float* P = S + r0 * kBlockKeys;
     if (runs > kMaxRuns && (finite < 0 ? (finite = values_finite(V, ldv, n, d)) : finite)) {
-      decode::rows_times_values(r1 - r0, end, P, kBlockKeys, V, ldv, d, O + r0 * L.d_pad, L.d_pad, alpha + r0);
+      decode::rows_times_values(r1 - r0, end, P, kBlockKeys, V, ldv, d, O + r0 * L.d_row, L.d_row, alpha + r0);
     } else {
       const float* run_alpha = alpha + r0;  // applied with the first run (alone when the rows see no key here)
       for (int64_t t = 0; t < end;) {
@@ -263,13 +276,13 @@ void masked_block(const AttentionParams& p, const Layout& L, int64_t rows, int64
         }
         int64_t e = t + 1;
         while (e < end && !hidden(e)) ++e;
-        decode::rows_times_values(r1 - r0, e - t, P + t, kBlockKeys, V + t * ldv, ldv, d, O + r0 * L.d_pad, L.d_pad,
+        decode::rows_times_values(r1 - r0, e - t, P + t, kBlockKeys, V + t * ldv, ldv, d, O + r0 * L.d_row, L.d_row,
                                   run_alpha);
         run_alpha = nullptr;
         t = e;
       }
       if (run_alpha)
-        decode::rows_times_values(r1 - r0, 0, P, kBlockKeys, V, ldv, d, O + r0 * L.d_pad, L.d_pad, run_alpha);
+        decode::rows_times_values(r1 - r0, 0, P, kBlockKeys, V, ldv, d, O + r0 * L.d_row, L.d_row, run_alpha);
     }
     r0 = r1;
   }
@@ -337,50 +350,65 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
   const bool masked = has_mask_or_window(p);  // attention() only: a KV cache call has neither
   fill_row(kNegInf, m, rows);
   fill_row(0.0f, l, rows);
-  fill_row(0.0f, O, rows * L.d_pad);
+  fill_row(0.0f, O, rows * L.d_row);
 
   // The keys of this split the task's last row sees (the others see a prefix of them).
   const int64_t keys_end = std::min(j1, visible_keys_of(p, kv_len, (rho0 + rows - 1) / L.group));
   if (j0 < keys_end) {
-    // Q: the rows as float32, zero past d (and as bf16 pairs for vdpbf16ps).
+    // Q: the rows as float32 in the micro-kernels' chunk order, zero past d (or as bf16 pairs for vdpbf16ps).
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t rho = rho0 + r;
       const T* q = q_head<T>(p, b, head_of(L, kvh, rho)) + (rho / L.group) * p.q_strides[2];
-      for (int64_t c = 0; c < L.d_pad; ++c) Q[r * L.d_pad + c] = c < d ? static_cast<float>(q[c]) : 0.0f;
 #if defined(CS149_ISA_BF16_DOT)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && decode::kKeysByBf16Dot) {
         auto* qb = reinterpret_cast<c10::BFloat16*>(scratch + L.qb_off) + r * L.d_pair;
         for (int64_t c = 0; c < L.d_pair; ++c) qb[c] = c < d ? q[c] : c10::BFloat16(0.0f);
+        continue;
       }
 #endif
+      decode::to_chunk_order(q, d, Q + r * L.d_row, L.d_row);
     }
+    int64_t k_run, v_run;
+    const T* K = cache_row<T>(p, p.k, p.k_strides, b, kvh, j0, &k_run);
+    const T* V = cache_row<T>(p, p.v, p.v_strides, b, kvh, j0, &v_run);
     for (int64_t t0 = j0; t0 < keys_end;) {
-      int64_t k_run, v_run;
-      const T* K = cache_row<T>(p, p.k, p.k_strides, b, kvh, t0, &k_run);
-      const T* V = cache_row<T>(p, p.v, p.v_strides, b, kvh, t0, &v_run);
       const int64_t n = std::min({kBlockKeys, keys_end - t0, k_run, v_run});
+      // The next block's rows, prefetched while this one is worked on.
+      decode::NextBlock<T> K_next, V_next;
+      if (t0 + n < keys_end) {
+        K_next.rows = cache_row<T>(p, p.k, p.k_strides, b, kvh, t0 + n, &k_run);
+        V_next.rows = cache_row<T>(p, p.v, p.v_strides, b, kvh, t0 + n, &v_run);
+        K_next.ld = p.k_strides[2];
+        V_next.ld = p.v_strides[2];
+        K_next.n = V_next.n = std::min({kBlockKeys, keys_end - t0 - n, k_run, v_run});
+      }
       if (masked) {
         int64_t shown_end;
         switch (mask_rows(p, L, b, kvh, rho0, rows, t0, n, scratch + L.bias_off, keys, bias, &shown_end)) {
           case flash::MaskBlock::hidden: break;  // no row sees a key of it: never read
-          case flash::MaskBlock::visible: plain_block<T>(p, L, rho0, rows, kv_len, t0, n, K, V, scratch); break;
+          case flash::MaskBlock::visible:
+            plain_block<T>(p, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
+            break;
           case flash::MaskBlock::partial: masked_block<T>(p, L, rows, shown_end, K, V, keys, bias, scratch); break;
         }
       } else {
-        plain_block<T>(p, L, rho0, rows, kv_len, t0, n, K, V, scratch);
+        plain_block<T>(p, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
       }
       t0 += n;
+      K = K_next.rows;
+      V = V_next.rows;
     }
+    for (int64_t r = 0; r < rows; ++r) decode::from_chunk_order<T>(O + r * L.d_row, L.d_row);
   }
 
   if (L.splits == 1) {
     for (int64_t r = 0; r < rows; ++r)
-      finish_row<T>(p, b, head_of(L, kvh, rho0 + r), (rho0 + r) / L.group, O + r * L.d_pad, m[r], l[r]);
+      finish_row<T>(p, b, head_of(L, kvh, rho0 + r), (rho0 + r) / L.group, O + r * L.d_row, m[r], l[r]);
     return;
   }
   float* part = parts + (((b * p.num_kv_heads + kvh) * L.splits + s) * L.rows + rho0) * L.part_row;
   for (int64_t r = 0; r < rows; ++r, part += L.part_row) {
-    std::memcpy(part, O + r * L.d_pad, L.d_pad * sizeof(float));
+    std::memcpy(part, O + r * L.d_row, L.d_pad * sizeof(float));
     part[L.d_pad] = m[r];
     part[L.d_pad + 1] = l[r];
   }
@@ -434,18 +462,16 @@ void run(const AttentionParams& p, float* workspace) {
   const int64_t n_heads = p.batch * p.num_kv_heads, n_tasks = L.tasks(p);
   const int64_t n_rows = L.splits == 1 ? 0 : n_heads * L.rows;
   const int64_t bytes = 2 * n_heads * p.kv_len * p.head_dim * static_cast<int64_t>(sizeof(T)) * L.row_tasks;
+  // Appending copies q_len rows per kv head (a few KB): on the calling thread, before any task reads the cache,
+  // where a parallel loop would cost a barrier more than the copy.
+  if (p.k_new) append_range<T>(p, 0, n_heads);
   if (p.num_threads == 1 || bytes < kSerialBytes || n_tasks == 1) {  // the same work, in the same order
-    if (p.k_new) append_range<T>(p, 0, n_heads);
     for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, thread_scratch);
     for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, thread_scratch);
     return;
   }
 #pragma omp parallel num_threads(p.num_threads)
   {
-    if (p.k_new) {
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < n_heads; ++t) append_range<T>(p, t, t + 1);
-    }
     float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, scratch);
