@@ -7,6 +7,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <type_traits>
 
@@ -127,7 +128,14 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
 // A NaN entry of attn_mask is neither 0 nor −inf: partial, and the row turns NaN, as in torch.
 enum class MaskBlock { hidden, visible, partial };
 
-inline float mask_entry(uint8_t m) { return m ? 0.0f : kNegInf; }
+// A boolean entry (a byte, 0 = hidden) as its offset: 0 or −inf, by integer arithmetic so that the loops over a
+// mask row vectorise (m − 1 is all ones only for m = 0; masked to −inf's bits).
+inline float mask_entry(uint8_t m) {
+  const uint32_t bits = (uint32_t{m} - 1u) & 0xFF800000u;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
 template <class M>
 inline float mask_entry(M m) { return static_cast<float>(m); }
 
@@ -171,11 +179,14 @@ MaskBlock classify_block(const AttentionParams& p, int64_t b, int64_t h, int64_t
         all_plain &= not_all == 0;
       }
     }
+    int any = 0, plain = 1;  // ints, not bools: reductions the compiler vectorises
     for (; t < hi; ++t) {
       const float x = mask_entry(row[t * s_j]);
-      any_shown |= x != kNegInf;
-      all_plain &= x == 0.0f;
+      any |= x != kNegInf;
+      plain &= x == 0.0f;
     }
+    any_shown |= any != 0;
+    all_plain &= plain != 0;
     if (any_shown && !all_plain) return MaskBlock::partial;
   }
   return !any_shown ? MaskBlock::hidden : all_plain ? MaskBlock::visible : MaskBlock::partial;
@@ -207,15 +218,26 @@ MaskBlock mask_block_of(const AttentionParams& p, int64_t b, int64_t h, int64_t 
       const M* row = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1] +
                      i * p.mask_strides[2] + j0 * p.mask_strides[3];
       const int64_t s_j = p.mask_strides[3];
-      if (s_j == 1 && ld_j == 1) {  // the common layout: a plain loop the compiler vectorises
-        for (int64_t t = lo; t < hi; ++t) out[t] = mask_entry(row[t]);
+      // One pass: convert, store, and note whether any entry shows its key and whether all add 0 — in ints, not
+      // bools, so that the common layout's loop vectorises (bool |= / &= reductions do not).
+      int any = 0, plain = 1;
+      if (s_j == 1 && ld_j == 1) {
+        for (int64_t t = lo; t < hi; ++t) {
+          const float x = mask_entry(row[t]);
+          out[t] = x;
+          any |= x != kNegInf;
+          plain &= x == 0.0f;
+        }
       } else {
-        for (int64_t t = lo; t < hi; ++t) out[t * ld_j] = mask_entry(row[t * s_j]);
+        for (int64_t t = lo; t < hi; ++t) {
+          const float x = mask_entry(row[t * s_j]);
+          out[t * ld_j] = x;
+          any |= x != kNegInf;
+          plain &= x == 0.0f;
+        }
       }
-      for (int64_t t = lo; t < hi; ++t) {
-        any_shown |= out[t * ld_j] != kNegInf;
-        all_plain &= out[t * ld_j] == 0.0f;
-      }
+      any_shown |= any != 0;
+      all_plain &= plain != 0;
     }
     for (int64_t t = hi; t < n_j; ++t) out[t * ld_j] = kNegInf;
   }
