@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Where a Hugging Face Llama's padded prefill spends its time with our attention and with torch's SDPA:
+torch.profiler's operators by self CPU time, both attentions on the same model, same run.
+
+    python benchmarks/profile_models.py --dtype bfloat16 --threads 1
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cs149gpt  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=12)
+    args = parser.parse_args()
+    import transformers
+
+    cs149gpt.register_transformers()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                                      pad_token_id=0, eos_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = model.to(getattr(torch, args.dtype)).eval()
+    ids = torch.randint(1, 1000, (args.batch, args.seq))
+    mask = torch.ones(args.batch, args.seq, dtype=torch.long)
+    for i in range(args.batch):
+        mask[i, : (i * args.seq) // (2 * args.batch)] = 0
+    print(f"# torch {torch.__version__}, isa {cs149gpt.isa()}, {args.dtype}, {args.threads} thread(s), "
+          f"batch {args.batch} x {args.seq} left-padded")
+    for impl in ("sdpa", "cs149gpt", "sdpa", "cs149gpt"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)  # warm
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                model(input_ids=ids, attention_mask=mask)
+        total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3
+        print(f"\n## {impl}: {total:.1f} ms of self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
