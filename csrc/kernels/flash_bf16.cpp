@@ -186,10 +186,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
       const bool partial = block == MaskBlock::partial;
       if (partial)
-        for (int64_t r = 0; r < group_rows; ++r) {
-          scale_row(p.scale, S + r * L.Bc_pad, n_keys);
-          add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys);
-        }
+        for (int64_t r = 0; r < group_rows; ++r)
+          add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
 
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16; m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)

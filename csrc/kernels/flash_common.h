@@ -278,10 +278,11 @@ inline int64_t shown_keys_end(const float* bias, int64_t ld, int64_t rows, int64
   return end;
 }
 
-// s[t] = s[t] + unit · bias[t], and −inf wherever bias is: a hidden key's logit is dropped even when it is NaN.
-// unit converts the mask's natural-log offsets to the logits' base (log2 e for flash.cpp's base-2 logits).
-inline void add_mask(float* s, const float* bias, int64_t n, float unit = 1.0f) {
-  for (int64_t t = 0; t < n; ++t) s[t] = bias[t] == kNegInf ? kNegInf : s[t] + unit * bias[t];
+// s[t] = scale · s[t] + unit · bias[t], and −inf wherever bias is: a hidden key's logit is dropped even when it is
+// NaN. unit converts the mask's natural-log offsets to the logits' base (log2 e for flash.cpp's base-2 logits);
+// scale lets a kernel whose logits are not yet scaled (flash_bf16.cpp) do both in this one pass.
+inline void add_mask(float* s, const float* bias, int64_t n, float unit = 1.0f, float scale = 1.0f) {
+  for (int64_t t = 0; t < n; ++t) s[t] = bias[t] == kNegInf ? kNegInf : scale * s[t] + unit * bias[t];
 }
 
 // Dropout of row i of head `bh` (= b · num_heads + h) over keys [j0, j0 + n): x[t·stride] *= 1 / (1 − p) where dropout_keep
