@@ -65,7 +65,11 @@ constexpr int64_t kMinSplitKeys = 256;
 // (decode_session4_profile.txt) for ~25 µs of reading: between a model's other operators, waking the pool costs tens of
 // µs. One thread reads 1 MB in ~45 µs (decode_session4_decode.txt, 128 Llama keys, float32). Back-to-back calls
 // (bench_decode.py) find the pool awake and would gain from threads at a few hundred KB already.
+// Bytes alone undercount GQA: each key is multiplied by all G query heads of its group, and a bf16 cache is half the
+// bytes for the same arithmetic. One thread took 28 µs for 2^20 multiply-adds (128 bf16 Llama keys, 32 query heads,
+// results/session4_recheck_decode_128.txt) where SDPA's 16 threads took 23–25: from kParallelMacs on, threads too.
 constexpr int64_t kSerialBytes = 1024 * 1024;
+constexpr int64_t kParallelMacs = 512 * 1024;
 
 // The flash kernel (flash.cpp) hands a call of decode_kernel_takes's shape to this path when it has no attn_mask and
 // no window (module.cpp sends every call of that shape to the kernel table's `decode` directly, masked ones too).
@@ -462,10 +466,11 @@ void run(const AttentionParams& p, float* workspace) {
   const int64_t n_heads = p.batch * p.num_kv_heads, n_tasks = L.tasks(p);
   const int64_t n_rows = L.splits == 1 ? 0 : n_heads * L.rows;
   const int64_t bytes = 2 * n_heads * p.kv_len * p.head_dim * static_cast<int64_t>(sizeof(T)) * L.row_tasks;
+  const int64_t macs = 2 * p.batch * p.num_heads * p.q_len * p.kv_len * p.head_dim;  // q·k and p·v
   // Appending copies q_len rows per kv head (a few KB): on the calling thread, before any task reads the cache,
   // where a parallel loop would cost a barrier more than the copy.
   if (p.k_new) append_range<T>(p, 0, n_heads);
-  if (p.num_threads == 1 || bytes < kSerialBytes || n_tasks == 1) {  // the same work, in the same order
+  if (p.num_threads == 1 || (bytes < kSerialBytes && macs < kParallelMacs) || n_tasks == 1) {  // the same work, in the same order
     for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, thread_scratch);
     for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, thread_scratch);
     return;
