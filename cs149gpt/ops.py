@@ -240,11 +240,13 @@ def scaled_dot_product_attention(
     tensors raise a TypeError naming the argument (torch raises a RuntimeError for them).
     `uses_our_kernel(...)` tells which path a call takes.
     """
-    if (attn_mask is None and dropout_p == 0.0 and not torch.compiler.is_compiling() and type(query) is _Tensor
-            and type(key) is _Tensor and type(value) is _Tensor and not _has_torch_function((query, key, value))):
+    if (dropout_p == 0.0 and not torch.compiler.is_compiling() and type(query) is _Tensor and type(key) is _Tensor
+            and type(value) is _Tensor and (attn_mask is None or (type(attn_mask) is _Tensor and not
+                                                                  _has_torch_function((attn_mask,))))
+            and not _has_torch_function((query, key, value))):
         # The common call, decided and run in C++ (module.cpp, sdpa_fast: the conditions of uses_our_kernel); None
         # when it is not ours to take there, or autograd must record it: then the path below decides.
-        result = _ext._module.sdpa_fast(query, key, value, is_causal, scale, enable_gqa)
+        result = _ext._module.sdpa_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if result is not None:
             return result
     if all(isinstance(t, torch.Tensor) for t in (query, key, value)):

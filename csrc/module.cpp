@@ -1083,7 +1083,8 @@ bool plain_dense(const at::Tensor& t) {
 
 py::object call_below_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
                                std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-                               std::optional<int64_t> block_k, bool return_lse) {
+                               std::optional<int64_t> block_k, bool return_lse,
+                               const std::optional<at::Tensor>& attn_mask = std::nullopt) {
   static const auto attention_op =
       c10::Dispatcher::singleton().findSchemaOrThrow("cs149gpt::attention", "").typed<AttentionFn>();
   static const auto flash_op =
@@ -1092,8 +1093,8 @@ py::object call_below_autograd(const at::Tensor& q, const at::Tensor& k, const a
   {
     py::gil_scoped_release no_gil;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    if (return_lse)
-      std::tie(out, lse) = flash_op.call(q, k, v, scale, causal, block_q, block_k, /*attn_mask=*/std::nullopt,
+    if (return_lse || attn_mask)  // (attn_mask: impl is "flash", the one kernel that reads masks)
+      std::tie(out, lse) = flash_op.call(q, k, v, scale, causal, block_q, block_k, attn_mask,
                                          /*window_left=*/-1, /*window_right=*/-1, /*dropout_p=*/0.0,
                                          /*dropout_seed=*/std::nullopt);
     else
@@ -1160,11 +1161,27 @@ py::object attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Te
   return call_below_autograd(q, k, v, impl, scale, causal, block_q, block_k, return_lse);
 }
 
-// cs149gpt.scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal, scale,
-// enable_gqa) for plain tensors when our kernel takes it (the conditions of ops.uses_our_kernel without a mask or
-// dropout) and no gradient is recorded; else None.
-py::object sdpa_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, py::handle is_causal,
-                     py::handle scale, py::handle enable_gqa_arg) {
+// Whether our kernel reads this attn_mask as torch's SDPA would (ops._mask_is_ours): a plain CPU tensor of bool,
+// float32 or q's dtype, broadcastable to the scores (..., Nq, Nk), for which no gradient (reverse or forward) is
+// wanted — torch computes that one.
+bool mask_is_ours(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
+  if (!plain_dense(mask) || !mask.device().is_cpu() || mask.device() != q.device()) return false;
+  const auto type = mask.scalar_type();
+  if (!(type == at::kBool || type == at::kFloat || type == q.scalar_type())) return false;
+  if ((at::GradMode::is_enabled() && mask.requires_grad()) || mask._fw_grad(/*level=*/0).defined()) return false;
+  if (mask.dim() > q.dim()) return false;
+  for (int64_t i = 1; i <= mask.dim(); ++i) {  // from the last dim: keys, queries, heads, batch...
+    const int64_t m = mask.size(-i), scores = i == 1 ? k.size(-2) : q.size(-i);
+    if (m != 1 && m != scores) return false;
+  }
+  return true;
+}
+
+// cs149gpt.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p=0.0, is_causal, scale, enable_gqa)
+// for plain tensors (attn_mask None or a plain torch.Tensor: the wrapper checks their Python types) when our kernel
+// takes it (the conditions of ops.uses_our_kernel without dropout) and no gradient is recorded; else None.
+py::object sdpa_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, py::handle attn_mask_arg,
+                     py::handle is_causal, py::handle scale, py::handle enable_gqa_arg) {
   if (enable_gqa_arg.ptr() != Py_True && enable_gqa_arg.ptr() != Py_False) return py::none();
   const bool enable_gqa = enable_gqa_arg.ptr() == Py_True;
   if (is_causal.ptr() != Py_True && is_causal.ptr() != Py_False) return py::none();
@@ -1185,8 +1202,13 @@ py::object sdpa_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t h_q = q.size(-3), h_kv = k.size(-3);
   if (h_kv == 0 || !(h_q == h_kv || (enable_gqa && h_q % h_kv == 0))) return py::none();
   if (autograd_needed(q, k, v)) return py::none();
+  std::optional<at::Tensor> attn_mask;
+  if (!attn_mask_arg.is_none()) {
+    attn_mask = py::cast<at::Tensor>(attn_mask_arg);
+    if (!mask_is_ours(*attn_mask, q, k)) return py::none();
+  }
   return call_below_autograd(q, k, v, "flash", scale_value, is_causal.ptr() == Py_True ? "top_left" : "none",
-                             std::nullopt, std::nullopt, false);
+                             std::nullopt, std::nullopt, false, attn_mask);
 }
 
 }  // namespace
@@ -1288,7 +1310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "raises what torch.ops.cs149gpt.attention_with_kvcache would for these arguments, on sizes alone");
   m.def("attention_fast", &attention_fast, "cs149gpt.attention's eager path for plain tensors (None: not taken)");
   m.def("sdpa_fast", &sdpa_fast,
-        "cs149gpt.scaled_dot_product_attention's eager path without mask or dropout (None: not taken)");
+        "cs149gpt.scaled_dot_product_attention's eager path without dropout (None: not taken)");
   m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
   m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
   m.def("set_backward_path", [](const std::string& path) {

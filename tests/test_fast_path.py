@@ -52,20 +52,73 @@ def test_sdpa_fast_path_matches_and_falls_back():
     q, k, v = qkv(torch.bfloat16, hq=4, hkv=4)
     assert torch.equal(cs149gpt.scaled_dot_product_attention(q, k, v, is_causal=True),
                        cs149gpt.attention(q, k, v, is_causal=True))
-    assert m.sdpa_fast(q, k, v, True, None, False) is not None
+    assert m.sdpa_fast(q, k, v, None, True, None, False) is not None
     # Calls that are torch's (GQA without enable_gqa, a non-bool is_causal, float64, an empty dim): None here, and
     # the wrapper answers what torch does.
     qg, kg, vg = qkv()
-    assert m.sdpa_fast(qg, kg, vg, False, None, False) is None
+    assert m.sdpa_fast(qg, kg, vg, None, False, None, False) is None
     with pytest.raises(RuntimeError):
         cs149gpt.scaled_dot_product_attention(qg, kg, vg)
-    assert m.sdpa_fast(q, k, v, 1, None, False) is None
+    assert m.sdpa_fast(q, k, v, None, 1, None, False) is None
     q64, k64, v64 = (t.double() for t in qkv(hq=2, hkv=2))
-    assert m.sdpa_fast(q64, k64, v64, False, None, False) is None
+    assert m.sdpa_fast(q64, k64, v64, None, False, None, False) is None
     assert torch.equal(cs149gpt.scaled_dot_product_attention(q64, k64, v64), F.scaled_dot_product_attention(q64, k64, v64))
-    assert m.sdpa_fast(q, k[:, :, :0], v[:, :, :0], False, None, False) is None
+    assert m.sdpa_fast(q, k[:, :, :0], v[:, :, :0], None, False, None, False) is None
     # A gradient to record: the wrapper's path, which records it.
     qr = q.float().requires_grad_()
-    assert m.sdpa_fast(qr, k.float(), v.float(), False, None, False) is None
+    assert m.sdpa_fast(qr, k.float(), v.float(), None, False, None, False) is None
     cs149gpt.scaled_dot_product_attention(qr, k.float(), v.float()).sum().backward()
     assert qr.grad is not None
+
+
+def masks(q, k):
+    """The masks models pass, in each dtype our kernel reads: (B,1,Nq,Nk) bool, (B,1,1,Nk) bool, (Nq,Nk) additive
+    float32 and additive in q's dtype with −inf entries, a strided (non-contiguous) bool one."""
+    g = gen(2010)
+    b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
+    padded = torch.rand(b, 1, nq, nk, generator=g) > 0.3
+    keys = torch.ones(b, 1, 1, nk, dtype=torch.bool)
+    keys[0, ..., nk // 2:] = False
+    bias = torch.randn(nq, nk, generator=g).masked_fill(torch.rand(nq, nk, generator=g) > 0.8, float("-inf"))
+    strided = (torch.rand(b, 1, nk, nq, generator=g) > 0.5).transpose(-1, -2)
+    return {"padded": padded, "keys": keys, "bias f32": bias, "bias q dtype": bias.to(q.dtype), "strided": strided}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_fast_path_takes_masks_and_equals_the_autograd_path(dtype, is_causal):
+    """A mask our kernel reads is taken in C++ (sdpa_fast answers), with the bits of the Python path (the same call
+    with requires_grad) — GQA included; and the result is torch's within the dtype's tolerance."""
+    m = _ext.load()
+    q, k, v = qkv(dtype, hq=4, hkv=2, nq=5, nk=40)
+    for name, mask in masks(q, k).items():
+        assert m.sdpa_fast(q, k, v, mask, is_causal, None, True) is not None, name
+        fast = cs149gpt.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+        slow = cs149gpt.scaled_dot_product_attention(q.clone().requires_grad_(), k, v, attn_mask=mask,
+                                                     is_causal=is_causal, enable_gqa=True)
+        assert torch.equal(fast, slow.detach()), name
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask if mask.dtype ==
+                                             torch.bool else mask.double(), is_causal=is_causal, enable_gqa=True)
+        ref = torch.nan_to_num(ref, nan=0.0)  # rows that see no key: 0 (README), NaN in torch's math path
+        assert (fast.double() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2), name
+
+
+def test_sdpa_fast_path_leaves_masks_it_does_not_read_to_the_wrapper():
+    """Masks torch must handle (a gradient wanted, float64, an int dtype, a shape that does not broadcast, one on
+    another device type than the queries'): sdpa_fast answers None and the wrapper gives torch's result or error."""
+    m = _ext.load()
+    q, k, v = qkv(hq=2, hkv=2, nq=5, nk=40)
+    bias = torch.randn(5, 40, generator=gen(2011))
+    learned = bias.clone().requires_grad_()
+    assert m.sdpa_fast(q, k, v, learned, False, None, False) is None
+    out = cs149gpt.scaled_dot_product_attention(q, k, v, attn_mask=learned)
+    out.sum().backward()
+    assert learned.grad is not None  # torch's SDPA computed the mask's gradient
+    assert m.sdpa_fast(q, k, v, bias.double(), False, None, False) is None
+    assert m.sdpa_fast(q, k, v, (bias > 0).int(), False, None, False) is None
+    assert m.sdpa_fast(q, k, v, bias[:, :7], False, None, False) is None
+    with pytest.raises(RuntimeError):
+        cs149gpt.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :7])
+    assert m.sdpa_fast(q, k, v, bias.to("meta"), False, None, False) is None
+    with torch.no_grad():
+        assert m.sdpa_fast(q, k, v, learned, False, None, False) is not None  # no gradient wanted: ours

@@ -21,6 +21,18 @@ namespace CS149_ISA {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Asks for the cache line holding `address` (into L2: a block prefetched ahead would leave L1 again while the
+// current one streams its K and V tiles through it): a hint, never a fault. As inline asm, because GCC deletes a
+// loop of __builtin_prefetch that has no other effect (seen with GCC 12 at -O2 and -O3: flash_common.h's
+// prefetch_mask_block compiled to nothing).
+inline void prefetch_line(const void* address) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(address)));
+#else
+  __builtin_prefetch(address, 0, 2);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Vec: `width` floats in one register, with the handful of operations the kernels need.
 // load_partial / store_partial touch only the first n < width lanes (the tail of a row).
