@@ -137,12 +137,18 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   int64_t visible[kRowGroup];  // how many keys of the current tile each row of the group sees
 
   // Q_i = scale · log2(e) · Q[i0 : i0 + rows] (logits in base 2), zero rows up to whole row groups;
-  // m = −inf, l = 0, O_i = 0.
+  // m = −inf, l = 0, O_i = 0. Each row group is stored column by column (element (r, c) of the group at
+  // c · kRowGroup + r): the micro-kernel of S = Q_g K_jᵀ broadcasts the group's rows at one step of c from one
+  // pointer and constant offsets, where rows kept apart would take a register each for their addresses (24 rows:
+  // more than x86-64 has, and the compiler spilled them inside the loop).
   constexpr float kLog2e = 1.44269504088896341f;
   const float q_scale = p.scale * kLog2e;
   const T* Q = q_head<T>(p, b, h) + i0 * p.q_strides[2];
-  for (int64_t r = 0; r < groups * kRowGroup; ++r)
-    for (int64_t c = 0; c < d; ++c) Qi[r * d + c] = r < rows ? q_scale * to_float(Q[r * p.q_strides[2] + c]) : 0.0f;
+  for (int64_t r = 0; r < groups * kRowGroup; ++r) {
+    float* column_major = Qi + (r / kRowGroup) * kRowGroup * d + r % kRowGroup;
+    for (int64_t c = 0; c < d; ++c)
+      column_major[c * kRowGroup] = r < rows ? q_scale * to_float(Q[r * p.q_strides[2] + c]) : 0.0f;
+  }
   fill_row(kNegInf, m, groups * kRowGroup);
   fill_row(0.0f, l, groups * kRowGroup);
   fill_row(0.0f, Oi, groups * kRowGroup * d_pad);
@@ -178,7 +184,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block
-      group_gemm<kQkVecs>(kRowGroup, d, Qi + g0 * d, d, 1, KTj, L.Bc_pad, round_up(n_keys, W), S, L.Bc_pad, nullptr);
+      group_gemm<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.Bc_pad,
+                                                  round_up(n_keys, W), S, L.Bc_pad, nullptr);
       if (block == MaskBlock::partial)
         for (int64_t r = 0; r < group_rows; ++r) add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys, kLog2e);
 

@@ -41,24 +41,27 @@ inline float to_float(T x) { return static_cast<float>(x); }
 // through micro_gemm blocks of kAccumulators / NV rows × NV vectors. rows is a multiple of kRowGroup;
 // n_cols a whole number of vectors, taken kVecs at a time, then the remainder. A[r, k] is at
 // A + r·a_row + k·a_col (a_row = 1 reads a transposed matrix).
-template <int NV>
+// kRowsAdjacent: A's rows are adjacent (a_row = 1, known when compiling: micro_gemm's kRowsAdjacent).
+template <int NV, bool kRowsAdjacent = false>
 void gemm_block(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
                 float* C, int64_t ldc, const float* alpha) {
   constexpr int R = kAccumulators / NV;
   for (int64_t r = 0; r < rows; r += R)
-    micro_gemm<R, NV>(K, A + r * a_row, a_row, a_col, B, ldb, C + r * ldc, ldc, alpha ? alpha + r : nullptr);
+    micro_gemm<R, NV, kRowsAdjacent>(K, A + r * a_row, a_row, a_col, B, ldb, C + r * ldc, ldc,
+                                     alpha ? alpha + r : nullptr);
 }
-template <int kVecs>
+template <int kVecs, bool kRowsAdjacent = false>
 void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
                 int64_t n_cols, float* C, int64_t ldc, const float* alpha) {
   constexpr int64_t chunk = kVecs * W;
   int64_t c = 0;
-  for (; c + chunk <= n_cols; c += chunk) gemm_block<kVecs>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha);
+  for (; c + chunk <= n_cols; c += chunk)
+    gemm_block<kVecs, kRowsAdjacent>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha);
   switch ((n_cols - c) / W) {
     case 0: break;
-    case 1: gemm_block<1>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha); break;
-    case 2: gemm_block<2>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha); break;
-    case 3: gemm_block<3>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha); break;
+    case 1: gemm_block<1, kRowsAdjacent>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha); break;
+    case 2: gemm_block<2, kRowsAdjacent>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha); break;
+    case 3: gemm_block<3, kRowsAdjacent>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha); break;
   }
 }
 

@@ -435,11 +435,15 @@ inline void softmax_row(float* x, int64_t n) {
 // broadcast. B is read one row of NV vectors at a time, rows ldb apart. The R × NV block of C stays in
 // registers for the whole k loop, so each loaded B vector feeds R FMAs and each broadcast A element NV.
 // R · NV accumulators + NV B vectors + 1 broadcast must fit the register file (32 zmm, 16 ymm).
+// kRowsAdjacent: a_row is 1, known when compiling — the R broadcasts of a step then address A from one pointer
+// with constant offsets, where a row stride known only at run time takes R registers of addresses (more than
+// x86-64 has beside the loop's own, for R = 12: the compiler spilled them inside the k loop).
 // ---------------------------------------------------------------------------------------------------
-template <int R, int NV>
+template <int R, int NV, bool kRowsAdjacent = false>
 inline void micro_gemm(int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
                        float* C, int64_t ldc, const float* alpha) {
   constexpr int W = Vec::width;
+  if constexpr (kRowsAdjacent) a_row = 1;
   Vec acc[R][NV];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r) {
