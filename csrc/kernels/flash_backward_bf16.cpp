@@ -41,9 +41,12 @@ using flash_backward_onepass::visible_key_range;  // the one definition of which
 //   head_dim > 64: 64 query rows (less scratch per thread), and 256 keys on AMX: device host, 16 threads,
 //     (1,16,4096,128) backward x SDPA 1.57 against 1.14 with 128 keys, causal 1.54 against 1.38
 //     (benchmarks/results/backward_session4_backward_tiles.txt; 64x512 was faster causal but not otherwise and takes
-//     ~6 MiB more scratch there). 128 keys where the products are vdpbf16ps (avx512_bf16): not measured otherwise.
+//     ~6 MiB more scratch there); session 5, 64x256 1.74 / causal 1.78 against 64x128 1.45 / 1.51
+//     (s5_backward_tiles.txt). 128 keys where the products are vdpbf16ps (avx512_bf16): 64x256 within the dev box's
+//     noise of 64x128 there (s5_backward_devbox_tiles_avx512bf16.txt).
 // The 256-key tile fits the memory target (peak <= torch SDPA's backward) because the scores are handled in strips
-// of 32 keys (tile_pair) and whole strips of K and V are read in place: see Layout.
+// of 32 keys (tile_pair) and whole strips of K and V are read in place (Layout): (1,16,4096,128), 16 threads,
+// 87.9 MiB against SDPA's 89.1 (s5_backward_memory.txt); 92.3 MiB with whole-tile scratch.
 constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C: the strips of keys of tile_pair
 constexpr int64_t kMaxTile = 512;
 inline int64_t default_block_q(int64_t head_dim) { return head_dim > 64 ? 64 : 128; }

@@ -44,11 +44,15 @@ constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;  // 96 rows with AVX-512, 48 w
 // backward_session4_backward_tiles.txt, best of 2 calls on a noisy day: one tile size measured 25% apart in two):
 //   head_dim > 64, 96 keys: (1,16,4096,128) 96x96 1.22 / causal 1.27, ahead of 96x192 (1.18 / 1.22), 192x96 and
 //     192x192; 96x288 fastest causal (1.33) but slowest not (0.84).
-//   head_dim <= 64, 192 keys with AVX-512: (4,12,2048,64) 96x192 1.64 / causal 1.63 against 96x96 1.47 / 1.48
-//     (48x192 and 192x192 slower). AVX2 keeps 96 keys: not measured.
+//   32 < head_dim <= 64, 192 keys with AVX-512: (4,12,2048,64) 96x192 1.64 / causal 1.63 against 96x96 1.47 / 1.48
+//     (48x192 and 192x192 slower); session 5 (s5_backward_tiles.txt, also noisy: the same tiles measured 102 and
+//     128 ms there) (1,12,1024,64) 96x192 1.34-1.37 against 96x96 1.24, causal 1.92-1.97 against 1.97.
+//   head_dim <= 32, 96 keys: (1,4,1024,32) 96x96 3.41 / causal 3.35 against 96x192 3.03-3.08 / 2.92-3.01
+//     (s5_backward_tiles.txt).
+//   AVX2 keeps 96 keys everywhere: not measured.
 inline int64_t default_block_k(int64_t head_dim) {
 #if defined(CS149_ISA_AVX512)
-  if (head_dim <= 64) return round_up(192, kKeyAlign);
+  if (head_dim > 32 && head_dim <= 64) return round_up(192, kKeyAlign);
 #endif
   (void)head_dim;
   return round_up(96, kKeyAlign);
