@@ -4,10 +4,11 @@ Covered: gradients of cs149gpt.attention(impl="flash") in q, k, v against float6
 written from the definition (itself checked against torch's SDPA autograd): CS336's (4, 128, 64), odd 4-D
 shapes, 2-D to 6-D inputs, Nq != Nk both ways, GQA/MQA (dk/dv summed per group), both causal alignments,
 explicit scales, odd tiles, strided inputs (gradients land in the base tensor) and strided dout; k, v laid out
-fused or with an odd row stride give the bits of contiguous ones; bf16/fp16 gradients; rows that see no key; bitwise independence of the thread count; a float32 central finite-difference
-check; torch.library.opcheck of the three operators; torch.compile(fullgraph=True); the SDPA-signature wrapper
-(our path and every fallback); what autograd saves (O(N): q, k, v, out, lse); and argument errors of
-flash_attention_backward. Each main gradient test runs on every ISA (the `isa` fixture).
+fused or with an odd row stride give the bits of contiguous ones; bf16/fp16 gradients; rows that see no key;
+bitwise independence of the thread count; a float32 central finite-difference check; torch.library.opcheck of
+the three operators; torch.compile(fullgraph=True); the SDPA-signature wrapper (our path and every fallback);
+what autograd saves (O(N): q, k, v, out, lse); and argument errors of flash_attention_backward. Each main
+gradient test runs on every ISA (the `isa` fixture).
 
 Inputs come from fixed seeds. Loops collect every mismatch and report them all at once.
 """
