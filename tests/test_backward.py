@@ -3,11 +3,12 @@
 Covered: gradients of cs149gpt.attention(impl="flash") in q, k, v against float64 autograd of a reference
 written from the definition (itself checked against torch's SDPA autograd): CS336's (4, 128, 64), odd 4-D
 shapes, 2-D to 6-D inputs, Nq != Nk both ways, GQA/MQA (dk/dv summed per group), both causal alignments,
-explicit scales, odd tiles, strided inputs (gradients land in the base tensor) and strided dout; bf16/fp16
-gradients; rows that see no key; bitwise independence of the thread count; a float32 central finite-difference
-check; torch.library.opcheck of the three operators; torch.compile(fullgraph=True); the SDPA-signature wrapper
-(our path and every fallback); what autograd saves (O(N): q, k, v, out, lse); and argument errors of
-flash_attention_backward. Each main gradient test runs on every ISA (the `isa` fixture).
+explicit scales, odd tiles, strided inputs (gradients land in the base tensor) and strided dout; k, v laid out
+fused or with an odd row stride give the bits of contiguous ones; bf16/fp16 gradients; rows that see no key;
+bitwise independence of the thread count; a float32 central finite-difference check; torch.library.opcheck of
+the three operators; torch.compile(fullgraph=True); the SDPA-signature wrapper (our path and every fallback);
+what autograd saves (O(N): q, k, v, out, lse); and argument errors of flash_attention_backward. Each main
+gradient test runs on every ISA (the `isa` fixture).
 
 Inputs come from fixed seeds. Loops collect every mismatch and report them all at once.
 """
@@ -346,6 +347,48 @@ def test_low_precision_gradients(isa, dtype, backward_path):
                                     ((2, 6, 45, 17), (2, 3, 37, 17), True)]:
         q, k, v, dout = inputs(q_shape, kv_shape, g, dtype)
         check_grads(q, k, v, dout, failures, f"{dtype} {q_shape}/{kv_shape}", is_causal=mode)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("backward_path", ["one_pass", "one_pass_chunked"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_key_layout_does_not_change_the_bits(isa, dtype, backward_path):
+    """Gradients of k and v given as views of a fused (B, N, 3, H, d) tensor (rows 3·H·d apart), as views with an odd
+    row stride (d + 1), and as contiguous tensors are torch.equal, and within tolerance of float64 autograd. The
+    one-pass kernels read K (float32) or whole 32-key strips of K and V (bf16) in place where the rows allow and
+    pack them otherwise (an odd bf16 stride, the keys of a last partial strip): the values multiplied are the same
+    either way. Key tiles of 256 and 96 (key counts not a multiple of 32) and the default; causal and not; GQA."""
+    g = gen(712)
+    failures = []
+    for (b, hq, hkv, nq, nk, d), causal in [((1, 4, 2, 150, 300, 64), False), ((1, 2, 2, 200, 270, 128), True),
+                                            ((2, 2, 1, 77, 130, 32), "bottom_right")]:
+        q, dout = (randn(b, hq, nq, d, gen=g).to(dtype) for _ in range(2))
+        fused = randn(b, nk, 3, hkv, d, gen=g).to(dtype)
+        k_fused, v_fused = fused[:, :, 1].transpose(1, 2), fused[:, :, 2].transpose(1, 2)
+        k, v = k_fused.contiguous(), v_fused.contiguous()
+        want = ref_grads(q, k, v, dout, is_causal=causal)
+        for tiles in [(None, None), (64, 256), (64, 96)]:
+            label = f"{dtype} {(b, hq, hkv, nq, nk, d)} causal={causal} tiles={tiles}"
+            kwargs = dict(is_causal=causal, block_q=tiles[0], block_k=tiles[1])
+            base = check_grads(q, k, v, dout, failures, label, want=want, **kwargs)
+            for layout in ("fused", "odd stride"):
+                # views of leaves, so that the kernels see their strides (our_grads' clones would be contiguous)
+                if layout == "fused":
+                    leaf = fused.detach().clone().requires_grad_()
+                    kl, vl = leaf[:, :, 1].transpose(1, 2), leaf[:, :, 2].transpose(1, 2)
+                else:
+                    padded = [torch.zeros(b, hkv, nk, d + 1, dtype=dtype) for _ in range(2)]
+                    for t, src in zip(padded, (k, v)):
+                        t[..., :d] = src
+                    kl, vl = (t.requires_grad_()[..., :d] for t in padded)
+                assert kl.stride(-2) in (3 * hkv * d, d + 1)
+                ql = q.detach().clone().requires_grad_()
+                out = cs149gpt.attention(ql, kl, vl, **kwargs)
+                got = (out.detach(), *torch.autograd.grad(out, (ql, kl, vl), dout))
+                for name, a, c in zip(NAMES, got, base):
+                    if not torch.equal(a, c):
+                        failures.append(f"{label}: {name} with k, v {layout} differs from contiguous "
+                                        f"(max diff {(a.double() - c.double()).abs().max().item():.3g})")
     assert not failures, "\n".join(failures)
 
 

@@ -13,7 +13,9 @@
 // One task per (batch, kv head), as the float32 one-pass kernel: it owns dQ of its group's query heads and dK, dV
 // of its kv head, so the bits do not depend on the thread count. Memory per thread: the task's dQᵀ, lse and D, and
 // the task's Qᵀ and dOᵀ (packed once per task where small, kMaxCachedQuery; else per tile pair), and the tiles;
-// K_j and V_j are packed per key tile, Q_i and dO_i by rows per tile pair.
+// K_jᵀ is packed per key tile, Q_i and dO_i by rows per tile pair. The key tile goes through each tile pair in
+// strips of 32 keys: Sᵀ, dPᵀ, Pᵀ, dSᵀ are one strip's, and a whole strip of K_j, V_j is the products' A operand in
+// place (rows of k and v), so only a last partial strip is packed.
 //
 // A key tile whose K holds a NaN or an infinity takes dQᵀ += K_jᵀ dSᵀ key by key over each query's visible keys
 // instead (a hidden key has dS = 0, and 0 · inf would be NaN: README, "Non-finite values").
@@ -34,11 +36,27 @@ using flash::round_up;
 using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
 
-// Query tiles of 128 rows (64 for head_dim > 64: less scratch per thread), key tiles of 128 keys (the better of
-// 32-128 x 64-256 on the dev box, avx512_bf16); both whole dot-product steps (32) and at most kMaxTile.
-constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C
-constexpr int64_t kDefaultBlockK = 128, kMaxTile = 512;
+// Tiles, both whole dot-product steps (32) and at most kMaxTile:
+//   head_dim <= 64: 128 query rows x 128 keys (the better of 32-128 x 64-256 on the dev box, avx512_bf16);
+//   head_dim > 64: 64 query rows (less scratch per thread), and 256 keys on AMX: device host, 16 threads,
+//     (1,16,4096,128) backward x SDPA 1.57 against 1.14 with 128 keys, causal 1.54 against 1.38
+//     (benchmarks/results/backward_session4_backward_tiles.txt; 64x512 was faster causal but not otherwise and takes
+//     ~6 MiB more scratch there); session 5, 64x256 1.74 / causal 1.78 against 64x128 1.45 / 1.51
+//     (s5_backward_tiles.txt). 128 keys where the products are vdpbf16ps (avx512_bf16): 64x256 within the dev box's
+//     noise of 64x128 there (s5_backward_devbox_tiles_avx512bf16.txt).
+// The 256-key tile fits the memory target (peak <= torch SDPA's backward) because the scores are handled in strips
+// of 32 keys (tile_pair) and whole strips of K and V are read in place (Layout): (1,16,4096,128), 16 threads,
+// 87.9 MiB against SDPA's 89.1 (s5_backward_memory.txt); 92.3 MiB with whole-tile scratch.
+constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C: the strips of keys of tile_pair
+constexpr int64_t kMaxTile = 512;
 inline int64_t default_block_q(int64_t head_dim) { return head_dim > 64 ? 64 : 128; }
+inline int64_t default_block_k(int64_t head_dim) {
+#if defined(CS149_ISA_AMX)
+  return head_dim > 64 ? 256 : 128;
+#else
+  return 128;
+#endif
+}
 // A task packs Qᵀ and dOᵀ of its query rows once (instead of once per tile pair: a third of the pair's time on the
 // dev box) when they take at most this many bf16 each. Beyond, the cache would make the backward's memory exceed
 // torch's, which keeps a float32 dQ per thread as we do (1,16,4096,128: 89 MiB for torch, 121 with the cache).
@@ -47,22 +65,32 @@ constexpr float kLog2e = 1.44269504088896341f;
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
+// Whether the products may read whole 32-key strips of K and V in place as their A operand (rows lda apart):
+// head_dim a whole number of dot-product steps (no zero padding to add), and every row starting on a 4-byte
+// boundary with an even stride (vdpbf16ps reads A two bf16 at a time as one 32-bit word).
+inline bool rows_in_place(const void* base, const int64_t (&strides)[3], int64_t head_dim) {
+  return head_dim % kDotK == 0 && reinterpret_cast<uintptr_t>(base) % 4 == 0 && strides[0] % 2 == 0 &&
+         strides[1] % 2 == 0 && strides[2] % 2 == 0;
+}
+
 struct Layout {
-  int64_t Br, Bc, Tc, q_pad, d_k, d_n, group_size, chunks, pairs, tasks, threads;
-  bool cache_query;  // Qᵀ, dOᵀ packed once per task (else per tile pair)
+  int64_t Br, Bc, Tc, q_pad, d_k, d_n, group_size, chunks, pairs, tasks, threads, packed_keys;
+  bool cache_query;     // Qᵀ, dOᵀ packed once per task (else per tile pair)
+  bool keys_in_place;   // whole strips of K_j, V_j read in place; only a last partial strip is packed
   int64_t partial_dq, shared;  // with key chunks (flash_backward_onepass.cpp): each task's partial dQᵀ
-  // per thread, in floats: dQᵀ without key chunks (group × d_k × q_pad), lse·log2(e) and D (group × q_pad); K_j, V_j (Bc × d_k bf16),
-  // K_jᵀ (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
-// q_pad/Br × d_k × Br bf16), Q_i, dO_i in VNNI pairs (Br × d_n bf16);
-  // Sᵀ, dPᵀ (Bc × Br float32); Pᵀ, dSᵀ (Bc × Br bf16) and dSᵀ in VNNI pairs; dK_j, dV_j (Bc × d_n float32);
-  // each query column's visible keys (Br int32 twice)
+  // per thread, in floats: dQᵀ without key chunks (group × d_k × q_pad), lse·log2(e) and D (group × q_pad);
+  // K_j, V_j by rows (packed_keys × d_k bf16: the whole tile, or one strip of 32 keys when read in place), K_jᵀ
+  // (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
+  // q_pad/Br × d_k × Br bf16), else of one query tile; Q_i, dO_i in VNNI pairs (Br × d_n bf16);
+  // Sᵀ, dPᵀ of one strip (32 × Br float32); Pᵀ, dSᵀ of one strip (32 × Br bf16); dSᵀ of the tile in VNNI pairs
+  // (Bc × Br bf16); dK_j, dV_j (Bc × d_n float32); each query column's visible keys (Br int32 twice)
   int64_t dqt_off, lse2_off, delta_off, kr_off, vr_off, kt_off, qt_off, dot_off, qv_off, dov_off, st_off, dpt_off,
       pt_off, dst_off, dsv_off, dk_off, dv_off, begin_off, end_off, per_thread;
 
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kStep) : default_block_q(p.head_dim);
-    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kStep) : kDefaultBlockK;
+    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kStep) : default_block_k(p.head_dim);
     Br = std::min({Br, round_up(p.q_len, kStep), kMaxTile});
     Bc = std::min({Bc, round_up(p.kv_len, kStep), kMaxTile});
     q_pad = round_up(p.q_len, Br);
@@ -74,6 +102,8 @@ struct Layout {
     pairs = p.batch * p.num_kv_heads;
     tasks = pairs * chunks;
     threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
+    keys_in_place = rows_in_place(p.k, p.k_strides, p.head_dim) && rows_in_place(p.v, p.v_strides, p.head_dim);
+    packed_keys = keys_in_place ? kStep : Bc;
     const int64_t dq_size = group_size * d_k * q_pad;
     partial_dq = 0;
     shared = chunks > 1 ? tasks * dq_size : 0;
@@ -81,8 +111,8 @@ struct Layout {
     lse2_off = dqt_off + (chunks > 1 ? 0 : dq_size);
     delta_off = lse2_off + group_size * q_pad;
     kr_off = delta_off + group_size * q_pad;
-    vr_off = kr_off + floats_for(Bc * d_k);
-    kt_off = vr_off + floats_for(Bc * d_k);
+    vr_off = kr_off + floats_for(packed_keys * d_k);
+    kt_off = vr_off + floats_for(packed_keys * d_k);
     cache_query = group_size * d_k * q_pad <= kMaxCachedQuery;
     const int64_t query_t = cache_query ? group_size * d_k * q_pad : d_k * Br;
     qt_off = kt_off + floats_for(d_k * Bc);
@@ -90,10 +120,10 @@ struct Layout {
     qv_off = dot_off + floats_for(query_t);
     dov_off = qv_off + floats_for(Br * d_n);
     st_off = dov_off + floats_for(Br * d_n);
-    dpt_off = st_off + Bc * Br;
-    pt_off = dpt_off + Bc * Br;
-    dst_off = pt_off + floats_for(Bc * Br);
-    dsv_off = dst_off + floats_for(Bc * Br);
+    dpt_off = st_off + kStep * Br;
+    pt_off = dpt_off + kStep * Br;
+    dst_off = pt_off + floats_for(kStep * Br);
+    dsv_off = dst_off + floats_for(kStep * Br);
     dk_off = dsv_off + floats_for(Bc * Br);
     dv_off = dk_off + Bc * d_n;
     begin_off = dv_off + Bc * d_n;
@@ -165,32 +195,66 @@ void pack_query_tiles(const AttentionBackwardParams& bp, const Layout& L, int64_
   }
 }
 
-// Key tile [j0, j0 + n_keys) of kv head (b, kvh): K_j and V_j by rows, K_jᵀ; zero past the keys and head_dim.
-// Returns whether K_j is all finite.
-bool pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j0, int64_t n_keys,
-                   const Scratch& s) {
+// Key tile [j0, j0 + n_keys) of kv head (b, kvh): where its rows are, and whether K_j is all finite.
+struct KeyTile {
+  int64_t j0, n_keys;
+  const bf16_bits *K, *V;  // its first key and value rows in k and v, rows k_ld and v_ld apart
+  int64_t k_ld, v_ld;
+  bool k_finite;
+};
+
+// Packs key tile [j0, j0 + n_keys) of kv head (b, kvh): K_jᵀ (zero past the keys and head_dim), and K_j, V_j by rows
+// (zero past the keys and head_dim): all of them, or where whole strips are read in place (L.keys_in_place) only
+// the keys of a last partial strip, from row 0.
+KeyTile pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j0, int64_t n_keys,
+                      const Scratch& s) {
   const int64_t d = p.head_dim;
-  std::fill(s.Kr, s.Kr + L.Bc * L.d_k, bf16_bits{0});
-  std::fill(s.Vr, s.Vr + L.Bc * L.d_k, bf16_bits{0});
+  const KeyTile tile{j0,          n_keys, row_of(p.k, p.k_strides, b, kvh, j0), row_of(p.v, p.v_strides, b, kvh, j0),
+                     p.k_strides[2], p.v_strides[2], true};
+  const int64_t packed_from = L.keys_in_place ? n_keys / kStep * kStep : 0;  // keys before it: read in place
+  std::fill(s.Kr, s.Kr + L.packed_keys * L.d_k, bf16_bits{0});
+  std::fill(s.Vr, s.Vr + L.packed_keys * L.d_k, bf16_bits{0});
   std::fill(s.KT, s.KT + L.d_k * L.Bc, bf16_bits{0});
   bool finite = true;
   for (int64_t t = 0; t < n_keys; ++t) {
-    const bf16_bits *k = row_of(p.k, p.k_strides, b, kvh, j0 + t), *v = row_of(p.v, p.v_strides, b, kvh, j0 + t);
-    std::copy(k, k + d, s.Kr + t * L.d_k);
-    std::copy(v, v + d, s.Vr + t * L.d_k);
+    const bf16_bits *k = tile.K + t * tile.k_ld, *v = tile.V + t * tile.v_ld;
+    if (t >= packed_from) {
+      std::copy(k, k + d, s.Kr + (t - packed_from) * L.d_k);
+      std::copy(v, v + d, s.Vr + (t - packed_from) * L.d_k);
+    }
     for (int64_t c = 0; c < d; ++c) {
       s.KT[c * L.Bc + t] = k[c];
       finite = finite && finite_bf16(k[c]);
     }
   }
-  return finite;
+  KeyTile result = tile;
+  result.k_finite = finite;
+  return result;
 }
 
-// One tile pair: query rows [i0, i0 + Br) of head h (group member g) against key tile [j0, j0 + n_keys).
+// The A operand of the strip of keys [t0, t0 + 32) of a key tile, rows *ld apart: in k or v where the strip is whole
+// and L.keys_in_place, else the packed rows (pack_key_tile).
+inline const bf16_bits* key_strip(const Layout& L, const KeyTile& tile, const bf16_bits* in_place, int64_t ld,
+                                  const bf16_bits* packed, int64_t t0, int64_t* strip_ld) {
+  if (!L.keys_in_place) {
+    *strip_ld = L.d_k;
+    return packed + t0 * L.d_k;
+  }
+  if (t0 + kStep <= tile.n_keys) {
+    *strip_ld = ld;
+    return in_place + t0 * ld;
+  }
+  *strip_ld = L.d_k;
+  return packed;  // the last, partial strip
+}
+
+// One tile pair: query rows [i0, i0 + Br) of head h (group member g) against a key tile. The keys go through in
+// strips of 32 (AMX's blocks of C rows, the products' own order, so the bits are those of whole-tile products):
+// Sᵀ, dPᵀ, Pᵀ, dSᵀ exist one strip at a time, which keeps the scratch of a 256-key tile within the memory target.
 void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, int64_t g, int64_t i0,
-               int64_t j0, int64_t n_keys, bool k_finite, const Scratch& s) {
+               const KeyTile& tile, const Scratch& s) {
   const AttentionParams& p = bp.fwd;
-  const int64_t d = p.head_dim, Br = L.Br, rows = std::min(Br, p.q_len - i0);
+  const int64_t d = p.head_dim, Br = L.Br, rows = std::min(Br, p.q_len - i0), j0 = tile.j0, n_keys = tile.n_keys;
 
   // Each query column's visible keys in this tile, [begin, end); the columns and key rows some query sees.
   int64_t first_col = Br, last_col = 0, max_end = 0;
@@ -225,33 +289,44 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   pack_vnni_rows(rows, d, Q, p.q_strides[2], s.Qv, L.d_n);
   pack_vnni_rows(rows, d, dO, bp.dout_strides[2], s.dOv, L.d_n);
 
-  // Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ   (m_keys × n_q, float32)
-  bf16_gemm(m_keys, n_q, L.d_k, s.Kr, L.d_k, QT + b_tile_offset(0, c0, Br), Br, s.ST + c0, Br, false);
-  bf16_gemm(m_keys, n_q, L.d_k, s.Vr, L.d_k, dOT + b_tile_offset(0, c0, Br), Br, s.dPT + c0, Br, false);
-
-  // Pᵀ, dSᵀ in bf16, 0 where the query does not see the key
   const float *lse2 = s.lse2 + g * L.q_pad + i0, *delta = s.delta + g * L.q_pad + i0;
-  for (int64_t t = 0; t < m_keys; ++t)
-    softmax_backward_row_to_bf16(s.ST + t * Br + c0, s.dPT + t * Br + c0, lse2 + c0, delta + c0, s.begin + c0,
-                                 s.end + c0, static_cast<int32_t>(t), p.scale, n_q, s.PT + t * Br + c0,
-                                 s.dST + t * Br + c0);
+  float* dQT = s.dQT + g * L.d_k * L.q_pad + i0;
+  for (int64_t t0 = 0; t0 < m_keys; t0 += kStep) {
+    // Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ   (the strip's 32 keys × n_q, float32)
+    int64_t k_ld, v_ld;
+    const bf16_bits* K = key_strip(L, tile, tile.K, tile.k_ld, s.Kr, t0, &k_ld);
+    const bf16_bits* V = key_strip(L, tile, tile.V, tile.v_ld, s.Vr, t0, &v_ld);
+    bf16_gemm(kStep, n_q, L.d_k, K, k_ld, QT + b_tile_offset(0, c0, Br), Br, s.ST + c0, Br, false);
+    bf16_gemm(kStep, n_q, L.d_k, V, v_ld, dOT + b_tile_offset(0, c0, Br), Br, s.dPT + c0, Br, false);
 
-  // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (k: the query rows [c0, c1))
-  bf16_gemm(m_keys, L.d_n, n_q, s.PT + c0, Br, s.dOv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dV, L.d_n, true);
-  bf16_gemm(m_keys, L.d_n, n_q, s.dST + c0, Br, s.Qv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dK, L.d_n, true);
+    // Pᵀ, dSᵀ in bf16, 0 where the query does not see the key
+    for (int64_t t = 0; t < kStep; ++t)
+      softmax_backward_row_to_bf16(s.ST + t * Br + c0, s.dPT + t * Br + c0, lse2 + c0, delta + c0, s.begin + c0,
+                                   s.end + c0, static_cast<int32_t>(t0 + t), p.scale, n_q, s.PT + t * Br + c0,
+                                   s.dST + t * Br + c0);
+
+    // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (the strip's rows of dV_j, dK_j; k: the query rows [c0, c1))
+    bf16_gemm(kStep, L.d_n, n_q, s.PT + c0, Br, s.dOv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dV + t0 * L.d_n,
+              L.d_n, true);
+    bf16_gemm(kStep, L.d_n, n_q, s.dST + c0, Br, s.Qv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dK + t0 * L.d_n,
+              L.d_n, true);
+
+    // dSᵀ of the strip into the VNNI pairs of the tile's (B of dQᵀ below: k = key); or, where K_j is not all
+    // finite, dQᵀ += K_jᵀ dSᵀ key by key over each query's visible keys of the strip (the same order of sums)
+    if (tile.k_finite) {
+      pack_vnni_rows(kStep, n_q, s.dST + c0, Br, s.dSv + b_tile_offset(t0, 0, Br), Br);
+    } else {
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t t = std::max<int64_t>(s.begin[c], t0); t < std::min<int64_t>(s.end[c], t0 + kStep); ++t) {
+          const float ds = from_bf16(s.dST[(t - t0) * Br + c]);
+          const bf16_bits* k = tile.K + t * tile.k_ld;
+          for (int64_t e = 0; e < d; ++e) dQT[e * L.q_pad + c] += ds * from_bf16(k[e]);
+        }
+    }
+  }
 
   // dQ_iᵀ += K_jᵀ dSᵀ   (d_k × n_q; k: the keys)
-  float* dQT = s.dQT + g * L.d_k * L.q_pad + i0;
-  if (k_finite) {
-    pack_vnni_rows(m_keys, n_q, s.dST + c0, Br, s.dSv, Br);
-    bf16_gemm(L.d_k, n_q, m_keys, s.KT, L.Bc, s.dSv, Br, dQT + c0, L.q_pad, true);
-  } else {
-    for (int64_t c = c0; c < c1; ++c)
-      for (int64_t t = s.begin[c]; t < s.end[c]; ++t) {
-        const float ds = from_bf16(s.dST[t * Br + c]);
-        for (int64_t e = 0; e < d; ++e) dQT[e * L.q_pad + c] += ds * from_bf16(s.Kr[t * L.d_k + e]);
-      }
-  }
+  if (tile.k_finite) bf16_gemm(L.d_k, n_q, m_keys, s.KT, L.Bc, s.dSv, Br, dQT + c0, L.q_pad, true);
 }
 
 // The task of chunk `chunk` of kv head kvh in batch b (key tiles [chunk·Tc/C, (chunk+1)·Tc/C)): dK, dV of its keys,
@@ -268,11 +343,11 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
 
   for (int64_t j = chunk * L.Tc / L.chunks; j < (chunk + 1) * L.Tc / L.chunks; ++j) {
     const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
-    const bool k_finite = pack_key_tile(p, L, b, kvh, j0, n_keys, s);
+    const KeyTile tile = pack_key_tile(p, L, b, kvh, j0, n_keys, s);
     fill_row(0.0f, s.dK, L.Bc * L.d_n);
     fill_row(0.0f, s.dV, L.Bc * L.d_n);
     for (int64_t g = 0; g < L.group_size; ++g)
-      for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br) tile_pair(bp, L, b, h0 + g, g, i0, j0, n_keys, k_finite, s);
+      for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br) tile_pair(bp, L, b, h0 + g, g, i0, tile, s);
     auto* dk_out = static_cast<c10::BFloat16*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] +
                    j0 * bp.dk_strides[2];
     auto* dv_out = static_cast<c10::BFloat16*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] +

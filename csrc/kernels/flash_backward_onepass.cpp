@@ -22,7 +22,8 @@
 //
 // Memory: per thread, one task's dQ accumulator, D and lse (its group's query rows) and the tiles; nothing is
 // packed for the whole tensor. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values
-// against the pair's 10·Br·Bc·d FLOPs), K_jᵀ, V_jᵀ and K_j once per key tile.
+// against the pair's 10·Br·Bc·d FLOPs), K_jᵀ, V_jᵀ and K_j once per key tile (K_j is read in place where it is
+// float32 rows of whole vectors already).
 //
 // Which keys a query row sees is decided in one place, visible_key_range(); everything else follows from it.
 #include "flash_common.h"
@@ -38,11 +39,24 @@ namespace flash_backward_onepass {
 using namespace flash;
 
 // Key tiles: multiples of kKeyAlign (flash_common.h).
-constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
-// Key tiles of 96 keys. Device host, 16 threads, (1,16,4096,128) float32 (benchmarks/results/
-// backward_session4_tiles.txt, a noisy day: one tile size measured 25% apart in two calls): 96x96 ahead of 96x192,
-// 192x96 and 192x192 causal and not; 96x288 fastest causal, slowest not.
-const int64_t kDefaultBlockK = round_up(96, kKeyAlign);
+constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;  // 96 rows with AVX-512, 48 with AVX2
+// Key tiles, from the device host's sweep at 16 threads, float32, backward x SDPA (benchmarks/results/
+// backward_session4_backward_tiles.txt, best of 2 calls on a noisy day: one tile size measured 25% apart in two):
+//   head_dim > 64, 96 keys: (1,16,4096,128) 96x96 1.22 / causal 1.27, ahead of 96x192 (1.18 / 1.22), 192x96 and
+//     192x192; 96x288 fastest causal (1.33) but slowest not (0.84).
+//   32 < head_dim <= 64, 192 keys with AVX-512: (4,12,2048,64) 96x192 1.64 / causal 1.63 against 96x96 1.47 / 1.48
+//     (48x192 and 192x192 slower); session 5 (s5_backward_tiles.txt, also noisy: the same tiles measured 102 and
+//     128 ms there) (1,12,1024,64) 96x192 1.34-1.37 against 96x96 1.24, causal 1.92-1.97 against 1.97.
+//   head_dim <= 32, 96 keys: (1,4,1024,32) 96x96 3.41 / causal 3.35 against 96x192 3.03-3.08 / 2.92-3.01
+//     (s5_backward_tiles.txt).
+//   AVX2 keeps 96 keys everywhere: not measured.
+inline int64_t default_block_k(int64_t head_dim) {
+#if defined(CS149_ISA_AVX512)
+  if (head_dim > 32 && head_dim <= 64) return round_up(192, kKeyAlign);
+#endif
+  (void)head_dim;
+  return round_up(96, kKeyAlign);
+}
 constexpr int64_t kMaxTile = 512;
 constexpr int64_t kMaxRows = (kMaxTile + kRowGroup - 1) / kRowGroup * kRowGroup;  // Br ≤ this
 
@@ -63,11 +77,14 @@ inline KeyRange visible_in_tile(const AttentionParams& p, int64_t i, int64_t j0,
 
 struct Layout {
   int64_t Br, Bc, Tr, Tc, q_pad, d_pad, group_size, chunks, pairs, tasks, threads;
+  // K_j by rows (B of dQ_i += dS K_j) read in place from k: float32 rows of whole vectors (no padding to add). Saves
+  // Bc x d_pad floats per thread: (1,12,1024,64) with 192-key tiles stays under torch SDPA's backward memory.
+  bool k_rows_in_place;
   // shared, with key chunks: each task's partial dQ (tasks × group_size × q_pad × d_pad).
   int64_t partial_dq, shared;
   // per thread: dQ of the task's group without key chunks (group_size × q_pad × d_pad), D and lse (group_size ×
   // q_pad);
-  // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones
+  // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad, unless read in place); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones
   int64_t dq_off, delta_off, lse_off, kt_off, vt_off, kr_off, qi_off, doi_off, p_off, ds_off, dk_off, dv_off, ones_off,
       per_thread;
 
@@ -75,7 +92,7 @@ struct Layout {
     const AttentionParams& p = bp.fwd;
     // A caller's tile is clamped to the sequence (module.cpp) before it is rounded up.
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kRowGroup) : kDefaultBlockQ;
-    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kKeyAlign) : kDefaultBlockK;
+    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kKeyAlign) : default_block_k(p.head_dim);
     // At most kMaxTile: the tiles' scratch (Br × Bc) stays small whatever a caller asks.
     Br = std::min({Br, round_up(p.q_len, kRowGroup), kMaxRows});
     Bc = std::min({Bc, round_up(p.kv_len, kKeyAlign), round_up(kMaxTile, kKeyAlign)});
@@ -83,6 +100,7 @@ struct Layout {
     Tc = (p.kv_len + Bc - 1) / Bc;
     q_pad = Tr * Br;
     d_pad = round_up(p.head_dim, W);
+    k_rows_in_place = p.dtype == DType::f32 && d_pad == p.head_dim;
     group_size = p.num_heads / p.num_kv_heads;
     chunks = std::clamp<int64_t>(bp.key_chunks, 1, Tc);
     pairs = p.batch * p.num_kv_heads;
@@ -97,7 +115,7 @@ struct Layout {
     kt_off = lse_off + group_size * q_pad;
     vt_off = kt_off + p.head_dim * Bc;
     kr_off = vt_off + p.head_dim * Bc;
-    qi_off = kr_off + Bc * d_pad;
+    qi_off = kr_off + (k_rows_in_place ? 0 : Bc * d_pad);
     doi_off = qi_off + Br * d_pad;
     p_off = doi_off + Br * d_pad;
     ds_off = p_off + Br * Bc;
@@ -148,21 +166,24 @@ void pack_rows(const void* base, const int64_t (&strides)[3], const AttentionPar
   }
 }
 
-// Key tile j of kv head (b, kvh): K_jᵀ and V_jᵀ (d × Bc), K_j by rows (Bc × d_pad); zero past the keys.
+// Key tile j of kv head (b, kvh): K_jᵀ and V_jᵀ (d × Bc), K_j by rows (Bc × d_pad, unless L.k_rows_in_place); zero
+// past the keys.
 template <class T>
 void pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j0, float* kt,
                    float* vt, float* kr) {
   const int64_t d = p.head_dim, cols = std::min(L.Bc, p.kv_len - j0);
   fill_row(0.0f, kt, d * L.Bc);
   fill_row(0.0f, vt, d * L.Bc);
-  fill_row(0.0f, kr, L.Bc * L.d_pad);
+  if (!L.k_rows_in_place) fill_row(0.0f, kr, L.Bc * L.d_pad);
   for (int64_t t = 0; t < cols; ++t) {
     const T* k = row_of<T>(p.k, p.k_strides, b, kvh, j0 + t);
     const T* v = row_of<T>(p.v, p.v_strides, b, kvh, j0 + t);
     for (int64_t c = 0; c < d; ++c) {
-      kt[c * L.Bc + t] = kr[t * L.d_pad + c] = to_float(k[c]);
+      kt[c * L.Bc + t] = to_float(k[c]);
       vt[c * L.Bc + t] = to_float(v[c]);
     }
+    if (!L.k_rows_in_place)
+      for (int64_t c = 0; c < d; ++c) kr[t * L.d_pad + c] = to_float(k[c]);
   }
 }
 
@@ -188,7 +209,15 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   const int64_t n_cols = round_up(max_end, kKeyAlign);  // whole vectors (S's columns), whole row groups (dK's rows)
 
   float *Qi = scratch + L.qi_off, *dOi = scratch + L.doi_off, *P = scratch + L.p_off, *dS = scratch + L.ds_off;
-  const float *KTj = scratch + L.kt_off, *VTj = scratch + L.vt_off, *Kj = scratch + L.kr_off;
+  const float *KTj = scratch + L.kt_off, *VTj = scratch + L.vt_off;
+  // K_j by rows, k_ld apart: the packed copy, or k itself (float32 rows of d_pad values; only the visible keys of
+  // the tile, [0, n_keys), are read below).
+  const float* Kj = scratch + L.kr_off;
+  int64_t k_ld = d_pad;
+  if (L.k_rows_in_place) {
+    Kj = static_cast<const float*>(p.k) + b * p.k_strides[0] + kv_head(p, h) * p.k_strides[1] + j0 * p.k_strides[2];
+    k_ld = p.k_strides[2];
+  }
   float *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
   const float* ones = scratch + L.ones_off;
   pack_rows<T>(p.q, p.q_strides, p, L, b, h, i0, Qi);
@@ -238,18 +267,18 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
     shared_end = std::max(shared_begin, shared_end);
     if (shared_end > shared_begin)
       group_gemm<kPvVecs>(kRowGroup, shared_end - shared_begin, dS + g0 * Bc + shared_begin, Bc, 1,
-                          Kj + shared_begin * d_pad, d_pad, d_pad, dQi + g0 * d_pad, d_pad, ones);
+                          Kj + shared_begin * k_ld, k_ld, d_pad, dQi + g0 * d_pad, d_pad, ones);
     for (int64_t r = g0; r < g0 + kRowGroup; ++r) {
       const KeyRange k = ranges[r];
       const float* dsr = dS + r * Bc;
       float* dq = dQi + r * d_pad;
       if (shared_end > shared_begin) {  // the row's keys outside the shared ones
         if (k.begin < shared_begin)
-          weighted_row_sum<true>(dsr + k.begin, Kj + k.begin * d_pad, d_pad, shared_begin - k.begin, dq, d_pad);
+          weighted_row_sum<true>(dsr + k.begin, Kj + k.begin * k_ld, k_ld, shared_begin - k.begin, dq, d_pad);
         if (k.end > shared_end)
-          weighted_row_sum<true>(dsr + shared_end, Kj + shared_end * d_pad, d_pad, k.end - shared_end, dq, d_pad);
+          weighted_row_sum<true>(dsr + shared_end, Kj + shared_end * k_ld, k_ld, k.end - shared_end, dq, d_pad);
       } else if (k.end > k.begin) {
-        weighted_row_sum<true>(dsr + k.begin, Kj + k.begin * d_pad, d_pad, k.end - k.begin, dq, d_pad);
+        weighted_row_sum<true>(dsr + k.begin, Kj + k.begin * k_ld, k_ld, k.end - k.begin, dq, d_pad);
       }
     }
   }
