@@ -15,8 +15,8 @@
 // (rare) tile takes P V row by row over each row's visible keys instead (README, "Non-finite values").
 //
 // float16 (on AMX only) takes the same path with every operand in two bf16 parts, x = hi + lo (bf16_gemm.h,
-// split_bf16): the tile products run at ~13× the float32 FMA rate, so three of them beat one float32 product;
-// see query_tile for the arithmetic.
+// split_bf16): the tile products run at ~13× the float32 FMA rate, so the seven products this takes (four for S,
+// three for P·V) still cost less than the two in float32 (flash.cpp); query_tile has the arithmetic.
 #include "../attention.h"
 #include "bf16_gemm.h"
 #include "flash_common.h"
@@ -212,9 +212,9 @@ struct PToBf16Split {
 // With q = qh + ql, k = kh + kl (|ql| ≤ 2^-8·|q|, |kl| ≤ 2^-8·|k|):
 //   q·k = qh·kh + qh·kl + ql·kh + ql·kl,
 // each product of two bf16 exact in float32 and the tiles accumulating in float32: S is what float32 arithmetic
-// gives (the last product, ≤ 2^-16·Σ|q_c·k_c|, would still move a logit of 10 by 1.5e-4 relative: lse would be
-// less accurate than float32's). For P·V, P (float32, in [0, 1]) is split the same way, P ≈ Ph + Pl to 2^-17
-// relative, and V = Vh + Vl exactly:
+// gives. (Without the last product, up to 2^-16·Σ|q_c·k_c|, lse missed float32's accuracy: off by 1.5e-5 in
+// tests/test_flash.py's Nq ≠ Nk test on the dev box.) For P·V, P (float32, in [0, 1]) is split the same way,
+// P ≈ Ph + Pl to 2^-17 relative, and V = Vh + Vl exactly:
 //   P·V ≈ Ph·Vh + Ph·Vl + Pl·Vh,   off by at most (2^-16 + 2^-17)·Σ P·|V|,
 // far below float16's rounding of the output (2^-11 relative). The tile products run at ~13× the float32 FMA
 // rate: these seven cost about a quarter of the two products in float32 (flash.cpp). Where Q_g or K_j holds an
