@@ -6,6 +6,9 @@
 //   CS149_ISA_AVX512_BF16  vdpbf16ps: each of 16 float32 lanes gains a[0]·b[0] + a[1]·b[1] for a pair of bf16;
 //                          an 8-row × 3-vector block of C lives in 24 zmm registers, as in simd.h's micro_gemm.
 // The attention algorithm (flash_bf16.cpp) calls bf16_gemm and never sees a tile or a vector register.
+// float16 on the same hardware (flash_bf16.cpp on AMX): each operand is split into two bf16 parts, x = hi + lo
+// (split_fp16_row, the *_split packers, exp_shifted_sum_to_bf16_split), and bf16_gemm_split multiplies
+// (Ah + Al)·(Bh + Bl) as the products Ah·Bl + Al·Bh + Ah·Bh (+ Al·Bl) into the same float32 accumulators.
 //
 // Operand layouts (the packing functions below write them):
 //   A  M × K bf16, row-major, rows lda elements apart.
@@ -18,6 +21,7 @@
 //   M a multiple of kDotRows, N of kDotCols, K of kDotK (callers pad with zeros).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "simd.h"
@@ -63,6 +67,93 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
     _mm256_mask_storeu_epi16(y + c, lanes, (__m256i)_mm512_cvtneps_pbh(e));
   }
   for (c = n; c < n_pad; ++c) y[c] = 0;
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Two-part bf16 (flash_bf16.cpp's float16 path). x = hi + lo with hi = bf16(x) and lo = bf16(x − hi), both
+// rounded to nearest even: |x − hi| ≤ 2^-8·|x|, and x − hi (exact in float32) is rounded once more, so
+// |x − hi − lo| ≤ 2^-17·|x|. A float16 x has 11 significant bits, hi takes the first 8 and x − hi has at most 3
+// left (with x's exponent range, fp16 subnormals included, well inside bf16's): for float16, hi + lo = x exactly.
+// lo is 0 where hi is ±inf or NaN (x − hi would be NaN: inf − inf), so hi + lo is still x, and below 2^-100
+// (only weights P get there, where 2^-100 absolute is nothing): there x − hi could be a float32 subnormal, and
+// on the device host's Xeon an instruction whose result underflows costs a microcode assist (simd.h, exp).
+// Returns the lanes whose hi is finite.
+// ---------------------------------------------------------------------------------------------------
+inline __mmask16 split_bf16(__m512 x, __m256i* hi, __m256i* lo) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  const __m512 h_f32 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  const __m512 magnitude = _mm512_abs_ps(h_f32);
+  const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
+  const __mmask16 has_lo = _mm512_mask_cmp_ps_mask(finite, magnitude, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+  *hi = h;
+  *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(has_lo, x, h_f32));
+  return finite;
+}
+
+inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+// hi[c] + lo[c] = x[c] for n float16 values (bits), zero from n to n_pad; returns how many x are ±inf or NaN.
+inline int64_t split_fp16_row(const uint16_t* x, int64_t n, bf16_bits* hi, bf16_bits* lo, int64_t n_pad) {
+  int64_t nonfinite = 0;
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 lanes = lanes_below(n - c);
+    __m256i h, l;
+    const __mmask16 finite = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, x + c)), &h, &l);
+    nonfinite += _mm_popcnt_u32(lanes & ~finite);
+    _mm256_mask_storeu_epi16(hi + c, lanes, h);
+    _mm256_mask_storeu_epi16(lo + c, lanes, l);
+  }
+  std::fill(hi + n, hi + n_pad, bf16_bits{0});
+  std::fill(lo + n, lo + n_pad, bf16_bits{0});
+  return nonfinite;
+}
+
+// hi[c] + lo[c] ≈ x[c] (to 2^-17 relative) for n floats, zero from n to n_pad: P after dropout.
+inline void split_f32_row(const float* x, int64_t n, bf16_bits* hi, bf16_bits* lo, int64_t n_pad) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 lanes = lanes_below(n - c);
+    __m256i h, l;
+    split_bf16(_mm512_maskz_loadu_ps(lanes, x + c), &h, &l);
+    _mm256_mask_storeu_epi16(hi + c, lanes, h);
+    _mm256_mask_storeu_epi16(lo + c, lanes, l);
+  }
+  std::fill(hi + n, hi + n_pad, bf16_bits{0});
+  std::fill(lo + n, lo + n_pad, bf16_bits{0});
+}
+
+// exp_shifted_sum_to_bf16 for the two-part P: hi[c] + lo[c] ≈ exp(scale·x[c] − shift) to 2^-17 relative, with
+// simd.h's degree-6 2^ (8.4e-8 relative) since P is no longer rounded to 8 bits.
+inline float exp_shifted_sum_to_bf16_split(const float* x, float shift, int64_t n, float scale, bf16_bits* hi,
+                                           bf16_bits* lo, int64_t n_pad) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  const __m512 a = _mm512_set1_ps(scale * kLog2e), s = _mm512_set1_ps(-shift * kLog2e);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight
+    const __m512 e0 = exp2_poly<6>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
+    const __m512 e1 = exp2_poly<6>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+    __m256i h0, l0, h1, l1;
+    split_bf16(e0, &h0, &l0);
+    split_bf16(e1, &h1, &l1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), h0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c + 16), h1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), l0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c + 16), l1);
+  }
+  for (; c < n; c += 16) {
+    const __mmask16 lanes = lanes_below(n - c);
+    const __m512 u = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, x + c), a, s);
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_poly<6>(u));
+    sum0 = _mm512_add_ps(sum0, e);
+    __m256i h, l;
+    split_bf16(e, &h, &l);
+    _mm256_mask_storeu_epi16(hi + c, lanes, h);
+    _mm256_mask_storeu_epi16(lo + c, lanes, l);
+  }
+  for (c = n; c < n_pad; ++c) hi[c] = lo[c] = 0;
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
@@ -141,6 +232,53 @@ inline void pack_vnni_transposed(int64_t K, int64_t N, const bf16_bits* src, int
     }
     if (k < K) words[vnni_index(k, n, ldb) / 2] = row[k];  // odd K: the last pair's second half is the zero padding
   }
+}
+
+// The same two packings from float16 (bits), into a hi and a lo operand of the same layout (split_bf16): pairs of
+// rows become VNNI pairs after the split (rows), or a key row's 32 values become 16 pairs scattered down one
+// column of a tile (transposed). Both return how many values are ±inf or NaN.
+inline int64_t pack_vnni_rows_split(int64_t K, int64_t N, const uint16_t* src, int64_t ld, bf16_bits* Bh,
+                                    bf16_bits* Bl, int64_t ldb) {
+  int64_t nonfinite = 0;
+  for (int64_t k = 0; k < K; k += 2) {
+    const uint16_t *even = src + k * ld, *odd = even + ld;
+    for (int64_t n = 0; n < N; n += 16) {
+      const __mmask16 lanes = lanes_below(N - n), odd_lanes = k + 1 < K ? lanes : 0;
+      __m256i he, le, ho, lo;
+      const __mmask16 fe = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, even + n)), &he, &le);
+      const __mmask16 fo = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(odd_lanes, odd + n)), &ho, &lo);
+      nonfinite += _mm_popcnt_u32(lanes & ~fe) + _mm_popcnt_u32(odd_lanes & ~fo);
+      const auto pairs = [](__m256i first, __m256i second) {  // 16 pairs (first[c], second[c])
+        return _mm512_or_si512(_mm512_cvtepu16_epi32(first), _mm512_slli_epi32(_mm512_cvtepu16_epi32(second), 16));
+      };
+      _mm512_mask_storeu_epi32(Bh + vnni_index(k, n, ldb), lanes, pairs(he, ho));
+      _mm512_mask_storeu_epi32(Bl + vnni_index(k, n, ldb), lanes, pairs(le, lo));
+    }
+  }
+  return nonfinite;
+}
+inline int64_t pack_vnni_transposed_split(int64_t K, int64_t N, const uint16_t* src, int64_t ld, bf16_bits* Bh,
+                                          bf16_bits* Bl, int64_t ldb) {
+  const __m512i down_a_column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                    1, 0), _mm512_set1_epi32(16));  // VNNI rows, in words
+  int64_t nonfinite = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const uint16_t* row = src + n * ld;
+    for (int64_t k = 0; k < K; k += 32) {
+      const __mmask16 first = lanes_below(K - k), second = K - k > 16 ? lanes_below(K - k - 16) : 0;
+      __m256i h0, l0, h1, l1;
+      const __mmask16 f0 = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first, row + k)), &h0, &l0);
+      const __mmask16 f1 = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(second, row + k + 16)), &h1, &l1);
+      nonfinite += _mm_popcnt_u32(first & ~f0) + _mm_popcnt_u32(second & ~f1);
+      const __mmask16 pairs = lanes_below((std::min<int64_t>(K - k, 32) + 1) / 2);  // odd K: padding's 0 in the last
+      const int64_t at = vnni_index(k, n, ldb);
+      _mm512_mask_i32scatter_epi32(Bh + at, pairs, down_a_column,
+                                   _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), 4);
+      _mm512_mask_i32scatter_epi32(Bl + at, pairs, down_a_column,
+                                   _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1), 4);
+    }
+  }
+  return nonfinite;
 }
 
 #if defined(CS149_ISA_AMX)
@@ -240,6 +378,93 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
   }
 }
 
+// C (+)= (Ah + Al)·(Bh + Bl) over the same 2 × 2 (NB = 2) or 2 × 1 block of C tiles as amx_block, as the
+// products Ah·Bl + Ah·Bh + Al·Bh (+ Al·Bl with kLoLo; without, below 2^-16 of the whole, it is left out) per k
+// step into the same accumulators. The order lets each operand load feed the next product: Ah stays for the
+// first two, Bh for the next, Al for the last two: 8 tile loads per 12 products (NB = 2), 10 per 16 with kLoLo.
+template <int NB, bool kLoLo>
+inline void amx_block_split(int64_t K, const bf16_bits* Ah, const bf16_bits* Al, int64_t lda, const bf16_bits* Bh,
+                            const bf16_bits* Bl, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  const int64_t a_stride = lda * 2, b_stride = 64, c_stride = ldc * 4;  // bytes (a B tile is contiguous)
+  if (accumulate) {
+    _tile_loadd(0, C, c_stride);
+    _tile_loadd(2, C + 16 * ldc, c_stride);
+    if (NB == 2) {
+      _tile_loadd(1, C + 16, c_stride);
+      _tile_loadd(3, C + 16 * ldc + 16, c_stride);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (NB == 2) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t k = 0; k < K; k += kDotK) {
+    const bf16_bits *Bhk = Bh + b_tile_offset(k, 0, ldb), *Blk = Bl + b_tile_offset(k, 0, ldb);
+    _tile_loadd(4, Ah + k, a_stride);  // Ah · Bl
+    _tile_loadd(5, Ah + 16 * lda + k, a_stride);
+    _tile_loadd(6, Blk, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NB == 2) {
+      _tile_loadd(7, Blk + 512, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_loadd(6, Bhk, b_stride);  // Ah · Bh
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NB == 2) {
+      _tile_loadd(7, Bhk + 512, b_stride);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_loadd(4, Al + k, a_stride);  // Al · Bh
+    _tile_loadd(5, Al + 16 * lda + k, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NB == 2) {
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (kLoLo) {  // Al · Bl
+      _tile_loadd(6, Blk, b_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NB == 2) {
+        _tile_loadd(7, Blk + 512, b_stride);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+  _tile_stored(0, C, c_stride);
+  _tile_stored(2, C + 16 * ldc, c_stride);
+  if (NB == 2) {
+    _tile_stored(1, C + 16, c_stride);
+    _tile_stored(3, C + 16 * ldc + 16, c_stride);
+  }
+}
+
+// C (+)= (Ah + Al)·(Bh + Bl) over M × N × K, less Al·Bl unless kLoLo: bf16_gemm on two-part operands (hi and lo in
+// the same layout).
+template <bool kLoLo>
+inline void bf16_gemm_split(int64_t M, int64_t N, int64_t K, const bf16_bits* Ah, const bf16_bits* Al, int64_t lda,
+                            const bf16_bits* Bh, const bf16_bits* Bl, int64_t ldb, float* C, int64_t ldc,
+                            bool accumulate) {
+  for (int64_t m = 0; m < M; m += 32) {
+    int64_t n = 0;
+    for (; n + 32 <= N; n += 32)
+      amx_block_split<2, kLoLo>(K, Ah + m * lda, Al + m * lda, lda, Bh + b_tile_offset(0, n, ldb),
+                         Bl + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
+    if (n < N)
+      amx_block_split<1, kLoLo>(K, Ah + m * lda, Al + m * lda, lda, Bh + b_tile_offset(0, n, ldb),
+                         Bl + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
+  }
+}
+
 #else  // CS149_ISA_AVX512_BF16
 // ---------------------------------------------------------------------------------------------------
 // vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; 16 pairs of one VNNI row of B (a row of a
@@ -288,6 +513,19 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
       default: break;
     }
   }
+}
+
+// C (+)= (Ah + Al)·(Bh + Bl) (less Al·Bl unless kLoLo) as passes of bf16_gemm (same signature as AMX's). The flash
+// kernel takes float16 this way only on AMX: vdpbf16ps is ~2× the float32 FMA rate, so three or four products
+// would lose to converting to float32 (flash.cpp).
+template <bool kLoLo>
+inline void bf16_gemm_split(int64_t M, int64_t N, int64_t K, const bf16_bits* Ah, const bf16_bits* Al, int64_t lda,
+                            const bf16_bits* Bh, const bf16_bits* Bl, int64_t ldb, float* C, int64_t ldc,
+                            bool accumulate) {
+  bf16_gemm(M, N, K, Ah, lda, Bl, ldb, C, ldc, accumulate);
+  bf16_gemm(M, N, K, Al, lda, Bh, ldb, C, ldc, true);
+  if (kLoLo) bf16_gemm(M, N, K, Al, lda, Bl, ldb, C, ldc, true);
+  bf16_gemm(M, N, K, Ah, lda, Bh, ldb, C, ldc, true);
 }
 #endif
 

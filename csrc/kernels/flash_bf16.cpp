@@ -13,6 +13,10 @@
 // query tile and every query head of a GQA group. The packing also notes whether a V tile holds a NaN or an
 // infinity: a key hidden from a row by the causal mask has P = 0 there, and 0 · NaN would be NaN, so such a
 // (rare) tile takes P V row by row over each row's visible keys instead (README, "Non-finite values").
+//
+// float16 (on AMX only) takes the same path with every operand in two bf16 parts, x = hi + lo (bf16_gemm.h,
+// split_bf16): the tile products run at ~13× the float32 FMA rate, so the seven products this takes (four for S,
+// three for P·V) still cost less than the two in float32 (flash.cpp); query_tile has the arithmetic.
 #include "../attention.h"
 #include "bf16_gemm.h"
 #include "flash_common.h"
@@ -53,15 +57,20 @@ inline int64_t default_block_k(int64_t head_dim) {
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
+// The bf16 operands of float16 inputs come in two parts, hi and lo (query_tile); of bfloat16 ones in one.
+inline int64_t parts_of(const AttentionParams& p) { return p.dtype == DType::f16 ? 2 : 1; }
+
 struct Layout {
   int64_t Br, Bc, Tr, Tc;
+  int64_t parts;            // 1 (bfloat16) or 2 (float16: hi, then lo, of the same size)
   int64_t Bc_pad;           // keys to whole dot-product steps (kDotK); Br is already whole groups
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
-  int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n)
-  int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats)
+  int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n), per part
+  int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats); V's flags, then K's
   int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch (floats)
 
   explicit Layout(const AttentionParams& p) {
+    parts = parts_of(p);
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), G) : kDefaultBlockQ;  // clamped before rounding
     Bc = p.block_k > 0 ? p.block_k : default_block_k(p.head_dim);
     if (p.block_q <= 0)
@@ -76,13 +85,13 @@ struct Layout {
     kt_tile = d_k * Bc_pad;
     v_tile = Bc_pad * d_n;
     const int64_t tiles = p.batch * p.num_kv_heads * Tc;
-    kt_floats = floats_for(tiles * kt_tile);
-    v_floats = floats_for(tiles * v_tile);
-    flags_floats = round_up(tiles, 16);
-    q_off = 0;                                        // Q_i, bf16, Br × d_k
-    s_off = q_off + floats_for(Br * d_k);         // S/P of one group, float32, G × Bc_pad
-    p_off = s_off + G * Bc_pad;                       // P of one group, bf16, G × Bc_pad
-    o_off = p_off + floats_for(G * Bc_pad);           // O_i, float32, Br × d_n
+    kt_floats = floats_for(tiles * kt_tile * parts);
+    v_floats = floats_for(tiles * v_tile * parts);
+    flags_floats = round_up(tiles * parts, 16);
+    q_off = 0;                                        // Q_i, bf16, Br × d_k (per part)
+    s_off = q_off + parts * floats_for(Br * d_k);     // S/P of one group, float32, G × Bc_pad
+    p_off = s_off + G * Bc_pad;                       // P of one group, bf16, G × Bc_pad (per part)
+    o_off = p_off + parts * floats_for(G * Bc_pad);   // O_i, float32, Br × d_n
     m_off = o_off + Br * d_n;
     l_off = m_off + round_up(Br, 16);
     alpha_off = l_off + round_up(Br, 16);
@@ -92,21 +101,28 @@ struct Layout {
 };
 
 // Key tile j of kv head (b, kvh): K_jᵀ as B of S = Q Kᵀ (k = head dim, n = key), V_j as B of P V (k = key,
-// n = head dim), both VNNI and zero-padded; flag = 1 if V_j holds no NaN or infinity.
+// n = head dim), both VNNI and zero-padded, each as hi then lo for float16; flags (float16: tiles apart):
+// finite[tile] = 1 if V_j holds no NaN or infinity, finite[tiles + tile] the same for K_j.
 void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, bf16_bits* kt_all,
-                  bf16_bits* v_all, float* v_finite) {
+                  bf16_bits* v_all, float* finite) {
   const int64_t j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
-  const int64_t tile = (b * p.num_kv_heads + kvh) * L.Tc + j;
-  const bf16_bits* K = reinterpret_cast<const bf16_bits*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] +
-                       j0 * p.k_strides[2];
-  const bf16_bits* V = reinterpret_cast<const bf16_bits*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] +
-                       j0 * p.v_strides[2];
-  bf16_bits* kt = kt_all + tile * L.kt_tile;  // d_k/2 rows of Bc_pad pairs
-  bf16_bits* vt = v_all + tile * L.v_tile;    // Bc_pad/2 rows of d_n pairs
-  std::fill(kt, kt + L.kt_tile, bf16_bits{0});
-  std::fill(vt, vt + L.v_tile, bf16_bits{0});
-  pack_vnni_transposed(p.head_dim, cols, K, p.k_strides[2], kt, L.Bc_pad);
-  v_finite[tile] = pack_vnni_rows(cols, p.head_dim, V, p.v_strides[2], vt, L.d_n) == 0 ? 1.0f : 0.0f;
+  const int64_t tile = (b * p.num_kv_heads + kvh) * L.Tc + j, tiles = p.batch * p.num_kv_heads * L.Tc;
+  const uint16_t* K = static_cast<const uint16_t*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] +
+                      j0 * p.k_strides[2];
+  const uint16_t* V = static_cast<const uint16_t*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] +
+                      j0 * p.v_strides[2];
+  bf16_bits* kt = kt_all + tile * L.parts * L.kt_tile;  // d_k/2 rows of Bc_pad pairs (hi, then lo)
+  bf16_bits* vt = v_all + tile * L.parts * L.v_tile;    // Bc_pad/2 rows of d_n pairs (hi, then lo)
+  std::fill(kt, kt + L.parts * L.kt_tile, bf16_bits{0});
+  std::fill(vt, vt + L.parts * L.v_tile, bf16_bits{0});
+  if (L.parts == 1) {
+    pack_vnni_transposed(p.head_dim, cols, K, p.k_strides[2], kt, L.Bc_pad);
+    finite[tile] = pack_vnni_rows(cols, p.head_dim, V, p.v_strides[2], vt, L.d_n) == 0 ? 1.0f : 0.0f;
+  } else {
+    const int64_t k_bad = pack_vnni_transposed_split(p.head_dim, cols, K, p.k_strides[2], kt, kt + L.kt_tile, L.Bc_pad);
+    finite[tiles + tile] = k_bad == 0 ? 1.0f : 0.0f;
+    finite[tile] = pack_vnni_rows_split(cols, p.head_dim, V, p.v_strides[2], vt, vt + L.v_tile, L.d_n) == 0 ? 1.0f : 0.0f;
+  }
 }
 
 inline float from_bf16(bf16_bits x) {
@@ -116,15 +132,38 @@ inline float from_bf16(bf16_bits x) {
   return f;
 }
 
+// A two-part operand's element, hi + lo (lo null for bfloat16's one part).
+inline float value_of(const bf16_bits* hi, const bf16_bits* lo, int64_t at) {
+  return lo ? from_bf16(hi[at]) + from_bf16(lo[at]) : from_bf16(hi[at]);
+}
+
 // O_g[r] += Σ_{t < visible[r]} P[r, t] · V_j[t] in float32, row by row: only for a V tile holding NaN or inf.
 // With attn_mask's offsets (bias, rows ldp apart; null where it hides nothing) the keys it hides are left out too.
-void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t ldp, const int64_t* visible, const float* bias,
-                     const bf16_bits* vt, const Layout& L, int64_t d, float* O, int64_t ldo) {
+// P and V_j as their parts (the lo ones null for bfloat16).
+void pv_visible_only(int64_t rows, const bf16_bits* P, const bf16_bits* P_lo, int64_t ldp, const int64_t* visible,
+                     const float* bias, const bf16_bits* vt, const bf16_bits* vt_lo, const Layout& L, int64_t d,
+                     float* O, int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < visible[r]; ++t)
-      if (!bias || bias[r * ldp + t] != kNegInf)
-        for (int64_t c = 0; c < d; ++c)
-          O[r * ldo + c] += from_bf16(P[r * ldp + t]) * from_bf16(vt[vnni_index(t, c, L.d_n)]);
+      if (!bias || bias[r * ldp + t] != kNegInf) {
+        const float w = value_of(P, P_lo, r * ldp + t);
+        for (int64_t c = 0; c < d; ++c) O[r * ldo + c] += w * value_of(vt, vt_lo, vnni_index(t, c, L.d_n));
+      }
+}
+
+// S = Q_g K_jᵀ from the two-part operands, hi + lo added back (exact for float16) and multiplied in float32: for
+// float16 where Q_g or K_j holds an inf or NaN. Dropping Al·Bl is harmless for finite values, but the split's
+// cross products are not: where k is inf, q's lo times it gives NaN (lo = 0) or the wrong sign, and a logit that
+// should be −inf would turn NaN (README, "Non-finite values": the logits are those of float32 arithmetic).
+void qk_in_float32(int64_t rows, int64_t n_keys, int64_t d, const bf16_bits* Qh, const bf16_bits* Ql, int64_t ldq,
+                   const bf16_bits* KTh, const bf16_bits* KTl, int64_t ldk, float* S, int64_t lds) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < n_keys; ++t) {
+      float s = 0.0f;
+      for (int64_t c = 0; c < d; ++c)
+        s += value_of(Qh, Ql, r * ldq + c) * value_of(KTh, KTl, vnni_index(c, t, ldk));
+      S[r * lds + t] = s;
+    }
 }
 
 // The online softmax writes P straight into bf16 (zero-padded to k_keys), the A operand of P V_j. With dropout,
@@ -146,21 +185,67 @@ struct PToBf16 {
   void zero(int64_t r, float*, int64_t) const { std::fill(P + r * ld, P + r * ld + k_keys, bf16_bits{0}); }
 };
 
-// One query tile: rows [i0, i0 + rows) of head h in batch b.
+// The same for float16's two-part P = hi + lo (to 2^-17 relative: bf16_gemm.h, split_bf16).
+struct PToBf16Split {
+  static constexpr bool kBase2 = false;
+  bf16_bits *P, *P_lo;
+  int64_t ld, k_keys;
+  const AttentionParams* dropout = nullptr;
+  int64_t bh = 0, i = 0, j0 = 0;
+  float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
+    if (!dropout) return exp_shifted_sum_to_bf16_split(s, shift, n, scale, P + r * ld, P_lo + r * ld, k_keys);
+    const float sum = exp_shifted_sum(s, shift, n, scale);
+    flash::dropout_row(*dropout, bh, i + r, j0, s, n, 1);
+    split_f32_row(s, n, P + r * ld, P_lo + r * ld, k_keys);
+    return sum;
+  }
+  void zero(int64_t r, float*, int64_t) const {
+    std::fill(P + r * ld, P + r * ld + k_keys, bf16_bits{0});
+    std::fill(P_lo + r * ld, P_lo + r * ld + k_keys, bf16_bits{0});
+  }
+};
+
+// One query tile: rows [i0, i0 + rows) of head h in batch b. T: c10::BFloat16, or c10::Half in two parts.
+//
+// float16 in two bf16 parts. A float16 x has 11 significant bits: hi = bf16(x) holds the first 8 and
+// lo = bf16(x − hi) the rest, so x = hi + lo exactly (bf16's exponent range covers float16's, subnormals too).
+// With q = qh + ql, k = kh + kl (|ql| ≤ 2^-8·|q|, |kl| ≤ 2^-8·|k|):
+//   q·k = qh·kh + qh·kl + ql·kh + ql·kl,
+// each product of two bf16 exact in float32 and the tiles accumulating in float32: S is what float32 arithmetic
+// gives. (Without the last product, up to 2^-16·Σ|q_c·k_c|, lse missed float32's accuracy: off by 1.5e-5 in
+// tests/test_flash.py's Nq ≠ Nk test on the dev box.) For P·V, P (float32, in [0, 1]) is split the same way,
+// P ≈ Ph + Pl to 2^-17 relative, and V = Vh + Vl exactly:
+//   P·V ≈ Ph·Vh + Ph·Vl + Pl·Vh,   off by at most (2^-16 + 2^-17)·Σ P·|V|,
+// far below float16's rounding of the output (2^-11 relative). The tile products run at ~13× the float32 FMA
+// rate: these seven cost about a quarter of the two products in float32 (flash.cpp). Where Q_g or K_j holds an
+// inf or NaN the cross products would be wrong (q's lo · k's inf), so S takes float32 (qk_in_float32); V_j's
+// are already taken row by row (pv_visible_only).
+template <class T>
 void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const bf16_bits* kt_all,
-                const bf16_bits* v_all, const float* v_finite, float* scratch) {
+                const bf16_bits* v_all, const float* finite, float* scratch) {
+  constexpr bool kSplit = std::is_same_v<T, c10::Half>;
   const int64_t d = p.head_dim, rows = std::min(L.Br, p.q_len - i0), groups = (rows + G - 1) / G;
+  const int64_t tiles = p.batch * p.num_kv_heads * L.Tc;
   bf16_bits* Qi = reinterpret_cast<bf16_bits*>(scratch + L.q_off);
+  bf16_bits* Qi_lo = kSplit ? reinterpret_cast<bf16_bits*>(scratch + L.q_off + floats_for(L.Br * L.d_k)) : nullptr;
   bf16_bits* Pb = reinterpret_cast<bf16_bits*>(scratch + L.p_off);
+  bf16_bits* Pb_lo = kSplit ? reinterpret_cast<bf16_bits*>(scratch + L.p_off + floats_for(G * L.Bc_pad)) : nullptr;
   float *S = scratch + L.s_off, *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
   float *alpha = scratch + L.alpha_off, *m_new = alpha + G;
   float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
   int64_t visible[G];
 
-  // Q_i as bf16 (zero past the rows and the head dim); m = −inf, l = 0, O_i = 0.
-  const bf16_bits* Q = reinterpret_cast<const bf16_bits*>(q_head<c10::BFloat16>(p, b, h)) + i0 * p.q_strides[2];
+  // Q_i as bf16, or float16's hi and lo (zero past the rows and the head dim); m = −inf, l = 0, O_i = 0.
+  const uint16_t* Q = reinterpret_cast<const uint16_t*>(q_head<T>(p, b, h)) + i0 * p.q_strides[2];
   std::fill(Qi, Qi + groups * G * L.d_k, bf16_bits{0});
-  for (int64_t r = 0; r < rows; ++r) std::copy(Q + r * p.q_strides[2], Q + r * p.q_strides[2] + d, Qi + r * L.d_k);
+  bool q_finite = true;
+  if constexpr (kSplit) {
+    std::fill(Qi_lo, Qi_lo + groups * G * L.d_k, bf16_bits{0});
+    for (int64_t r = 0; r < rows; ++r)
+      q_finite &= split_fp16_row(Q + r * p.q_strides[2], d, Qi + r * L.d_k, Qi_lo + r * L.d_k, d) == 0;
+  } else {
+    for (int64_t r = 0; r < rows; ++r) std::copy(Q + r * p.q_strides[2], Q + r * p.q_strides[2] + d, Qi + r * L.d_k);
+  }
   fill_row(kNegInf, m, groups * G);
   fill_row(0.0f, l, groups * G);
   fill_row(0.0f, Oi, groups * G * L.d_n);
@@ -169,8 +254,11 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   const int64_t keys_seen = visible_keys(p, i0 + rows - 1);  // by the tile's last row, which sees most
   for (int64_t j0 = 0, j = 0; j0 < keys_seen; j0 += L.Bc, ++j) {
     const int64_t cols = std::min(L.Bc, p.kv_len - j0), tile = first_tile + j;
-    const bf16_bits* KTj = kt_all + tile * L.kt_tile;
-    const bf16_bits* Vj = v_all + tile * L.v_tile;
+    const bf16_bits* KTj = kt_all + tile * L.parts * L.kt_tile;
+    const bf16_bits* Vj = v_all + tile * L.parts * L.v_tile;
+    const bf16_bits* KTj_lo = kSplit ? KTj + L.kt_tile : nullptr;
+    const bf16_bits* Vj_lo = kSplit ? Vj + L.v_tile : nullptr;
+    const bool qk_finite = !kSplit || (q_finite && finite[tiles + tile] != 0.0f);
     for (int64_t g0 = 0; g0 < rows; g0 += G) {
       const int64_t group_last = i0 + std::min(g0 + G, rows) - 1;
       int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
@@ -187,45 +275,64 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (block == MaskBlock::hidden) continue;
       if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
-      // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles)
-      bf16_gemm(G, round_up(n_keys, kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);
+      // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles; float16: qh·kl + ql·kh + qh·kh + ql·kl)
+      const int64_t s_cols = round_up(n_keys, kDotCols);
+      if constexpr (kSplit) {
+        if (qk_finite)
+          bf16_gemm_split</*kLoLo=*/true>(G, s_cols, L.d_k, Qi + g0 * L.d_k, Qi_lo + g0 * L.d_k, L.d_k, KTj, KTj_lo, L.Bc_pad, S,
+                          L.Bc_pad, false);
+        else
+          qk_in_float32(G, s_cols, d, Qi + g0 * L.d_k, Qi_lo + g0 * L.d_k, L.d_k, KTj, KTj_lo, L.Bc_pad, S, L.Bc_pad);
+      } else {
+        bf16_gemm(G, s_cols, L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);
+      }
       // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
       const bool partial = block == MaskBlock::partial;
       if (partial)
         for (int64_t r = 0; r < group_rows; ++r)
           add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
 
-      // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16; m, l, α updated.
+      // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16 (float16: Pb + Pb_lo);
+      // m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      online_softmax(S, L.Bc_pad, G, n_keys, visible, partial ? 1.0f : p.scale, m + g0, l + g0, alpha, m_new,
-                     PToBf16{Pb, L.Bc_pad, k_keys, p.dropout_p > 0.0f ? &p : nullptr, b * p.num_heads + h, i0 + g0, j0});
+      const AttentionParams* dropout = p.dropout_p > 0.0f ? &p : nullptr;
+      const float softmax_scale = partial ? 1.0f : p.scale;
+      if constexpr (kSplit)
+        online_softmax(S, L.Bc_pad, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
+                       PToBf16Split{Pb, Pb_lo, L.Bc_pad, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
+      else
+        online_softmax(S, L.Bc_pad, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
+                       PToBf16{Pb, L.Bc_pad, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
 
-      // O_g = α · O_g + P V_j
+      // O_g = α · O_g + P V_j   (float16: Ph·Vl + Pl·Vh + Ph·Vh)
       float* Og = Oi + g0 * L.d_n;
       for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
-      if (v_finite[tile] != 0.0f)
-        bf16_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Og, L.d_n, true);
+      if (finite[tile] == 0.0f)
+        pv_visible_only(group_rows, Pb, Pb_lo, L.Bc_pad, visible, partial ? bias : nullptr, Vj, Vj_lo, L, d, Og, L.d_n);
+      else if constexpr (kSplit)
+        bf16_gemm_split</*kLoLo=*/false>(G, L.d_n, k_keys, Pb, Pb_lo, L.Bc_pad, Vj, Vj_lo, L.d_n, Og, L.d_n, true);
       else
-        pv_visible_only(group_rows, Pb, L.Bc_pad, visible, partial ? bias : nullptr, Vj, L, d, Og, L.d_n);
+        bf16_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Og, L.d_n, true);
     }
   }
-  finish_rows<c10::BFloat16>(p, b, h, i0, rows, Oi, L.d_n, m, l);
+  finish_rows<T>(p, b, h, i0, rows, Oi, L.d_n, m, l);
 }
 
+template <class T>
 void run(const AttentionParams& p, float* workspace) {
   const Layout L(p);
   bf16_bits* kt_all = reinterpret_cast<bf16_bits*>(workspace);
   bf16_bits* v_all = reinterpret_cast<bf16_bits*>(workspace + L.kt_floats);
-  float* v_finite = workspace + L.kt_floats + L.v_floats;
-  float* thread_scratch = v_finite + L.flags_floats;
+  float* finite = workspace + L.kt_floats + L.v_floats;
+  float* thread_scratch = finite + L.flags_floats;
   // Pack every K and V tile once, then the query tiles, each thread under our AMX tile configuration (DotScope:
   // the previous one restored after).
   run_forward_tiles<DotScope>(
       p, L.Br, L.Tr, L.Tc, thread_scratch, L.per_thread,
-      [&](int64_t b, int64_t kvh, int64_t j) { pack_kv_tile(p, L, b, kvh, j, kt_all, v_all, v_finite); },
+      [&](int64_t b, int64_t kvh, int64_t j) { pack_kv_tile(p, L, b, kvh, j, kt_all, v_all, finite); },
       [&](int64_t b, int64_t h, int64_t i0, float* scratch) {
-        query_tile(p, L, b, h, i0, kt_all, v_all, v_finite, scratch);
+        query_tile<T>(p, L, b, h, i0, kt_all, v_all, finite, scratch);
       });
 }
 
