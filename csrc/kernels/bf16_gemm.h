@@ -323,14 +323,11 @@ class DotScope {
   TileConfig saved_;
 };
 
-// C[0:32, n0:n0+16·NB] (+)= A[0:32, :K] · B[:K, n0:...], NB = 1 or 2 column tiles: a 2 × 2 block of C tiles,
-// each A and B tile feeding two products. (A 64 × 16 column block, one B tile feeding four products with A and
-// B alternating between tile pairs, measured 5–40 % slower inside the kernel on the device host's Xeon:
-// benchmarks/amx_phases.cpp, results/cpu_amx_phases_run4.txt.)
+// The 2 × NB block of C tiles of amx_block and amx_block_split (tiles 0, 1: rows 0–15, columns 0–15 / 16–31;
+// tiles 2, 3: rows 16–31): loaded from C to accumulate into, or zeroed; and stored back.
 template <int NB>
-inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
-                      int64_t ldc, bool accumulate) {
-  const int64_t a_stride = lda * 2, b_stride = 64, c_stride = ldc * 4;  // bytes (a B tile is contiguous)
+inline void c_block_begin(float* C, int64_t ldc, bool accumulate) {
+  const int64_t c_stride = ldc * 4;  // bytes
   if (accumulate) {
     _tile_loadd(0, C, c_stride);
     _tile_loadd(2, C + 16 * ldc, c_stride);
@@ -346,25 +343,48 @@ inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bit
       _tile_zero(3);
     }
   }
-  for (int64_t k = 0; k < K; k += kDotK) {
-    _tile_loadd(4, A + k, a_stride);
-    _tile_loadd(5, A + 16 * lda + k, a_stride);
-    const bf16_bits* Bk = B + b_tile_offset(k, 0, ldb);
-    _tile_loadd(6, Bk, b_stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (NB == 2) {
-      _tile_loadd(7, Bk + 512, b_stride);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
+}
+template <int NB>
+inline void c_block_end(float* C, int64_t ldc) {
+  const int64_t c_stride = ldc * 4;  // bytes
   _tile_stored(0, C, c_stride);
   _tile_stored(2, C + 16 * ldc, c_stride);
   if (NB == 2) {
     _tile_stored(1, C + 16, c_stride);
     _tile_stored(3, C + 16 * ldc + 16, c_stride);
   }
+}
+
+// One k step's 2 × NB products into the C block: the A tiles in 4 and 5 times B's tiles at Bk (column tiles 0
+// and, NB = 2, 1), loaded into 6 and 7 first — or, kLoadB false, already there.
+template <int NB, bool kLoadB = true>
+inline void products_2xNB(const bf16_bits* Bk) {
+  constexpr int64_t b_stride = 64;  // bytes (a B tile is contiguous)
+  if (kLoadB) _tile_loadd(6, Bk, b_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(2, 5, 6);
+  if (NB == 2) {
+    if (kLoadB) _tile_loadd(7, Bk + 512, b_stride);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// C[0:32, n0:n0+16·NB] (+)= A[0:32, :K] · B[:K, n0:...], NB = 1 or 2 column tiles: a 2 × 2 block of C tiles,
+// each A and B tile feeding two products. (A 64 × 16 column block, one B tile feeding four products with A and
+// B alternating between tile pairs, measured 5–40 % slower inside the kernel on the device host's Xeon:
+// benchmarks/amx_phases.cpp, results/cpu_amx_phases_run4.txt.)
+template <int NB>
+inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
+                      int64_t ldc, bool accumulate) {
+  const int64_t a_stride = lda * 2;  // bytes
+  c_block_begin<NB>(C, ldc, accumulate);
+  for (int64_t k = 0; k < K; k += kDotK) {
+    _tile_loadd(4, A + k, a_stride);
+    _tile_loadd(5, A + 16 * lda + k, a_stride);
+    products_2xNB<NB>(B + b_tile_offset(k, 0, ldb));
+  }
+  c_block_end<NB>(C, ldc);
 }
 
 // C (+)= A · B over M × N × K (see the top of this file for layouts and multiples).
@@ -385,67 +405,20 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
 template <int NB, bool kLoLo>
 inline void amx_block_split(int64_t K, const bf16_bits* Ah, const bf16_bits* Al, int64_t lda, const bf16_bits* Bh,
                             const bf16_bits* Bl, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  const int64_t a_stride = lda * 2, b_stride = 64, c_stride = ldc * 4;  // bytes (a B tile is contiguous)
-  if (accumulate) {
-    _tile_loadd(0, C, c_stride);
-    _tile_loadd(2, C + 16 * ldc, c_stride);
-    if (NB == 2) {
-      _tile_loadd(1, C + 16, c_stride);
-      _tile_loadd(3, C + 16 * ldc + 16, c_stride);
-    }
-  } else {
-    _tile_zero(0);
-    _tile_zero(2);
-    if (NB == 2) {
-      _tile_zero(1);
-      _tile_zero(3);
-    }
-  }
+  const int64_t a_stride = lda * 2;  // bytes
+  c_block_begin<NB>(C, ldc, accumulate);
   for (int64_t k = 0; k < K; k += kDotK) {
     const bf16_bits *Bhk = Bh + b_tile_offset(k, 0, ldb), *Blk = Bl + b_tile_offset(k, 0, ldb);
     _tile_loadd(4, Ah + k, a_stride);  // Ah · Bl
     _tile_loadd(5, Ah + 16 * lda + k, a_stride);
-    _tile_loadd(6, Blk, b_stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (NB == 2) {
-      _tile_loadd(7, Blk + 512, b_stride);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_loadd(6, Bhk, b_stride);  // Ah · Bh
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (NB == 2) {
-      _tile_loadd(7, Bhk + 512, b_stride);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_loadd(4, Al + k, a_stride);  // Al · Bh
+    products_2xNB<NB>(Blk);
+    products_2xNB<NB>(Bhk);  // Ah · Bh
+    _tile_loadd(4, Al + k, a_stride);  // Al · Bh (B's tiles still hold Bh)
     _tile_loadd(5, Al + 16 * lda + k, a_stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (NB == 2) {
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    if (kLoLo) {  // Al · Bl
-      _tile_loadd(6, Blk, b_stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(2, 5, 6);
-      if (NB == 2) {
-        _tile_loadd(7, Blk + 512, b_stride);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
+    products_2xNB<NB, /*kLoadB=*/false>(nullptr);
+    if (kLoLo) products_2xNB<NB>(Blk);  // Al · Bl
   }
-  _tile_stored(0, C, c_stride);
-  _tile_stored(2, C + 16 * ldc, c_stride);
-  if (NB == 2) {
-    _tile_stored(1, C + 16, c_stride);
-    _tile_stored(3, C + 16 * ldc + 16, c_stride);
-  }
+  c_block_end<NB>(C, ldc);
 }
 
 // C (+)= (Ah + Al)·(Bh + Bl) over M × N × K, less Al·Bl unless kLoLo: bf16_gemm on two-part operands (hi and lo in

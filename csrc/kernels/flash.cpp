@@ -174,11 +174,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path, one it cuts
       // stops at the last key it shows. The next block's entries are asked for first (the next row group, else
       // the next key tile's first), to arrive while this one is computed.
-      if (p.mask_kind != MaskKind::none) {
-        const int64_t next_g0 = g0 + kRowGroup < rows ? g0 + kRowGroup : 0, next_j0 = next_g0 > 0 ? j0 : j0 + L.Bc;
-        prefetch_mask_block(p, b, h, i0 + next_g0, std::min<int64_t>(kRowGroup, rows - next_g0), next_j0,
-                            std::min(L.Bc, p.kv_len - next_j0));
-      }
+      prefetch_next_mask_block(p, b, h, i0, rows, g0, kRowGroup, j0, L.Bc);
       const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
       if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);

@@ -267,6 +267,17 @@ inline void prefetch_mask_block(const AttentionParams& p, int64_t b, int64_t h, 
   }
 }
 
+// The block after (row group g0, key tile j0) in the forward kernels' order — the next row group of the same key
+// tile, else the first row group of the next key tile — prefetched (query tile rows [i0, i0 + rows), groups of
+// `group` rows, key tiles of Bc).
+inline void prefetch_next_mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t rows,
+                                     int64_t g0, int64_t group, int64_t j0, int64_t Bc) {
+  if (p.mask_kind == MaskKind::none) return;
+  const int64_t next_g0 = g0 + group < rows ? g0 + group : 0, next_j0 = next_g0 > 0 ? j0 : j0 + Bc;
+  prefetch_mask_block(p, b, h, i0 + next_g0, std::min(group, rows - next_g0), next_j0,
+                      std::min(Bc, p.kv_len - next_j0));
+}
+
 inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
                             int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
   if (!has_mask_or_window(p)) return MaskBlock::visible;
