@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--all", action="store_true", help="print every (block_q, block_k), not only the best six")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="bfloat16 on amx/avx512_bf16 sweeps the bf16 dot-product path (flash_bf16.cpp)")
     args = parser.parse_args(argv)
@@ -57,6 +58,13 @@ def main(argv=None) -> int:
                                                      block_q=bq, block_k=bk), args.repeats)
             results.append((flops / t * 1e-9, bq, bk))
         default = results[0][0]
+        sdpa = flops / best_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=args.causal), args.repeats) * 1e-9
+        if args.all:
+            print(f"{text}: torch SDPA {sdpa:.0f} GFLOP/s, default {default:.0f} GFLOP/s")
+            for g, bq, bk in results[1:]:
+                print(f"  block_q {bq:4d} block_k {bk if bk else '-':>5}  {g:6.0f} GFLOP/s  x{g / sdpa:.2f} SDPA")
+            continue
         print(f"{text}: default {default:.0f} GFLOP/s; best: " + ", ".join(
             f"{g:.0f}@{bq}x{bk}" if bk else f"{g:.0f}@{bq}" for g, bq, bk in sorted(results[1:], reverse=True)[:6]))
     return 0
