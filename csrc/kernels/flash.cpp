@@ -15,8 +15,11 @@
 // How it is made fast on a CPU, without changing the algorithm above:
 // - Both products, S_ij = Q_i K_jᵀ and P_ij V_j, run through one register-blocked micro-kernel
 //   (micro_gemm in simd.h) whose right operand is read a row of vectors at a time. So K is packed once,
-//   transposed, tile by tile (K_jᵀ: d × Bc), before the main loop, by all threads together; V is read in
-//   place, or packed once too when it is not float32 or d is not a whole number of vectors.
+//   transposed, tile by tile (K_jᵀ: d × Bc), before the main loop, by all threads together, in panels of
+//   as many keys as one micro-kernel call covers (d × 32 with AVX-512, contiguous): a call then streams
+//   through consecutive cache lines, where rows of the whole tile, 2 KB apart, would all fall into the same
+//   few L1 sets. V is read in place, or packed once too when it is not float32 or d is not a whole number
+//   of vectors.
 // - Q_i is copied once per tile, pre-multiplied by `scale` · log2(e) (and converted to float32): the logits
 //   are then in base 2, exp(x) = 2^(x · log2 e), and the online softmax takes 2^(S − m), which is cheaper
 //   than exp (simd.h's exp2); lse goes back to base e at the end.
@@ -57,8 +60,10 @@ constexpr int64_t kDefaultBlockK = 128;
 struct Layout {
   int64_t Br, Bc, Tr, Tc;
   int64_t Br_pad, Bc_pad, d_pad;  // rows to whole row groups, keys and columns to whole vectors
+  int64_t s_ld;                   // S's row stride: a cache line past Bc_pad, so that rows do not share L1 sets
+  int64_t panel;                  // keys per panel of K_jᵀ (pack_kv_tile)
   bool pack_v;                    // V is converted/padded once rather than read in place
-  int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad
+  int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad, to whole panels
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place)
   int64_t flags_size;             // attn_mask: one flag per V tile, 1 if it is all finite (else 0 floats)
   int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch
@@ -79,18 +84,20 @@ struct Layout {
     Br_pad = round_up(Br, kRowGroup);
     Bc_pad = round_up(Bc, W);
     d_pad = round_up(d, W);
+    s_ld = Bc_pad + 16;
+    panel = std::min<int64_t>(kQkVecs * W, Bc_pad);
     pack_v = p.dtype != DType::f32 || d_pad != d;
-    kt_tile = d * Bc_pad;
+    kt_tile = d * round_up(Bc_pad, panel);
     kt_size = p.batch * p.num_kv_heads * Tc * kt_tile;
     v_size = pack_v ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
     const bool masked = has_mask_or_window(p);
     flags_size = masked ? round_up(p.batch * p.num_kv_heads * Tc, 16) : 0;
-    // Per thread: Q_i (Br_pad × d), S for one row group (G × Bc_pad), O_i (Br_pad × d_pad), m, l, α, and with
+    // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, and with
     // attn_mask its offsets for one row group (G × Bc_pad).
     // Each piece starts on a cache line (16 floats) so threads never share one.
     q_off = 0;
     s_off = q_off + round_up(Br_pad * d, 16);
-    o_off = s_off + round_up(kRowGroup * Bc_pad, 16);
+    o_off = s_off + round_up(kRowGroup * s_ld, 16);
     m_off = o_off + round_up(Br_pad * d_pad, 16);
     l_off = m_off + round_up(Br_pad, 16);
     alpha_off = l_off + round_up(Br_pad, 16);
@@ -99,7 +106,8 @@ struct Layout {
   }
 };
 
-// K_jᵀ for every (batch, kv head, key tile): kt[c * Bc_pad + t] = k[j0 + t][c], zero past the tile's keys.
+// K_jᵀ for every (batch, kv head, key tile), in panels of `panel` keys, each d × panel and contiguous:
+// kt[(t / panel) · panel · d + c · panel + t % panel] = k[j0 + t][c], zero past the tile's keys.
 // V (when packed): vp[j * d_pad + c] = v[j][c], zero in the padding columns.
 template <class T>
 void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, float* kt_all,
@@ -108,10 +116,12 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
   const int64_t head = b * p.num_kv_heads + kvh;
   const T* K = static_cast<const T*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
   float* kt = kt_all + (head * L.Tc + j) * L.kt_tile;
-  for (int64_t c = 0; c < d; ++c) {
-    float* dst = kt + c * L.Bc_pad;
-    for (int64_t t = 0; t < cols; ++t) dst[t] = to_float(K[t * p.k_strides[2] + c]);
-    for (int64_t t = cols; t < L.Bc_pad; ++t) dst[t] = 0.0f;
+  const int64_t P = L.panel;
+  for (int64_t t0 = 0; t0 < L.kt_tile / d; t0 += P) {
+    float* panel = kt + t0 * d;
+    for (int64_t c = 0; c < d; ++c)
+      for (int64_t t = 0; t < P; ++t)
+        panel[c * P + t] = t0 + t < cols ? to_float(K[(t0 + t) * p.k_strides[2] + c]) : 0.0f;
   }
   const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
   if (L.flags_size > 0) v_finite[head * L.Tc + j] = rows_finite(V, p.v_strides[2], cols, d) ? 1.0f : 0.0f;
@@ -180,18 +190,18 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block
-      group_gemm<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.Bc_pad,
-                                                  round_up(n_keys, W), S, L.Bc_pad, nullptr);
+      group_gemm_panels<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.panel,
+                                                         round_up(n_keys, W), S, L.s_ld);
       if (block == MaskBlock::partial)
-        for (int64_t r = 0; r < group_rows; ++r) add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys, kLog2e);
+        for (int64_t r = 0; r < group_rows; ++r) add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, kLog2e);
 
       // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
       for (int64_t r = 0; r < kRowGroup; ++r)
         visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      online_softmax(S, L.Bc_pad, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new,
+      online_softmax(S, L.s_ld, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new,
                      PInPlaceBase2{});
       if (p.dropout_p > 0.0f)  // P V with the dropped P; l (and lse) keep the undropped sum
-        for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.Bc_pad, visible[r], 1);
+        for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], 1);
 
       if (block == MaskBlock::partial && v_finite[head * L.Tc + j] == 0.0f) {
         // A NaN or inf in V_j: each row adds only the keys it sees, since P = 0 at a hidden key would still
@@ -200,7 +210,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
           float* o = Oi + (g0 + r) * d_pad;
           scale_row(alpha[r], o, d_pad);
           for (int64_t t = 0; t < visible[r]; ++t)
-            if (bias[r * L.Bc_pad + t] != kNegInf) axpy(S[r * L.Bc_pad + t], Vj + t * ldv, o, d);
+            if (bias[r * L.Bc_pad + t] != kNegInf) axpy(S[r * L.s_ld + t], Vj + t * ldv, o, d);
         }
         continue;
       }
@@ -209,10 +219,10 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // diagonal) go through the micro-kernel; the few that only the later rows see are added row by row,
       // so that a key hidden from a row never touches it: its P is 0, but 0 · NaN in V would be NaN.
       const int64_t shared_keys = visible[0];
-      group_gemm<kPvVecs>(kRowGroup, shared_keys, S, L.Bc_pad, 1, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
+      group_gemm<kPvVecs>(kRowGroup, shared_keys, S, L.s_ld, 1, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
       for (int64_t r = 0; r < kRowGroup && g0 + r < rows; ++r)
         if (visible[r] > shared_keys)
-          weighted_row_sum</*kAccumulate=*/true>(S + r * L.Bc_pad + shared_keys, Vj + shared_keys * ldv, ldv,
+          weighted_row_sum</*kAccumulate=*/true>(S + r * L.s_ld + shared_keys, Vj + shared_keys * ldv, ldv,
                                                  visible[r] - shared_keys, Oi + (g0 + r) * d_pad, d_pad);
     }
   }

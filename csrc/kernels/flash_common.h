@@ -65,6 +65,24 @@ void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t 
   }
 }
 
+// The same product with B in panels (flash.cpp's packed K_jᵀ): B's columns [c, c + panel) form a contiguous
+// K × panel block at B + (c / panel) · panel · K, its rows panel floats apart. panel is kVecs vectors (every
+// block of columns then lies in one panel), or all of n_cols if that is less.
+template <int kVecs, bool kRowsAdjacent = false>
+void group_gemm_panels(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B,
+                       int64_t panel, int64_t n_cols, float* C, int64_t ldc) {
+  constexpr int64_t chunk = kVecs * W;
+  const auto panel_of = [&](int64_t c) { return B + c / panel * panel * K + c % panel; };
+  int64_t c = 0;
+  for (; c + chunk <= n_cols; c += chunk)
+    gemm_block<kVecs, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr);
+  switch ((n_cols - c) / W) {
+    case 0: break;
+    case 1: gemm_block<1, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr); break;
+    case 2: gemm_block<2, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr); break;
+    case 3: gemm_block<3, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr); break;
+  }
+}
 
 // One step of the online softmax (the paper's lines 9–11) for a group of G query rows against one key tile
 // of n_keys scores per row, S[r·ld + t]; row r sees the first visible[r] of them:
