@@ -81,7 +81,8 @@ def main() -> int:
     parser.add_argument("--shape", default="4,12,1024,64", help="B,H,N,d")
     parser.add_argument("--dtype", default="float32,bfloat16")
     parser.add_argument("--threads", default="1")
-    parser.add_argument("--cases", default="padded causal,key padding,additive bias")
+    parser.add_argument("--cases", default="padded causal,key padding,additive bias",
+                        help="comma-separated; _ for a space (additive_bias)")
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per implementation and row")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
@@ -95,7 +96,7 @@ def main() -> int:
     for dtype_name in args.dtype.split(","):
         dtype = DTYPES[dtype_name]
         q, k, v = (torch.randn(b, h, n, d, generator=g).to(dtype) for _ in range(3))
-        for case in args.cases.split(","):
+        for case in (c.replace("_", " ") for c in args.cases.split(",")):  # additive_bias: no space to quote
             mask, visible = make_mask(case, b, h, n, dtype)
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)

@@ -2,6 +2,7 @@
 # A/B on the device host: the working tree against a copy of the previous commit (.gpu_stage/base, carried),
 # both built, then the same benchmark alternating between the two in separate processes, ROUNDS times.
 #   run: CS149GPT_NO_CUDA=1 ARGS="--shapes 1,12,1024,64 --dtype float32 --threads 1" bash benchmarks/device_ab.sh
+#   another benchmark: CMD="benchmarks/bench_masks.py --markdown" KEEP="^\| [a-z]" ARGS="--threads 1,16" ...
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"
@@ -13,7 +14,7 @@ for round in $(seq ${ROUNDS:-3}); do
   for tree in base new; do
     dir=$PWD; [ $tree = base ] && dir=$PWD/.gpu_stage/base
     echo "== round $round $tree"
-    (cd $dir && PYTHONPATH=$dir timeout ${TL:-60} python3 benchmarks/bench_attention.py --impls flash \
-      --min-run-time ${MIN_RUN:-0.4} --rounds 1 $ARGS 2>&1 | grep -E "^[0-9]")
+    (cd $dir && PYTHONPATH=$dir timeout ${TL:-60} python3 ${CMD:-benchmarks/bench_attention.py --impls flash \
+      --min-run-time ${MIN_RUN:-0.4} --rounds 1} $ARGS 2>&1 | grep -E "${KEEP:-^[0-9]}")
   done
 done 2>&1 | tee "$OUT/ab_${TAG:-run}.txt"

@@ -376,6 +376,11 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
                        int64_t per_thread, const Pack& pack, const Tile& tile) {
   const int64_t n_pack = p.batch * p.num_kv_heads * Tc;
   const int64_t n_tasks = p.batch * p.num_heads * Tr;
+  // Tasks are (batch, head, query tile), the tiles of a head costliest first. An attn_mask shared by the batch
+  // (stride 0 over b: an ALiBi-style (1, H, N, N) bias) is read by every batch's tile i of head h: then the batch
+  // is the innermost index, so those tasks run one after another and its rows come from cache after the first,
+  // not from memory once per batch element.
+  const bool batch_inner = p.mask != nullptr && p.batch > 1 && p.mask_strides[0] == 0;
 #pragma omp parallel num_threads(p.num_threads)
   {
 #pragma omp for schedule(static)
@@ -385,7 +390,12 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
     const PerThread setup;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < n_tasks; ++task) {
-      const int64_t i = Tr - 1 - task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
+      int64_t b, h, i;
+      if (batch_inner) {
+        b = task % p.batch, i = Tr - 1 - (task / p.batch) % Tr, h = task / (p.batch * Tr);
+      } else {
+        i = Tr - 1 - task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
+      }
       tile(b, h, i * Br, scratch);
     }
   }
