@@ -297,10 +297,13 @@ def test_low_precision_gradients(isa, dtype):
     assert not failures, "\n".join(failures)
 
 
-def test_results_do_not_depend_on_thread_count(restore_threads):
+@pytest.mark.parametrize("mask_shape", [(2, 1, 130, 150), (1, 4, 130, 150)], ids=["per_batch", "batch_shared"])
+def test_results_do_not_depend_on_thread_count(restore_threads, mask_shape):
+    """Bitwise the same out and gradients on 1, 2, 3 threads; a mask shared by the batch (stride 0 over b) makes the
+    forward's tasks take the batch innermost (flash_common.h, run_forward_tiles)."""
     g = gen(1108)
     q, k, v, dout = inputs((2, 4, 130, 32), (2, 2, 150, 32), g)
-    mask = random_bool_mask((2, 1, 130, 150), g)
+    mask = random_bool_mask(mask_shape, g)
     results = []
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)
