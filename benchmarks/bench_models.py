@@ -3,11 +3,13 @@
 
 A Llama (GQA) built from a config (nothing downloaded, random weights) with attn_implementation="cs149gpt"
 (cs149gpt.register_transformers()) and the same weights with "sdpa": a padded batch's prefill (one forward pass),
-greedy generation (prefill + new tokens, dynamic cache), and for GPT-2 a training step (forward + backward,
-attention dropout 0.1: ours runs it in the kernel, torch's in its SDPA).
+greedy generation (prefill + new tokens) with the dynamic cache and with a static one (a mask on every step), for
+GPT-2 a training step (forward + backward, attention dropout 0.1: ours runs it in the kernel, torch's in its SDPA),
+and a BERT encoder on a right-padded batch (a (B, 1, 1, N) key-padding mask).
 
     python benchmarks/bench_models.py                       # 1 thread
     python benchmarks/bench_models.py --threads 1,16 --batch 4 --seq 1024
+    python benchmarks/bench_models.py --models bert --batch 32 --seq 128   # sentence-embedding-sized batches
 
 ×SDPA = SDPA's median / ours (> 1: ours faster); one model per architecture, switched between the two attentions
 (set_attn_implementation) in alternating rounds, so both run the same weights at the same addresses. Needs
@@ -43,11 +45,15 @@ def median_times(model, fns: dict, repeats: int) -> dict:
     return {impl: statistics.median(v) for impl, v in samples.items()}
 
 
-def padded(batch: int, seq: int, vocab: int, g: torch.Generator):
+def padded(batch: int, seq: int, vocab: int, g: torch.Generator, side: str = "left"):
     ids = torch.randint(1, vocab, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
     for i in range(batch):
-        mask[i, : (i * seq) // (2 * batch)] = 0  # left padding: 0, 1/8, 2/8, ... of the sequence
+        pad = (i * seq) // (2 * batch)  # 0, 1/8, 2/8, ... of the sequence (batch 4)
+        if side == "left":
+            mask[i, :pad] = 0
+        else:
+            mask[i, seq - pad:] = 0
     return ids, mask
 
 
@@ -59,7 +65,9 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--models", default="llama,gpt2", help="which of llama (prefill, generate), gpt2 (train step)")
+    parser.add_argument("--models", default="llama,gpt2,bert",
+                        help="which of llama (prefill, generate with a dynamic and a static cache), gpt2 (train "
+                             "step), bert (encoder)")
     args = parser.parse_args()
     import transformers
 
@@ -70,6 +78,8 @@ def main() -> int:
                  eos_token_id=None)
     gpt2 = dict(vocab_size=1000, n_positions=4096, n_embd=512, n_layer=4, n_head=8, pad_token_id=0,
                 eos_token_id=None)
+    bert = dict(vocab_size=1000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1024,
+                max_position_embeddings=4096, pad_token_id=0)
     # One model each, switched between the two attentions: the same weights, at the same addresses, for both.
     torch.manual_seed(0)
     models = {"llama": transformers.AutoModelForCausalLM.from_config(
@@ -77,10 +87,15 @@ def main() -> int:
     torch.manual_seed(0)
     models["gpt2"] = transformers.AutoModelForCausalLM.from_config(
         transformers.GPT2Config(**gpt2), attn_implementation="sdpa").to(dtype).train()
+    torch.manual_seed(0)
+    models["bert"] = transformers.AutoModel.from_config(
+        transformers.BertConfig(**bert), attn_implementation="sdpa").to(dtype).eval()
     g = torch.Generator().manual_seed(0)
     ids, mask = padded(args.batch, args.seq, 1000, g)
+    right_mask = padded(args.batch, args.seq, 1000, g, side="right")[1]
     print(f"# torch {torch.__version__}, transformers {transformers.__version__}, isa {cs149gpt.isa()}, "
-          f"{args.dtype}, batch {args.batch} x {args.seq} tokens (left-padded), 4 layers, hidden 512")
+          f"{args.dtype}, batch {args.batch} x {args.seq} tokens (left-padded; BERT right-padded), 4 layers, "
+          f"hidden 512")
     print("| model | phase | threads | SDPA ms | cs149gpt ms | ×SDPA |")
     print("|---|---|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
@@ -90,8 +105,12 @@ def main() -> int:
             ("llama", f"generate {args.new_tokens}"): lambda m: m.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                 do_sample=False, pad_token_id=0),
+            ("llama", f"generate {args.new_tokens}, static cache"): lambda m: m.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                do_sample=False, pad_token_id=0, cache_implementation="static"),
             ("gpt2", "train step (dropout 0.1)"): lambda m: m(input_ids=ids, attention_mask=mask,
                                                               labels=ids).loss.backward(),
+            ("bert", "encode (right-padded)"): lambda m: m(input_ids=ids, attention_mask=right_mask),
         }
         for (name, phase), fn in phases.items():
             if name not in args.models.split(","):
