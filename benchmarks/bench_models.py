@@ -3,7 +3,8 @@
 
 A Llama (GQA) built from a config (nothing downloaded, random weights) with attn_implementation="cs149gpt"
 (cs149gpt.register_transformers()) and the same weights with "sdpa": a padded batch's prefill (one forward pass),
-greedy generation (prefill + new tokens) with the dynamic cache and with a static one (a mask on every step), for
+greedy generation (prefill + new tokens) with the dynamic cache and with a static one (a mask on every step), the
+prefill under torch.compile (where transformers always builds a mask; --compile, compiles take minutes), for
 GPT-2 a training step (forward + backward, attention dropout 0.1: ours runs it in the kernel, torch's in its SDPA),
 and a BERT encoder on a right-padded batch (a (B, 1, 1, N) key-padding mask).
 
@@ -65,6 +66,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--compile", action="store_true", help="add Llama's prefill under torch.compile")
     parser.add_argument("--models", default="llama,gpt2,bert",
                         help="which of llama (prefill, generate with a dynamic and a static cache), gpt2 (train "
                              "step), bert (encoder)")
@@ -90,6 +92,9 @@ def main() -> int:
     torch.manual_seed(0)
     models["bert"] = transformers.AutoModel.from_config(
         transformers.BertConfig(**bert), attn_implementation="sdpa").to(dtype).eval()
+    # One compiled module: dynamo guards on the attention implementation, so each of the two gets its own graph, both
+    # compiled in median_times' warm-up round (not timed).
+    compiled_llama = torch.compile(models["llama"]) if args.compile else None
     g = torch.Generator().manual_seed(0)
     ids, mask = padded(args.batch, args.seq, 1000, g)
     right_mask = padded(args.batch, args.seq, 1000, g, side="right")[1]
@@ -102,6 +107,7 @@ def main() -> int:
         torch.set_num_threads(threads)
         phases = {
             ("llama", "prefill"): lambda m: m(input_ids=ids, attention_mask=mask),
+            ("llama", "prefill, torch.compile"): lambda m: compiled_llama(input_ids=ids, attention_mask=mask),
             ("llama", f"generate {args.new_tokens}"): lambda m: m.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                 do_sample=False, pad_token_id=0),
@@ -113,7 +119,7 @@ def main() -> int:
             ("bert", "encode (right-padded)"): lambda m: m(input_ids=ids, attention_mask=right_mask),
         }
         for (name, phase), fn in phases.items():
-            if name not in args.models.split(","):
+            if name not in args.models.split(",") or (phase.endswith("compile") and compiled_llama is None):
                 continue
             model = models[name]
             grad = torch.enable_grad() if phase.startswith("train") else torch.no_grad()
