@@ -223,3 +223,63 @@ def test_gpt2_training_step_with_dropout():
     again, grads_again = step(1)
     assert torch.equal(loss, again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
     assert not torch.equal(step(2)[0], loss)
+
+
+def test_compiled_gpt2_training_step_with_dropout():
+    """GPT-2 training under torch.compile with attention dropout 0.1 on a padded batch (a mask on every layer):
+    forward and backward both ours; torch.manual_seed reproduces the compiled step's bits and another seed
+    changes them; without dropout the compiled step's loss and gradients are torch's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(gpt2_config(dropout=0.1), attn_implementation="cs149gpt")
+    model.train()
+    compiled = torch.compile(model)
+    ids, mask = padded_batch(96, [12, 9], 12, "right", seed=8)
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def step(seed):
+        model.zero_grad()
+        torch.manual_seed(seed)
+        loss = compiled(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    step(1)  # compile outside the profiled call
+    (loss, grads), counts = attention_calls(lambda: step(1))
+    again, grads_again = step(1)
+    other = step(2)[0]
+    torch._dynamo.reset()
+    assert_all_ours(counts, expected=2)
+    assert counts.get(OURS_BACKWARD) == 2
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(loss, again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    assert not torch.equal(other, loss)
+
+
+def test_compiled_gpt2_training_step_matches_torch():
+    """The same compiled step without dropout: loss and every parameter's gradient are torch's (eager SDPA)."""
+    torch._dynamo.reset()
+    ours, theirs = twins(gpt2_config, transformers.AutoModelForCausalLM)
+    ours.train()
+    theirs.train()
+    compiled = torch.compile(ours)
+    ids, mask = padded_batch(96, [12, 9], 12, "left", seed=9)
+    labels = ids.masked_fill(mask == 0, -100)
+    compiled(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()  # compile
+    ours.zero_grad()
+
+    def step():
+        loss = compiled(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach()
+
+    loss, counts = attention_calls(step)
+    want = theirs(input_ids=ids, attention_mask=mask, labels=labels).loss
+    want.backward()
+    torch._dynamo.reset()
+    assert_all_ours(counts, expected=2)
+    assert counts.get(OURS_BACKWARD) == 2
+    assert abs(loss.item() - want.item()) <= TOL
+    theirs_params = dict(theirs.named_parameters())
+    worst = max((p.grad - theirs_params[n].grad).abs().max().item() for n, p in ours.named_parameters())
+    assert worst <= 1e-4
