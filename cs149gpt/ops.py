@@ -354,6 +354,17 @@ def _flash_backward(ctx, dout, _dlse):
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
+def _out_like(q: torch.Tensor) -> torch.Tensor:
+    """The output of query q as module.cpp (empty_out_like) lays it out on the CPU, like torch's CPU attention: dense
+    in q's order of strides (empty_like) up to 4 dims where that keeps head_dim innermost; contiguous otherwise, and
+    on CUDA."""
+    if q.device.type == "cpu" and q.dim() <= 4:
+        out = torch.empty_like(q)
+        if out.stride(-1) == 1:
+            return out
+    return q.new_empty(q.shape)
+
+
 def _grad_like(t: torch.Tensor) -> torch.Tensor:
     """The flash backward's gradient of t, as module.cpp (empty_grad_like) lays it out: on the CPU, (..., N, H, d) in
     memory when t keeps its heads inside its tokens (head stride below row stride), like torch's CPU attention;
@@ -389,14 +400,14 @@ def _register_python_parts() -> None:
     @torch.library.register_fake(lib + "attention")
     def _(q, k, v, impl="flash", scale=None, causal="none", block_q=None, block_k=None):
         checks.check_attention(q, k, v, impl, scale, causal, block_q, block_k)
-        return q.new_empty(q.shape)
+        return _out_like(q)
 
     @torch.library.register_fake(lib + "flash_attention")
     def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None, window_left=-1,
           window_right=-1, dropout_p=0.0, dropout_seed=None):
         checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k, attn_mask, window_left, window_right,
                                dropout_p, dropout_seed)
-        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        return _out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @torch.library.register_fake(lib + "flash_attention_backward")
     def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None,

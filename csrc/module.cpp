@@ -492,6 +492,37 @@ void run_decode_kernel(const AttentionParams& p, float* workspace) {
   kernels().decode.run(p, workspace);
 }
 
+// The gradient of t (q, k or v), laid out like torch's CPU attention lays its gradients: (..., N, H, d) in memory when
+// t keeps its heads inside its tokens (a model's (B, N, H·d) projection viewed as (B, H, N, d): t's head stride below
+// its row stride), contiguous otherwise. The autograd of those views (transpose, select) then takes the gradient with a
+// dense copy instead of a strided one. The fake (ops.py, _grad_like) decides the same from the same sizes and strides.
+bool heads_inside_tokens(const at::Tensor& t) {
+  const int64_t n = t.dim();
+  return n >= 3 && t.size(n - 3) > 1 && t.size(n - 2) > 1 && t.stride(n - 3) < t.stride(n - 2);
+}
+
+at::Tensor empty_grad_like(const at::Tensor& t, const char* name) {
+  if (!heads_inside_tokens(t)) return checked_empty(t.sizes(), t.options(), name);
+  const int64_t n = t.dim();
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+  std::swap(sizes[n - 3], sizes[n - 2]);
+  return checked_empty(sizes, t.options(), name).transpose(n - 3, n - 2);
+}
+
+// The output of query q, laid out as torch's CPU attention lays it: dense, in q's order of strides (empty_like): a
+// model that viewed its (B, N, H·d) projection as (B, H, N, d) gets (B, N, H, d) memory back, and its
+// out.transpose(1, 2).contiguous() is free. Contiguous for q of more than 4 dims, whose leading dims the kernels see
+// flattened into one (as_4d), which a permuted order would not allow, and where q's head_dim is not its innermost
+// dim: the kernels write rows of whole vectors. The fake (ops.py, _out_like) does the same.
+at::Tensor empty_out_like(const at::Tensor& q) {
+  check_fits(q.numel(), q.element_size(), [&] { return shape_of("out", q.sizes()); });
+  if (q.dim() <= 4) {
+    at::Tensor out = at::empty_like(q, at::MemoryFormat::Preserve);
+    if (out.stride(-1) == 1) return out;
+  }
+  return at::empty(q.sizes(), q.options());
+}
+
 // Runs one forward kernel. Returns (out, lse); lse is defined only when asked for (flash only).
 std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  Impl impl, std::optional<double> scale, const std::string& causal,
@@ -521,9 +552,9 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
     // window included; the tiled kernels take the rest.
     case Impl::flash: kernel = decode_kernel_takes(p) ? &kernels.decode : &kernels.flash; break;
   }
-  at::Tensor out = checked_empty({p.batch, p.num_heads, p.q_len, p.head_dim}, q.options(), "out");
-  p.out = out.data_ptr();
-  fill_strides(p.out_strides, out);
+  const at::Tensor out = empty_out_like(q), out4 = as_4d(out, "out");
+  p.out = out4.data_ptr();
+  fill_strides(p.out_strides, out4);
   at::Tensor lse;
   if (want_lse) {
     lse = checked_empty({p.batch, p.num_heads, p.q_len}, q.options().dtype(at::kFloat), "lse");
@@ -540,14 +571,14 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
       kernel->run(p, ws.data_ptr<float>());
   }
   const auto lead = q.sizes().slice(0, q.dim() - 1);
-  return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};
+  return {out, want_lse ? lse.view(lead) : lse};
 }
 
 }  // namespace
 
 // attention(q, k, v, impl, scale, causal, block_q, block_k) -> out
 //   q: (..., Nq, d); k, v: (..., Nk, d) with the same leading dims, except that the head dim (-3) of k and v
-//   may divide q's (grouped-query attention). out: (..., Nq, d), contiguous, q's dtype.
+//   may divide q's (grouped-query attention). out: (..., Nq, d), q's dtype, laid out as torch's (empty_out_like).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
                      std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                      std::optional<int64_t> block_k) {
@@ -608,22 +639,6 @@ void choose_backward(AttentionBackwardParams& bp) {
     bp.path = busy_share(pairs * chunks, cpus) >= kOnePassMinBusy ? BackwardPath::one_pass : BackwardPath::two_pass;
 }
 
-// The gradient of t (q, k or v), laid out as t is, like torch's CPU attention does: (..., N, H, d) in memory when t
-// keeps its heads inside its tokens (a GPT's fused qkv projection viewed as (B, H, N, d): t's head stride below its
-// row stride), contiguous otherwise. The autograd of those views (transpose, select) then takes the gradient with a
-// dense copy instead of a strided one. The fake (ops.py, _grad_like) decides the same from the same sizes and strides.
-bool heads_inside_tokens(const at::Tensor& t) {
-  const int64_t n = t.dim();
-  return n >= 3 && t.size(n - 3) > 1 && t.size(n - 2) > 1 && t.stride(n - 3) < t.stride(n - 2);
-}
-
-at::Tensor empty_grad_like(const at::Tensor& t, const char* name) {
-  if (!heads_inside_tokens(t)) return checked_empty(t.sizes(), t.options(), name);
-  const int64_t n = t.dim();
-  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
-  std::swap(sizes[n - 3], sizes[n - 2]);
-  return checked_empty(sizes, t.options(), name).transpose(n - 3, n - 2);
-}
 
 // flash_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k) -> (dq, dk, dv)
 //   The gradients of flash_attention's out with respect to q, k, v, given dout = ∂L/∂out and the forward's
@@ -1215,17 +1230,21 @@ py::object sdpa_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }  // namespace cs149gpt
 
 // The operator schema, declared once; the CPU implementation is registered apart, so another backend would
-// be one more TORCH_LIBRARY_IMPL block.
+// be one more TORCH_LIBRARY_IMPL block. The outputs are laid out after the inputs' order of strides (empty_out_like,
+// empty_grad_like), so the forward and backward tell torch.compile to keep that order (needs_fixed_stride_order):
+// inductor may otherwise hand the kernel a contiguous copy of a transposed q, and the output would not have the
+// strides the fake promised.
 TORCH_LIBRARY(cs149gpt, m) {
+  const std::vector<at::Tag> keep_stride_order{at::Tag::needs_fixed_stride_order};
   m.def("attention(Tensor q, Tensor k, Tensor v, str impl='flash', float? scale=None, str causal='none', "
-        "int? block_q=None, int? block_k=None) -> Tensor");
+        "int? block_q=None, int? block_k=None) -> Tensor", keep_stride_order);
   m.def("flash_attention(Tensor q, Tensor k, Tensor v, float? scale=None, str causal='none', int? block_q=None, "
         "int? block_k=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, float dropout_p=0.0, "
-        "Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)");
+        "Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)", keep_stride_order);
   m.def("flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? scale=None, str causal='none', int? block_q=None, int? block_k=None, Tensor? attn_mask=None, "
         "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) -> "
-        "(Tensor dq, Tensor dk, Tensor dv)");
+        "(Tensor dq, Tensor dk, Tensor dv)", keep_stride_order);
   m.def("attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
         "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True) "
         "-> Tensor");

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import cs149gpt
-from tests._helpers import ALL_ISAS, TOL, gen, isa, mismatch, module, randn, reference  # noqa: F401  (isa: fixture)
+from tests._helpers import ALL_ISAS, TOL, expected_strides, gen, isa, mismatch, module, randn, reference  # noqa: F401  (isa: fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,6 +170,25 @@ def _layout(name, g, B=2, H=3, n_q=21, n_k=26, d=17):
         raise AssertionError(name)
     assert q.shape == (B, H, n_q, d) and k.shape == v.shape == (B, H, n_k, d)
     return q, k, v
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "gpt_qkv", "bnhd_transposed", "heads_batch_swapped", "one_row"])
+def test_output_laid_out_as_torchs(layout):
+    """The output's memory layout is torch's CPU SDPA's for the same q (the rule expected_strides() writes down, which
+    every correctness check here applies): a model's out.transpose(1, 2).contiguous() costs what it does on torch."""
+    g = gen(41)
+    if layout == "one_row":  # decoding: (B, N, H·d) with N = 1
+        q = randn(2, 1, 4 * 16, gen=g).view(2, 1, 4, 16).transpose(1, 2)
+        k = v = randn(2, 4, 9, 16, gen=g)
+    elif layout == "contiguous":
+        q, k, v = (randn(2, 4, 9, 16, gen=g) for _ in range(3))
+    else:
+        q, k, v = _layout(layout, g)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert theirs.stride() == expected_strides(q), (theirs.stride(), expected_strides(q))
+    for out in (cs149gpt.scaled_dot_product_attention(q, k, v), cs149gpt.attention(q, k, v),
+                cs149gpt.attention(q, k, v, impl="fused")):
+        assert out.stride() == theirs.stride()
 
 
 LAYOUTS = ["gpt_qkv", "bnhd_transposed", "every_other_row", "column_slice", "last_dim_strided", "broadcast",

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import ALL_ISAS, TOL, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import ALL_ISAS, TOL, expected_strides, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,9 +76,9 @@ def problems(out, lse, q, k, v, *, scale=None, is_causal=False):
     """What is wrong with the kernel's (out, lse) for (q, k, v), as a list of lines; lse may be None."""
     found = []
     want, want_lse = ref_attention(q, k, v, scale=scale, is_causal=is_causal)
-    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        return [f"out: shape {tuple(out.shape)} dtype {out.dtype} contiguous={out.is_contiguous()}, expected "
-                f"shape {tuple(q.shape)} dtype {q.dtype} contiguous"]
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride() != expected_strides(q):
+        return [f"out: shape {tuple(out.shape)} dtype {out.dtype} strides {out.stride()}, expected "
+                f"shape {tuple(q.shape)} dtype {q.dtype} strides {expected_strides(q)}"]
     o = out.double()
     if not torch.isfinite(o).all():
         found.append("out has non-finite values")
