@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Where a Hugging Face Llama's padded prefill spends its time with our attention and with torch's SDPA:
-torch.profiler's operators by self CPU time, both attentions on the same model, same run.
+"""Where a Hugging Face Llama's padded prefill (or BERT's right-padded encoding) spends its time with our attention
+and with torch's SDPA: torch.profiler's operators by self CPU time, both attentions on the same model, same run.
+--compile runs the model under torch.compile, with each inductor kernel recorded as its own operator.
 
     python benchmarks/profile_models.py --dtype bfloat16 --threads 1
+    python benchmarks/profile_models.py --model bert --batch 32 --seq 128
+    python benchmarks/profile_models.py --compile
 """
 import argparse
 import sys
@@ -21,29 +24,46 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rows", type=int, default=12)
+    parser.add_argument("--model", choices=("llama", "bert"), default="llama")
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     import transformers
 
     cs149gpt.register_transformers()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                                      pad_token_id=0, eos_token_id=None)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if args.model == "llama":
+        config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                                          max_position_embeddings=4096, pad_token_id=0, eos_token_id=None)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    else:
+        config = transformers.BertConfig(vocab_size=1000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                         intermediate_size=1024, max_position_embeddings=4096, pad_token_id=0)
+        model = transformers.AutoModel.from_config(config, attn_implementation="sdpa")
     model = model.to(getattr(torch, args.dtype)).eval()
     ids = torch.randint(1, 1000, (args.batch, args.seq))
     mask = torch.ones(args.batch, args.seq, dtype=torch.long)
     for i in range(args.batch):
-        mask[i, : (i * args.seq) // (2 * args.batch)] = 0
-    print(f"# torch {torch.__version__}, isa {cs149gpt.isa()}, {args.dtype}, {args.threads} thread(s), "
-          f"batch {args.batch} x {args.seq} left-padded")
+        pad = (i * args.seq) // (2 * args.batch)
+        if args.model == "llama":
+            mask[i, :pad] = 0  # left padding
+        else:
+            mask[i, args.seq - pad:] = 0  # right padding
+    run = model
+    if args.compile:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True  # each generated kernel its own profiler event
+        run = torch.compile(model)
+    print(f"# torch {torch.__version__}, isa {cs149gpt.isa()}, {args.model}, {args.dtype}, {args.threads} thread(s), "
+          f"batch {args.batch} x {args.seq} padded{', torch.compile' if args.compile else ''}")
     for impl in ("sdpa", "cs149gpt", "sdpa", "cs149gpt"):
         model.set_attn_implementation(impl)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask)  # warm
+            run(input_ids=ids, attention_mask=mask)  # warm (and compile)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                model(input_ids=ids, attention_mask=mask)
+                run(input_ids=ids, attention_mask=mask)
         total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3
         print(f"\n## {impl}: {total:.1f} ms of self CPU time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
