@@ -92,9 +92,6 @@ def main() -> int:
     torch.manual_seed(0)
     models["bert"] = transformers.AutoModel.from_config(
         transformers.BertConfig(**bert), attn_implementation="sdpa").to(dtype).eval()
-    # One compiled module: dynamo guards on the attention implementation, so each of the two gets its own graph, both
-    # compiled in median_times' warm-up round (not timed).
-    compiled_llama = torch.compile(models["llama"]) if args.compile else None
     g = torch.Generator().manual_seed(0)
     ids, mask = padded(args.batch, args.seq, 1000, g)
     right_mask = padded(args.batch, args.seq, 1000, g, side="right")[1]
@@ -105,6 +102,13 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
+        # Compiled afresh for each thread count (inductor's kernels take the thread count they are compiled with);
+        # dynamo guards on the attention implementation, so each of the two gets its own graph, both compiled in
+        # median_times' warm-up round (not timed).
+        compiled_llama = None
+        if args.compile:
+            torch._dynamo.reset()
+            compiled_llama = torch.compile(models["llama"])
         phases = {
             ("llama", "prefill"): lambda m: m(input_ids=ids, attention_mask=mask),
             ("llama", "prefill, torch.compile"): lambda m: compiled_llama(input_ids=ids, attention_mask=mask),
