@@ -5,6 +5,7 @@
 // including the views a GPT makes with x.view(B, T, H, d).transpose(1, 2).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace cs149gpt {
@@ -56,6 +57,15 @@ struct AttentionParams {
   // window_offset is kv_len − q_len (FlashAttention aligns the window bottom-right). Applies with both masks.
   int64_t window_left = -1, window_right = -1;
   int64_t window_offset = 0;
+
+  // A boolean attn_mask whose every row shows one run of consecutive keys (padding, left or right; padding and a
+  // causal pattern; a band) arrives as that run instead (module.cpp, key_ranges_of): row i of query head h in batch
+  // b sees keys [key_ranges[o], key_ranges[o + 1]) with o = b·key_range_strides[0] + h·key_range_strides[1] +
+  // i·key_range_strides[2] (0 along the dims the mask is broadcast over); an empty run, [0, 0), for a row it hides
+  // whole. It narrows the window, so the kernels treat it as one: no mask entry is read again, and only the tiles
+  // its edges cut build a bias row.
+  const int64_t* key_ranges = nullptr;
+  int64_t key_range_strides[3] = {0, 0, 0};
 
   // Dropout on the attention weights: P_ij is kept (and scaled by 1 / (1 − dropout_p)) where dropout_keep(...) of
   // its counter says so, else zeroed; lse and the softmax's normaliser are those of the undropped P.
@@ -142,7 +152,10 @@ inline bool dropout_keep(uint64_t seed_key, uint64_t counter, uint64_t threshold
 }
 inline uint64_t dropout_seed_key(uint64_t seed) { return mix64(seed + 0x632BE59BD9B4E019ull); }
 
-inline bool has_window(const AttentionParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
+// A window: the sliding window, attn_mask's key ranges, or both.
+inline bool has_window(const AttentionParams& p) {
+  return p.window_left >= 0 || p.window_right >= 0 || p.key_ranges != nullptr;
+}
 // Whether anything beyond the causal mask hides keys (attn_mask, a window): the kernels then classify their blocks.
 inline bool has_mask_or_window(const AttentionParams& p) { return p.mask_kind != MaskKind::none || has_window(p); }
 
@@ -154,12 +167,18 @@ constexpr int64_t kDecodeMaxRows = 16;
 inline bool decode_kernel_takes(const AttentionParams& p) {
   return p.q_len <= kDecodeMaxRows && p.block_q <= 0 && p.block_k <= 0 && p.dropout_p == 0.0f;
 }
-// The keys of row i's window: [window_first(i), window_last(i)] (unclamped; INT64 extremes when unbounded).
-inline int64_t window_first(const AttentionParams& p, int64_t i) {
-  return p.window_left < 0 ? INT64_MIN / 2 : i + p.window_offset - p.window_left;
+// The keys of row i's window (query head h, batch b): [window_first, window_last] (unclamped; INT64 extremes when
+// unbounded), the sliding window's band within attn_mask's key range.
+inline const int64_t* key_range(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+  return p.key_ranges + b * p.key_range_strides[0] + h * p.key_range_strides[1] + i * p.key_range_strides[2];
 }
-inline int64_t window_last(const AttentionParams& p, int64_t i) {
-  return p.window_right < 0 ? INT64_MAX / 2 : i + p.window_offset + p.window_right;
+inline int64_t window_first(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+  const int64_t band = p.window_left < 0 ? INT64_MIN / 2 : i + p.window_offset - p.window_left;
+  return p.key_ranges ? std::max(band, key_range(p, b, h, i)[0]) : band;
+}
+inline int64_t window_last(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+  const int64_t band = p.window_right < 0 ? INT64_MAX / 2 : i + p.window_offset + p.window_right;
+  return p.key_ranges ? std::min(band, key_range(p, b, h, i)[1] - 1) : band;
 }
 
 // The backward pass: reads the forward's inputs, its output and lse (fwd.out, fwd.lse) and dL/dout; writes

@@ -14,6 +14,7 @@
 #include <ATen/record_function.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <iomanip>
 #include <cmath>
@@ -369,8 +370,53 @@ void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
 struct Prepared {
   at::Tensor q4, k4, v4;  // views (or, for a strided last dim, copies) that the params point into
   at::Tensor mask4;       // attn_mask expanded to (batch, heads, Nq, Nk): a view, stride 0 where broadcast
+  at::Tensor key_ranges;  // a boolean attn_mask's runs of shown keys, when each row has one (key_ranges_of)
   AttentionParams p;
 };
+
+// The first and one past the last nonzero byte of row[0, n) (0, 0 if none), and whether the bytes between are all
+// nonzero: whether a boolean mask row shows one run of consecutive keys.
+bool one_run(const uint8_t* row, int64_t n, int64_t* first, int64_t* end) {
+  int64_t shown = 0;
+  for (int64_t t = 0; t < n; ++t) shown += row[t] != 0;  // (vectorises: no early exit)
+  if (shown == 0) {
+    *first = *end = 0;
+    return true;
+  }
+  int64_t lo = 0, hi = n;
+  while (row[lo] == 0) ++lo;
+  while (row[hi - 1] == 0) --hi;
+  *first = lo, *end = hi;
+  return hi - lo == shown;
+}
+
+// A boolean attn_mask (mask4: (batch, heads, Nq, Nk), stride 0 where broadcast, keys one byte apart) whose every row
+// shows one run of keys — padding on either side, padding under a causal pattern, a band — as those runs: an int64
+// (first, end) pair per distinct mask row, (batch or 1, heads or 1, Nq or 1, 2), the dims the mask is broadcast over
+// kept at 1. Undefined when a row shows two runs or more (the kernels then read the mask) or the keys are strided.
+// One pass over the mask, here, where the kernels would read each row once per query head and key tile, and convert
+// every tile that an edge of padding cuts.
+at::Tensor key_ranges_of(const at::Tensor& mask4) {
+  if (mask4.size(3) > 1 && mask4.stride(3) != 1) return {};
+  std::array<int64_t, 3> extent{}, stride{};
+  for (int d = 0; d < 3; ++d) {
+    extent[d] = mask4.stride(d) == 0 ? 1 : mask4.size(d);
+    stride[d] = mask4.stride(d);
+  }
+  const int64_t rows = extent[0] * extent[1] * extent[2], keys = mask4.size(3);
+  at::Tensor ranges = at::empty({extent[0], extent[1], extent[2], 2}, at::TensorOptions().dtype(at::kLong));
+  const uint8_t* base = static_cast<const uint8_t*>(mask4.data_ptr());
+  int64_t* out = ranges.data_ptr<int64_t>();
+  std::atomic<bool> one_run_each{true};
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end && one_run_each.load(std::memory_order_relaxed); ++r) {
+      const int64_t i = r % extent[2], h = (r / extent[2]) % extent[1], b = r / (extent[2] * extent[1]);
+      const uint8_t* row = base + b * stride[0] + h * stride[1] + i * stride[2];
+      if (!one_run(row, keys, out + 2 * r, out + 2 * r + 1)) one_run_each.store(false, std::memory_order_relaxed);
+    }
+  });
+  return one_run_each.load() ? ranges : at::Tensor();
+}
 
 // Fills the params of a call whose arguments check_attention has passed (it returned dtype).
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
@@ -407,6 +453,15 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     p.mask_kind = mt == at::kBool ? MaskKind::boolean : MaskKind::additive;
     p.mask_dtype = mt == at::kBFloat16 ? DType::bf16 : mt == at::kHalf ? DType::f16 : DType::f32;
     for (int i = 0; i < 4; ++i) p.mask_strides[i] = prep.mask4.stride(i);
+    // One run of shown keys per row (the masks of padded batches): the kernels take the runs instead of the mask.
+    if (p.mask_kind == MaskKind::boolean && impl == Impl::flash && prep.mask4.numel() > 0)
+      prep.key_ranges = key_ranges_of(prep.mask4);
+    if (prep.key_ranges.defined()) {
+      p.key_ranges = prep.key_ranges.data_ptr<int64_t>();
+      for (int d = 0; d < 3; ++d) p.key_range_strides[d] = prep.key_ranges.size(d) == 1 ? 0 : prep.key_ranges.stride(d);
+      p.mask = nullptr;
+      p.mask_kind = MaskKind::none;
+    }
   }
   p.window_left = window_left;
   p.window_right = window_right;
@@ -1327,6 +1382,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                            const std::optional<at::Tensor>& block_table, std::optional<double> scale) {
     check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale);
   }, "raises what torch.ops.cs149gpt.attention_with_kvcache would for these arguments, on sizes alone");
+  m.def("key_ranges_of", [](const at::Tensor& mask, const at::Tensor& q, int64_t kv_len) -> py::object {
+    const at::Tensor ranges = key_ranges_of(mask_as_4d(mask, q, kv_len));
+    return ranges.defined() ? py::cast(ranges) : py::none();
+  }, "A boolean attn_mask's (first, end) run of shown keys per distinct row, as the flash kernels receive it; None "
+     "if a row shows two runs or more (tests)");
   m.def("attention_fast", &attention_fast, "cs149gpt.attention's eager path for plain tensors (None: not taken)");
   m.def("sdpa_fast", &sdpa_fast,
         "cs149gpt.scaled_dot_product_attention's eager path without dropout (None: not taken)");

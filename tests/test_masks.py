@@ -39,6 +39,21 @@ def random_bool_mask(shape, g, *, p_keep=0.7, dead_rows=True):
     return m
 
 
+def random_run_mask(shape, g):
+    """Each row shows one run of consecutive keys [lo, hi) at a random place (a padded batch's rows, with or without
+    a causal pattern, are such runs): the kernels take these as key ranges (module.cpp, key_ranges_of); every third
+    row (where there is one) shows none, every fifth all."""
+    n_k = shape[-1]
+    lo = torch.randint(0, n_k, shape[:-1], generator=g)
+    hi = torch.minimum(lo + torch.randint(1, n_k + 1, shape[:-1], generator=g), torch.tensor(n_k))
+    keys = torch.arange(n_k)
+    m = (keys >= lo[..., None]) & (keys < hi[..., None])
+    if len(shape) >= 2 and shape[-2] > 1:
+        m[..., ::3, :] = False
+        m[..., 1::5, :] = True
+    return m
+
+
 def random_additive_mask(shape, g, dtype=torch.float32):
     """Finite offsets of a few units, −inf where a bool mask would hide the key."""
     hide = ~random_bool_mask(shape, g)
@@ -119,7 +134,15 @@ SHAPES = [  # (B, Hq, Hkv, Nq, Nk, d)
 TILES = [(None, None), (17, 24), (1, 3)]
 
 
-@pytest.mark.parametrize("kind", ["bool", "additive"])
+def make_mask(kind, shape, g, dtype=torch.float32):
+    if kind == "bool":
+        return random_bool_mask(shape, g)
+    if kind == "runs":
+        return random_run_mask(shape, g)
+    return random_additive_mask(shape, g, dtype)
+
+
+@pytest.mark.parametrize("kind", ["bool", "runs", "additive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_forward_every_mask_shape(isa, dtype, kind):
     """out and lse for every broadcast shape of the mask, with each causal mode and tile size."""
@@ -128,8 +151,7 @@ def test_forward_every_mask_shape(isa, dtype, kind):
     for b, hq, hkv, n_q, n_k, d in SHAPES if dtype == torch.float32 else SHAPES[:1]:
         q, k, v, _ = inputs((b, hq, n_q, d), (b, hkv, n_k, d), g, dtype)
         for shape in mask_shapes(b, hq, n_q, n_k):
-            mask = random_bool_mask(shape, g) if kind == "bool" else random_additive_mask(
-                shape, g, torch.float32 if shape[-1] % 2 else dtype)
+            mask = make_mask(kind, shape, g, torch.float32 if shape[-1] % 2 else dtype)
             for is_causal in (False, True, "bottom_right"):
                 for block_q, block_k in TILES if is_causal is False else TILES[:2]:
                     out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=is_causal, block_q=block_q,
@@ -138,6 +160,30 @@ def test_forward_every_mask_shape(isa, dtype, kind):
                                              tag=f"{isa} {kind} mask {shape} {mask.dtype} causal={is_causal} "
                                                  f"tiles=({block_q}, {block_k}) q {tuple(q.shape)}")
     assert not failures, "\n".join(failures[:20])
+
+
+def test_masks_of_one_run_per_row_become_key_ranges():
+    """A boolean mask whose every row shows one run of keys reaches the kernels as (first, end) per distinct row (the
+    broadcast dims kept at 1), computed here from the definition; a row of two runs leaves the mask as it is."""
+    from cs149gpt import _ext
+
+    g = gen(1112)
+    q = torch.zeros(2, 4, 9, 8)
+    for shape in mask_shapes(2, 4, 9, 13):
+        mask = random_run_mask(shape, g)
+        ranges = _ext.load().key_ranges_of(mask, q, 13)
+        m4 = mask.expand(2, 4, 9, 13)
+        kept = [slice(None) if m4.stride(d) != 0 else slice(0, 1) for d in range(3)]
+        rows = m4[kept[0], kept[1], kept[2]]
+        keys = torch.arange(13)
+        shown = rows.any(-1)
+        first = torch.where(shown, torch.where(rows, keys, 13).min(-1).values, 0)
+        end = torch.where(shown, torch.where(rows, keys + 1, 0).max(-1).values, 0)
+        assert ranges is not None and torch.equal(ranges, torch.stack((first, end), -1)), shape
+    two_runs = torch.ones(2, 1, 9, 13, dtype=torch.bool)
+    two_runs[1, 0, 4, 5] = False
+    assert _ext.load().key_ranges_of(two_runs, q, 13) is None
+    assert _ext.load().key_ranges_of(two_runs[:, :, :, ::2], q, 7) is None  # keys strided: read in place
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -269,7 +315,7 @@ def grad_problems(q, k, v, dout, mask, *, tag, **kwargs):
     return found
 
 
-@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("kind", ["bool", "runs", "additive"])
 def test_gradients_every_mask_shape(isa, kind):
     """dq, dk, dv (GQA: summed per group) against float64 autograd, for every broadcast shape of the mask, each
     causal mode and odd tiles; the mask gets no gradient."""
@@ -278,7 +324,7 @@ def test_gradients_every_mask_shape(isa, kind):
     for b, hq, hkv, n_q, n_k, d in GRAD_SHAPES:
         q, k, v, dout = inputs((b, hq, n_q, d), (b, hkv, n_k, d), g)
         for shape in mask_shapes(b, hq, n_q, n_k):
-            mask = random_bool_mask(shape, g) if kind == "bool" else random_additive_mask(shape, g)
+            mask = make_mask(kind, shape, g)
             for is_causal in (False, True, "bottom_right"):
                 for block_q, block_k in ((None, None), (7, 5)) if is_causal is False else ((None, None),):
                     failures += grad_problems(q, k, v, dout, mask, is_causal=is_causal, block_q=block_q,

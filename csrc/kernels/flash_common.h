@@ -160,12 +160,13 @@ inline float mask_entry(uint8_t m) {
 template <class M>
 inline float mask_entry(M m) { return static_cast<float>(m); }
 
-// The keys [lo, hi) of row i within a block starting at key j0 of n_j keys that both the causal mask and the
-// window show.
-inline void shown_keys(const AttentionParams& p, int64_t i, int64_t j0, int64_t n_j, int64_t* lo, int64_t* hi) {
+// The keys [lo, hi) of row i (query head h, batch b) within a block starting at key j0 of n_j keys that both the
+// causal mask and the window show.
+inline void shown_keys(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n_j, int64_t* lo,
+                       int64_t* hi) {
   const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i) - j0, 0, n_j);
-  *lo = std::clamp<int64_t>(window_first(p, i) - j0, 0, causal_keys);
-  *hi = std::clamp<int64_t>(window_last(p, i) + 1 - j0, *lo, causal_keys);
+  *lo = std::clamp<int64_t>(window_first(p, b, h, i) - j0, 0, causal_keys);
+  *hi = std::clamp<int64_t>(window_last(p, b, h, i) + 1 - j0, *lo, causal_keys);
 }
 
 // A first look at attn_mask over the block, before anything is converted: hidden, visible or partial as
@@ -182,7 +183,7 @@ MaskBlock classify_block(const AttentionParams& p, int64_t b, int64_t h, int64_t
   int64_t last_lo = -1, last_hi = -1;
   for (int64_t r = 0; r < n_i; ++r) {
     int64_t lo, hi;
-    shown_keys(p, i0 + r, j0, n_j, &lo, &hi);
+    shown_keys(p, b, h, i0 + r, j0, n_j, &lo, &hi);
     const M* row = base + (i0 + r) * s_i + j0 * s_j;
     if (row == last_row && lo == last_lo && hi == last_hi) continue;
     last_row = row, last_lo = lo, last_hi = hi;
@@ -228,7 +229,7 @@ MaskBlock mask_block_of(const AttentionParams& p, int64_t b, int64_t h, int64_t 
     const int64_t i = i0 + r;
     const int64_t causal_keys = std::clamp<int64_t>(visible_keys(p, i) - j0, 0, n_j);  // the causal prefix
     int64_t lo, hi;  // the window within it: keys [lo, hi) of the block
-    shown_keys(p, i, j0, n_j, &lo, &hi);
+    shown_keys(p, b, h, i, j0, n_j, &lo, &hi);
     all_plain &= lo == 0 && hi == causal_keys;
     float* out = bias + r * ld_i;
     for (int64_t t = 0; t < lo; ++t) out[t * ld_j] = kNegInf;
@@ -300,11 +301,18 @@ inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int6
                             int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
   if (!has_mask_or_window(p)) return MaskBlock::visible;
   if (has_window(p)) {
-    // The band of the block's rows reaches keys [window_first(i0), window_last(last row)].
-    const int64_t i1 = i0 + n_i - 1, j1 = j0 + n_j - 1;
-    if (window_last(p, i1) < j0 || window_first(p, i0) > j1) return MaskBlock::hidden;
-    if (p.mask_kind == MaskKind::none && window_first(p, i1) <= j0 && window_last(p, i0) >= j1)
-      return MaskBlock::visible;
+    // The window of each row against the block's keys [j0, j1]: hidden if it meets no row's, visible (without
+    // attn_mask) if it lies within every row's. (The sliding window's band moves right with i; attn_mask's key
+    // ranges may go anywhere, so every row is asked: a few integers against the block's products.)
+    const int64_t j1 = j0 + n_j - 1;
+    bool none_meets = true, all_cover = true;
+    for (int64_t i = i0; i < i0 + n_i; ++i) {
+      const int64_t first = window_first(p, b, h, i), last = window_last(p, b, h, i);
+      none_meets &= last < j0 || first > j1 || first > last;
+      all_cover &= first <= j0 && last >= j1;
+    }
+    if (none_meets) return MaskBlock::hidden;
+    if (p.mask_kind == MaskKind::none && all_cover) return MaskBlock::visible;
   }
   switch (p.mask_kind) {
     case MaskKind::none: return mask_block_of<void>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);

@@ -314,7 +314,7 @@ inline flash::MaskBlock mask_rows(const AttentionParams& p, const Layout& L, int
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t rho = rho0 + r, i = rho / L.group, h = head_of(L, kvh, rho);
     int64_t lo, hi;  // the keys of the block that the causal mask and the window show row i
-    flash::shown_keys(p, i, t0, n, &lo, &hi);
+    flash::shown_keys(p, b, h, i, t0, n, &lo, &hi);
     const int64_t at = p.mask ? b * p.mask_strides[0] + h * p.mask_strides[1] + i * p.mask_strides[2] : 0;
     if (r == 0 || at != last_at || lo != last_lo || hi != last_hi) {
       float* row_bias = bias_rows + used * kBlockKeys;
