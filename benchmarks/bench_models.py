@@ -19,6 +19,7 @@ transformers.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -102,16 +103,20 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        # Compiled afresh for each thread count (inductor's kernels take the thread count they are compiled with);
-        # dynamo guards on the attention implementation, so each of the two gets its own graph, both compiled in
-        # median_times' warm-up round (not timed).
-        compiled_llama = None
+        # Under torch.compile, one copy of the Llama per attention (the same weights), each compiled once and never
+        # switched: switching one compiled model's attention fails dynamo's guards and reloads a graph per call.
+        # Compiled afresh for each thread count (inductor's kernels take the thread count they are compiled with),
+        # in median_times' warm-up round (not timed).
+        compiled = {}
         if args.compile:
             torch._dynamo.reset()
-            compiled_llama = torch.compile(models["llama"])
+            for impl in ("sdpa", "cs149gpt"):
+                twin = copy.deepcopy(models["llama"])
+                twin.set_attn_implementation(impl)
+                compiled[impl] = torch.compile(twin)
         phases = {
             ("llama", "prefill"): lambda m: m(input_ids=ids, attention_mask=mask),
-            ("llama", "prefill, torch.compile"): lambda m: compiled_llama(input_ids=ids, attention_mask=mask),
+            ("llama", "prefill, torch.compile"): None,  # compiled[impl], below
             ("llama", f"generate {args.new_tokens}"): lambda m: m.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                 do_sample=False, pad_token_id=0),
@@ -123,13 +128,16 @@ def main() -> int:
             ("bert", "encode (right-padded)"): lambda m: m(input_ids=ids, attention_mask=right_mask),
         }
         for (name, phase), fn in phases.items():
-            if name not in args.models.split(",") or (phase.endswith("compile") and compiled_llama is None):
+            if name not in args.models.split(",") or (phase.endswith("compile") and not compiled):
                 continue
             model = models[name]
+            if fn is None:
+                fns = {impl: lambda impl=impl: compiled[impl](input_ids=ids, attention_mask=mask) for impl in compiled}
+            else:
+                fns = {impl: lambda: fn(model) for impl in ("sdpa", "cs149gpt")}
             grad = torch.enable_grad() if phase.startswith("train") else torch.no_grad()
             with grad:
-                times = median_times(model, {impl: lambda: fn(model) for impl in ("sdpa", "cs149gpt")},
-                                     args.repeats)
+                times = median_times(model, fns, args.repeats)
             print(f"| {name} | {phase} | {threads} | {times['sdpa'] * 1e3:.1f} | {times['cs149gpt'] * 1e3:.1f} | "
                   f"{times['sdpa'] / times['cs149gpt']:.2f} |", flush=True)
     return 0

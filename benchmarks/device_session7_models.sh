@@ -31,6 +31,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
 fi
 if [ "${SMALL:-0}" = 1 ]; then
   { timeout 60 python3 benchmarks/probe_small_calls.py --threads 1,16
+    timeout 60 python3 benchmarks/probe_key_ranges.py --threads 1,16
     timeout 150 python3 benchmarks/bench_masks.py --threads 1,16 --markdown --dtype float32,bfloat16 \
       --min-run-time 0.5; } > "$OUT/${T}_small_masks.txt" 2>&1
   grep -E "^\|" "$OUT/${T}_small_masks.txt" | grep -v "^|---"
