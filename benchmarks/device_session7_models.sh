@@ -24,7 +24,7 @@ if [ "${PYTEST:-0}" = 1 ]; then
   tail -2 "$OUT/${T}_pytest.txt"; grep -E "^FAILED|^E " "$OUT/${T}_pytest.txt" | head -10
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
-  { timeout 100 python3 benchmarks/profile_models.py --compile --threads 16 --dtype $DTYPE --rows 14
+  { timeout 150 python3 benchmarks/profile_models.py --compile --threads 16 --dtype $DTYPE --rows 25
     timeout 60 python3 benchmarks/profile_models.py --model bert --batch 32 --seq 128 --threads 16 --dtype $DTYPE \
       --rows 14; } > "$OUT/${T}_profile.txt" 2>&1
   grep -E "^#|ms of self" "$OUT/${T}_profile.txt"

@@ -50,16 +50,18 @@ def main() -> int:
             mask[i, :pad] = 0  # left padding
         else:
             mask[i, args.seq - pad:] = 0  # right padding
-    run = model
     if args.compile:
         from torch._inductor import config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # each generated kernel its own profiler event
-        run = torch.compile(model)
     print(f"# torch {torch.__version__}, isa {cs149gpt.isa()}, {args.model}, {args.dtype}, {args.threads} thread(s), "
           f"batch {args.batch} x {args.seq} padded{', torch.compile' if args.compile else ''}")
     for impl in ("sdpa", "cs149gpt", "sdpa", "cs149gpt"):
         model.set_attn_implementation(impl)
+        run = model
+        if args.compile:  # compiled afresh for each attention (switching a compiled model's fails dynamo's guards)
+            torch._dynamo.reset()
+            run = torch.compile(model)
         with torch.no_grad():
             run(input_ids=ids, attention_mask=mask)  # warm (and compile)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
