@@ -85,7 +85,8 @@ def attention(
             in distribution, not in bits.
 
     Returns:
-        out: (..., Nq, d), contiguous, in q's dtype (float32; also bfloat16/float16 with impl="flash");
+        out: (..., Nq, d), laid out as torch's SDPA output (empty_like(q); README, "Shapes"), in q's dtype
+            (float32; also bfloat16/float16 with impl="flash");
         or (out, lse) with return_lse=True. With impl="flash" out is differentiable in q, k and v.
     """
     if (attn_mask is None and window is None and dropout_p == 0.0 and not torch.compiler.is_compiling()
