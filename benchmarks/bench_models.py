@@ -105,6 +105,8 @@ def main() -> int:
         torch.set_num_threads(threads)
         # Under torch.compile, one copy of the Llama per attention (the same weights), each compiled once and never
         # switched: switching one compiled model's attention fails dynamo's guards and reloads a graph per call.
+        # Static shapes for both (dynamic=False): the second twin recompiles the frames the first compiled, and
+        # dynamo's automatic dynamic shapes would make only its graphs dynamic.
         # Compiled afresh for each thread count (inductor's kernels take the thread count they are compiled with),
         # in median_times' warm-up round (not timed).
         compiled = {}
@@ -113,7 +115,7 @@ def main() -> int:
             for impl in ("sdpa", "cs149gpt"):
                 twin = copy.deepcopy(models["llama"])
                 twin.set_attn_implementation(impl)
-                compiled[impl] = torch.compile(twin)
+                compiled[impl] = torch.compile(twin, dynamic=False)
         phases = {
             ("llama", "prefill"): lambda m: m(input_ids=ids, attention_mask=mask),
             ("llama", "prefill, torch.compile"): None,  # compiled[impl], below
