@@ -52,8 +52,8 @@ def main() -> int:
                 rounds = []
                 with torch.no_grad():
                     for _ in range(2):
-                        rounds.append([median_ms(lambda m=m: cs149gpt.scaled_dot_product_attention(q, k, v, attn_mask=m))
-                                       for m in (runs, strided, None)])
+                        rounds.append([median_ms(lambda m=m: cs149gpt.scaled_dot_product_attention(
+                            q, k, v, attn_mask=m)) for m in (runs, strided, None)])
                 r, m, n = (statistics.median(x) for x in zip(*rounds))
                 print(f"| {shape} | {str(dtype)[6:]} | {threads} | {r:.3f} | {m:.3f} | {n:.3f} | {m / r:.2f} |",
                       flush=True)
