@@ -223,6 +223,189 @@ void query_tile_phases(const AttentionParams& p, const Layout& L, int64_t i0, co
 }
 
 
+// ---------------------------------------------------------------------------------------------------
+// Software pipelining (issue 9, "overlap softmax and products"). The tile unit runs a tdpbf16ps for ~16 cycles
+// on its own while the vector units are free, but the kernel's phases come one after another: the products of a
+// group wait for its softmax and the softmax for the products. Here the steps s = (key tile j, group g) overlap:
+// while the softmax of step s runs a few rows at a time, the products of other steps are issued between the row
+// chunks — S of step s + 1 (QK) and O += P V of step s − 1 (PV, P kept in a second buffer) — as work items of one
+// 2 × 2 block of C tiles each, so the out-of-order core has tile work in its window all along.
+// ---------------------------------------------------------------------------------------------------
+struct AmxItem {
+  const bf16_bits *A, *B;
+  float* C;
+  int64_t K, lda, ldb, ldc;
+  int nb;
+  bool accumulate;
+  void run() const {
+    if (nb == 2)
+      amx_block<2>(K, A, lda, B, ldb, C, ldc, accumulate);
+    else
+      amx_block<1>(K, A, lda, B, ldb, C, ldc, accumulate);
+  }
+};
+struct AmxQueue {
+  AmxItem items[128];
+  int n = 0, next = 0;
+  void add_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb,
+                float* C, int64_t ldc, bool accumulate) {
+    for (int64_t m = 0; m < M; m += 32)
+      for (int64_t c = 0; c < N; c += 32)
+        items[n++] = AmxItem{A + m * lda, B + b_tile_offset(0, c, ldb), C + m * ldc + c, K, lda, ldb, ldc,
+                             N - c >= 32 ? 2 : 1, accumulate};
+  }
+  void run(int count) {
+    for (int i = 0; i < count && next < n; ++i) items[next++].run();
+  }
+  void drain() {
+    run(n);
+    n = next = 0;
+  }
+};
+
+template <int kChunkRows, bool kInterleave>
+void query_tile_pipelined(const AttentionParams& p, const Layout& L, int64_t i0, const bf16_bits* kt_all,
+                          const bf16_bits* v_all, float* scratch, float* S2, bf16_bits* P2) {
+  const int64_t d = p.head_dim, rows = std::min(L.Br, p.q_len - i0), groups = (rows + G - 1) / G;
+  bf16_bits* Qi = reinterpret_cast<bf16_bits*>(scratch + L.q_off);
+  float* S_buf[2] = {scratch + L.s_off, S2};
+  bf16_bits* P_buf[2] = {reinterpret_cast<bf16_bits*>(scratch + L.p_off), P2};
+  float *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
+  float *alpha = scratch + L.alpha_off, *m_new = alpha + G;
+  int64_t visible[G];
+  const bf16_bits* Q = reinterpret_cast<const bf16_bits*>(p.q) + i0 * p.q_strides[2];
+  std::fill(Qi, Qi + groups * G * L.d_k, bf16_bits{0});
+  for (int64_t r = 0; r < rows; ++r) std::copy(Q + r * p.q_strides[2], Q + r * p.q_strides[2] + d, Qi + r * L.d_k);
+  fill_row(kNegInf, m, groups * G);
+  fill_row(0.0f, l, groups * G);
+  fill_row(0.0f, Oi, groups * G * L.d_n);
+  const int64_t steps = L.Tc * groups;
+  auto cols_of = [&](int64_t s) { return std::min(L.Bc, p.kv_len - (s / groups) * L.Bc); };
+  AmxQueue queue;
+  auto issue_qk = [&](int64_t s) {
+    const int64_t j = s / groups, g0 = (s % groups) * G;
+    queue.add_gemm(G, round_up(cols_of(s), kDotCols), L.d_k, Qi + g0 * L.d_k, L.d_k, kt_all + j * L.kt_tile,
+                   L.Bc_pad, S_buf[s & 1], L.Bc_pad, false);
+  };
+  auto issue_pv = [&](int64_t s) {
+    const int64_t j = s / groups, g0 = (s % groups) * G;
+    queue.add_gemm(G, L.d_n, round_up(cols_of(s), kDotK), P_buf[s & 1], L.Bc_pad, v_all + j * L.v_tile, L.d_n,
+                   Oi + g0 * L.d_n, L.d_n, true);
+  };
+  issue_qk(0);
+  queue.drain();
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t g0 = (s % groups) * G, n_keys = cols_of(s), k_keys = round_up(n_keys, kDotK);
+    if (s > 0) issue_pv(s - 1);
+    if (s + 1 < steps) issue_qk(s + 1);
+    if (!kInterleave) queue.drain();
+    for (int64_t r = 0; r < G; ++r) visible[r] = n_keys;
+    const int chunks = G / kChunkRows, per_chunk = (queue.n + chunks - 1) / chunks;
+    for (int64_t r0 = 0; r0 < G; r0 += kChunkRows) {
+      online_softmax(S_buf[s & 1] + r0 * L.Bc_pad, L.Bc_pad, kChunkRows, n_keys, visible + r0, p.scale, m + g0 + r0,
+                     l + g0 + r0, alpha + r0, m_new + r0, PToBf16{P_buf[s & 1] + r0 * L.Bc_pad, L.Bc_pad, k_keys});
+      queue.run(per_chunk);
+    }
+    queue.drain();
+    float* Og = Oi + g0 * L.d_n;
+    for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
+  }
+  issue_pv(steps - 1);
+  queue.drain();
+  finish_rows<c10::BFloat16>(p, 0, 0, i0, rows, Oi, L.d_n, m, l);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// S in L1: Q_g K_jᵀ a strip of kStrip keys at a time into a compact G × kStrip buffer (16 KB at 64 × 64; the
+// whole-tile S is 64 KB at 64 × 256 and its tile stores go to L2, cost_structure), each strip's softmax read
+// from L1 right after. P is taken against a reference max raised lazily: only when a strip's max passes it by
+// more than kSlack (natural-log units; P ≤ e^kSlack, well inside bf16's range), and then the pending P columns
+// are multiplied into O first (flush) so that no P is ever rescaled after rounding. l sums P as rounded to bf16,
+// so a row whose weight sits on one key still gives that key's V exactly (the reference need not be the max).
+// ---------------------------------------------------------------------------------------------------
+inline float exp_shifted_sum_to_bf16_rounded(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
+                                             int64_t n_pad) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  const __m512 a = _mm512_set1_ps(scale * kLog2e), s = _mm512_set1_ps(-shift * kLog2e);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    const __m512 e0 = exp2_poly<4>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
+    const __m512 e1 = exp2_poly<4>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+    _mm512_storeu_si512(y + c, packed);
+    // the rounded values back: even bf16 lanes are e0's... (cvtne2ps puts e0 in the low 16 lanes)
+    sum0 = _mm512_add_ps(sum0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(packed)), 16)));
+    sum1 = _mm512_add_ps(sum1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(packed, 1)), 16)));
+  }
+  for (; c < n; c += 16) {
+    const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
+    const __m512 u = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, x + c), a, s);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(lanes, exp2_poly<4>(u)));
+    sum0 = _mm512_add_ps(sum0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    _mm256_mask_storeu_epi16(y + c, lanes, h);
+  }
+  for (c = n; c < n_pad; ++c) y[c] = 0;
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+template <int64_t kStrip>
+void query_tile_strips(const AttentionParams& p, const Layout& L, int64_t i0, const bf16_bits* kt_all,
+                       const bf16_bits* v_all, float* scratch, float* S_strip) {
+  constexpr float kSlack = 8.0f;
+  const int64_t d = p.head_dim, rows = std::min(L.Br, p.q_len - i0), groups = (rows + G - 1) / G;
+  bf16_bits* Qi = reinterpret_cast<bf16_bits*>(scratch + L.q_off);
+  bf16_bits* Pb = reinterpret_cast<bf16_bits*>(scratch + L.p_off);
+  float *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
+  const bf16_bits* Q = reinterpret_cast<const bf16_bits*>(p.q) + i0 * p.q_strides[2];
+  std::fill(Qi, Qi + groups * G * L.d_k, bf16_bits{0});
+  for (int64_t r = 0; r < rows; ++r) std::copy(Q + r * p.q_strides[2], Q + r * p.q_strides[2] + d, Qi + r * L.d_k);
+  fill_row(kNegInf, m, groups * G);
+  fill_row(0.0f, l, groups * G);
+  fill_row(0.0f, Oi, groups * G * L.d_n);
+  float strip_max[G];
+  for (int64_t j0 = 0, j = 0; j0 < p.kv_len; j0 += L.Bc, ++j) {
+    const int64_t n_keys = std::min(L.Bc, p.kv_len - j0), k_keys = round_up(n_keys, kDotK);
+    const bf16_bits* KTj = kt_all + j * L.kt_tile;
+    const bf16_bits* Vj = v_all + j * L.v_tile;
+    for (int64_t g0 = 0; g0 < rows; g0 += G) {
+      float *mg = m + g0, *lg = l + g0, *Og = Oi + g0 * L.d_n;
+      const bf16_bits* Qg = Qi + g0 * L.d_k;
+      int64_t flushed = 0;  // P's columns [0, flushed) are in O already
+      for (int64_t c0 = 0; c0 < n_keys; c0 += kStrip) {
+        const int64_t sc = std::min(kStrip, n_keys - c0);
+        bf16_gemm(G, round_up(sc, kDotCols), L.d_k, Qg, L.d_k, KTj + b_tile_offset(0, c0, L.Bc_pad), L.Bc_pad, S_strip,
+                  kStrip, false);
+        bool raise = false;
+        for (int64_t r = 0; r < G; ++r) {
+          strip_max[r] = p.scale * max_of(S_strip + r * kStrip, sc);
+          raise |= strip_max[r] > mg[r] + kSlack;
+        }
+        if (raise) {
+          if (c0 > flushed) {
+            bf16_gemm(G, L.d_n, c0 - flushed, Pb + flushed, L.Bc_pad, Vj + b_tile_offset(flushed, 0, L.d_n), L.d_n, Og,
+                      L.d_n, true);
+            flushed = c0;
+          }
+          for (int64_t r = 0; r < G; ++r)
+            if (strip_max[r] > mg[r] + kSlack) {
+              const float a = mg[r] == kNegInf ? 0.0f : std::exp(mg[r] - strip_max[r]);
+              scale_row(a, Og + r * L.d_n, L.d_n);
+              lg[r] *= a;
+              mg[r] = strip_max[r];
+            }
+        }
+        const int64_t pad = c0 + sc == n_keys ? k_keys - c0 : sc;
+        for (int64_t r = 0; r < G; ++r)
+          lg[r] += exp_shifted_sum_to_bf16_rounded(S_strip + r * kStrip, mg[r], sc, p.scale, Pb + r * L.Bc_pad + c0, pad);
+      }
+      bf16_gemm(G, L.d_n, k_keys - flushed, Pb + flushed, L.Bc_pad, Vj + b_tile_offset(flushed, 0, L.d_n), L.d_n, Og,
+                L.d_n, true);
+    }
+  }
+  finish_rows<c10::BFloat16>(p, 0, 0, i0, rows, Oi, L.d_n, m, l);
+}
+
 // The products alone (the kernel's shapes: M = a group of 64 query rows, QK: N = Bc keys, K = d; PV: N = d,
 // K = Bc), each variant of gemm_variant, and the softmax pieces alone.
 struct Variant {
@@ -239,6 +422,51 @@ static const Variant kVariants[] = {
     {"n-outer k-chunk 128", gemm_variant<true, 128, false>},
     {"n-outer k-chunk 128 pf", gemm_variant<true, 128, true>},
 };
+
+// Where a block's time goes: bf16_gemm's loop with the C blocks (and/or the B tiles) all aliased to one place,
+// so that they stay in L1 (the results are wrong; only the time is of interest), against the real layout.
+template <bool kAliasC, bool kAliasB, bool kStoreC>
+void gemm_aliased(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb,
+                  float* C, int64_t ldc) {
+  for (int64_t m = 0; m < M; m += 32)
+    for (int64_t n = 0; n < N; n += 32) {
+      float* Cb = kAliasC ? C : C + m * ldc + n;
+      const int64_t ldcb = kAliasC ? 32 : ldc;
+      const bf16_bits* Bb = kAliasB ? B : B + b_tile_offset(0, n, ldb);
+      const bf16_bits* Ab = A + m * lda;
+      c_block_begin<2>(Cb, ldcb, false);
+      for (int64_t k = 0; k < K; k += kDotK) {
+        _tile_loadd(4, Ab + k, lda * 2);
+        _tile_loadd(5, Ab + 16 * lda + k, lda * 2);
+        products_2xNB<2>(Bb + (kAliasB ? 0 : b_tile_offset(k, 0, ldb)));
+      }
+      if (kStoreC) c_block_end<2>(Cb, ldcb);
+    }
+  if (!kStoreC) c_block_end<2>(C, 32);
+}
+
+void cost_structure() {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  const DotScope tiles;
+  for (int64_t d : {64, 128})
+    for (int64_t Bc : {256, 512}) {
+      const int64_t M = 64;
+      std::vector<bf16_bits> A(M * d), B(d * Bc);
+      for (auto* v : {&A, &B})
+        for (auto& x : *v) x = c10::BFloat16(normal(rng) * 0.3f).x;
+      std::vector<float> S(M * Bc);
+      const double flops = 2.0 * M * Bc * d;
+      auto t = [&](auto fn) { return flops / seconds_per_call(fn, 0.05) / 1e9; };
+      const double real = t([&] { gemm_aliased<false, false, true>(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc); });
+      const double c_l1 = t([&] { gemm_aliased<true, false, true>(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc); });
+      const double b_l1 = t([&] { gemm_aliased<false, true, true>(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc); });
+      const double both = t([&] { gemm_aliased<true, true, true>(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc); });
+      const double no_store = t([&] { gemm_aliased<true, true, false>(M, Bc, d, A.data(), d, B.data(), Bc, S.data(), Bc); });
+      std::printf("QK d=%3ld Bc=%3ld GFLOP/s: real %4.0f | C in L1 %4.0f | B in L1 %4.0f | both %4.0f | no C stores %4.0f\n",
+                  d, Bc, real, c_l1, b_l1, both, no_store);
+    }
+}
 
 void micro_kernels() {
   std::mt19937 rng(2);
@@ -319,7 +547,9 @@ int main(int argc, char** argv) {
       std::printf("probe %d chains: %.0f GFLOP/s, %.2f ns per tdpbf16ps\n", chains, dps * 16384 / 1e9, 1e9 / dps);
     }
   }
-  micro_kernels();
+  cost_structure();
+  if (argc > 1 && std::string(argv[1]) == "cost") return 0;
+  if (!(argc > 1 && std::string(argv[1]) == "tiles")) micro_kernels();
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
   // The kernel's query tiles (packing excluded), one head, one thread, with bf16_gemm.h's 2 × 2 blocks and
@@ -346,26 +576,54 @@ int main(int argc, char** argv) {
         p.block_q = Br; p.block_k = Bc;
         const Layout L(p);
         std::vector<float> ws(workspace_floats(p) + 64);
-        run(p, ws.data());  // packs K, V into ws
+        run<c10::BFloat16>(p, ws.data());  // packs K, V into ws
         const bf16_bits* kt_all = reinterpret_cast<bf16_bits*>(ws.data());
         const bf16_bits* v_all = reinterpret_cast<bf16_bits*>(ws.data() + L.kt_floats);
         float* scratch = ws.data() + L.kt_floats + L.v_floats + L.flags_floats;
         const DotScope tiles;
         using TileFn = std::function<void(int64_t)>;
+        std::vector<float> S2(G * L.Bc_pad + 16), S_strip(G * 128);
+        std::vector<bf16_bits> P2(G * L.Bc_pad + 32);
         const std::pair<const char*, TileFn> combos[] = {
             {"QK m-outer  / PV m-outer (now)", [&](int64_t i0) { query_tile_phases<true, true, true>(p, L, i0, kt_all, v_all, scratch); }},
-            {"QK n-outer  / PV m-outer", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, false>, bf16_gemm>(p, L, i0, kt_all, v_all, scratch); }},
-            {"QK n-outer  / PV k-chunk 128", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, false>, gemm_variant<false, 128, false>>(p, L, i0, kt_all, v_all, scratch); }},
-            {"QK n-outer  / PV n-outer k-chunk 128", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, false>, gemm_variant<true, 128, false>>(p, L, i0, kt_all, v_all, scratch); }},
-            {"QK n-out pf / PV m-outer pf", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, true>, gemm_variant<false, 0, true>>(p, L, i0, kt_all, v_all, scratch); }},
-            {"QK n-out pf / PV k-chunk 64", [&](int64_t i0) { query_tile_phases<true, true, true, gemm_variant<true, 0, true>, gemm_variant<false, 64, false>>(p, L, i0, kt_all, v_all, scratch); }},
+            {"S in L1: 64-key strips", [&](int64_t i0) { query_tile_strips<64>(p, L, i0, kt_all, v_all, scratch, S_strip.data()); }},
+            {"S in L1: 128-key strips", [&](int64_t i0) { query_tile_strips<128>(p, L, i0, kt_all, v_all, scratch, S_strip.data()); }},
+            {"pipelined, 16-row chunks", [&](int64_t i0) { query_tile_pipelined<16, true>(p, L, i0, kt_all, v_all, scratch, S2.data(), P2.data()); }},
             {"QK only (now)", [&](int64_t i0) { query_tile_phases<true, false, false>(p, L, i0, kt_all, v_all, scratch); }},
-            {"QK only n-outer", [&](int64_t i0) { query_tile_phases<true, false, false, gemm_variant<true, 0, false>>(p, L, i0, kt_all, v_all, scratch); }},
             {"softmax only", [&](int64_t i0) { query_tile_phases<false, true, false>(p, L, i0, kt_all, v_all, scratch); }},
             {"PV only (now)", [&](int64_t i0) { query_tile_phases<false, false, true>(p, L, i0, kt_all, v_all, scratch); }},
-            {"PV only k-chunk 128", [&](int64_t i0) { query_tile_phases<false, false, true, bf16_gemm, gemm_variant<false, 128, false>>(p, L, i0, kt_all, v_all, scratch); }},
-            {"PV only n-outer k-chunk 128", [&](int64_t i0) { query_tile_phases<false, false, true, bf16_gemm, gemm_variant<true, 128, false>>(p, L, i0, kt_all, v_all, scratch); }},
         };
+        // Each variant against a float64 reference over the first 128 query rows (max abs error), and against
+        // the kernel's own output (largest difference).
+        {
+          auto f = [](bf16_bits x) { return double(float(c10::BFloat16(x, c10::BFloat16::from_bits()))); };
+          const int64_t ref_rows = 128;
+          std::vector<double> o64(ref_rows * d, 0.0);
+          for (int64_t i = 0; i < ref_rows; ++i) {
+            std::vector<double> w(N);
+            double mx = -1e300, sum = 0;
+            for (int64_t t = 0; t < N; ++t) {
+              double dot = 0;
+              for (int64_t c = 0; c < d; ++c) dot += f(q[i * d + c]) * f(k[t * d + c]);
+              w[t] = dot * p.scale;
+              mx = std::max(mx, w[t]);
+            }
+            for (int64_t t = 0; t < N; ++t) sum += (w[t] = std::exp(w[t] - mx));
+            for (int64_t t = 0; t < N; ++t)
+              for (int64_t c = 0; c < d; ++c) o64[i * d + c] += w[t] / sum * f(v[t * d + c]);
+          }
+          std::vector<bf16_bits> ref;
+          for (int c : {0, 1, 2, 3}) {
+            for (int64_t i0 = 0; i0 < N; i0 += L.Br) combos[c].second(i0);
+            double err = 0;
+            for (int64_t i = 0; i < ref_rows * d; ++i) err = std::max(err, std::abs(f(out[i]) - o64[i]));
+            float diff = 0;
+            if (c == 0) ref = out;
+            for (size_t i = 0; i < out.size(); ++i) diff = std::max(diff, float(std::abs(f(out[i]) - f(ref[i]))));
+            std::printf("d=%3ld N=%4ld Bc=%3ld %-28s error vs float64 %.3g, largest difference from the kernel's %g\n", d,
+                        N, Bc, combos[c].first, err, diff);
+          }
+        }
         constexpr int kCombos = sizeof(combos) / sizeof(combos[0]);
         double best[kCombos];
         std::fill(best, best + kCombos, 1e30);
