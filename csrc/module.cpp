@@ -370,34 +370,59 @@ void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
 struct Prepared {
   at::Tensor q4, k4, v4;  // views (or, for a strided last dim, copies) that the params point into
   at::Tensor mask4;       // attn_mask expanded to (batch, heads, Nq, Nk): a view, stride 0 where broadcast
-  at::Tensor key_ranges;  // a boolean attn_mask's runs of shown keys, when each row has one (key_ranges_of)
+  at::Tensor key_ranges;  // attn_mask's runs of shown keys, when each row has one (key_ranges_of)
   AttentionParams p;
 };
 
-// The first and one past the last nonzero byte of row[0, n) (0, 0 if none), and whether the bytes between are all
-// nonzero: whether a boolean mask row shows one run of consecutive keys.
-bool one_run(const uint8_t* row, int64_t n, int64_t* first, int64_t* end) {
-  int64_t shown = 0;
-  for (int64_t t = 0; t < n; ++t) shown += row[t] != 0;  // (vectorises: no early exit)
+// A mask entry as its bits, for the scan below: whether it shows its key (true; an additive 0 of either sign) and
+// whether it hides it (false; an additive −inf). An additive entry that does neither is a real bias.
+struct BoolEntry {
+  using Bits = uint8_t;
+  static bool shows(Bits x) { return x != 0; }
+  static bool hides(Bits x) { return x == 0; }
+};
+template <class B, B kNegInf>
+struct AdditiveEntry {
+  using Bits = B;
+  static bool shows(Bits x) { return static_cast<Bits>(x << 1) == 0; }  // ±0: the sign bit shifted out
+  static bool hides(Bits x) { return x == kNegInf; }
+};
+using FloatEntry = AdditiveEntry<uint32_t, 0xFF800000u>;
+using BFloat16Entry = AdditiveEntry<uint16_t, 0xFF80u>;
+using HalfEntry = AdditiveEntry<uint16_t, 0xFC00u>;
+
+// The first and one past the last key that row[0, n) shows (0, 0 if none), and whether it shows every key between
+// and hides every other: whether a mask row is one run of consecutive keys. An additive row with any entry other
+// than 0 and −inf adds a bias: not a run.
+template <class Entry>
+bool one_run(const typename Entry::Bits* row, int64_t n, int64_t* first, int64_t* end) {
+  int64_t shown = 0, hidden = 0;
+  for (int64_t t = 0; t < n; ++t) {  // (vectorises: no early exit)
+    shown += Entry::shows(row[t]);
+    hidden += Entry::hides(row[t]);
+  }
+  if (shown + hidden != n) return false;
   if (shown == 0) {
     *first = *end = 0;
     return true;
   }
   int64_t lo = 0, hi = n;
-  while (row[lo] == 0) ++lo;
-  while (row[hi - 1] == 0) --hi;
+  while (!Entry::shows(row[lo])) ++lo;
+  while (!Entry::shows(row[hi - 1])) --hi;
   *first = lo, *end = hi;
   return hi - lo == shown;
 }
 
-// A boolean attn_mask (mask4: (batch, heads, Nq, Nk), stride 0 where broadcast, keys one byte apart) whose every row
-// shows one run of keys — padding on either side, padding under a causal pattern, a band — as those runs: an int64
-// (first, end) pair per distinct mask row, (batch or 1, heads or 1, Nq or 1, 2), the dims the mask is broadcast over
-// kept at 1. Undefined when a row shows two runs or more (the kernels then read the mask) or the keys are strided.
-// One pass over the mask, here, where the kernels would read each row once per query head and key tile, and convert
-// every tile that an edge of padding cuts.
+// A mask (mask4: (batch, heads, Nq, Nk), stride 0 where broadcast, keys adjacent) whose every row shows one run of
+// keys and hides the rest — padding on either side, padding under a causal pattern, a band: what padded batches
+// pass, boolean or as an additive mask of 0 and −inf (which hides exactly what False hides, README "Non-finite
+// values") — as those runs: an int64 (first, end) pair per distinct mask row, (batch or 1, heads or 1, Nq or 1, 2),
+// the dims the mask is broadcast over kept at 1. Undefined when a row shows two runs or more, or adds a bias (the
+// kernels then read the mask), or the keys are strided. One pass over the mask, here, where the kernels would read
+// each row once per query head and key tile, and convert every tile that an edge of padding cuts.
+template <class Entry>
 at::Tensor key_ranges_of(const at::Tensor& mask4) {
-  if (mask4.size(3) > 1 && mask4.stride(3) != 1) return {};
+  using Bits = typename Entry::Bits;
   std::array<int64_t, 3> extent{}, stride{};
   for (int d = 0; d < 3; ++d) {
     extent[d] = mask4.stride(d) == 0 ? 1 : mask4.size(d);
@@ -405,17 +430,28 @@ at::Tensor key_ranges_of(const at::Tensor& mask4) {
   }
   const int64_t rows = extent[0] * extent[1] * extent[2], keys = mask4.size(3);
   at::Tensor ranges = at::empty({extent[0], extent[1], extent[2], 2}, at::TensorOptions().dtype(at::kLong));
-  const uint8_t* base = static_cast<const uint8_t*>(mask4.data_ptr());
+  const Bits* base = static_cast<const Bits*>(mask4.data_ptr());
   int64_t* out = ranges.data_ptr<int64_t>();
   std::atomic<bool> one_run_each{true};
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end && one_run_each.load(std::memory_order_relaxed); ++r) {
       const int64_t i = r % extent[2], h = (r / extent[2]) % extent[1], b = r / (extent[2] * extent[1]);
-      const uint8_t* row = base + b * stride[0] + h * stride[1] + i * stride[2];
-      if (!one_run(row, keys, out + 2 * r, out + 2 * r + 1)) one_run_each.store(false, std::memory_order_relaxed);
+      const Bits* row = base + b * stride[0] + h * stride[1] + i * stride[2];
+      if (!one_run<Entry>(row, keys, out + 2 * r, out + 2 * r + 1)) one_run_each.store(false, std::memory_order_relaxed);
     }
   });
   return one_run_each.load() ? ranges : at::Tensor();
+}
+
+at::Tensor key_ranges_of(const at::Tensor& mask4) {
+  if (mask4.size(3) > 1 && mask4.stride(3) != 1) return {};
+  switch (mask4.scalar_type()) {
+    case at::kBool: return key_ranges_of<BoolEntry>(mask4);
+    case at::kFloat: return key_ranges_of<FloatEntry>(mask4);
+    case at::kBFloat16: return key_ranges_of<BFloat16Entry>(mask4);
+    case at::kHalf: return key_ranges_of<HalfEntry>(mask4);
+    default: return {};
+  }
 }
 
 // Fills the params of a call whose arguments check_attention has passed (it returned dtype).
@@ -453,8 +489,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     p.mask_kind = mt == at::kBool ? MaskKind::boolean : MaskKind::additive;
     p.mask_dtype = mt == at::kBFloat16 ? DType::bf16 : mt == at::kHalf ? DType::f16 : DType::f32;
     for (int i = 0; i < 4; ++i) p.mask_strides[i] = prep.mask4.stride(i);
-    // One run of shown keys per row (the masks of padded batches): the kernels take the runs instead of the mask.
-    if (p.mask_kind == MaskKind::boolean && impl == Impl::flash && prep.mask4.numel() > 0)
+    // One run of shown keys per row (the masks of padded batches, boolean or 0/−inf): the kernels take the runs
+    // instead of the mask.
+    if (impl == Impl::flash && prep.mask4.numel() > 0)
       prep.key_ranges = key_ranges_of(prep.mask4);
     if (prep.key_ranges.defined()) {
       p.key_ranges = prep.key_ranges.data_ptr<int64_t>();

@@ -60,6 +60,14 @@ def random_additive_mask(shape, g, dtype=torch.float32):
     return (2 * torch.randn(shape, generator=g)).masked_fill(hide, NEG_INF).to(dtype)
 
 
+def random_run_additive_mask(shape, g, dtype=torch.float32):
+    """random_run_mask as an additive mask of 0 and −inf (some zeros negative): it hides what the bool mask hides,
+    and the kernels take it as the same key ranges."""
+    m = random_run_mask(shape, g)
+    zero = torch.where(torch.rand(shape, generator=g) < 0.5, 0.0, -0.0)
+    return zero.masked_fill(~m, NEG_INF).to(dtype)
+
+
 def bias_of(mask, scores_shape):
     """The mask as float64 offsets of the logits, broadcast to the scores."""
     if mask.dtype == torch.bool:
@@ -139,10 +147,12 @@ def make_mask(kind, shape, g, dtype=torch.float32):
         return random_bool_mask(shape, g)
     if kind == "runs":
         return random_run_mask(shape, g)
+    if kind == "additive runs":
+        return random_run_additive_mask(shape, g, dtype)
     return random_additive_mask(shape, g, dtype)
 
 
-@pytest.mark.parametrize("kind", ["bool", "runs", "additive"])
+@pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_forward_every_mask_shape(isa, dtype, kind):
     """out and lse for every broadcast shape of the mask, with each causal mode and tile size."""
@@ -163,15 +173,17 @@ def test_forward_every_mask_shape(isa, dtype, kind):
 
 
 def test_masks_of_one_run_per_row_become_key_ranges():
-    """A boolean mask whose every row shows one run of keys reaches the kernels as (first, end) per distinct row (the
-    broadcast dims kept at 1), computed here from the definition; a row of two runs leaves the mask as it is."""
+    """A mask whose every row shows one run of keys and hides the rest — boolean, or additive of only 0 and −inf in
+    float32, bfloat16 or float16 — reaches the kernels as (first, end) per distinct row (the broadcast dims kept at
+    1), computed here from the definition; a row of two runs, a bias other than 0 and −inf, a NaN, or strided keys
+    leave the mask as it is."""
     from cs149gpt import _ext
 
     g = gen(1112)
     q = torch.zeros(2, 4, 9, 8)
+    key_ranges_of = _ext.load().key_ranges_of
     for shape in mask_shapes(2, 4, 9, 13):
         mask = random_run_mask(shape, g)
-        ranges = _ext.load().key_ranges_of(mask, q, 13)
         m4 = mask.expand(2, 4, 9, 13)
         kept = [slice(None) if m4.stride(d) != 0 else slice(0, 1) for d in range(3)]
         rows = m4[kept[0], kept[1], kept[2]]
@@ -179,11 +191,24 @@ def test_masks_of_one_run_per_row_become_key_ranges():
         shown = rows.any(-1)
         first = torch.where(shown, torch.where(rows, keys, 13).min(-1).values, 0)
         end = torch.where(shown, torch.where(rows, keys + 1, 0).max(-1).values, 0)
-        assert ranges is not None and torch.equal(ranges, torch.stack((first, end), -1)), shape
+        want = torch.stack((first, end), -1)
+        zero = torch.where(torch.rand(shape, generator=g) < 0.5, 0.0, -0.0)
+        for form in (mask, *(zero.masked_fill(~mask, NEG_INF).to(dt) for dt in (torch.float32, torch.bfloat16,
+                                                                                 torch.float16))):
+            ranges = key_ranges_of(form, q, 13)
+            assert ranges is not None and torch.equal(ranges, want), (shape, form.dtype)
     two_runs = torch.ones(2, 1, 9, 13, dtype=torch.bool)
     two_runs[1, 0, 4, 5] = False
-    assert _ext.load().key_ranges_of(two_runs, q, 13) is None
-    assert _ext.load().key_ranges_of(two_runs[:, :, :, ::2], q, 7) is None  # keys strided: read in place
+    assert key_ranges_of(two_runs, q, 13) is None
+    assert key_ranges_of(two_runs[:, :, :, ::2], q, 7) is None  # keys strided: read in place
+    one_run = torch.zeros(2, 1, 9, 13)
+    one_run[..., 10:] = NEG_INF
+    assert key_ranges_of(one_run, q, 13) is not None
+    for other in (0.5, float("nan"), float("inf"), -1e30):  # a bias, not a hidden key
+        biased = one_run.clone()
+        biased[0, 0, 3, 2] = other
+        assert key_ranges_of(biased, q, 13) is None, other
+        assert key_ranges_of(biased.bfloat16(), q, 13) is None, other
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -315,7 +340,7 @@ def grad_problems(q, k, v, dout, mask, *, tag, **kwargs):
     return found
 
 
-@pytest.mark.parametrize("kind", ["bool", "runs", "additive"])
+@pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs"])
 def test_gradients_every_mask_shape(isa, kind):
     """dq, dk, dv (GQA: summed per group) against float64 autograd, for every broadcast shape of the mask, each
     causal mode and odd tiles; the mask gets no gradient."""

@@ -4,7 +4,8 @@ weights on torch's "sdpa" attention.
 
 Each test counts operators with torch.profiler: every attention call runs ours (cs149gpt::flash_attention, one
 per layer and forward pass) and none runs torch's SDPA; outputs match torch's within float32 tolerance, greedy
-generation gives identical tokens. Padded batches (left and right) pass boolean masks, which our kernel takes.
+generation gives identical tokens. Padded batches (left and right) pass boolean masks (float 0/−inf ones under
+torch.compile), which our kernel takes.
 """
 import pytest
 import torch
@@ -177,6 +178,23 @@ def test_compiled_llama_padded_batch():
     torch._dynamo.reset()
     assert_all_ours(counts, expected=2)
     assert (out - want)[mask.bool()].abs().max().item() <= TOL
+
+
+def test_mask_function_hands_compiled_models_a_float_mask(monkeypatch):
+    """Our registered mask function returns transformers' bool sdpa mask as it is, and under torch.compile the same
+    mask as float32 0/−inf (inductor writes bool masks slowly; the kernel takes both as the same key ranges)."""
+    import transformers.masking_utils as masking_utils
+    from cs149gpt.integration import _transformers_mask
+
+    want = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(3)) < 0.6
+    monkeypatch.setattr(masking_utils, "sdpa_mask", lambda *args, **kwargs: want.clone())
+    eager = _transformers_mask(batch_size=2, q_length=5, kv_length=7)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda: _transformers_mask(batch_size=2, q_length=5, kv_length=7), fullgraph=True)()
+    torch._dynamo.reset()
+    assert eager.dtype == torch.bool and torch.equal(eager, want)
+    assert compiled.dtype == torch.float32
+    assert torch.equal(compiled == 0, want) and torch.isneginf(compiled[~want]).all()
 
 
 def test_sdpa_installed_runs_a_model_written_for_torchs_sdpa():
