@@ -220,17 +220,27 @@ inline int64_t pack_vnni_rows(int64_t K, int64_t N, const bf16_bits* src, int64_
   }
   return nonfinite;
 }
+// Transposed, a B tile is a 16 × 16 matrix of 32-bit words — word (pair row w, column n) is the pair of values k =
+// 2w, 2w + 1 of key n — and the source rows hold those words in the other order: 16 keys' rows of 32 values are
+// one 16 × 16 word transpose (simd.h's transpose16x16, which moves bits as they are) away from a whole tile. An odd
+// K's last pair gets its second half from the masked load's zero.
 inline void pack_vnni_transposed(int64_t K, int64_t N, const bf16_bits* src, int64_t ld, bf16_bits* B, int64_t ldb) {
-  uint32_t* words = reinterpret_cast<uint32_t*>(B);
-  for (int64_t n = 0; n < N; ++n) {
-    const bf16_bits* row = src + n * ld;
-    int64_t k = 0;
-    for (; k + 2 <= K; k += 2) {
-      uint32_t pair;
-      std::memcpy(&pair, row + k, sizeof pair);
-      words[vnni_index(k, n, ldb) / 2] = pair;
+  for (int64_t n0 = 0; n0 < N; n0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, N - n0);
+    const __mmask16 key_lanes = lanes_below(keys);
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      const int64_t values = std::min<int64_t>(32, K - k0);
+      const __mmask32 value_lanes = values >= 32 ? ~__mmask32{0} : (__mmask32)((1u << values) - 1u);
+      __m512 rows[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        rows[i] = i < keys ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(value_lanes, src + (n0 + i) * ld + k0))
+                           : _mm512_setzero_ps();
+      transpose16x16(rows);
+      bf16_bits* tile = B + b_tile_offset(k0, n0, ldb);
+#pragma GCC unroll 16
+      for (int w = 0; w < 16; ++w) _mm512_mask_storeu_ps(tile + w * 32, key_lanes, rows[w]);
     }
-    if (k < K) words[vnni_index(k, n, ldb) / 2] = row[k];  // odd K: the last pair's second half is the zero padding
   }
 }
 

@@ -39,6 +39,7 @@
 #include "flash_common.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <omp.h>
 
 namespace cs149gpt {
@@ -119,6 +120,12 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
   const int64_t P = L.panel;
   for (int64_t t0 = 0; t0 < L.kt_tile / d; t0 += P) {
     float* panel = kt + t0 * d;
+    if constexpr (std::is_same_v<T, float>) {  // 16 × 16 blocks through registers (simd.h)
+      const int64_t keys = std::clamp<int64_t>(cols - t0, 0, P);
+      if (keys < P) fill_row(0.0f, panel, d * P);
+      transpose_block(K + t0 * p.k_strides[2], p.k_strides[2], keys, d, 1.0f, panel, P);
+      continue;
+    }
     for (int64_t c = 0; c < d; ++c)
       for (int64_t t = 0; t < P; ++t)
         panel[c * P + t] = t0 + t < cols ? to_float(K[(t0 + t) * p.k_strides[2] + c]) : 0.0f;
@@ -154,10 +161,18 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   constexpr float kLog2e = 1.44269504088896341f;
   const float q_scale = p.scale * kLog2e;
   const T* Q = q_head<T>(p, b, h) + i0 * p.q_strides[2];
-  for (int64_t r = 0; r < groups * kRowGroup; ++r) {
-    float* column_major = Qi + (r / kRowGroup) * kRowGroup * d + r % kRowGroup;
-    for (int64_t c = 0; c < d; ++c)
-      column_major[c * kRowGroup] = r < rows ? q_scale * to_float(Q[r * p.q_strides[2] + c]) : 0.0f;
+  if constexpr (std::is_same_v<T, float>) {  // a group's rows become its columns: 16 × 16 blocks (simd.h)
+    for (int64_t g0 = 0; g0 < groups * kRowGroup; g0 += kRowGroup) {
+      const int64_t group_rows = std::min<int64_t>(kRowGroup, rows - g0);
+      if (group_rows < kRowGroup) fill_row(0.0f, Qi + g0 * d, kRowGroup * d);
+      transpose_block(Q + g0 * p.q_strides[2], p.q_strides[2], group_rows, d, q_scale, Qi + g0 * d, kRowGroup);
+    }
+  } else {
+    for (int64_t r = 0; r < groups * kRowGroup; ++r) {
+      float* column_major = Qi + (r / kRowGroup) * kRowGroup * d + r % kRowGroup;
+      for (int64_t c = 0; c < d; ++c)
+        column_major[c * kRowGroup] = r < rows ? q_scale * to_float(Q[r * p.q_strides[2] + c]) : 0.0f;
+    }
   }
   fill_row(kNegInf, m, groups * kRowGroup);
   fill_row(0.0f, l, groups * kRowGroup);
@@ -183,7 +198,10 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       const int64_t group_rows = std::min<int64_t>(kRowGroup, rows - g0);
       // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path, one it cuts
       // stops at the last key it shows. The next block's entries are asked for first (the next row group, else
-      // the next key tile's first), to arrive while this one is computed.
+      // the next key tile's first), to arrive while this one is computed. Key ranges stop the block at the last
+      // key any row shows first (window_keys_end).
+      n_keys = window_keys_end(p, b, h, i0 + g0, group_rows, j0, n_keys);
+      if (n_keys == 0) continue;
       prefetch_next_mask_block(p, b, h, i0, rows, g0, kRowGroup, j0, L.Bc);
       const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;

@@ -266,6 +266,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // attn_mask: a block it hides whole is skipped, one it leaves whole takes the unmasked path, one it cuts
       // stops at the last key it shows. The next block's entries are asked for first (flash.cpp).
       const int64_t group_rows = std::min(G, rows - g0);
+      n_keys = flash::window_keys_end(p, b, h, i0 + g0, group_rows, j0, n_keys);
+      if (n_keys == 0) continue;
       prefetch_next_mask_block(p, b, h, i0, rows, g0, G, j0, L.Bc);
       const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;

@@ -326,6 +326,18 @@ inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int6
   }
 }
 
+// With key ranges or a window and no attn_mask left to read, the keys of a block past the last one any of its rows
+// shows are hidden from all of them: the block's key count n_j shrinks to that end before it is classified. A
+// padded batch ends every row of a sequence at the same key, so its blocks then come out whole (visible: the
+// unmasked path, over fewer keys) rather than cut (partial: a bias row built and added for every row).
+inline int64_t window_keys_end(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                               int64_t n_j) {
+  if (!has_window(p) || p.mask_kind != MaskKind::none) return n_j;
+  int64_t last = -1;
+  for (int64_t i = i0; i < i0 + n_i; ++i) last = std::max(last, window_last(p, b, h, i));
+  return std::clamp<int64_t>(last - j0 + 1, 0, n_j);
+}
+
 // The keys of a partial block past the last one any of its rows shows need no scores: the block's key count
 // shrinks to that end (a causal pattern passed as attn_mask then costs what is_causal costs).
 inline bool all_hidden16(const float* bias) {
@@ -367,6 +379,18 @@ inline void dropout_row(const AttentionParams& p, int64_t bh, int64_t i, int64_t
 // each row sees, in a block attn_mask cuts, since P = 0 at a hidden key would still multiply its NaN.
 template <class T>
 bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
+  if constexpr (std::is_same_v<T, float>) {  // by the exponent bits (all ones: ±inf or NaN), so that it vectorises
+    uint32_t nonfinite = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = x + t * ld;
+      for (int64_t c = 0; c < d; ++c) {
+        uint32_t bits;
+        std::memcpy(&bits, row + c, sizeof bits);
+        nonfinite |= (bits & 0x7F800000u) == 0x7F800000u;
+      }
+    }
+    return nonfinite == 0;
+  }
   bool finite = true;
   for (int64_t t = 0; t < n; ++t)
     for (int64_t c = 0; c < d; ++c) finite &= std::isfinite(static_cast<float>(x[t * ld + c]));
