@@ -30,6 +30,7 @@ if [ "${PROBE:-0}" = 1 ]; then
   { timeout 150 python3 benchmarks/probe_bert_in_model.py --threads 1,16 --dtype float32,bfloat16 --rounds 5
     timeout 150 python3 benchmarks/probe_bert_in_model.py --threads 1,16 --dtype float32,bfloat16 --rounds 3 \
       --batch 4 --seq 512
+    timeout 60 python3 benchmarks/probe_small_calls.py --threads 1,16
   } > "$OUT/${T}_probe_bert.txt" 2>&1
   grep -E "^\||^#" "$OUT/${T}_probe_bert.txt" | grep -v "^|---"
 fi

@@ -7,11 +7,14 @@ session 7's profile showed ~2 ms a call in the model against ~0.9 ms alone). One
   in model  each attention call timed where the model makes it (a wrapper around the function the model calls:
             ours for attn_implementation="cs149gpt", torch.nn.functional's for "sdpa"), median over the calls;
   replay    the first layer's call replayed alone with the very tensors the model passed (their layouts, the mask
-            transformers built), back to back, median.
+            transformers built), back to back, median;
+  faults    minor page faults (the process's, all threads) during a call, median: memory the allocator handed back
+            to the system and took again.
 
     python benchmarks/probe_bert_in_model.py --threads 16 --dtype float32 --batch 32 --seq 128
 """
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -38,19 +41,23 @@ def main() -> int:
     cs149gpt.register_transformers()
     print(f"# torch {torch.__version__}, transformers {transformers.__version__}, isa {cs149gpt.isa()}, BERT 4 layers "
           f"hidden 512, 8 heads, batch {args.batch} x {args.seq} right-padded")
-    print("| dtype | threads | impl | model ms | attention in model, ms a call | same call alone, ms | mask |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | threads | impl | model ms | attention in model, ms a call | same call alone, ms | page faults a call "
+          "(in model / alone) | mask |")
+    print("|---|---|---|---|---|---|---|---|")
     torch_sdpa, our_sdpa = F.scaled_dot_product_attention, integration.ops.scaled_dot_product_attention
     calls = {"sdpa": [], "cs149gpt": []}
+    call_faults = {"sdpa": [], "cs149gpt": []}
     captured = {}
 
     def timed(name, fn):
         def wrapper(*a, **kw):
             if name not in captured:
                 captured[name] = (a, kw)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             out = fn(*a, **kw)
             calls[name].append(time.perf_counter() - start)
+            call_faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
             return out
         return wrapper
 
@@ -76,31 +83,38 @@ def main() -> int:
                         for impl in ("sdpa", "cs149gpt"):
                             model.set_attn_implementation(impl)
                             calls[impl].clear()
+                            call_faults[impl].clear()
                             start = time.perf_counter()
                             model(input_ids=ids, attention_mask=mask)
                             if r > 0:  # the first round warms
                                 wall[impl].append(time.perf_counter() - start)
                                 in_model[impl] = in_model.get(impl, []) + calls[impl]
+                                faults_in_model[impl] = faults_in_model.get(impl, []) + call_faults[impl]
                     for impl, fn in (("sdpa", torch_sdpa), ("cs149gpt", our_sdpa)):
                         a, kw = captured[impl]
-                        alone = []
+                        alone, alone_faults = [], []
                         for _ in range(30):
+                            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                             start = time.perf_counter()
                             fn(*a, **kw)
                             alone.append(time.perf_counter() - start)
+                            alone_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
                         m = kw.get("attn_mask")
                         desc = "none" if m is None else f"{m.dtype} {tuple(m.shape)} strides {m.stride()}"
                         print(f"| {str(dtype)[6:]} | {threads} | {impl} | {statistics.median(wall[impl]) * 1e3:.2f} | "
                               f"{statistics.median(in_model[impl]) * 1e3:.3f} | "
-                              f"{statistics.median(alone[5:]) * 1e3:.3f} | {desc} |")
+                              f"{statistics.median(alone[5:]) * 1e3:.3f} | "
+                              f"{statistics.median(faults_in_model[impl]):.0f} / {statistics.median(alone_faults[5:]):.0f} | "
+                              f"{desc} |")
                 in_model.clear()
+                faults_in_model.clear()
     finally:
         F.scaled_dot_product_attention = torch_sdpa
         integration.ops.scaled_dot_product_attention = our_sdpa
     return 0
 
 
-in_model = {}
+in_model, faults_in_model = {}, {}
 
 if __name__ == "__main__":
     sys.exit(main())
