@@ -9,9 +9,6 @@
 
 #include <sched.h>
 #include <unistd.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include <ATen/TensorUtils.h>
 #include <ATen/record_function.h>
@@ -560,23 +557,6 @@ std::string sizes_of(const AttentionParams& p) {
   return s.str();
 }
 
-// Asks Linux for 2 MB pages under the whole 2 MB pieces of a fresh buffer of `bytes` (a hint; ignored where
-// transparent huge pages are off). A workspace is written once per call, and glibc hands a large freed buffer back
-// to the system when the heap's free top grows past its trim threshold — which, between the allocations of a whole
-// model, happens every call: on the device host, a BERT layer's 9 MB float32 workspace took 5,400 page faults a
-// call inside the model at 16 threads (4.3 ms, where the same call alone takes 1.5 ms and none;
-// results/s8b_bfloat16_probe_bert.txt). With 2 MB pages that is a handful of faults.
-void advise_huge_pages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)data, (void)bytes;
-#endif
-}
-
 // A kernel's workspace, through torch's allocator: the profiler counts it, and a failure is a Python exception.
 // The kernel's own formula runs only once the bound says it cannot overflow.
 template <class Params, class K>
@@ -585,9 +565,7 @@ at::Tensor workspace(const K& kernel, const Params& params, const AttentionParam
   const bool formula_fits = bound >= 0 && bound <= INT64_MAX / static_cast<int64_t>(sizeof(float));
   const int64_t floats = formula_fits ? kernel.workspace_floats(params) : -1;
   check_fits(floats, sizeof(float), [&] { return what + " for " + sizes_of(p); });
-  at::Tensor ws = at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
-  if (floats >= (int64_t{1} << 20)) advise_huge_pages(ws.data_ptr(), static_cast<size_t>(floats) * sizeof(float));
-  return ws;
+  return at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
 }
 
 // An output of these sizes (the kernels write every element), checked before it is allocated.
