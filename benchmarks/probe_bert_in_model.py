@@ -42,8 +42,8 @@ def main() -> int:
     print(f"# torch {torch.__version__}, transformers {transformers.__version__}, isa {cs149gpt.isa()}, BERT 4 layers "
           f"hidden 512, 8 heads, batch {args.batch} x {args.seq} right-padded")
     print("| dtype | threads | impl | model ms | attention in model, ms a call | same call alone, ms | page faults a call "
-          "(in model / alone) | mask |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(in model / alone) | page faults a forward | mask |")
+    print("|---|---|---|---|---|---|---|---|---|")
     torch_sdpa, our_sdpa = F.scaled_dot_product_attention, integration.ops.scaled_dot_product_attention
     calls = {"sdpa": [], "cs149gpt": []}
     call_faults = {"sdpa": [], "cs149gpt": []}
@@ -77,6 +77,7 @@ def main() -> int:
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
                 wall = {"sdpa": [], "cs149gpt": []}
+                model_faults = {"sdpa": [], "cs149gpt": []}
                 captured.clear()
                 with torch.no_grad():
                     for r in range(args.rounds + 1):
@@ -84,10 +85,12 @@ def main() -> int:
                             model.set_attn_implementation(impl)
                             calls[impl].clear()
                             call_faults[impl].clear()
+                            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                             start = time.perf_counter()
                             model(input_ids=ids, attention_mask=mask)
                             if r > 0:  # the first round warms
                                 wall[impl].append(time.perf_counter() - start)
+                                model_faults[impl].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
                                 in_model[impl] = in_model.get(impl, []) + calls[impl]
                                 faults_in_model[impl] = faults_in_model.get(impl, []) + call_faults[impl]
                     for impl, fn in (("sdpa", torch_sdpa), ("cs149gpt", our_sdpa)):
@@ -105,6 +108,7 @@ def main() -> int:
                               f"{statistics.median(in_model[impl]) * 1e3:.3f} | "
                               f"{statistics.median(alone[5:]) * 1e3:.3f} | "
                               f"{statistics.median(faults_in_model[impl]):.0f} / {statistics.median(alone_faults[5:]):.0f} | "
+                              f"{statistics.median(model_faults[impl]):.0f} | "
                               f"{desc} |")
                 in_model.clear()
                 faults_in_model.clear()
