@@ -2,7 +2,8 @@
 # Session 8 on the device host (16-core Xeon with AMX): additive 0/−inf masks as key ranges, transformers' mask as
 # float32 0/−inf under torch.compile (issue 11's compiled-prefill cells), and why BERT's attention calls cost more in
 # the model than alone. Stages (env): PYTEST=1 the touched tests under amx; PROFILE=1 compiled Llama's operator
-# profile (16 threads); PROBE=1 probe_bert_in_model.py (1 and 16 threads, both dtypes) and probe_key_ranges.py;
+# profile (16 threads); PROBE=1 probe_bert_in_model.py at 32 x 128 (1 and 16 threads, both dtypes), PROBE=2 also
+# at 4 x 512 and probe_small_calls.py;
 # MODELS=1 every whole-model case (bench_models.py, DTYPE) with BERT at 32 x 128.
 #   run: CS149GPT_NO_CUDA=1 PYTEST=1 PROFILE=1 PROBE=1 DTYPE=bfloat16 bash benchmarks/device_session8.sh
 set -uo pipefail
@@ -28,9 +29,11 @@ if [ "${PROFILE:-0}" = 1 ]; then
 fi
 if [ "${PROBE:-0}" = 1 ]; then
   { timeout 150 python3 benchmarks/probe_bert_in_model.py --threads 1,16 --dtype float32,bfloat16 --rounds 5
-    timeout 150 python3 benchmarks/probe_bert_in_model.py --threads 1,16 --dtype float32,bfloat16 --rounds 3 \
-      --batch 4 --seq 512
-    timeout 60 python3 benchmarks/probe_small_calls.py --threads 1,16
+    if [ "${PROBE}" = 2 ]; then
+      timeout 150 python3 benchmarks/probe_bert_in_model.py --threads 1,16 --dtype float32,bfloat16 --rounds 3 \
+        --batch 4 --seq 512
+      timeout 60 python3 benchmarks/probe_small_calls.py --threads 1,16
+    fi
   } > "$OUT/${T}_probe_bert.txt" 2>&1
   grep -E "^\||^#" "$OUT/${T}_probe_bert.txt" | grep -v "^|---"
 fi
