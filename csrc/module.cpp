@@ -560,37 +560,78 @@ std::string sizes_of(const AttentionParams& p) {
   return s.str();
 }
 
-// A workspace of 4 MB or more in a mapping of its own (Linux), with 2 MB pages asked for, unmapped when the tensor
-// goes; undefined if the system refuses. From the heap, such a buffer unsettles glibc's: freed, it grows the heap's
-// free top past the trim threshold, the top goes back to the system, and the model's next tensors fault their pages
-// in again. On the device host, BERT (32 × 128, float32, 16 threads) took 45,700 page faults a forward with our
-// attention against 22,500 with torch's, and ran at 0.65× (results/s8d_bfloat16_probe_bert.txt, s8e_float32_models.txt).
-// Its own mapping leaves the heap as torch's SDPA leaves it, and costs a few 2 MB faults (the zeroing of fresh pages)
-// instead of thousands of 4 KB ones. The profiler is told of it as torch's allocator tells it of its own (memory
-// events), so memory measurements still see it.
+// A workspace of 4 MB to 64 MB lives in a mapping kept from call to call, one per calling thread (Linux; 2 MB pages
+// asked for). Taken from glibc's heap and freed at the end of each call, such a buffer unsettles the heap: freed,
+// it grows the heap's free top past the trim threshold, the top goes back to the system, and the next call — and
+// the model's other tensors — fault their pages in again. On the device host, BERT (32 × 128, float32, 16
+// threads) took 45,700 page faults a forward with our attention against 22,500 with torch's, our call 4.5 ms in the
+// model against 1.5 alone, and the model ran at 0.65× (results/s8d_bfloat16_probe_bert.txt, s8e_float32_models.txt);
+// a fresh mapping per call instead zeroed its pages every call (s8f: bf16 0.77×). Kept, the pages are faulted in
+// once. The profiler is told of the workspace as torch's allocator tells it of its own, allocated at the start of
+// each call and freed at its end (memory events), so peak-memory measurements count it where it is used; the
+// mapping itself stays until the thread ends (at most 64 MB; a larger workspace, or one asked for while the kept
+// one is in use, gets a mapping of its own for the call). Undefined if the system refuses.
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+struct KeptMapping {
+  void* data = nullptr;
+  size_t bytes = 0;
+  bool in_use = false;
+  ~KeptMapping() {
+    if (data) munmap(data, bytes);
+  }
+};
+
+void* map_pages(size_t bytes) {
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (data == MAP_FAILED) return nullptr;
+  (void)madvise(data, bytes, MADV_HUGEPAGE);  // a hint: ignored where transparent huge pages are off
+  return data;
+}
+#endif
+
 at::Tensor mapped_workspace(int64_t floats) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr size_t kKeptLimit = size_t{64} << 20, kHuge = size_t{2} << 20;
+  thread_local KeptMapping kept;
   const size_t bytes = static_cast<size_t>(floats) * sizeof(float);
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (data == MAP_FAILED) return {};
-  (void)madvise(data, bytes, MADV_HUGEPAGE);  // a hint: ignored where transparent huge pages are off
-  const c10::Device cpu(c10::DeviceType::CPU);
   const int64_t signed_bytes = static_cast<int64_t>(bytes);
-  if (c10::memoryProfilingEnabled()) c10::reportMemoryUsageToProfiler(data, signed_bytes, 0, 0, cpu);
-  return at::from_blob(
-      data, {floats},
-      [bytes, signed_bytes, cpu](void* ptr) {
-        if (c10::memoryProfilingEnabled()) c10::reportMemoryUsageToProfiler(ptr, -signed_bytes, 0, 0, cpu);
-        munmap(ptr, bytes);
-      },
-      at::TensorOptions().dtype(at::kFloat));
+  const c10::Device cpu(c10::DeviceType::CPU);
+  const auto report = [cpu](void* ptr, int64_t delta) {
+    if (c10::memoryProfilingEnabled()) c10::reportMemoryUsageToProfiler(ptr, delta, 0, 0, cpu);
+  };
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  if (bytes <= kKeptLimit && !kept.in_use) {
+    if (kept.bytes < bytes) {
+      if (kept.data) munmap(kept.data, kept.bytes);
+      kept.bytes = (bytes + kHuge - 1) / kHuge * kHuge;
+      kept.data = map_pages(kept.bytes);
+      if (!kept.data) {
+        kept.bytes = 0;
+        return {};
+      }
+    }
+    kept.in_use = true;
+    report(kept.data, signed_bytes);
+    KeptMapping* owner = &kept;  // freed at the end of the call, on this thread
+    return at::from_blob(kept.data, {floats}, [owner, signed_bytes, report](void* ptr) {
+      report(ptr, -signed_bytes);
+      owner->in_use = false;
+    }, options);
+  }
+  void* data = map_pages(bytes);
+  if (!data) return {};
+  report(data, signed_bytes);
+  return at::from_blob(data, {floats}, [bytes, signed_bytes, report](void* ptr) {
+    report(ptr, -signed_bytes);
+    munmap(ptr, bytes);
+  }, options);
 #else
   (void)floats;
   return {};
 #endif
 }
 
-// A kernel's workspace: its own mapping when large (mapped_workspace), else through torch's allocator; the profiler
+// A kernel's workspace: a mapping when large (mapped_workspace), else through torch's allocator; the profiler
 // counts both, and a failure is a Python exception. The kernel's own formula runs only once the bound says it
 // cannot overflow.
 template <class Params, class K>
