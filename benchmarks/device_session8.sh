@@ -4,7 +4,8 @@
 # the model than alone. Stages (env): PYTEST=1 the touched tests under amx; PROFILE=1 compiled Llama's operator
 # profile (16 threads); PROBE=1 probe_bert_in_model.py at 32 x 128 (1 and 16 threads, both dtypes), PROBE=2 also
 # at 4 x 512 and probe_small_calls.py;
-# MODELS=1 every whole-model case (bench_models.py, DTYPE) with BERT at 32 x 128.
+# MODELS=1 every whole-model case (bench_models.py, DTYPE) with BERT at 32 x 128; FORWARD=1 issue 9's forward table
+# (bench_attention.py, the issue's shapes, 3 dtypes) and masked prefill (bench_masks.py).
 #   run: CS149GPT_NO_CUDA=1 PYTEST=1 PROFILE=1 PROBE=1 DTYPE=bfloat16 bash benchmarks/device_session8.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
@@ -36,6 +37,15 @@ if [ "${PROBE:-0}" = 1 ]; then
     fi
   } > "$OUT/${T}_probe_bert.txt" 2>&1
   grep -E "^\||^#" "$OUT/${T}_probe_bert.txt" | grep -v "^|---"
+fi
+if [ "${FORWARD:-0}" = 1 ]; then  # issue 9's forward table and masked prefill, on the final code
+  timeout ${TL_FWD:-300} python3 benchmarks/bench_attention.py --shapes 1,4,1024,32 1,12,1024,64 4,12,2048,64 \
+    1,16,4096,128 --impls flash --causal both --dtype bfloat16,float16,float32 --threads 1,16 \
+    --min-run-time ${MIN_RUN:-0.3} --rounds ${ROUNDS:-2} --json "$OUT/${T}_forward.json" > "$OUT/${T}_forward.txt" 2>&1
+  grep -E " flash |peak" "$OUT/${T}_forward.txt"
+  timeout ${TL_MASKS:-150} python3 benchmarks/bench_masks.py --threads 1,16 --markdown --dtype float32,bfloat16 \
+    --min-run-time 0.5 > "$OUT/${T}_bench_masks.txt" 2>&1
+  grep -E "^\|" "$OUT/${T}_bench_masks.txt"
 fi
 [ "${MODELS:-0}" = 1 ] || exit 0
 { timeout ${TL_MAIN:-420} python3 benchmarks/bench_models.py --dtype $DTYPE --threads 1,16 --compile --repeats ${REPEATS:-4}
