@@ -214,25 +214,6 @@ void plain_block(const AttentionParams& p, const Layout& L, int64_t rho0, int64_
                                 V + shared * p.v_strides[2], p.v_strides[2], d, O + r * L.d_row, L.d_row, nullptr);
 }
 
-// Whether n rows of d values (ldv apart) are all finite: the exponent bits of each element, not all ones (integer
-// tests the compiler vectorises, no conversion).
-template <class T>
-bool values_finite(const T* V, int64_t ldv, int64_t n, int64_t d) {
-  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
-  static_assert(sizeof(Bits) == sizeof(T));
-  constexpr Bits exponent = sizeof(T) == 4 ? Bits(0x7f800000u) : std::is_same_v<T, c10::Half> ? Bits(0x7c00u)
-                                                                                                : Bits(0x7f80u);
-  Bits any_special = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    const T* row = V + t * ldv;
-    for (int64_t c = 0; c < d; ++c) {
-      Bits x;
-      std::memcpy(&x, row + c, sizeof x);
-      any_special |= static_cast<Bits>((x & exponent) == exponent);
-    }
-  }
-  return any_special == 0;
-}
 
 // Beyond this many runs of shown keys in a row's block (a scattered mask), its P V is one block product over all
 // its keys when the block's values are all finite (0 · v adds nothing), instead of a product per run.
@@ -269,7 +250,7 @@ void masked_block(const AttentionParams& p, const Layout& L, int64_t rows, int64
     int64_t runs = 0;
     for (int64_t t = 0; t < end; ++t) runs += !hidden(t) && (t == 0 || hidden(t - 1));
     float* P = S + r0 * kBlockKeys;
-    if (runs > kMaxRuns && (finite < 0 ? (finite = values_finite(V, ldv, n, d)) : finite)) {
+    if (runs > kMaxRuns && (finite < 0 ? (finite = flash::rows_finite(V, ldv, n, d)) : finite)) {
       decode::rows_times_values(r1 - r0, end, P, kBlockKeys, V, ldv, d, O + r0 * L.d_row, L.d_row, alpha + r0);
     } else {
       const float* run_alpha = alpha + r0;  // applied with the first run (alone when the rows see no key here)
