@@ -65,6 +65,9 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
     if position_bias is not None:  # T5-style learned biases: one additive mask with the causal/padding mask in it
         from transformers.integrations.sdpa_attention import create_position_bias_mask
 
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0  # our compiled-mode 0/−inf mask as the bool one: the same path either way
+
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
     out = ops.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,

@@ -610,21 +610,29 @@ at::Tensor mapped_workspace(int64_t floats) {
         return {};
       }
     }
-    kept.in_use = true;
-    report(kept.data, signed_bytes);
     KeptMapping* owner = &kept;  // freed at the end of the call, on this thread
-    return at::from_blob(kept.data, {floats}, [owner, signed_bytes, report](void* ptr) {
+    at::Tensor ws = at::from_blob(kept.data, {floats}, [owner, signed_bytes, report](void* ptr) {
       report(ptr, -signed_bytes);
       owner->in_use = false;
     }, options);
+    kept.in_use = true;  // only once the tensor exists (from_blob may throw)
+    report(kept.data, signed_bytes);
+    return ws;
   }
   void* data = map_pages(bytes);
   if (!data) return {};
+  at::Tensor ws;
+  try {
+    ws = at::from_blob(data, {floats}, [bytes, signed_bytes, report](void* ptr) {
+      report(ptr, -signed_bytes);
+      munmap(ptr, bytes);
+    }, options);
+  } catch (...) {
+    munmap(data, bytes);
+    throw;
+  }
   report(data, signed_bytes);
-  return at::from_blob(data, {floats}, [bytes, signed_bytes, report](void* ptr) {
-    report(ptr, -signed_bytes);
-    munmap(ptr, bytes);
-  }, options);
+  return ws;
 #else
   (void)floats;
   return {};

@@ -197,6 +197,26 @@ def test_mask_function_hands_compiled_models_a_float_mask(monkeypatch):
     assert torch.equal(compiled == 0, want) and torch.isneginf(compiled[~want]).all()
 
 
+def test_position_bias_takes_the_compiled_float_mask():
+    """T5-style position biases are folded into the mask by transformers' create_position_bias_mask, which wants a
+    bool mask (or adds a float one): the float 0/−inf mask our mask function hands compiled models gives the same
+    output as the bool one."""
+    from types import SimpleNamespace
+
+    from cs149gpt.integration import _transformers_attention
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    bias = torch.randn(1, 4, 5, 5, generator=g)
+    keep = torch.rand(2, 1, 5, 5, generator=g) < 0.7
+    keep[..., 0] = True  # every row sees a key
+    as_float = torch.where(keep, 0.0, float("-inf"))
+    module = SimpleNamespace(is_causal=False)
+    want, _ = _transformers_attention(module, q, k, v, keep, position_bias=bias)
+    got, _ = _transformers_attention(module, q, k, v, as_float, position_bias=bias)
+    assert torch.equal(got, want)
+
+
 def test_sdpa_installed_runs_a_model_written_for_torchs_sdpa():
     """install_sdpa's scope: transformers' own "sdpa" attention (which calls torch.nn.functional's) runs ours
     inside it and torch's after."""
