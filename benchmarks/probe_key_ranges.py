@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cs149gpt  # noqa: E402
+from probe_small_calls import sentence_batch  # noqa: E402
 
 
 def median_ms(fn, calls=30):
@@ -41,11 +43,7 @@ def main() -> int:
         for shape in args.shapes:
             B, H, N, d = (int(x) for x in shape.split(","))
             for dtype in (torch.bfloat16, torch.float32):
-                q, k, v = (torch.randn(B, N, H, d, generator=g).to(dtype).transpose(1, 2) for _ in range(3))
-                keep = torch.ones(B, N, dtype=torch.bool)
-                for i in range(B):
-                    keep[i, N - (i * N) // (2 * B):] = False
-                runs = keep[:, None, None, :].expand(B, 1, N, N).contiguous()
+                q, k, v, runs = sentence_batch(B, H, N, d, dtype, g)
                 wide = torch.zeros(B, 1, N, 2 * N, dtype=torch.bool)
                 wide[..., ::2] = runs
                 strided = wide[..., ::2]  # the same mask; keys 2 bytes apart: not taken as ranges

@@ -30,6 +30,16 @@ def median_ms(fn, min_time=0.3):
     return statistics.median(samples) * 1e3
 
 
+def sentence_batch(B, H, N, d, dtype, g):
+    """q, k, v as a model makes them — (B, N, H·d) projections viewed as (B, H, N, d) — and the (B, 1, N, N) boolean
+    mask transformers' sdpa_mask builds for a right-padded batch (sequence i padded by i·N / 2B keys)."""
+    q, k, v = (torch.randn(B, N, H, d, generator=g).to(dtype).transpose(1, 2) for _ in range(3))
+    keep = torch.ones(B, N, dtype=torch.bool)
+    for i in range(B):
+        keep[i, N - (i * N) // (2 * B):] = False
+    return q, k, v, keep[:, None, None, :].expand(B, 1, N, N).contiguous()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["32,8,128,64", "4,8,512,64", "8,12,256,64"])
@@ -45,12 +55,7 @@ def main() -> int:
         for shape in args.shapes:
             B, H, N, d = (int(x) for x in shape.split(","))
             for dtype in (getattr(torch, name) for name in args.dtype.split(",")):
-                # q, k, v as a model makes them: (B, N, H·d) projections viewed as (B, H, N, d)
-                q, k, v = (torch.randn(B, N, H, d, generator=g).to(dtype).transpose(1, 2) for _ in range(3))
-                keep = torch.ones(B, N, dtype=torch.bool)
-                for i in range(B):
-                    keep[i, N - (i * N) // (2 * B):] = False
-                padding = keep[:, None, None, :].expand(B, 1, N, N).contiguous()  # as transformers' sdpa_mask
+                q, k, v, padding = sentence_batch(B, H, N, d, dtype, g)
                 for name, mask in (("none", None), ("key padding (B,1,N,N)", padding)):
                     with torch.no_grad():
                         theirs = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

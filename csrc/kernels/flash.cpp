@@ -124,11 +124,11 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
       const int64_t keys = std::clamp<int64_t>(cols - t0, 0, P);
       if (keys < P) fill_row(0.0f, panel, d * P);
       transpose_block(K + t0 * p.k_strides[2], p.k_strides[2], keys, d, 1.0f, panel, P);
-      continue;
+    } else {
+      for (int64_t c = 0; c < d; ++c)
+        for (int64_t t = 0; t < P; ++t)
+          panel[c * P + t] = t0 + t < cols ? to_float(K[(t0 + t) * p.k_strides[2] + c]) : 0.0f;
     }
-    for (int64_t c = 0; c < d; ++c)
-      for (int64_t t = 0; t < P; ++t)
-        panel[c * P + t] = t0 + t < cols ? to_float(K[(t0 + t) * p.k_strides[2] + c]) : 0.0f;
   }
   const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
   if (L.flags_size > 0) v_finite[head * L.Tc + j] = rows_finite(V, p.v_strides[2], cols, d) ? 1.0f : 0.0f;

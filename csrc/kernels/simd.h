@@ -488,7 +488,7 @@ inline void transpose16x16(__m512 r[16]) {
     r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
     r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
   }
-  // r[4q + j] now holds element j of 4-column group... within each 128-bit lane: rows 4q..4q+3, column (lane·4 + j)
+  // Now, in each 128-bit lane L of r[4q + j]: rows 4q..4q+3 of column 4L + j. Two lane shuffles gather each column.
   for (int i = 0; i < 4; ++i) {
     t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
     t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
