@@ -522,19 +522,6 @@ def test_head_dims_and_tiles(isa, d):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("d", [80, 128, 256])
-def test_pv_in_key_chunks(isa, d):
-    """Heads wider than one micro-kernel block (d > 64) take P V in chunks of 128 keys (flash.cpp, pv_k_chunk):
-    key tiles of several chunks and a partial one, the causal diagonal inside a chunk, GQA, float32."""
-    g = gen(250 + d)
-    failures = []
-    q, k, v = qkv((1, 4, 70, d), (1, 2, 700, d), g)
-    for block_q, block_k in ((None, None), (None, 300), (24, 129)):
-        for mode in (False, "bottom_right"):
-            run_and_check(q, k, v, failures, f"d={d}", is_causal=mode, block_q=block_q, block_k=block_k)
-    assert not failures, "\n".join(failures)
-
-
 BENCH_SHAPES = [(1, 4, 32), (1, 12, 64), (4, 12, 64), (1, 16, 128), (1, 32, 64)]  # (B, H, d)
 
 

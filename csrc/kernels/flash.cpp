@@ -63,7 +63,6 @@ struct Layout {
   int64_t Br_pad, Bc_pad, d_pad;  // rows to whole row groups, keys and columns to whole vectors
   int64_t s_ld;                   // S's row stride: a cache line past Bc_pad, so that rows do not share L1 sets
   int64_t panel;                  // keys per panel of K_jᵀ (pack_kv_tile)
-  int64_t pv_k_chunk;             // keys per chunk of P V's k loop (group_gemm_k_chunks; 0: the whole tile)
   bool pack_v;                    // V is converted/padded once rather than read in place
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad, to whole panels
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place)
@@ -88,12 +87,6 @@ struct Layout {
     d_pad = round_up(d, W);
     s_ld = Bc_pad + 16;
     panel = std::min<int64_t>(kQkVecs * W, Bc_pad);
-    // Where a row of V is more than one micro-kernel block wide (d > 64 with AVX-512), each block of columns reads
-    // V's rows strided, and the whole tile's V (512 keys × d) was read from L2 once per row block: on the device
-    // host's Xeon, one thread, (1,16,2048,128) float32 ran at 49 % of the FMA peak. In chunks of 128 keys the chunk
-    // stays in L1 for the group's row blocks: 1.43× faster there (chunks of 64: 1.30×; at d = 64 and 32, no gain:
-    // benchmarks/bwd_phases.cpp, results/s9b_variants.txt).
-    pv_k_chunk = d_pad > kPvVecs * W ? 128 : 0;
     pack_v = p.dtype != DType::f32 || d_pad != d;
     kt_tile = d * round_up(Bc_pad, panel);
     kt_size = p.batch * p.num_kv_heads * Tc * kt_tile;
@@ -244,8 +237,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // diagonal) go through the micro-kernel; the few that only the later rows see are added row by row,
       // so that a key hidden from a row never touches it: its P is 0, but 0 · NaN in V would be NaN.
       const int64_t shared_keys = visible[0];
-      group_gemm_k_chunks<kPvVecs>(L.pv_k_chunk, kRowGroup, shared_keys, S, L.s_ld, 1, Vj, ldv, d_pad,
-                                   Oi + g0 * d_pad, d_pad, alpha);
+      group_gemm<kPvVecs>(kRowGroup, shared_keys, S, L.s_ld, 1, Vj, ldv, d_pad, Oi + g0 * d_pad, d_pad, alpha);
       for (int64_t r = 0; r < kRowGroup && g0 + r < rows; ++r)
         if (visible[r] > shared_keys)
           weighted_row_sum</*kAccumulate=*/true>(S + r * L.s_ld + shared_keys, Vj + shared_keys * ldv, ldv,

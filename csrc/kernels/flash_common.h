@@ -7,7 +7,6 @@
 #include "simd.h"
 
 #include <algorithm>
-#include <array>
 #include <cstring>
 #include <numeric>
 #include <type_traits>
@@ -64,26 +63,6 @@ void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t 
     case 2: gemm_block<2, kRowsAdjacent>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha); break;
     case 3: gemm_block<3, kRowsAdjacent>(rows, K, A, a_row, a_col, B + c, ldb, C + c, ldc, alpha); break;
   }
-}
-
-// α = 1 for each of a row group's rows: accumulate into C.
-inline constexpr auto kOnes = [] {
-  std::array<float, kRowGroup> ones{};
-  for (auto& x : ones) x = 1.0f;
-  return ones;
-}();
-
-// group_gemm with the k loop cut into chunks of k_chunk (0: none), every row block taken over one chunk before the
-// next: the chunk of B's rows is read from L2 by the first row block and from L1 by the others, where a whole-k call
-// per row block streams all of B from L2 again (rows ≤ kRowGroup). α applies with the first chunk; the others
-// accumulate. The sums run in the same order either way (each micro_gemm continues from C): not a bit changes.
-template <int kVecs>
-void group_gemm_k_chunks(int64_t k_chunk, int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_col,
-                         const float* B, int64_t ldb, int64_t n_cols, float* C, int64_t ldc, const float* alpha) {
-  if (k_chunk <= 0 || k_chunk >= K) return group_gemm<kVecs>(rows, K, A, a_row, a_col, B, ldb, n_cols, C, ldc, alpha);
-  for (int64_t k0 = 0; k0 < K; k0 += k_chunk)
-    group_gemm<kVecs>(rows, std::min(k_chunk, K - k0), A + k0 * a_col, a_row, a_col, B + k0 * ldb, ldb, n_cols, C,
-                      ldc, k0 == 0 ? alpha : kOnes.data());
 }
 
 // The same product with B in panels (flash.cpp's packed K_jᵀ): B's columns [c, c + panel) form a contiguous
