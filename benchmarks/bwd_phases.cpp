@@ -1,9 +1,15 @@
 // Where the float32 one-pass backward's time goes on one core (AVX-512): the real kernel timed whole, one tile
 // pair timed whole, then each of its five products and its elementwise pass alone on the tile pair's own buffers,
 // and variants of the products (B in panels, K chunked to stay in L1, B prefetched). A measuring tool for issue 12,
-// not part of the extension. Build and run (needs torch's headers for c10):
+// not part of the extension.
+// Caution, from its first runs on the device host (results/s9a_bwd_phases.txt, s9b_variants.txt): q, k and v were
+// plain std::vectors there, 16 bytes past a 64-byte boundary (glibc's mmap chunk header), so every vector load of
+// their rows crossed two cache lines; the forward ran at 82 GFLOP/s in this tool and 130-137 in bench_attention, and
+// chunking P V's keys (1.43x here at d = 128) changed nothing in the real kernel (s9c_ab_f32_pv_chunks.txt). Now
+// they are aligned as torch aligns tensors; the third argument puts them `offset` floats past the boundary.
+// Build and run (needs torch's headers for c10):
 //   g++ -O3 -fopenmp -I$(python3 -c 'import torch.utils.cpp_extension as c; print(c.include_paths()[0])') \
-//       benchmarks/bwd_phases.cpp -o /tmp/bwd_phases && /tmp/bwd_phases [B,H,N,d]
+//       benchmarks/bwd_phases.cpp -o /tmp/bwd_phases && /tmp/bwd_phases [B,H,N,d [rounds [offset]]]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -33,6 +39,23 @@
 using namespace cs149gpt;
 using namespace cs149gpt::avx512;
 using namespace cs149gpt::avx512::flash;
+
+// float arrays on 64-byte boundaries, as torch allocates tensors (a plain std::vector of 16 MB comes from mmap at 16
+// bytes past a page, and then every vector load of a row crosses two cache lines: see main's `offset`).
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)); }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+using Floats = std::vector<float, Aligned64<float>>;
 
 static double seconds_per_call(const std::function<void()>& f, double min_time = 0.3) {
   f();  // warm
@@ -272,7 +295,7 @@ void forward_variant(const AttentionParams& p, float* workspace, int64_t pv_chun
       }
 }
 
-static double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+static double max_diff(const Floats& a, const Floats& b) {
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, double(std::fabs(a[i] - b[i])));
   return m;
@@ -288,13 +311,19 @@ int main(int argc, char** argv) {
   std::mt19937 gen(0);
   std::normal_distribution<float> normal;
   const int64_t n = B * H * N * d;
-  std::vector<float> q(n), k(n), v(n), out(n), dout(n), dq(n), dk(n), dv(n), lse(B * H * N);
-  for (auto* x : {&q, &k, &v, &dout})
+  // offset: q, k, v start this many floats past a 64-byte boundary (4: what a plain std::vector of their size got
+  // in the runs s9a and s9b, whose rows then crossed cache lines).
+  const int64_t offset = argc > 3 ? std::atol(argv[3]) : 0;
+  std::printf("q, k, v at %ld floats past a 64-byte boundary\n", offset);
+  Floats q_mem(n + offset), k_mem(n + offset), v_mem(n + offset);
+  Floats out(n), dout(n), dq(n), dk(n), dv(n), lse(B * H * N);
+  for (auto* x : {&q_mem, &k_mem, &v_mem, &dout})
     for (auto& e : *x) e = normal(gen);
+  const float *q = q_mem.data() + offset, *k = k_mem.data() + offset, *v = v_mem.data() + offset;
 
   AttentionBackwardParams bp;
   AttentionParams& p = bp.fwd;
-  p.q = q.data(), p.k = k.data(), p.v = v.data(), p.out = out.data(), p.lse = lse.data();
+  p.q = q, p.k = k, p.v = v, p.out = out.data(), p.lse = lse.data();
   const int64_t strides[3] = {H * N * d, N * d, d};
   for (int i = 0; i < 3; ++i)
     p.q_strides[i] = p.k_strides[i] = p.v_strides[i] = p.out_strides[i] = bp.dout_strides[i] = bp.dq_strides[i] =
@@ -304,13 +333,13 @@ int main(int argc, char** argv) {
   p.scale = 1.0f / std::sqrt(float(d));
   p.block_q = p.block_k = 0;
   p.num_threads = 1;
-  std::vector<float> fws(flash_workspace_floats(p) + 64);
+  Floats fws(flash_workspace_floats(p) + 64);
   flash_attention(p, fws.data());
   bp.path = BackwardPath::one_pass;
   bp.dout = dout.data(), bp.dq = dq.data(), bp.dk = dk.data(), bp.dv = dv.data();
 
   const double flops = 10.0 * B * H * N * N * d;
-  std::vector<float> ws(flash_backward_workspace_floats(bp) + 64);
+  Floats ws(flash_backward_workspace_floats(bp) + 64);
   const double whole = seconds_per_call([&] { flash_attention_backward(bp, ws.data()); }, 1.0);
   std::printf("whole backward: %.2f ms, %.1f GFLOP/s (%.0f %% of the probe)\n", whole * 1e3, flops / whole / 1e9,
               100 * flops / whole / 1e9 / peak);
@@ -353,7 +382,7 @@ int main(int argc, char** argv) {
            group_gemm<kQkVecs>(Br, d, dOi, dp, 1, VTj, Bc, Bc, dS, Bc, nullptr);
          }), prod);
   // The same with K^T in 32-key panels (the forward's layout).
-  std::vector<float> panels(d * Bc);
+  Floats panels(d * Bc);
   for (int64_t c = 0; c < Bc; ++c)
     for (int64_t r = 0; r < d; ++r) panels[(c / 32) * 32 * d + r * 32 + c % 32] = KTj[r * Bc + c];
   report("S = Q K^T, K^T in 32-key panels", seconds_per_call([&] {
@@ -362,7 +391,7 @@ int main(int argc, char** argv) {
   const float* lse_rows = scratch + L.lse_off;
   const float* delta = scratch + L.delta_off;
   group_gemm<kQkVecs>(Br, d, Qi, dp, 1, KTj, Bc, Bc, P, Bc, nullptr);
-  std::vector<float> S0(P, P + Br * Bc);
+  Floats S0(P, P + Br * Bc);
   report("P = exp(scale S - lse), dS = P (dP - D)", seconds_per_call([&] {
            std::memcpy(P, S0.data(), Br * Bc * 4);
            for (int64_t r = 0; r < Br; ++r) {
@@ -416,7 +445,7 @@ int main(int argc, char** argv) {
   const int rounds = argc > 2 ? std::atoi(argv[2]) : 7;
   // Backward variants: first check that the copy computes what the kernel does.
   {
-    std::vector<float> dq0 = dq, dk0 = dk, dv0 = dv;
+    Floats dq0 = dq, dk0 = dk, dv0 = dv;
     flash_attention_backward(bp, ws.data());
     dq0 = dq, dk0 = dk, dv0 = dv;
     backward_variant(bp, ws.data(), PairOptions{96, 48, true});
@@ -440,7 +469,7 @@ int main(int argc, char** argv) {
     t.fwd.block_q = bq, t.fwd.block_k = bk;
     tiled.push_back(t);
   }
-  std::vector<std::vector<float>> tiled_ws;
+  std::vector<Floats> tiled_ws;
   for (auto& t : tiled) tiled_ws.emplace_back(flash_backward_workspace_floats(t) + 64);
   for (size_t i = 0; i < tiled.size(); ++i)
     bwd.push_back({"kernel, tiles " + std::to_string(tiled[i].fwd.block_q) + " x " + std::to_string(tiled[i].fwd.block_k),
@@ -450,7 +479,7 @@ int main(int argc, char** argv) {
 
   // Forward variants.
   {
-    std::vector<float> out0 = out;
+    Floats out0 = out;
     forward_variant(p, fws.data(), 64);
     std::printf("forward copy vs kernel: max |diff| %.2e\n", max_diff(out, out0));
   }
@@ -466,7 +495,7 @@ int main(int argc, char** argv) {
     t.block_k = bk;
     ftiled.push_back(t);
   }
-  std::vector<std::vector<float>> ftiled_ws;
+  std::vector<Floats> ftiled_ws;
   for (auto& t : ftiled) ftiled_ws.emplace_back(flash_workspace_floats(t) + 64);
   for (size_t i = 0; i < ftiled.size(); ++i)
     fwd.push_back({"kernel, key tiles " + std::to_string(ftiled[i].block_k),
