@@ -783,8 +783,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
 
 // The flash backward's algorithm for these params. One pass (flash_backward_onepass.cpp, flash_backward_bf16.cpp:
 // five tile products, a task per (batch, kv head) owning its gradient rows; split into key_chunks runs of key tiles
-// when there are too few of them for the CPUs, each run's dQ summed in order afterwards) when its tasks keep at
-// least kOnePassMinBusy of this machine's CPUs busy; two passes (seven products, tasks per tile) otherwise.
+// when there are too few of them for the CPUs (float32: fewer than kTasksPerCpu a CPU), each run's dQ summed in order
+// afterwards) when its tasks keep at least kOnePassMinBusy of this machine's CPUs busy; two passes (seven products,
+// tasks per tile) otherwise.
 // Decided from the shape and the machine's CPU count, never the call's thread count, so that the gradients' bits do
 // not depend on it. set_backward_path() / set_backward_key_chunks() force them (tests run every path).
 constexpr double kOnePassMinBusy = 0.6;  // the one-pass kernel measured ~1.6x the two-pass one's speed per thread
@@ -805,12 +806,26 @@ double busy_share(int64_t tasks, int64_t cpus) {
   return static_cast<double>(tasks) / static_cast<double>(rounds * cpus);
 }
 
+// float32: dQ accumulates in dq itself (flash_backward_onepass.cpp), so only the later chunks' partial dQ cost
+// memory, and more tasks than CPUs pay: with one task per CPU the call waits for the slowest CPU. Device host, 16
+// threads, float32 backward ×SDPA (results/s9d_backward_tasks_t16.txt): (1,16,4096,128) 1.13 with 16 tasks, 1.30
+// with 32; (4,12,2048,64) 1.51 with 48, 1.66 with 96. So split until kTasksPerCpu tasks per CPU, while the partial
+// dQ buffers stay within the size of dq itself (or kPartialDqFloor bytes), which keeps the peak memory under SDPA's.
+constexpr int64_t kTasksPerCpu = 4;
+constexpr double kPartialDqFloor = 16.0 * (1 << 20);
+
 void choose_backward(AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
   const int64_t pairs = p.batch * p.num_kv_heads, cpus = machine_cpus();
   const int64_t most_chunks = std::clamp<int64_t>(p.kv_len / kMinKeysPerChunk, 1, kMaxKeyChunks);
   int64_t chunks = 1;
-  while (chunks * 2 <= most_chunks && busy_share(pairs * chunks, cpus) < kKeyChunksBusy) chunks *= 2;
+  if (p.dtype == DType::f32) {
+    const double dq_bytes = 4.0 * p.batch * p.num_heads * p.q_len * p.head_dim;
+    const auto partials_fit = [&](int64_t c) { return (c - 1) * dq_bytes <= std::max(dq_bytes, kPartialDqFloor); };
+    while (chunks * 2 <= most_chunks && pairs * chunks < kTasksPerCpu * cpus && partials_fit(chunks * 2)) chunks *= 2;
+  } else {
+    while (chunks * 2 <= most_chunks && busy_share(pairs * chunks, cpus) < kKeyChunksBusy) chunks *= 2;
+  }
   if (g_backward_key_chunks > 0) chunks = g_backward_key_chunks;
   bp.key_chunks = chunks;
   if (g_backward_path != "auto")

@@ -205,6 +205,23 @@ def test_4d_odd_shapes_gqa_and_causal_alignments(isa, backward_path):
     assert not failures, "\n".join(failures)
 
 
+def test_dq_accumulates_in_the_gradient(isa, backward_path):
+    """float32 with head dims of whole vectors: the one-pass kernel accumulates dQ in dq itself for the rows of whole
+    row groups (12 or 24 rows by ISA), the last partial group's rows in scratch, and with the keys split, chunk 0's
+    share there and the others' in partial buffers (flash_backward_onepass.cpp). GQA; q laid out (B, N, H, d), so
+    that dq's rows are H·d apart and its heads d apart; Nq 50 and 73; every causal mode."""
+    g = gen(704)
+    failures = []
+    for b, hq, hkv, n_q, n_k, d in [(2, 6, 2, 50, 300, 32), (1, 4, 4, 73, 73, 64), (1, 2, 1, 24, 40, 16)]:
+        q = randn(b, n_q, hq, d, gen=g).transpose(1, 2)  # (B, H, N, d) viewed out of (B, N, H, d)
+        k, v = randn(b, hkv, n_k, d, gen=g), randn(b, hkv, n_k, d, gen=g)
+        dout = randn(b, hq, n_q, d, gen=g)
+        for mode in CAUSAL_MODES:
+            ours = check_grads(q, k, v, dout, failures, f"{(b, hq, n_q, d)}/{(b, hkv, n_k, d)}", is_causal=mode)
+            assert ours[1].stride() == q.stride(), ours[1].stride()
+    assert not failures, "\n".join(failures)
+
+
 def test_odd_tile_sizes(isa, backward_path):
     """block_q / block_k in {1, 3, 17, 50}: tiles of one row, tiles no length divides, tiles longer than the
     sequence; with masks cutting tiles and with GQA."""

@@ -20,8 +20,11 @@
 // Either way the bits of the result do not depend on the number of threads. module.cpp picks this kernel when its
 // tasks keep the machine's CPUs busy (BackwardPath::one_pass); the two-pass kernel otherwise.
 //
-// Memory: per thread, one task's dQ accumulator, D and lse (its group's query rows) and the tiles; nothing is
-// packed for the whole tensor. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values
+// Memory: per thread, D and lse (its group's query rows) and the tiles; nothing is packed for the whole tensor. dQ
+// accumulates in float32: for float32 gradients whose rows are whole vectors, in dq itself (the rows of whole row
+// groups; the last, partial row group of each head in scratch, since a row group's products write all its rows), so
+// that it costs no memory; otherwise in scratch, a task's group of heads at a time. With key chunks, chunk 0's
+// share goes there and each later chunk's into a partial dQ of its own. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values
 // against the pair's 10·Br·Bc·d FLOPs), K_jᵀ, V_jᵀ and K_j once per key tile (K_j is read in place where it is
 // float32 rows of whole vectors already).
 //
@@ -80,10 +83,14 @@ struct Layout {
   // K_j by rows (B of dQ_i += dS K_j) read in place from k: float32 rows of whole vectors (no padding to add). Saves
   // Bc x d_pad floats per thread: (1,12,1024,64) with 192-key tiles stays under torch SDPA's backward memory.
   bool k_rows_in_place;
-  // shared, with key chunks: each task's partial dQ (tasks × group_size × q_pad × d_pad).
-  int64_t partial_dq, shared;
-  // per thread: dQ of the task's group without key chunks (group_size × q_pad × d_pad), D and lse (group_size ×
-  // q_pad);
+  // dQ accumulates in dq itself (float32, rows of whole vectors) for rows [0, q_in_place); the rest of q_pad, the
+  // tail (the last row group's rows past q_in_place, padding included), in scratch: tail_rows per head.
+  bool dq_in_place;
+  int64_t q_in_place, tail_rows, dq_size;  // dq_size: floats of one task's dQ in scratch (group_size heads)
+  // shared, with key chunks: chunk 0's dQ accumulators (pairs × dq_size), then the partial dQ of the later chunks
+  // (each task's: group_size × q_pad × d_pad).
+  int64_t partial_dq, later_partials, shared;
+  // per thread: dQ of the task's group without key chunks (dq_size), D and lse (group_size × q_pad);
   // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad, unless read in place); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones
   int64_t dq_off, delta_off, lse_off, kt_off, vt_off, kr_off, qi_off, doi_off, p_off, ds_off, dk_off, dv_off, ones_off,
       per_thread;
@@ -106,9 +113,14 @@ struct Layout {
     pairs = p.batch * p.num_kv_heads;
     tasks = pairs * chunks;
     threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
-    const int64_t dq_size = group_size * q_pad * d_pad;
+    dq_in_place = p.dtype == DType::f32 && d_pad == p.head_dim;
+    q_in_place = dq_in_place ? p.q_len / kRowGroup * kRowGroup : 0;  // row groups start at multiples of kRowGroup
+    tail_rows = q_pad - q_in_place;
+    dq_size = group_size * tail_rows * d_pad;
+    const int64_t full_size = group_size * q_pad * d_pad;  // a later chunk's partial dQ: every row
     partial_dq = 0;
-    shared = chunks > 1 ? tasks * dq_size : 0;
+    later_partials = chunks > 1 ? pairs * dq_size : 0;
+    shared = chunks > 1 ? later_partials + (tasks - pairs) * full_size : 0;
     dq_off = 0;
     delta_off = dq_off + (chunks > 1 ? 0 : dq_size);
     lse_off = delta_off + group_size * q_pad;
@@ -129,6 +141,44 @@ struct Layout {
 template <class T>
 const T* row_of(const void* base, const int64_t (&strides)[3], int64_t b, int64_t h, int64_t i) {
   return static_cast<const T*>(base) + b * strides[0] + h * strides[1] + i * strides[2];
+}
+
+// Where a task's dQ rows accumulate: row i (< q_pad) of query head g of its group. Rows [0, first_scratch_row) in dq
+// itself (float32, rows row_stride apart, heads head_stride apart), the others in scratch (scratch_rows per head,
+// d_pad apart). A row group (kRowGroup rows from a multiple of kRowGroup) lies wholly in one or the other.
+struct DqRows {
+  float* in_place = nullptr;
+  int64_t head_stride = 0, row_stride = 0, first_scratch_row = 0;
+  float* scratch = nullptr;
+  int64_t scratch_rows = 0, d_pad = 0;
+  float* row(int64_t g, int64_t i) const {
+    return i < first_scratch_row ? in_place + g * head_stride + i * row_stride
+                                 : scratch + (g * scratch_rows + i - first_scratch_row) * d_pad;
+  }
+  int64_t ld(int64_t i) const { return i < first_scratch_row ? row_stride : d_pad; }
+};
+
+// The dQ rows of chunk `chunk` of kv head kvh in batch b: chunk 0's (all of them when there are no chunks) in dq
+// where L.dq_in_place, their tail in `own` (no chunks) or in the shared workspace; a later chunk's in its partial dQ.
+inline DqRows dq_rows(const AttentionBackwardParams& bp, const Layout& L, float* ws, float* own, int64_t b,
+                      int64_t kvh, int64_t chunk) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t pair = b * p.num_kv_heads + kvh;
+  DqRows rows;
+  rows.d_pad = L.d_pad;
+  if (chunk == 0) {
+    if (L.dq_in_place) {
+      rows.in_place = static_cast<float*>(bp.dq) + b * bp.dq_strides[0] + kvh * L.group_size * bp.dq_strides[1];
+      rows.head_stride = bp.dq_strides[1], rows.row_stride = bp.dq_strides[2];
+      rows.first_scratch_row = L.q_in_place;
+    }
+    rows.scratch = L.chunks > 1 ? ws + L.partial_dq + pair * L.dq_size : own;
+    rows.scratch_rows = L.tail_rows;
+  } else {
+    rows.scratch = ws + L.partial_dq + L.later_partials + ((chunk - 1) * L.pairs + pair) * L.group_size * L.q_pad * L.d_pad;
+    rows.scratch_rows = L.q_pad;
+  }
+  return rows;
 }
 
 // D = rowsum(dO ∘ O) and lse for every query row of head h (rows past q_len: 0 and +inf, never read).
@@ -191,7 +241,7 @@ void pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t
 // packed. Accumulates into dK_j, dV_j (scratch) and the task's dQ rows.
 template <class T>
 void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, int64_t i0, int64_t j0,
-               int64_t n_keys, const float* delta, const float* lse, float* dQ, float* scratch) {
+               int64_t n_keys, const float* delta, const float* lse, const DqRows& dQ, int64_t g, float* scratch) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, Bc = L.Bc;
   // Which rows see which keys of this tile; the products run over the rows and keys that some row sees.
@@ -256,7 +306,6 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
 
   // dQ_i += dS K_j, a row group at a time: the keys every row of the group sees through the micro-kernel, each
   // row's others one by one, so that a hidden key's K (maybe inf or NaN) never meets a row (0 · inf = NaN).
-  float* dQi = dQ + i0 * d_pad;
   for (int64_t g0 = r0; g0 < r1; g0 += kRowGroup) {
     int64_t shared_begin = 0, shared_end = n_cols;
     for (int64_t r = g0; r < g0 + kRowGroup; ++r) {
@@ -267,11 +316,11 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
     shared_end = std::max(shared_begin, shared_end);
     if (shared_end > shared_begin)
       group_gemm<kPvVecs>(kRowGroup, shared_end - shared_begin, dS + g0 * Bc + shared_begin, Bc, 1,
-                          Kj + shared_begin * k_ld, k_ld, d_pad, dQi + g0 * d_pad, d_pad, ones);
+                          Kj + shared_begin * k_ld, k_ld, d_pad, dQ.row(g, i0 + g0), dQ.ld(i0 + g0), ones);
     for (int64_t r = g0; r < g0 + kRowGroup; ++r) {
       const KeyRange k = ranges[r];
       const float* dsr = dS + r * Bc;
-      float* dq = dQi + r * d_pad;
+      float* dq = dQ.row(g, i0 + r);
       if (shared_end > shared_begin) {  // the row's keys outside the shared ones
         if (k.begin < shared_begin)
           weighted_row_sum<true>(dsr + k.begin, Kj + k.begin * k_ld, k_ld, shared_begin - k.begin, dq, d_pad);
@@ -291,12 +340,13 @@ inline int64_t chunk_start(const Layout& L, int64_t c) { return c * L.Tc / L.chu
 // of the group, into dQ (group_size × q_pad × d_pad); written out here when the task has all the keys.
 template <class T>
 void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
-                  float* dQ, float* scratch) {
+                  const DqRows& dQ, float* scratch) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, h0 = kvh * L.group_size;
   float *delta = scratch + L.delta_off, *lse = scratch + L.lse_off;
   float *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
-  fill_row(0.0f, dQ, L.group_size * L.q_pad * d_pad);
+  for (int64_t g = 0; g < L.group_size; ++g)
+    for (int64_t i = 0; i < L.q_pad; ++i) fill_row(0.0f, dQ.row(g, i), d_pad);
   for (int64_t g = 0; g < L.group_size; ++g)
     row_statistics<T>(bp, L, b, h0 + g, delta + g * L.q_pad, lse + g * L.q_pad);
 
@@ -307,8 +357,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
     fill_row(0.0f, dV, L.Bc * d_pad);
     for (int64_t g = 0; g < L.group_size; ++g)
       for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br)
-        tile_pair<T>(bp, L, b, h0 + g, i0, j0, n_keys, delta + g * L.q_pad, lse + g * L.q_pad,
-                     dQ + g * L.q_pad * d_pad, scratch);
+        tile_pair<T>(bp, L, b, h0 + g, i0, j0, n_keys, delta + g * L.q_pad, lse + g * L.q_pad, dQ, g, scratch);
     T* dk_out = static_cast<T*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] + j0 * bp.dk_strides[2];
     T* dv_out = static_cast<T*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] + j0 * bp.dv_strides[2];
     for (int64_t t = 0; t < n_keys; ++t)
@@ -320,23 +369,22 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   if (L.chunks > 1) return;  // run() sums the chunks' dQ
   for (int64_t g = 0; g < L.group_size; ++g) {
     T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
-    const float* dQg = dQ + g * L.q_pad * d_pad;
-    for (int64_t i = 0; i < p.q_len; ++i)
-      for (int64_t c = 0; c < d; ++c) dq_out[i * bp.dq_strides[2] + c] = static_cast<T>(p.scale * dQg[i * d_pad + c]);
+    for (int64_t i = 0; i < p.q_len; ++i) {  // (in place: T is float and dq_out's row is dQ's)
+      const float* dq = dQ.row(g, i);
+      for (int64_t c = 0; c < d; ++c) dq_out[i * bp.dq_strides[2] + c] = static_cast<T>(p.scale * dq[c]);
+    }
   }
 }
 
 // With key chunks: dQ row i of query head h = scale · Σ_c (chunk c's partial dQ), summed in the order of c (into
-// chunk 0's row, which only this call touches).
+// chunk 0's row, in dq or the workspace, which only this call touches).
 template <class T>
-void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, float* partial, int64_t b, int64_t h,
-                   int64_t i) {
+void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, float* ws, int64_t b, int64_t h, int64_t i) {
   const AttentionParams& p = bp.fwd;
-  const int64_t kvh = h / L.group_size, g = h % L.group_size, dq_size = L.group_size * L.q_pad * L.d_pad;
-  const int64_t row = (g * L.q_pad + i) * L.d_pad;
-  float* sum = partial + (b * p.num_kv_heads + kvh) * dq_size + row;
+  const int64_t kvh = h / L.group_size, g = h % L.group_size;
+  float* sum = dq_rows(bp, L, ws, nullptr, b, kvh, 0).row(g, i);
   for (int64_t c = 1; c < L.chunks; ++c) {
-    const float* part = partial + (c * L.pairs + b * p.num_kv_heads + kvh) * dq_size + row;
+    const float* part = dq_rows(bp, L, ws, nullptr, b, kvh, c).row(g, i);
     for (int64_t e = 0; e < p.head_dim; ++e) sum[e] += part[e];
   }
   T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i * bp.dq_strides[2];
@@ -351,21 +399,18 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   {
     float* scratch = ws + L.shared + omp_get_thread_num() * L.per_thread;
     fill_row(1.0f, scratch + L.ones_off, std::max(L.Br, L.Bc));  // α = 1: the products accumulate
-    const int64_t dq_size = L.group_size * L.q_pad * L.d_pad;
     // Tasks chunk by chunk: under a causal mask the first keys meet the most query rows, so go first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < L.tasks; ++t) {
       const int64_t chunk = t / L.pairs, b = (t % L.pairs) / p.num_kv_heads, kvh = t % p.num_kv_heads;
-      float* dQ = L.chunks > 1 ? ws + L.partial_dq + t * dq_size : scratch + L.dq_off;
-      kv_head_task<T>(bp, L, b, kvh, chunk, dQ, scratch);
+      kv_head_task<T>(bp, L, b, kvh, chunk, dq_rows(bp, L, ws, scratch + L.dq_off, b, kvh, chunk), scratch);
     }
     // (implicit barrier: every chunk's dQ is complete)
     if (L.chunks > 1) {
       const int64_t rows = p.batch * p.num_heads * p.q_len;
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < rows; ++r)
-        sum_chunks_dq<T>(bp, L, ws + L.partial_dq, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads,
-                         r % p.q_len);
+        sum_chunks_dq<T>(bp, L, ws, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads, r % p.q_len);
     }
   }
 }
