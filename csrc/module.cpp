@@ -806,13 +806,12 @@ double busy_share(int64_t tasks, int64_t cpus) {
   return static_cast<double>(tasks) / static_cast<double>(rounds * cpus);
 }
 
-// float32: dQ accumulates in dq itself (flash_backward_onepass.cpp), so only the later chunks' partial dQ cost
-// memory, and more tasks than CPUs pay: with one task per CPU the call waits for the slowest CPU. Device host, 16
-// threads, float32 backward ×SDPA (results/s9d_backward_tasks_t16.txt): (1,16,4096,128) 1.13 with 16 tasks, 1.30
-// with 32; (4,12,2048,64) 1.51 with 48, 1.66 with 96. So split until kTasksPerCpu tasks per CPU, while the partial
-// dQ buffers stay within the size of dq itself (or kPartialDqFloor bytes), which keeps the peak memory under SDPA's.
+// The float32 one-pass kernel merges each run's dQ into the kv head's sum (in dq itself) as the run ends, so runs
+// cost no memory, and more tasks than CPUs pay: with one task per CPU the call waits for the slowest CPU. Device
+// host, 16 threads, float32 backward ×SDPA (results/s9d_backward_tasks_t16.txt, s9e_backward_tasks_t16.txt):
+// (1,16,4096,128) 1.13 with 16 tasks, 1.08-1.30 with 32, 1.29-1.32 with 64; (4,12,2048,64) 1.51 with 48, 1.55-1.66
+// with 96. So float32 splits until kTasksPerCpu tasks per CPU.
 constexpr int64_t kTasksPerCpu = 4;
-constexpr double kPartialDqFloor = 16.0 * (1 << 20);
 
 void choose_backward(AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
@@ -820,9 +819,7 @@ void choose_backward(AttentionBackwardParams& bp) {
   const int64_t most_chunks = std::clamp<int64_t>(p.kv_len / kMinKeysPerChunk, 1, kMaxKeyChunks);
   int64_t chunks = 1;
   if (p.dtype == DType::f32) {
-    const double dq_bytes = 4.0 * p.batch * p.num_heads * p.q_len * p.head_dim;
-    const auto partials_fit = [&](int64_t c) { return (c - 1) * dq_bytes <= std::max(dq_bytes, kPartialDqFloor); };
-    while (chunks * 2 <= most_chunks && pairs * chunks < kTasksPerCpu * cpus && partials_fit(chunks * 2)) chunks *= 2;
+    while (chunks * 2 <= most_chunks && pairs * chunks < kTasksPerCpu * cpus) chunks *= 2;
   } else {
     while (chunks * 2 <= most_chunks && busy_share(pairs * chunks, cpus) < kKeyChunksBusy) chunks *= 2;
   }

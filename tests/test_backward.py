@@ -205,11 +205,10 @@ def test_4d_odd_shapes_gqa_and_causal_alignments(isa, backward_path):
     assert not failures, "\n".join(failures)
 
 
-def test_dq_accumulates_in_the_gradient(isa, backward_path):
-    """float32 with head dims of whole vectors: the one-pass kernel accumulates dQ in dq itself for the rows of whole
-    row groups (12 or 24 rows by ISA), the last partial group's rows in scratch, and with the keys split, chunk 0's
-    share there and the others' in partial buffers (flash_backward_onepass.cpp). GQA; q laid out (B, N, H, d), so
-    that dq's rows are H·d apart and its heads d apart; Nq 50 and 73; every causal mode."""
+def test_dq_summed_in_the_gradient(isa, backward_path):
+    """With the keys split into runs, each run's dQ is merged into its kv head's sum in the order of the runs, the
+    sum kept in dq itself for float32 (flash_backward_onepass.cpp). GQA; q laid out (B, N, H, d), so that dq's rows
+    are H·d apart and its heads d apart; Nq 50, 73 and 24 (whole and partial row groups); every causal mode."""
     g = gen(704)
     failures = []
     for b, hq, hkv, n_q, n_k, d in [(2, 6, 2, 50, 300, 32), (1, 4, 4, 73, 73, 64), (1, 2, 1, 24, 40, 16)]:

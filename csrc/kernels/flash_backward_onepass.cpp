@@ -15,16 +15,15 @@
 // No two threads ever write the same gradient row, without atomics: one task per (batch, kv head) owns the dQ
 // rows of every query head of its group (accumulated in float32 in the thread's scratch, in the fixed order of
 // the key tiles) and the dK, dV rows of its kv head (the group's heads summed in a fixed order). Where there are
-// too few kv heads for the CPUs, module.cpp splits each one's key tiles into key_chunks runs: a task per run, with
-// its own partial dQ (in the shared workspace), the partials summed in the order of the runs once all are done.
+// too few kv heads for the CPUs (or too few for the dynamic schedule to even out the CPUs' speeds), module.cpp splits
+// each one's key tiles into key_chunks runs: a task per run, its partial dQ accumulated in its thread's scratch as
+// without runs, then merged into the kv head's dQ sum in the order of the runs — a task waits for the previous run's
+// merge (taken earlier: tasks are handed out in order, chunk by chunk) — and the sum scaled once all are in.
 // Either way the bits of the result do not depend on the number of threads. module.cpp picks this kernel when its
 // tasks keep the machine's CPUs busy (BackwardPath::one_pass); the two-pass kernel otherwise.
 //
-// Memory: per thread, D and lse (its group's query rows) and the tiles; nothing is packed for the whole tensor. dQ
-// accumulates in float32: for float32 gradients whose rows are whole vectors, in dq itself (the rows of whole row
-// groups; the last, partial row group of each head in scratch, since a row group's products write all its rows), so
-// that it costs no memory; otherwise in scratch, a task's group of heads at a time. With key chunks, chunk 0's
-// share goes there and each later chunk's into a partial dQ of its own. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values
+// Memory: per thread, one task's dQ accumulator, D and lse (its group's query rows) and the tiles; nothing is
+// packed for the whole tensor. With runs, the dQ sums live in dq itself where it is float32, else in the workspace. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values
 // against the pair's 10·Br·Bc·d FLOPs), K_jᵀ, V_jᵀ and K_j once per key tile (K_j is read in place where it is
 // float32 rows of whole vectors already).
 //
@@ -33,6 +32,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <thread>
 #include <omp.h>
 
 namespace cs149gpt {
@@ -83,14 +83,11 @@ struct Layout {
   // K_j by rows (B of dQ_i += dS K_j) read in place from k: float32 rows of whole vectors (no padding to add). Saves
   // Bc x d_pad floats per thread: (1,12,1024,64) with 192-key tiles stays under torch SDPA's backward memory.
   bool k_rows_in_place;
-  // dQ accumulates in dq itself (float32, rows of whole vectors) for rows [0, q_in_place); the rest of q_pad, the
-  // tail (the last row group's rows past q_in_place, padding included), in scratch: tail_rows per head.
-  bool dq_in_place;
-  int64_t q_in_place, tail_rows, dq_size;  // dq_size: floats of one task's dQ in scratch (group_size heads)
-  // shared, with key chunks: chunk 0's dQ accumulators (pairs × dq_size), then the partial dQ of the later chunks
-  // (each task's: group_size × q_pad × d_pad).
-  int64_t partial_dq, later_partials, shared;
-  // per thread: dQ of the task's group without key chunks (dq_size), D and lse (group_size × q_pad);
+  // shared, with key chunks: the task counter and each kv head's merge turn (int64 each), then the dQ sums of the
+  // kv heads (pairs × group_size × q_pad × d_pad) unless they are summed in dq itself (float32).
+  bool dq_sums_in_place;
+  int64_t counters, dq_sums, shared;
+  // per thread: dQ of the task's group (group_size × q_pad × d_pad), D and lse (group_size × q_pad);
   // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad, unless read in place); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones
   int64_t dq_off, delta_off, lse_off, kt_off, vt_off, kr_off, qi_off, doi_off, p_off, ds_off, dk_off, dv_off, ones_off,
       per_thread;
@@ -113,16 +110,13 @@ struct Layout {
     pairs = p.batch * p.num_kv_heads;
     tasks = pairs * chunks;
     threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
-    dq_in_place = p.dtype == DType::f32 && d_pad == p.head_dim;
-    q_in_place = dq_in_place ? p.q_len / kRowGroup * kRowGroup : 0;  // row groups start at multiples of kRowGroup
-    tail_rows = q_pad - q_in_place;
-    dq_size = group_size * tail_rows * d_pad;
-    const int64_t full_size = group_size * q_pad * d_pad;  // a later chunk's partial dQ: every row
-    partial_dq = 0;
-    later_partials = chunks > 1 ? pairs * dq_size : 0;
-    shared = chunks > 1 ? later_partials + (tasks - pairs) * full_size : 0;
+    const int64_t dq_size = group_size * q_pad * d_pad;
+    dq_sums_in_place = p.dtype == DType::f32;
+    counters = 0;
+    dq_sums = round_up(2 * (1 + pairs), 16);  // (int64 counters, two floats each)
+    shared = chunks > 1 ? dq_sums + (dq_sums_in_place ? 0 : pairs * dq_size) : 0;
     dq_off = 0;
-    delta_off = dq_off + (chunks > 1 ? 0 : dq_size);
+    delta_off = dq_off + dq_size;
     lse_off = delta_off + group_size * q_pad;
     kt_off = lse_off + group_size * q_pad;
     vt_off = kt_off + p.head_dim * Bc;
@@ -141,44 +135,6 @@ struct Layout {
 template <class T>
 const T* row_of(const void* base, const int64_t (&strides)[3], int64_t b, int64_t h, int64_t i) {
   return static_cast<const T*>(base) + b * strides[0] + h * strides[1] + i * strides[2];
-}
-
-// Where a task's dQ rows accumulate: row i (< q_pad) of query head g of its group. Rows [0, first_scratch_row) in dq
-// itself (float32, rows row_stride apart, heads head_stride apart), the others in scratch (scratch_rows per head,
-// d_pad apart). A row group (kRowGroup rows from a multiple of kRowGroup) lies wholly in one or the other.
-struct DqRows {
-  float* in_place = nullptr;
-  int64_t head_stride = 0, row_stride = 0, first_scratch_row = 0;
-  float* scratch = nullptr;
-  int64_t scratch_rows = 0, d_pad = 0;
-  float* row(int64_t g, int64_t i) const {
-    return i < first_scratch_row ? in_place + g * head_stride + i * row_stride
-                                 : scratch + (g * scratch_rows + i - first_scratch_row) * d_pad;
-  }
-  int64_t ld(int64_t i) const { return i < first_scratch_row ? row_stride : d_pad; }
-};
-
-// The dQ rows of chunk `chunk` of kv head kvh in batch b: chunk 0's (all of them when there are no chunks) in dq
-// where L.dq_in_place, their tail in `own` (no chunks) or in the shared workspace; a later chunk's in its partial dQ.
-inline DqRows dq_rows(const AttentionBackwardParams& bp, const Layout& L, float* ws, float* own, int64_t b,
-                      int64_t kvh, int64_t chunk) {
-  const AttentionParams& p = bp.fwd;
-  const int64_t pair = b * p.num_kv_heads + kvh;
-  DqRows rows;
-  rows.d_pad = L.d_pad;
-  if (chunk == 0) {
-    if (L.dq_in_place) {
-      rows.in_place = static_cast<float*>(bp.dq) + b * bp.dq_strides[0] + kvh * L.group_size * bp.dq_strides[1];
-      rows.head_stride = bp.dq_strides[1], rows.row_stride = bp.dq_strides[2];
-      rows.first_scratch_row = L.q_in_place;
-    }
-    rows.scratch = L.chunks > 1 ? ws + L.partial_dq + pair * L.dq_size : own;
-    rows.scratch_rows = L.tail_rows;
-  } else {
-    rows.scratch = ws + L.partial_dq + L.later_partials + ((chunk - 1) * L.pairs + pair) * L.group_size * L.q_pad * L.d_pad;
-    rows.scratch_rows = L.q_pad;
-  }
-  return rows;
 }
 
 // D = rowsum(dO ∘ O) and lse for every query row of head h (rows past q_len: 0 and +inf, never read).
@@ -241,7 +197,7 @@ void pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t
 // packed. Accumulates into dK_j, dV_j (scratch) and the task's dQ rows.
 template <class T>
 void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, int64_t i0, int64_t j0,
-               int64_t n_keys, const float* delta, const float* lse, const DqRows& dQ, int64_t g, float* scratch) {
+               int64_t n_keys, const float* delta, const float* lse, float* dQ, float* scratch) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, Bc = L.Bc;
   // Which rows see which keys of this tile; the products run over the rows and keys that some row sees.
@@ -306,6 +262,7 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
 
   // dQ_i += dS K_j, a row group at a time: the keys every row of the group sees through the micro-kernel, each
   // row's others one by one, so that a hidden key's K (maybe inf or NaN) never meets a row (0 · inf = NaN).
+  float* dQi = dQ + i0 * d_pad;
   for (int64_t g0 = r0; g0 < r1; g0 += kRowGroup) {
     int64_t shared_begin = 0, shared_end = n_cols;
     for (int64_t r = g0; r < g0 + kRowGroup; ++r) {
@@ -316,11 +273,11 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
     shared_end = std::max(shared_begin, shared_end);
     if (shared_end > shared_begin)
       group_gemm<kPvVecs>(kRowGroup, shared_end - shared_begin, dS + g0 * Bc + shared_begin, Bc, 1,
-                          Kj + shared_begin * k_ld, k_ld, d_pad, dQ.row(g, i0 + g0), dQ.ld(i0 + g0), ones);
+                          Kj + shared_begin * k_ld, k_ld, d_pad, dQi + g0 * d_pad, d_pad, ones);
     for (int64_t r = g0; r < g0 + kRowGroup; ++r) {
       const KeyRange k = ranges[r];
       const float* dsr = dS + r * Bc;
-      float* dq = dQ.row(g, i0 + r);
+      float* dq = dQi + r * d_pad;
       if (shared_end > shared_begin) {  // the row's keys outside the shared ones
         if (k.begin < shared_begin)
           weighted_row_sum<true>(dsr + k.begin, Kj + k.begin * k_ld, k_ld, shared_begin - k.begin, dq, d_pad);
@@ -336,17 +293,59 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
 // The key tiles of chunk c of C: [c·Tc/C, (c+1)·Tc/C).
 inline int64_t chunk_start(const Layout& L, int64_t c) { return c * L.Tc / L.chunks; }
 
+// With key chunks: run r adds its partial dQ to its kv head's sum once runs 0 .. r − 1 have added theirs, so that
+// every sum is ((dQ_0 + dQ_1) + dQ_2) + ..., whatever thread ran which run and when.
+// Waiting for a turn: a pause between looks, and the CPU given up after a while (more threads than CPUs: the run
+// waited for may be one that is not running).
+inline void wait_for_turn(const int64_t* turn, int64_t value) {
+  for (int64_t looks = 0; __atomic_load_n(turn, __ATOMIC_ACQUIRE) != value; ++looks) {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_pause();
+#endif
+    if (looks > 4096) std::this_thread::yield();
+  }
+}
+inline int64_t* merge_turn(const Layout& L, float* ws, int64_t pair) {
+  return reinterpret_cast<int64_t*>(ws + L.counters) + 1 + pair;
+}
+// Row i of query head g of kv head (b, kvh)'s dQ sum: in dq itself (float32), else in the workspace.
+inline float* dq_sum_row(const AttentionBackwardParams& bp, const Layout& L, float* ws, int64_t b, int64_t kvh,
+                         int64_t g, int64_t i) {
+  const AttentionParams& p = bp.fwd;
+  if (L.dq_sums_in_place)
+    return static_cast<float*>(bp.dq) + b * bp.dq_strides[0] + (kvh * L.group_size + g) * bp.dq_strides[1] +
+           i * bp.dq_strides[2];
+  return ws + L.dq_sums + ((b * p.num_kv_heads + kvh) * L.group_size * L.q_pad + g * L.q_pad + i) * L.d_pad;
+}
+
+inline void merge_chunk(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
+                        const float* dQ, float* ws) {
+  const AttentionParams& p = bp.fwd;
+  int64_t* turn = merge_turn(L, ws, b * p.num_kv_heads + kvh);
+  wait_for_turn(turn, chunk);
+  for (int64_t g = 0; g < L.group_size; ++g)
+    for (int64_t i = 0; i < p.q_len; ++i) {
+      float* sum = dq_sum_row(bp, L, ws, b, kvh, g, i);
+      const float* part = dQ + (g * L.q_pad + i) * L.d_pad;
+      if (chunk == 0)
+        for (int64_t e = 0; e < p.head_dim; ++e) sum[e] = part[e];
+      else
+        for (int64_t e = 0; e < p.head_dim; ++e) sum[e] += part[e];
+    }
+  __atomic_store_n(turn, chunk + 1, __ATOMIC_RELEASE);
+}
+
 // The task of chunk `chunk` of kv head kvh in batch b: dK, dV of its keys, and its share of the dQ of the query heads
-// of the group, into dQ (group_size × q_pad × d_pad); written out here when the task has all the keys.
+// of the group, into dQ (its thread's, group_size × q_pad × d_pad); written out here when the task has all the keys,
+// else merged into the kv head's dQ sum.
 template <class T>
 void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
-                  const DqRows& dQ, float* scratch) {
+                  float* dQ, float* scratch, float* ws) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, h0 = kvh * L.group_size;
   float *delta = scratch + L.delta_off, *lse = scratch + L.lse_off;
   float *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
-  for (int64_t g = 0; g < L.group_size; ++g)
-    for (int64_t i = 0; i < L.q_pad; ++i) fill_row(0.0f, dQ.row(g, i), d_pad);
+  fill_row(0.0f, dQ, L.group_size * L.q_pad * d_pad);
   for (int64_t g = 0; g < L.group_size; ++g)
     row_statistics<T>(bp, L, b, h0 + g, delta + g * L.q_pad, lse + g * L.q_pad);
 
@@ -357,7 +356,8 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
     fill_row(0.0f, dV, L.Bc * d_pad);
     for (int64_t g = 0; g < L.group_size; ++g)
       for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br)
-        tile_pair<T>(bp, L, b, h0 + g, i0, j0, n_keys, delta + g * L.q_pad, lse + g * L.q_pad, dQ, g, scratch);
+        tile_pair<T>(bp, L, b, h0 + g, i0, j0, n_keys, delta + g * L.q_pad, lse + g * L.q_pad,
+                     dQ + g * L.q_pad * d_pad, scratch);
     T* dk_out = static_cast<T*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] + j0 * bp.dk_strides[2];
     T* dv_out = static_cast<T*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] + j0 * bp.dv_strides[2];
     for (int64_t t = 0; t < n_keys; ++t)
@@ -366,51 +366,46 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
         dv_out[t * bp.dv_strides[2] + c] = static_cast<T>(dV[t * d_pad + c]);
       }
   }
-  if (L.chunks > 1) return;  // run() sums the chunks' dQ
+  if (L.chunks > 1) return merge_chunk(bp, L, b, kvh, chunk, dQ, ws);
   for (int64_t g = 0; g < L.group_size; ++g) {
     T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
-    for (int64_t i = 0; i < p.q_len; ++i) {  // (in place: T is float and dq_out's row is dQ's)
-      const float* dq = dQ.row(g, i);
-      for (int64_t c = 0; c < d; ++c) dq_out[i * bp.dq_strides[2] + c] = static_cast<T>(p.scale * dq[c]);
-    }
+    const float* dQg = dQ + g * L.q_pad * d_pad;
+    for (int64_t i = 0; i < p.q_len; ++i)
+      for (int64_t c = 0; c < d; ++c) dq_out[i * bp.dq_strides[2] + c] = static_cast<T>(p.scale * dQg[i * d_pad + c]);
   }
-}
-
-// With key chunks: dQ row i of query head h = scale · Σ_c (chunk c's partial dQ), summed in the order of c (into
-// chunk 0's row, in dq or the workspace, which only this call touches).
-template <class T>
-void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, float* ws, int64_t b, int64_t h, int64_t i) {
-  const AttentionParams& p = bp.fwd;
-  const int64_t kvh = h / L.group_size, g = h % L.group_size;
-  float* sum = dq_rows(bp, L, ws, nullptr, b, kvh, 0).row(g, i);
-  for (int64_t c = 1; c < L.chunks; ++c) {
-    const float* part = dq_rows(bp, L, ws, nullptr, b, kvh, c).row(g, i);
-    for (int64_t e = 0; e < p.head_dim; ++e) sum[e] += part[e];
-  }
-  T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i * bp.dq_strides[2];
-  for (int64_t e = 0; e < p.head_dim; ++e) dq_out[e] = static_cast<T>(p.scale * sum[e]);
 }
 
 template <class T>
 void run(const AttentionBackwardParams& bp, float* ws) {
   const AttentionParams& p = bp.fwd;
   const Layout L(bp);
+  int64_t* next_task = reinterpret_cast<int64_t*>(ws + L.counters);
+  if (L.chunks > 1) std::fill(next_task, next_task + 1 + L.pairs, int64_t{0});  // the task counter, the merge turns
 #pragma omp parallel num_threads(static_cast<int>(L.threads))
   {
     float* scratch = ws + L.shared + omp_get_thread_num() * L.per_thread;
     fill_row(1.0f, scratch + L.ones_off, std::max(L.Br, L.Bc));  // α = 1: the products accumulate
-    // Tasks chunk by chunk: under a causal mask the first keys meet the most query rows, so go first.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < L.tasks; ++t) {
+    const auto task = [&](int64_t t) {
       const int64_t chunk = t / L.pairs, b = (t % L.pairs) / p.num_kv_heads, kvh = t % p.num_kv_heads;
-      kv_head_task<T>(bp, L, b, kvh, chunk, dq_rows(bp, L, ws, scratch + L.dq_off, b, kvh, chunk), scratch);
-    }
-    // (implicit barrier: every chunk's dQ is complete)
-    if (L.chunks > 1) {
+      kv_head_task<T>(bp, L, b, kvh, chunk, scratch + L.dq_off, scratch, ws);
+    };
+    if (L.chunks == 1) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < L.tasks; ++t) task(t);
+    } else {
+      // Tasks in the order of t, chunk by chunk (under a causal mask the first keys meet the most query rows, so go
+      // first): a run's predecessor, `pairs` tasks earlier, is then always running or done when the run merges.
+      for (int64_t t; (t = __atomic_fetch_add(next_task, 1, __ATOMIC_RELAXED)) < L.tasks;) task(t);
+#pragma omp barrier
+      // Every sum is complete: dQ = scale · sum.
       const int64_t rows = p.batch * p.num_heads * p.q_len;
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < rows; ++r)
-        sum_chunks_dq<T>(bp, L, ws, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads, r % p.q_len);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = r / (p.num_heads * p.q_len), h = (r / p.q_len) % p.num_heads, i = r % p.q_len;
+        const float* sum = dq_sum_row(bp, L, ws, b, h / L.group_size, h % L.group_size, i);
+        T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i * bp.dq_strides[2];
+        for (int64_t e = 0; e < p.head_dim; ++e) dq_out[e] = static_cast<T>(p.scale * sum[e]);  // (in place: float)
+      }
     }
   }
 }
