@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How the one-pass backward's tasks should be cut when there are as many (batch, kv head) pairs as CPUs: one task per
-pair (what module.cpp picks when they keep the CPUs busy), each pair's keys split into 2 or 4 runs (tasks of their
+pair (chunks 1), each pair's keys split into 2 or 4 runs (tasks of their
 own, dynamically scheduled, partial dQ summed afterwards), or the two-pass kernel. With exactly one task per CPU a
 single slow CPU holds up the call; more tasks let the others take up its work, for partial dQ buffers in memory.
 Same process, interleaved rounds, torch SDPA's backward timed alongside; the peak memory of one backward each.
@@ -29,11 +29,14 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--variants", default=None, help="comma list (default: all)")
     args = parser.parse_args()
     m = _ext.load()
     dtype = getattr(torch, args.dtype)
-    variants = {"sdpa": None, "auto": ("auto", 0), "chunks 2": ("one_pass", 2), "chunks 4": ("one_pass", 4),
-                "two pass": ("two_pass", 0)}
+    variants = {"sdpa": None, "auto": ("auto", 0), "chunks 1": ("one_pass", 1), "chunks 2": ("one_pass", 2),
+                "chunks 4": ("one_pass", 4), "two pass": ("two_pass", 0)}
+    if args.variants:
+        variants = {name: variants[name] for name in ["sdpa"] + args.variants.split(",")}
     print(f"# {args.dtype}, {args.threads} threads, isa {cs149gpt.isa()}; backward alone (autograd.grad of a recorded "
           f"forward), min and median of {args.rounds} interleaved rounds")
     print("| shape | causal | variant | min ms | median ms | ×SDPA (min) | peak MiB |")
