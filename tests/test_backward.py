@@ -471,9 +471,10 @@ def test_fully_masked_rows(isa, dtype, backward_path):
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backward_path", ["auto", "one_pass", "one_pass_chunked", "two_pass"], indirect=True)
 def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backward_path):
-    """dq, dk, dv are torch.equal for 1, 2 and 3 threads (including GQA, where dk/dv sum over a group of query
-    heads, and tiles that give several tasks per thread), and for two runs on the same thread count: for each
-    backward algorithm, and for the one module.cpp picks (which must not depend on the thread count)."""
+    """dq, dk, dv are torch.equal for 1, 2, 3 threads and more threads than CPUs (including GQA, where dk/dv sum over
+    a group of query heads, tiles that give several tasks per thread, and key runs that wait for each other's merge
+    on threads the OS may not be running), and for two runs on the same thread count: for each backward algorithm,
+    and for the one module.cpp picks (which must not depend on the thread count)."""
     g = gen(710)
     failures = []
     for q_shape, kv_shape, tiles in [((2, 4, 130, 32), (2, 4, 130, 32), (None, None)),
@@ -482,10 +483,11 @@ def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backw
         q, k, v, dout = inputs(q_shape, kv_shape, g)
         for mode in CAUSAL_MODES:
             runs = []
-            for threads in (1, 2, 3, 2):
+            counts = (1, 2, 3, 2, 2 * (os.cpu_count() or 1) + 1)
+            for threads in counts:
                 torch.set_num_threads(threads)
                 runs.append(our_grads(q, k, v, dout, is_causal=mode, block_q=tiles[0], block_k=tiles[1]))
-            for threads, run in zip((2, 3, 2), runs[1:]):
+            for threads, run in zip(counts[1:], runs[1:]):
                 for name, a, b in zip(NAMES, run, runs[0]):
                     if not torch.equal(a, b):
                         failures.append(f"{q_shape}/{kv_shape} causal={mode}: {name} on {threads} threads differs "

@@ -23,8 +23,9 @@
 // tasks keep the machine's CPUs busy (BackwardPath::one_pass); the two-pass kernel otherwise.
 //
 // Memory: per thread, one task's dQ accumulator, D and lse (its group's query rows) and the tiles; nothing is
-// packed for the whole tensor. With runs, the dQ sums live in dq itself where it is float32, else in the workspace. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values
-// against the pair's 10·Br·Bc·d FLOPs), K_jᵀ, V_jᵀ and K_j once per key tile (K_j is read in place where it is
+// packed for the whole tensor. With runs, the dQ sums live in dq itself where it is float32, else in the
+// workspace. Q_i and dO_i are converted into float32 tiles for each tile pair (Br·d values against the pair's
+// 10·Br·Bc·d FLOPs), K_jᵀ, V_jᵀ and K_j once per key tile (K_j is read in place where it is
 // float32 rows of whole vectors already).
 //
 // Which keys a query row sees is decided in one place, visible_key_range(); everything else follows from it.
@@ -113,7 +114,9 @@ struct Layout {
     const int64_t dq_size = group_size * q_pad * d_pad;
     dq_sums_in_place = p.dtype == DType::f32;
     counters = 0;
-    dq_sums = round_up(2 * (1 + pairs), 16);  // (int64 counters, two floats each)
+    // The task counter on a cache line of its own (threads waiting for a turn do not slow the others taking tasks),
+    // then the turns: int64s, two floats each.
+    dq_sums = round_up(16 + 2 * pairs, 16);
     shared = chunks > 1 ? dq_sums + (dq_sums_in_place ? 0 : pairs * dq_size) : 0;
     dq_off = 0;
     delta_off = dq_off + dq_size;
@@ -306,7 +309,7 @@ inline void wait_for_turn(const int64_t* turn, int64_t value) {
   }
 }
 inline int64_t* merge_turn(const Layout& L, float* ws, int64_t pair) {
-  return reinterpret_cast<int64_t*>(ws + L.counters) + 1 + pair;
+  return reinterpret_cast<int64_t*>(ws + L.counters + 16) + pair;
 }
 // Row i of query head g of kv head (b, kvh)'s dQ sum: in dq itself (float32), else in the workspace.
 inline float* dq_sum_row(const AttentionBackwardParams& bp, const Layout& L, float* ws, int64_t b, int64_t kvh,
@@ -380,7 +383,10 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   const AttentionParams& p = bp.fwd;
   const Layout L(bp);
   int64_t* next_task = reinterpret_cast<int64_t*>(ws + L.counters);
-  if (L.chunks > 1) std::fill(next_task, next_task + 1 + L.pairs, int64_t{0});  // the task counter, the merge turns
+  if (L.chunks > 1) {  // the task counter, the merge turns
+    *next_task = 0;
+    std::fill(merge_turn(L, ws, 0), merge_turn(L, ws, L.pairs), int64_t{0});
+  }
 #pragma omp parallel num_threads(static_cast<int>(L.threads))
   {
     float* scratch = ws + L.shared + omp_get_thread_num() * L.per_thread;
