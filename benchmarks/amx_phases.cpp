@@ -4,7 +4,6 @@
 //   g++ -O3 -fopenmp -I$(python3 -c 'import torch.utils.cpp_extension as c; print(c.include_paths()[0])') \
 //       benchmarks/amx_phases.cpp -o /tmp/amx_phases && /tmp/amx_phases [amx|dot]
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -25,6 +24,7 @@
 #include <unistd.h>
 
 #include "../csrc/attention.h"
+#include "phase_timing.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,avx2,fma,bmi2,f16c")
 #define CS149_ISA amx
@@ -37,18 +37,6 @@ using namespace cs149gpt;
 using namespace cs149gpt::amx;
 using namespace cs149gpt::amx::flash_bf16;
 
-static double seconds_per_call(const std::function<void()>& f, double min_time = 0.25) {
-  f();  // warm
-  int64_t calls = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  double elapsed = 0;
-  do {
-    f();
-    ++calls;
-    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  } while (elapsed < min_time);
-  return elapsed / calls;
-}
 
 // The kernel's query_tile with phases switched off (QK: S = Q Kᵀ; SM: the online softmax; PV: O += P V).
 // The alternative measured against bf16_gemm.h's 2 × 2 blocks: 64 × 16 column blocks, one B tile per k step

@@ -1,17 +1,18 @@
 // Where the float32 one-pass backward's time goes on one core (AVX-512): the real kernel timed whole, one tile
 // pair timed whole, then each of its five products and its elementwise pass alone on the tile pair's own buffers,
-// and variants of the products (B in panels, K chunked to stay in L1, B prefetched). A measuring tool for issue 12,
+// and variants of the products (B in panels, K chunked to stay in L1). A measuring tool for issue 12,
 // not part of the extension.
 // Caution, from its first runs on the device host (results/s9a_bwd_phases.txt, s9b_variants.txt): q, k and v were
 // plain std::vectors there, 16 bytes past a 64-byte boundary (glibc's mmap chunk header), so every vector load of
 // their rows crossed two cache lines; the forward ran at 82 GFLOP/s in this tool and 130-137 in bench_attention, and
 // chunking P V's keys (1.43x here at d = 128) changed nothing in the real kernel (s9c_ab_f32_pv_chunks.txt). Now
-// they are aligned as torch aligns tensors; the third argument puts them `offset` floats past the boundary.
+// they are aligned as torch aligns tensors; the third argument puts them `offset` floats past the boundary. Those runs
+// also timed dQ += dS K with B prefetched 4 or 8 rows ahead, a copy of micro_gemm that covered only 64 columns (its
+// 143-152 % "of the peak" at d = 128); removed.
 // Build and run (needs torch's headers for c10):
 //   g++ -O3 -fopenmp -I$(python3 -c 'import torch.utils.cpp_extension as c; print(c.include_paths()[0])') \
 //       benchmarks/bwd_phases.cpp -o /tmp/bwd_phases && /tmp/bwd_phases [B,H,N,d [rounds [offset]]]
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -30,6 +31,7 @@
 #include <omp.h>
 
 #include "../csrc/attention.h"
+#include "phase_timing.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,bmi2,f16c")
 #define CS149_ISA avx512
@@ -57,26 +59,14 @@ struct Aligned64 {
 };
 using Floats = std::vector<float, Aligned64<float>>;
 
-static double seconds_per_call(const std::function<void()>& f, double min_time = 0.3) {
-  f();  // warm
-  double best = 1e30;
-  for (int round = 0; round < 3; ++round) {  // best of three rounds: the host is noisy
-    int64_t calls = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    double elapsed = 0;
-    do {
-      f();
-      ++calls;
-      elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    } while (elapsed < min_time / 3);
-    best = std::min(best, elapsed / calls);
-  }
-  return best;
+// The best of three runs: the host is noisy.
+static double best_of_three(const std::function<void()>& f, double min_time = 0.3) {
+  return seconds_per_call(f, min_time, 3);
 }
 
 static double fma_peak() {
   const double flops = fma_probe(1 << 22, 1);
-  return flops / seconds_per_call([] { fma_probe(1 << 22, 1); }) / 1e9;
+  return flops / best_of_three([] { fma_probe(1 << 22, 1); }) / 1e9;
 }
 
 // dQ += dS K with the keys in chunks of kChunk, every row block over one chunk before the next (the chunk of K's
@@ -88,39 +78,6 @@ void dq_chunked(int64_t rows, int64_t keys, const float* dS, int64_t ld_s, const
     group_gemm<kPvVecs>(rows, std::min<int64_t>(kChunk, keys - t0), dS + t0, ld_s, 1, K + t0 * ld_k, ld_k, d, dQ,
                         ld_q, ones);
 }
-
-// micro_gemm with B's row kDist steps ahead prefetched into L1.
-template <int R, int NV, int kDist>
-void micro_gemm_pf(int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb, float* C,
-                   int64_t ldc, const float* alpha) {
-  constexpr int W = Vec::width;
-  Vec acc[R][NV];
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r) {
-    const Vec a = Vec::broadcast(alpha ? alpha[r] : 0.0f);
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[r][v] = alpha ? a * Vec::load(C + r * ldc + v * W) : Vec::zero();
-  }
-  for (int64_t k = 0; k < K; ++k, A += a_col, B += ldb) {
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v)  // a vector is a line
-      _mm_prefetch(reinterpret_cast<const char*>(B + kDist * ldb + v * W), _MM_HINT_T0);
-    Vec b[NV];
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) b[v] = Vec::load(B + v * W);
-#pragma GCC unroll 32
-    for (int r = 0; r < R; ++r) {
-      const Vec a = Vec::broadcast(A[r * a_row]);
-#pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[r][v].store(C + r * ldc + v * W);
-}
-
 
 // ---------------------------------------------------------------------------------------------------
 // Variants, timed interleaved: every round times each variant once (~40 ms of calls), over several rounds; the
@@ -135,17 +92,7 @@ static void run_interleaved(const std::vector<Variant>& variants, int rounds, do
   std::vector<std::vector<double>> t(variants.size());
   for (auto& v : variants) v.fn();  // warm
   for (int round = 0; round < rounds; ++round)
-    for (size_t i = 0; i < variants.size(); ++i) {
-      int64_t calls = 0;
-      const auto t0 = std::chrono::steady_clock::now();
-      double elapsed = 0;
-      do {
-        variants[i].fn();
-        ++calls;
-        elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      } while (elapsed < 0.04);
-      t[i].push_back(elapsed / calls);
-    }
+    for (size_t i = 0; i < variants.size(); ++i) t[i].push_back(timed_run(variants[i].fn, 0.04));
   const double base = *std::min_element(t[0].begin(), t[0].end());
   for (size_t i = 0; i < variants.size(); ++i) {
     std::sort(t[i].begin(), t[i].end());
@@ -342,7 +289,7 @@ int main(int argc, char** argv) {
 
   const double flops = 10.0 * B * H * N * N * d;
   Floats ws(flash_backward_workspace_floats(bp) + 64);
-  const double whole = seconds_per_call([&] { flash_attention_backward(bp, ws.data()); }, 1.0);
+  const double whole = best_of_three([&] { flash_attention_backward(bp, ws.data()); }, 1.0);
   std::printf("whole backward: %.2f ms, %.1f GFLOP/s (%.0f %% of the probe)\n", whole * 1e3, flops / whole / 1e9,
               100 * flops / whole / 1e9 / peak);
 
@@ -362,7 +309,7 @@ int main(int argc, char** argv) {
     std::printf("  %-44s %8.2f us  %6.1f GFLOP/s  %3.0f %%   (x pairs: %.1f ms)\n", what, s * 1e6, f / s / 1e9,
                 100 * f / s / 1e9 / peak, s * pairs * 1e3);
   };
-  const double pair = seconds_per_call([&] {
+  const double pair = best_of_three([&] {
     op::tile_pair<float>(bp, L, 0, 0, 0, 0, L.Bc, scratch + L.delta_off, scratch + L.lse_off, dQ, scratch);
   });
   report("tile_pair whole", pair, pair_flops);
@@ -373,28 +320,28 @@ int main(int argc, char** argv) {
   float *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
   const int64_t Br = L.Br, Bc = L.Bc, dp = L.d_pad;
   const double prod = 2.0 * Br * Bc * d;
-  report("pack Q_i, dO_i", seconds_per_call([&] {
+  report("pack Q_i, dO_i", best_of_three([&] {
            op::pack_rows<float>(p.q, p.q_strides, p, L, 0, 0, 0, Qi);
            op::pack_rows<float>(bp.dout, bp.dout_strides, p, L, 0, 0, 0, dOi);
          }), 0);
-  report("S = Q K^T  (12x2, B rows Bc apart)", seconds_per_call([&] {
+  report("S = Q K^T  (12x2, B rows Bc apart)", best_of_three([&] {
            group_gemm<kQkVecs>(Br, d, Qi, dp, 1, KTj, Bc, Bc, P, Bc, nullptr);
          }), prod);
-  report("dP = dO V^T", seconds_per_call([&] {
+  report("dP = dO V^T", best_of_three([&] {
            group_gemm<kQkVecs>(Br, d, dOi, dp, 1, VTj, Bc, Bc, dS, Bc, nullptr);
          }), prod);
   // The same with K^T in 32-key panels (the forward's layout).
   Floats panels(d * Bc);
   for (int64_t c = 0; c < Bc; ++c)
     for (int64_t r = 0; r < d; ++r) panels[(c / 32) * 32 * d + r * 32 + c % 32] = KTj[r * Bc + c];
-  report("S = Q K^T, K^T in 32-key panels", seconds_per_call([&] {
+  report("S = Q K^T, K^T in 32-key panels", best_of_three([&] {
            group_gemm_panels<kQkVecs>(Br, d, Qi, dp, 1, panels.data(), 32, Bc, P, Bc);
          }), prod);
   const float* lse_rows = scratch + L.lse_off;
   const float* delta = scratch + L.delta_off;
   group_gemm<kQkVecs>(Br, d, Qi, dp, 1, KTj, Bc, Bc, P, Bc, nullptr);
   Floats S0(P, P + Br * Bc);
-  report("P = exp(scale S - lse), dS = P (dP - D)", seconds_per_call([&] {
+  report("P = exp(scale S - lse), dS = P (dP - D)", best_of_three([&] {
            std::memcpy(P, S0.data(), Br * Bc * 4);
            for (int64_t r = 0; r < Br; ++r) {
              float *pr = P + r * Bc, *dsr = dS + r * Bc;
@@ -403,30 +350,24 @@ int main(int argc, char** argv) {
              for (int64_t c = 0; c < Bc; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
            }
          }), 0);
-  report("  (its memcpy of S alone)", seconds_per_call([&] { std::memcpy(P, S0.data(), Br * Bc * 4); }), 0);
-  report("dV += P^T dO  (6x4, A transposed)", seconds_per_call([&] {
+  report("  (its memcpy of S alone)", best_of_three([&] { std::memcpy(P, S0.data(), Br * Bc * 4); }), 0);
+  report("dV += P^T dO  (6x4, A transposed)", best_of_three([&] {
            group_gemm<kPvVecs>(Bc, Br, P, 1, Bc, dOi, dp, dp, dV, dp, ones);
          }), prod);
-  report("dV += P^T dO, kRowsAdjacent", seconds_per_call([&] {
+  report("dV += P^T dO, kRowsAdjacent", best_of_three([&] {
            group_gemm<kPvVecs, true>(Bc, Br, P, 1, Bc, dOi, dp, dp, dV, dp, ones);
          }), prod);
-  report("dK += dS^T Q", seconds_per_call([&] {
+  report("dK += dS^T Q", best_of_three([&] {
            group_gemm<kPvVecs>(Bc, Br, dS, 1, Bc, Qi, dp, dp, dK, dp, ones);
          }), prod);
-  report("dQ += dS K  (6x4, B = K rows in place)", seconds_per_call([&] {
+  report("dQ += dS K  (6x4, B = K rows in place)", best_of_three([&] {
            group_gemm<kPvVecs>(Br, Bc, dS, Bc, 1, Kj, d, dp, dQ, dp, ones);
          }), prod);
-  report("dQ += dS K, keys in chunks of 48", seconds_per_call([&] {
+  report("dQ += dS K, keys in chunks of 48", best_of_three([&] {
            dq_chunked<48>(Br, Bc, dS, Bc, Kj, d, dp, dQ, dp, ones);
          }), prod);
-  report("dQ += dS K, keys in chunks of 96", seconds_per_call([&] {
+  report("dQ += dS K, keys in chunks of 96", best_of_three([&] {
            dq_chunked<96>(Br, Bc, dS, Bc, Kj, d, dp, dQ, dp, ones);
-         }), prod);
-  report("dQ += dS K, B prefetched 4 rows ahead", seconds_per_call([&] {
-           for (int64_t r = 0; r < Br; r += 6) micro_gemm_pf<6, 4, 4>(Bc, dS + r * Bc, Bc, 1, Kj, d, dQ + r * dp, dp, ones);
-         }), prod);
-  report("dQ += dS K, B prefetched 8 rows ahead", seconds_per_call([&] {
-           for (int64_t r = 0; r < Br; r += 6) micro_gemm_pf<6, 4, 8>(Bc, dS + r * Bc, Bc, 1, Kj, d, dQ + r * dp, dp, ones);
          }), prod);
   // The ceilings: the same micro-kernels on operands that stay in L1.
   {
@@ -434,13 +375,13 @@ int main(int argc, char** argv) {
     for (auto& x : a) x = 0.001f;
     for (auto& x : b) x = 0.001f;
     const int64_t reps = 256;
-    report("ceiling: micro_gemm<12,2> K=64, L1", seconds_per_call([&] {
+    report("ceiling: micro_gemm<12,2> K=64, L1", best_of_three([&] {
              for (int64_t i = 0; i < reps; ++i) micro_gemm<12, 2, false>(64, a, 64, 1, b, 32, c, 32, nullptr);
            }), reps * 2.0 * 12 * 32 * 64);
-    report("ceiling: micro_gemm<6,4> K=64, L1", seconds_per_call([&] {
+    report("ceiling: micro_gemm<6,4> K=64, L1", best_of_three([&] {
              for (int64_t i = 0; i < reps; ++i) micro_gemm<6, 4, false>(64, a, 64, 1, b, 64, c, 64, c);
            }), reps * 2.0 * 6 * 64 * 64);
-    report("ceiling: micro_gemm<6,4> A transposed, L1", seconds_per_call([&] {
+    report("ceiling: micro_gemm<6,4> A transposed, L1", best_of_three([&] {
              for (int64_t i = 0; i < reps; ++i) micro_gemm<6, 4, false>(64, a, 1, 64, b, 64, c, 64, c);
            }), reps * 2.0 * 6 * 64 * 64);
   }
