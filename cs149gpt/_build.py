@@ -17,6 +17,8 @@ SOURCES = [
     "csrc/isa/kernels_avx512.cpp",
     "csrc/isa/kernels_avx2.cpp",
     "csrc/isa/kernels_scalar.cpp",
+    # The amx kernels with AMX done in software (csrc/isa/amx_emulation.h): tests of the AMX paths anywhere.
+    "csrc/isa/kernels_amx_emulated.cpp",
 ]
 
 # No -march: one build must run on any x86-64. Wider ISAs are switched on per file (csrc/isa/).

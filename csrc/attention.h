@@ -220,7 +220,7 @@ struct BackwardKernel {
 // The kernels of one instruction set. Each ISA's translation unit (csrc/isa/) compiles every kernel
 // file once with that ISA's flags and fills one of these tables; dispatch.cpp picks the table at load.
 struct KernelTable {
-  const char* isa;  // "amx", "avx512_bf16", "avx512", "avx2", "scalar"
+  const char* isa;  // "amx", "avx512_bf16", "avx512", "avx2", "scalar", "amx_emulated"
   Kernel naive, blocked, fused, flash;
   Kernel decode;  // flash-decoding over a KV cache (flash_decode.cpp): any q_len, paged or not, appends k_new/v_new;
                   // attention()'s calls that decode_kernel_takes, attn_mask and window included
@@ -238,13 +238,15 @@ struct KernelTable {
 };
 
 namespace amx { extern const KernelTable kernel_table; }          // AVX-512 + AMX-BF16 tiles for bf16
+namespace amx_emulated { extern const KernelTable kernel_table; }  // the same, tiles in software (tests only)
 namespace avx512_bf16 { extern const KernelTable kernel_table; }  // AVX-512 + vdpbf16ps for bf16
 namespace avx512 { extern const KernelTable kernel_table; }
 namespace avx2 { extern const KernelTable kernel_table; }
 namespace scalar { extern const KernelTable kernel_table; }
 
 // The table in use: chosen from the CPU's features when the module loads, or forced with the
-// environment variable CS149GPT_ISA=amx|avx512_bf16|avx512|avx2|scalar. set_isa() switches it (tests use it).
+// environment variable CS149GPT_ISA=amx|avx512_bf16|avx512|avx2|scalar|amx_emulated. set_isa() switches it (tests
+// use it); amx_emulated, the amx kernels with the tiles done in software, is only ever chosen that way.
 const KernelTable& kernels();
 bool cpu_supports(const char* isa);
 // Why AMX is not used although the CPU has it (the kernel refused the tile-data permission), or "".

@@ -2,7 +2,9 @@
 //
 // The module carries the kernels five times (csrc/isa/): AVX-512 with AMX-BF16 tiles, AVX-512 with AVX512-BF16,
 // AVX-512, AVX2+FMA and portable C++. At first use it takes the widest one this CPU runs, unless the
-// environment variable CS149GPT_ISA names one.
+// environment variable CS149GPT_ISA names one. A sixth copy, amx_emulated (the amx kernels with the tiles done in
+// software, csrc/isa/amx_emulation.h), runs wherever avx512_bf16 does and is only ever taken when named: it lets
+// tests run the AMX code paths on machines without AMX.
 #include "attention.h"
 
 #include <atomic>
@@ -18,7 +20,7 @@
 namespace cs149gpt {
 namespace {
 
-const char* const kIsas[] = {"amx", "avx512_bf16", "avx512", "avx2", "scalar"};  // widest first
+const char* const kIsas[] = {"amx", "avx512_bf16", "avx512", "avx2", "scalar"};  // widest first, as chosen
 
 const KernelTable* table_named(const std::string& isa) {
   if (isa == "amx") return &amx::kernel_table;
@@ -26,7 +28,9 @@ const KernelTable* table_named(const std::string& isa) {
   if (isa == "avx512") return &avx512::kernel_table;
   if (isa == "avx2") return &avx2::kernel_table;
   if (isa == "scalar") return &scalar::kernel_table;
-  throw std::invalid_argument("unknown ISA '" + isa + "': expected one of amx, avx512_bf16, avx512, avx2, scalar");
+  if (isa == "amx_emulated") return &amx_emulated::kernel_table;
+  throw std::invalid_argument("unknown ISA '" + isa +
+                              "': expected one of amx, avx512_bf16, avx512, avx2, scalar, amx_emulated");
 }
 
 // Linux hands out AMX's 8 KiB of tile state only to processes that ask (arch_prctl, once per process);
@@ -96,6 +100,7 @@ bool cpu_supports(const char* isa) {
            __builtin_cpu_supports("fma");
   if (name == "avx512_bf16") return cpu_supports("avx512") && __builtin_cpu_supports("avx512bf16");
   if (name == "amx") return cpu_supports("avx512_bf16") && cpu_has_amx_tiles() && amx_permitted();
+  if (name == "amx_emulated") return cpu_supports("avx512_bf16");
   if (name == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
   return name == "scalar";

@@ -1527,8 +1527,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_fast", &attention_fast, "cs149gpt.attention's eager path for plain tensors (None: not taken)");
   m.def("sdpa_fast", &sdpa_fast,
         "cs149gpt.scaled_dot_product_attention's eager path without dropout (None: not taken)");
-  m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2 or scalar");
-  m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar)");
+  m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2, scalar or amx_emulated");
+  m.def("set_isa", &set_isa_checked, "force the kernels' instruction set (amx, avx512_bf16, avx512, avx2, scalar; amx_emulated for tests)");
   m.def("set_backward_path", [](const std::string& path) {
     TORCH_CHECK_VALUE(path == "auto" || path == "one_pass" || path == "two_pass",
                       "path must be 'auto', 'one_pass' or 'two_pass'; got '", path, "'");

@@ -11,8 +11,12 @@ import torch
 import cs149gpt
 from cs149gpt import _ext
 
-# Widest first, as dispatch.cpp tries them. amx and avx512_bf16 differ from avx512 only for bfloat16 inputs.
-ALL_ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "scalar")
+# Widest first, as dispatch.cpp tries them. amx and avx512_bf16 differ from avx512 only for bfloat16 inputs (and amx
+# for float16). amx_emulated, last, is the amx kernels with the tiles done in software (csrc/isa/amx_emulation.h):
+# never chosen by itself, it runs the AMX code paths wherever avx512_bf16 runs.
+ALL_ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "scalar", "amx_emulated")
+# Where bfloat16 runs on bf16 dot-product instructions (flash_bf16.cpp, flash_backward_bf16.cpp).
+BF16_DOT_ISAS = ("amx", "avx512_bf16", "amx_emulated")
 
 # Max abs error allowed against float64 for unit-scale (torch.randn) inputs.
 TOL = 1e-4

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import gen, isa, module, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import BF16_DOT_ISAS, gen, isa, module, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
 
 # Max abs error of float32 out/dq/dk/dv against float64 autograd, for unit-scale (randn) q, k, v and dout
 # and the default scale (grad_tol() widens it for sharper explicit scales). Measured on every ISA over the
@@ -43,7 +43,6 @@ GRAD_TOL = 2e-5
 # (2u = 9.8e-4), i.e. the roundings themselves; the worst case is a 64-element bf16 dk of
 # test_fully_masked_rows at 3.4e-3, where cancellation in dP - D weighs the rounding of out more.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-BF16_DOT_ISAS = ("amx", "avx512_bf16")  # where bf16 runs on the dot-product instructions (flash_backward_bf16.cpp)
 GRAD_REL_TOL = {torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11}
 
 CAUSAL_MODES = [False, True, "bottom_right"]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import ALL_ISAS, TOL, expected_strides, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import ALL_ISAS, BF16_DOT_ISAS, TOL, expected_strides, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,7 +126,7 @@ def problems(out, lse, q, k, v, *, scale=None, is_causal=False):
 
 def rounds_p_to_bf16(q):
     """Whether flash takes the bf16 dot-product path for q (bf16 on amx/avx512_bf16, beyond decoding)."""
-    return q.dtype == torch.bfloat16 and module().isa() in ("amx", "avx512_bf16")
+    return q.dtype == torch.bfloat16 and module().isa() in BF16_DOT_ISAS
 
 
 def torch_sdpa_error(q, k, v, want, live, *, scale=None, is_causal=False):
