@@ -14,7 +14,6 @@
 //                      products as one vector.
 //   row_key_dots_bf16  the same with vdpbf16ps (q as bf16 pairs, every product exact), one row at a time: used
 //                      where that instruction is as fast as an FMA (kKeysByBf16Dot below).
-//   row_key_dots_tiles the same on AMX tiles (the amx build, bf16 keys): Sᵀ = K Qᵀ, K read by tile loads in place.
 //   rows_times_values  O[r, :] = α_r · O[r, :] + Σ_t P[r, t] · v_t: an R × NV block of O in registers, each value
 //                      chunk loaded (and converted) once for R rows.
 // Both kernels can prefetch the next block of keys (or values) into L2 while they work on this one, one row per
@@ -420,114 +419,6 @@ inline void row_key_dots_bf16(int64_t rows, int64_t n, int64_t d, const c10::BFl
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + c),
                                (__m512bh)load_bf16_pairs_partial(k + c, d - c));
       S[r * lds + t0] = _mm512_reduce_add_ps(acc);
-    }
-  }
-}
-#endif
-
-#if defined(CS149_ISA_AMX)
-// ---------------------------------------------------------------------------------------------------
-// Keys on AMX tiles (the amx build; bf16 keys, d a multiple of 32). S = Q Kᵀ is computed transposed,
-//   Sᵀ = K Qᵀ,
-// so that K is the A operand: one tile load reads 16 keys × 32 columns straight from the cache (64 bytes of each
-// key's row, rows ldk apart), with no packing and no conversion. Qᵀ, the B operand, is packed once per task
-// (pack_queries_vnni). One tdpbf16ps multiplies 16 keys by 16 query rows over 32 columns (exact bf16 products,
-// float32 sums), so Q·Kᵀ leaves the vector units to the softmax and P·V; the FMA path (row_key_dots) spends as
-// many FMAs on Q·Kᵀ as on P·V. The C tiles (16 keys × 16 rows, float32) are stored to a small buffer and read back
-// transposed into S's rows, one gather per row.
-// Tiles (bf16_gemm.h's DotScope configuration: every tile 16 rows × 64 bytes): 0–3 C, one per group of 16 keys of
-// the block; 4–5 A, alternating; 6 B.
-// ---------------------------------------------------------------------------------------------------
-constexpr int64_t kTileKeys = 16, kTileRows = 16, kTileCols = 32;
-constexpr int64_t kMaxTileBlockKeys = 4 * kTileKeys;  // the C tiles 0–3
-
-// Floats for the packed Qᵀ of `rows` query rows of d_pair columns (a multiple of 32): 1 KB per 16 rows × 32 columns.
-inline int64_t query_tiles_floats(int64_t rows, int64_t d_pair) {
-  return (rows + kTileRows - 1) / kTileRows * (d_pair / kTileCols) * 256;
-}
-
-// Qᵀ as B tiles: tile (g, c) = rows 16g .. 16g + 15 and columns 32c .. 32c + 31 of Q, in VNNI pairs — its row k,
-// column n is the 32-bit pair (q_{16g+n}[32c + 2k], q_{16g+n}[32c + 2k + 1]) — at qt + (g · d_pair/32 + c) · 256
-// floats; zero for rows past `rows`. q_r = qb + r·ldqb, d_pair bf16 each.
-inline void pack_queries_vnni(const c10::BFloat16* qb, int64_t ldqb, int64_t rows, int64_t d_pair, float* qt) {
-  const int64_t chunks = d_pair / kTileCols, groups = (rows + kTileRows - 1) / kTileRows;
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t c = 0; c < chunks; ++c) {
-      uint32_t* tile = reinterpret_cast<uint32_t*>(qt + (g * chunks + c) * 256);
-      for (int64_t n = 0; n < kTileRows; ++n) {
-        const int64_t r = g * kTileRows + n;
-        for (int64_t k = 0; k < kTileCols / 2; ++k) {
-          uint32_t pair = 0;
-          if (r < rows) std::memcpy(&pair, qb + r * ldqb + c * kTileCols + 2 * k, sizeof pair);
-          tile[k * kTileRows + n] = pair;
-        }
-      }
-    }
-}
-
-// C tile c += A (16 keys × 32 columns from `keys`, rows `stride` bytes apart) · B (tile 6), A loaded into tile a.
-// (A macro: the tile numbers must be literal tokens, which the intrinsics paste into their instructions.)
-#define CS149_KEYS_TIMES_QUERY_TILE(c, a, keys, stride) \
-  do {                                                  \
-    _tile_loadd(a, keys, stride);                       \
-    _tile_dpbf16ps(c, a, 6);                            \
-  } while (0)
-
-// S[r·lds + t] = q_r · k_t for r < rows (≤ 64), t < n (≤ 64); Qᵀ packed by pack_queries_vnni; k_t = K + t·ldk.
-// Scratch: c_buf 4 × 256 floats (the C tiles), tail 16 × d bf16 (a last group of fewer than 16 keys, copied and
-// zero-padded so that no tile load reads past the block's rows). Prefetches the next block as row_key_dots does.
-inline void row_key_dots_tiles(int64_t rows, int64_t n, int64_t d, const float* qt, const c10::BFloat16* K,
-                               int64_t ldk, float* S, int64_t lds, float* c_buf, c10::BFloat16* tail,
-                               const NextBlock<c10::BFloat16>& next) {
-  const int64_t chunks = d / kTileCols, key_groups = (n + kTileKeys - 1) / kTileKeys;
-  // Where each group of 16 keys is read from: in place, or the zero-padded copy of a last partial group.
-  const c10::BFloat16* A[4];
-  int64_t a_stride[4];
-  for (int64_t kg = 0; kg < key_groups; ++kg) {
-    const int64_t t0 = kg * kTileKeys, keys = std::min(kTileKeys, n - t0);
-    if (keys == kTileKeys) {
-      A[kg] = K + t0 * ldk;
-      a_stride[kg] = ldk * static_cast<int64_t>(sizeof(c10::BFloat16));
-    } else {
-      for (int64_t t = 0; t < kTileKeys; ++t) {
-        if (t < keys)
-          std::memcpy(tail + t * d, K + (t0 + t) * ldk, d * sizeof(c10::BFloat16));
-        else
-          std::memset(static_cast<void*>(tail + t * d), 0, d * sizeof(c10::BFloat16));
-      }
-      A[kg] = tail;
-      a_stride[kg] = d * static_cast<int64_t>(sizeof(c10::BFloat16));
-    }
-  }
-  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kTileRows),
-                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  for (int64_t g = 0; g * kTileRows < rows; ++g) {
-    // The key groups' C tiles, independent of one another, so the tile products overlap.
-    _tile_zero(0);
-    if (key_groups > 1) _tile_zero(1);
-    if (key_groups > 2) _tile_zero(2);
-    if (key_groups > 3) _tile_zero(3);
-    const int64_t prefetch_rows = (kMaxTileBlockKeys + chunks - 1) / chunks;  // the next block's, over the chunks
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (g == 0) next.prefetch(c * prefetch_rows, prefetch_rows, d);
-      _tile_loadd(6, qt + (g * chunks + c) * 256, 64);
-      const int64_t col = c * kTileCols;
-      CS149_KEYS_TIMES_QUERY_TILE(0, 4, A[0] + col, a_stride[0]);
-      if (key_groups > 1) CS149_KEYS_TIMES_QUERY_TILE(1, 5, A[1] + col, a_stride[1]);
-      if (key_groups > 2) CS149_KEYS_TIMES_QUERY_TILE(2, 4, A[2] + col, a_stride[2]);
-      if (key_groups > 3) CS149_KEYS_TIMES_QUERY_TILE(3, 5, A[3] + col, a_stride[3]);
-    }
-    _tile_stored(0, c_buf, 64);
-    if (key_groups > 1) _tile_stored(1, c_buf + 256, 64);
-    if (key_groups > 2) _tile_stored(2, c_buf + 512, 64);
-    if (key_groups > 3) _tile_stored(3, c_buf + 768, 64);
-    // Row r of S over the group's keys is column r of its C tile.
-    const int64_t group_rows = std::min(kTileRows, rows - g * kTileRows);
-    for (int64_t kg = 0; kg < key_groups; ++kg) {
-      const __mmask16 lanes = static_cast<__mmask16>((1u << std::min(kTileKeys, n - kg * kTileKeys)) - 1u);
-      for (int64_t r = 0; r < group_rows; ++r)
-        _mm512_mask_storeu_ps(S + (g * kTileRows + r) * lds + kg * kTileKeys, lanes,
-                              _mm512_i32gather_ps(column, c_buf + kg * 256 + r, 4));
     }
   }
 }

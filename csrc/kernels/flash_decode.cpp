@@ -35,11 +35,8 @@
 // ends in, and the rows of a GQA group (one mask row) are looked at once. As with the causal mask, a key the mask
 // hides from a row never touches it: P V runs over the keys the row sees (masked_block).
 #include "../attention.h"
-#include "bf16_gemm.h"
 #include "decode_micro.h"
 #include "flash_common.h"
-
-#include <optional>
 
 #include <algorithm>
 #include <omp.h>
@@ -90,9 +87,7 @@ struct Layout {
   int64_t d_row;          // Q and O rows in the micro-kernels' chunk order (decode_micro.h): whole chunks
   int64_t part_row;       // O_s, then m_s and l_s
   int64_t parts_size;
-  bool keys_on_tiles;  // Q·Kᵀ on AMX tiles (decode_micro.h, row_key_dots_tiles): bf16, d a multiple of 32
-  int64_t q_off, qb_off, s_off, o_off, m_off, l_off, alpha_off, mnew_off, bias_off, qt_off, cbuf_off, tail_off,
-      per_thread;  // per thread
+  int64_t q_off, qb_off, s_off, o_off, m_off, l_off, alpha_off, mnew_off, bias_off, per_thread;  // per thread
   explicit Layout(const AttentionParams& p) {
     group = p.num_heads / p.num_kv_heads;
     rows = group * p.q_len;
@@ -116,18 +111,7 @@ struct Layout {
     alpha_off = l_off + pad16(task_rows);
     mnew_off = alpha_off + pad16(task_rows);
     bias_off = mnew_off + pad16(task_rows);  // attn_mask / window offsets of a block: a row per distinct mask row
-    qt_off = bias_off + (has_mask_or_window(p) ? task_rows * kBlockKeys : 0);
-    // With keys on tiles: Qᵀ in VNNI tiles, the 4 C tiles, a last partial group of 16 keys (16 × d bf16).
-#if defined(CS149_ISA_AMX)
-    keys_on_tiles = p.dtype == DType::bf16 && p.head_dim % decode::kTileCols == 0;
-    const int64_t qt_floats = keys_on_tiles ? decode::query_tiles_floats(task_rows, d_pair) : 0;
-#else
-    keys_on_tiles = false;
-    const int64_t qt_floats = 0;
-#endif
-    cbuf_off = qt_off + qt_floats;
-    tail_off = cbuf_off + (keys_on_tiles ? 4 * 256 : 0);
-    per_thread = tail_off + (keys_on_tiles ? pad16(16 * d_pair / 2) : 0);
+    per_thread = bias_off + (has_mask_or_window(p) ? task_rows * kBlockKeys : 0);
   }
   int64_t tasks(const AttentionParams& p) const { return p.batch * p.num_kv_heads * splits * row_tasks; }
 };
@@ -190,15 +174,6 @@ template <class T>
 void block_scores(const AttentionParams& p, const Layout& L, int64_t rows, int64_t n, const T* K, float* scratch,
                   const decode::NextBlock<T>& K_next = decode::NextBlock<T>()) {
   float* S = scratch + L.s_off;
-#if defined(CS149_ISA_AMX)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (L.keys_on_tiles) {
-      decode::row_key_dots_tiles(rows, n, p.head_dim, scratch + L.qt_off, K, p.k_strides[2], S, kBlockKeys,
-                                 scratch + L.cbuf_off, reinterpret_cast<c10::BFloat16*>(scratch + L.tail_off), K_next);
-      return;
-    }
-  }
-#endif
 #if defined(CS149_ISA_BF16_DOT)
   if constexpr (std::is_same_v<T, c10::BFloat16> && decode::kKeysByBf16Dot) {
     decode::row_key_dots_bf16(rows, n, p.head_dim, reinterpret_cast<const c10::BFloat16*>(scratch + L.qb_off),
@@ -365,28 +340,19 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
   // The keys of this split the task's last row sees (the others see a prefix of them).
   const int64_t keys_end = std::min(j1, visible_keys_of(p, kv_len, (rho0 + rows - 1) / L.group));
   if (j0 < keys_end) {
-    // Q: the rows as float32 in the micro-kernels' chunk order, zero past d (or as bf16 pairs for vdpbf16ps, and
-    // then as VNNI tiles of Qᵀ for AMX).
+    // Q: the rows as float32 in the micro-kernels' chunk order, zero past d (or as bf16 pairs for vdpbf16ps).
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t rho = rho0 + r;
       const T* q = q_head<T>(p, b, head_of(L, kvh, rho)) + (rho / L.group) * p.q_strides[2];
 #if defined(CS149_ISA_BF16_DOT)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (decode::kKeysByBf16Dot || L.keys_on_tiles) {
-          auto* qb = reinterpret_cast<c10::BFloat16*>(scratch + L.qb_off) + r * L.d_pair;
-          for (int64_t c = 0; c < L.d_pair; ++c) qb[c] = c < d ? q[c] : c10::BFloat16(0.0f);
-          continue;
-        }
+      if constexpr (std::is_same_v<T, c10::BFloat16> && decode::kKeysByBf16Dot) {
+        auto* qb = reinterpret_cast<c10::BFloat16*>(scratch + L.qb_off) + r * L.d_pair;
+        for (int64_t c = 0; c < L.d_pair; ++c) qb[c] = c < d ? q[c] : c10::BFloat16(0.0f);
+        continue;
       }
 #endif
       decode::to_chunk_order(q, d, Q + r * L.d_row, L.d_row);
     }
-#if defined(CS149_ISA_AMX)
-    if constexpr (std::is_same_v<T, c10::BFloat16>)
-      if (L.keys_on_tiles)
-        decode::pack_queries_vnni(reinterpret_cast<const c10::BFloat16*>(scratch + L.qb_off), L.d_pair, rows, L.d_pair,
-                                  scratch + L.qt_off);
-#endif
     int64_t k_run, v_run;
     const T* K = cache_row<T>(p, p.k, p.k_strides, b, kvh, j0, &k_run);
     const T* V = cache_row<T>(p, p.v, p.v_strides, b, kvh, j0, &v_run);
@@ -473,23 +439,6 @@ void merge(const AttentionParams& p, const Layout& L, int64_t r, const float* pa
   merge_row<T>(p, L, b, kvh, rho, parts, scratch);
 }
 
-// The AMX tile configuration (bf16_gemm.h's DotScope) for the tasks of a thread, when its keys go on tiles.
-class TileScope {
- public:
-  explicit TileScope(const Layout& L) {
-#if defined(CS149_ISA_AMX)
-    if (L.keys_on_tiles) scope_.emplace();
-#else
-    (void)L;
-#endif
-  }
-
- private:
-#if defined(CS149_ISA_AMX)
-  std::optional<DotScope> scope_;
-#endif
-};
-
 template <class T>
 void run(const AttentionParams& p, float* workspace) {
   const Layout L(p);
@@ -503,7 +452,6 @@ void run(const AttentionParams& p, float* workspace) {
   // where a parallel loop would cost a barrier more than the copy.
   if (p.k_new) append_range<T>(p, 0, n_heads);
   if (p.num_threads == 1 || (bytes < kSerialBytes && macs < kParallelMacs) || n_tasks == 1) {  // the same work, in the same order
-    TileScope tiles(L);
     for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, thread_scratch);
     for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, thread_scratch);
     return;
@@ -511,12 +459,8 @@ void run(const AttentionParams& p, float* workspace) {
 #pragma omp parallel num_threads(p.num_threads)
   {
     float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
-    {
-      TileScope tiles(L);
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, scratch);
-    }
-#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_tasks; ++t) task<T>(p, L, t, parts, scratch);
     if (n_rows > 0) {
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < n_rows; ++r) merge<T>(p, L, r, parts, scratch);
