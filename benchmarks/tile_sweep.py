@@ -5,7 +5,9 @@
     python benchmarks/tile_sweep.py --impl blocked --block-q 16,32,64,128,256
 
 Prints GFLOP/s per (shape, block_q, block_k), best first per shape, and the kernel's own default
-(block_q = block_k = None) for comparison. Times are the best of --repeats calls.
+(block_q = block_k = None) for comparison. Times are the best of --repeats calls, in each of --rounds rounds that
+take every configuration (and torch's SDPA) in turn, so that a host whose speed drifts (the device host's one-thread
+timings move 20-40 % within minutes) slows all of them alike.
 """
 import argparse
 import math
@@ -39,6 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds over all configurations")
     parser.add_argument("--all", action="store_true", help="print every (block_q, block_k), not only the best six")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="bfloat16 on amx/avx512_bf16 sweeps the bf16 dot-product path (flash_bf16.cpp)")
@@ -52,14 +55,18 @@ def main(argv=None) -> int:
         B, H, N, d = (int(x) for x in text.split(","))
         q, k, v = (torch.randn(B, H, N, d).to(dtype) for _ in range(3))
         flops = 4 * B * H * N * N * d * (0.5 if args.causal else 1.0)
-        results = []
-        for bq, bk in [(None, None)] + [(bq, bk) for bq in block_qs for bk in block_ks]:
-            t = best_time(lambda: cs149gpt.attention(q, k, v, impl=args.impl, is_causal=args.causal,
-                                                     block_q=bq, block_k=bk), args.repeats)
-            results.append((flops / t * 1e-9, bq, bk))
+        configs = [(None, None)] + [(bq, bk) for bq in block_qs for bk in block_ks]
+        times = [math.inf] * len(configs)
+        sdpa_time = math.inf
+        for _ in range(args.rounds):
+            for i, (bq, bk) in enumerate(configs):
+                times[i] = min(times[i], best_time(lambda: cs149gpt.attention(
+                    q, k, v, impl=args.impl, is_causal=args.causal, block_q=bq, block_k=bk), args.repeats))
+            sdpa_time = min(sdpa_time, best_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=args.causal), args.repeats))
+        results = [(flops / t * 1e-9, bq, bk) for t, (bq, bk) in zip(times, configs)]
         default = results[0][0]
-        sdpa = flops / best_time(lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=args.causal), args.repeats) * 1e-9
+        sdpa = flops / sdpa_time * 1e-9
         if args.all:
             print(f"{text}: torch SDPA {sdpa:.0f} GFLOP/s, default {default:.0f} GFLOP/s")
             for g, bq, bk in results[1:]:
