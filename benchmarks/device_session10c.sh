@@ -12,7 +12,7 @@ for dtype in bfloat16 float16; do
   for threads in 1 16; do
     for causal in "" "--causal"; do
       timeout 100 python3 benchmarks/tile_sweep.py --threads $threads --rounds 3 --repeats 3 --all --dtype $dtype \
-        --block-q 128 --block-k 256,512 --shapes 1,4,1024,32 1,12,1024,64 4,12,2048,64 $causal 2>&1 \
+        --block-q none --block-k 256,512 --shapes 1,4,1024,32 1,12,1024,64 4,12,2048,64 $causal 2>&1 \
         | tee "$OUT/s10c_sweep_${dtype}_t${threads}${causal:+_causal}.txt"
     done
   done

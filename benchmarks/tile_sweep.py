@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", choices=("blocked", "flash"), default="flash")
     parser.add_argument("--shapes", nargs="+", default=["1,4,1024,32", "1,12,1024,64", "1,16,1024,128"],
                         metavar="B,H,N,d")
-    parser.add_argument("--block-q", default="24,48,96,192")
+    parser.add_argument("--block-q", default="24,48,96,192", help="comma-separated; 'none': the kernel's choice")
     parser.add_argument("--block-k", default="64,128,256,512", help="ignored by blocked (one tile size)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--causal", action="store_true")
@@ -47,8 +47,10 @@ def main(argv=None) -> int:
                         help="bfloat16 on amx/avx512_bf16 sweeps the bf16 dot-product path (flash_bf16.cpp)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    block_qs = [int(x) for x in args.block_q.split(",")]
-    block_ks = [int(x) for x in args.block_k.split(",")] if args.impl == "flash" else [None]
+    def sizes(text):  # "none": the kernel's own choice of that size (e.g. block_q shrunk for the thread count)
+        return [None if x == "none" else int(x) for x in text.split(",")]
+    block_qs = sizes(args.block_q)
+    block_ks = sizes(args.block_k) if args.impl == "flash" else [None]
     dtype = getattr(torch, args.dtype)
     print(f"# {args.impl}, {args.threads} threads, isa {cs149gpt.isa()}, causal={args.causal}, {args.dtype}")
     for text in args.shapes:
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
         if args.all:
             print(f"{text}: torch SDPA {sdpa:.0f} GFLOP/s, default {default:.0f} GFLOP/s")
             for g, bq, bk in results[1:]:
-                print(f"  block_q {bq:4d} block_k {bk if bk else '-':>5}  {g:6.0f} GFLOP/s  x{g / sdpa:.2f} SDPA")
+                print(f"  block_q {bq if bq else '-':>4} block_k {bk if bk else '-':>5}  {g:6.0f} GFLOP/s  x{g / sdpa:.2f} SDPA")
             continue
         print(f"{text}: default {default:.0f} GFLOP/s; best: " + ", ".join(
             f"{g:.0f}@{bq}x{bk}" if bk else f"{g:.0f}@{bq}" for g, bq, bk in sorted(results[1:], reverse=True)[:6]))
