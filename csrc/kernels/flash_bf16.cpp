@@ -42,15 +42,16 @@ using flash::shown_keys_end;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
 // Defaults: query tiles of 128 rows (2 AMX groups, 4 vdpbf16ps ones; fewer when the threads need more tasks;
 // 256 rows measured 0–25 % slower on the device host, results/cpu_16core_forward_session3.txt); key tiles of
-// 128 keys for vdpbf16ps, and for AMX 256 (head_dim ≤ 64) or 512 keys: with AMX the products are cheap and each
-// key tile loads and stores the group's O_i through tile registers, so longer tiles amortise that (sweeps on
-// the device host: results/cpu_amx_phases_run5.txt, cpu_amx_tile_sweep_*).
+// 128 keys for vdpbf16ps, and for AMX 512: with AMX the products are cheap and each key tile loads and stores the
+// group's O_i through tile registers, so longer tiles amortise that. At head_dim ≤ 64, 512 against the 256 of earlier
+// sweeps (results/cpu_amx_tile_sweep_*, taken on an older kernel): 2–17 % more GFLOP/s in 23 of 24 cells — bf16 and
+// fp16, 1 and 16 threads, causal both, issue 9's d ≤ 64 shapes, three interleaved rounds (results/s10c_sweep_*).
 constexpr int64_t kDefaultBlockQ = 128;
 inline int64_t default_block_k(int64_t head_dim) {
-#if defined(CS149_ISA_AMX)
-  return head_dim > 64 ? 512 : 256;
-#else
   (void)head_dim;
+#if defined(CS149_ISA_AMX)
+  return 512;
+#else
   return 128;
 #endif
 }
