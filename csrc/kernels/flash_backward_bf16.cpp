@@ -37,7 +37,9 @@ using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
 
 // Tiles, both whole dot-product steps (32) and at most kMaxTile:
-//   head_dim <= 64: 128 query rows x 128 keys (the better of 32-128 x 64-256 on the dev box, avx512_bf16);
+//   head_dim <= 64: 128 query rows x 128 keys (the better of 32-128 x 64-256 on the dev box, avx512_bf16), and 256
+//     keys on AMX: device host, issue 12's d <= 64 shapes, causal both, two interleaved rounds (results/s10d_bwd_tiles_*):
+//     backward x SDPA 1.00-1.49x that of 128 keys on 1 thread (causal: 1.44, 1.49), 0.94-1.13x on 16;
 //   head_dim > 64: 64 query rows (less scratch per thread), and 256 keys on AMX: device host, 16 threads,
 //     (1,16,4096,128) backward x SDPA 1.57 against 1.14 with 128 keys, causal 1.54 against 1.38
 //     (benchmarks/results/backward_session4_backward_tiles.txt; 64x512 was faster causal but not otherwise and takes
@@ -51,8 +53,9 @@ constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C: the strip
 constexpr int64_t kMaxTile = 512;
 inline int64_t default_block_q(int64_t head_dim) { return head_dim > 64 ? 64 : 128; }
 inline int64_t default_block_k(int64_t head_dim) {
+  (void)head_dim;
 #if defined(CS149_ISA_AMX)
-  return head_dim > 64 ? 256 : 128;
+  return 256;
 #else
   return 128;
 #endif
