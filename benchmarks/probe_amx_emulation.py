@@ -45,8 +45,12 @@ def main() -> int:
         hw, sw = run("amx", fn), run("amx_emulated", fn)
         diffs = [int((a != b).sum()) for a, b in zip(hw, sw)]
         worst = max(float((a.double() - b.double()).abs().max()) for a, b in zip(hw, sw))
+        # Units in the last place: bf16 and fp16 values of one sign are ordered as their 16-bit patterns.
+        same_sign = all(bool(((a >= 0) == (b >= 0)).all()) for a, b in zip(hw, sw))
+        ulps = max(int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max()) for a, b in zip(hw, sw))
         total = sum(a.numel() for a in hw)
-        print(f"{label:50s} elements with other bits: {sum(diffs):7d} of {total:8d}   max |diff| {worst:.3g}")
+        print(f"{label:50s} elements with other bits: {sum(diffs):7d} of {total:8d}   max |diff| {worst:.3g}   "
+              f"max ulps {ulps if same_sign else 'n/a (a sign differs)'}")
     return 0
 
 

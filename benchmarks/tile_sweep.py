@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         B, H, N, d = (int(x) for x in text.split(","))
         q, k, v = (torch.randn(B, H, N, d).to(dtype) for _ in range(3))
         flops = 4 * B * H * N * N * d * (0.5 if args.causal else 1.0)
-        configs = [(None, None)] + [(bq, bk) for bq in block_qs for bk in block_ks]
+        configs = [(None, None)] + [(bq, bk) for bq in block_qs for bk in block_ks if (bq, bk) != (None, None)]
         times = [math.inf] * len(configs)
         sdpa_time = math.inf
         for _ in range(args.rounds):
@@ -75,7 +75,8 @@ def main(argv=None) -> int:
                 print(f"  block_q {bq if bq else '-':>4} block_k {bk if bk else '-':>5}  {g:6.0f} GFLOP/s  x{g / sdpa:.2f} SDPA")
             continue
         print(f"{text}: default {default:.0f} GFLOP/s; best: " + ", ".join(
-            f"{g:.0f}@{bq}x{bk}" if bk else f"{g:.0f}@{bq}" for g, bq, bk in sorted(results[1:], reverse=True)[:6]))
+            f"{g:.0f}@{bq or '-'}x{bk or '-'}" if args.impl == "flash" else f"{g:.0f}@{bq}"
+            for g, bq, bk in sorted(results[1:], key=lambda r: r[0], reverse=True)[:6]))
     return 0
 
 

@@ -409,7 +409,8 @@ def test_isa_api():
     assert not m.cpu_supports("neon") and not m.cpu_supports("")
     if m.cpu_supports("avx512"):
         assert m.cpu_supports("avx2"), "an AVX-512 CPU with our feature set also runs the AVX2 kernels"
-    for wider, narrower in (("amx", "avx512_bf16"), ("avx512_bf16", "avx512")):
+    for wider, narrower in (("amx", "avx512_bf16"), ("amx_emulated", "avx512_bf16"), ("avx512_bf16", "amx_emulated"),
+                            ("avx512_bf16", "avx512")):
         if m.cpu_supports(wider):
             assert m.cpu_supports(narrower), f"{wider} implies {narrower}"
     with pytest.raises(ValueError, match="unknown ISA 'sse9'"):

@@ -1,7 +1,9 @@
 // AMX tiles in software: the tile intrinsics the amx kernels use, done with plain loops over a per-thread copy of
 // the tile registers, so that the same kernel sources (kernels_amx_emulated.cpp) run — slowly — on a CPU without
 // AMX. It exists for testing: the dev box and CI have no AMX, and without it the AMX code paths (tile blocking,
-// VNNI layouts, the tile configuration's save and restore) would be checked only on the device host.
+// VNNI layouts, the configuration saved, loaded and released around each use) would be checked only on the device
+// host. (Restoring another library's configuration — oneDNN's, which DotScope puts back — is still tested only
+// there: nothing but our own code loads an emulated configuration.)
 // Never chosen automatically; CS149GPT_ISA=amx_emulated or set_isa("amx_emulated") asks for it.
 //
 // What it follows, from Intel's description of the instructions (SDM, "Intel AMX"):
@@ -11,13 +13,19 @@
 //   tilestored             rows × colsb bytes to base + row · stride;
 //   tdpbf16ps C, A, B      C[m][n] += A[m][2k]·B[k][2n] + A[m][2k+1]·B[k][2n+1] over the pairs k, in float32,
 //                          bf16 inputs that are subnormal read as zero, a subnormal result flushed to zero.
-// Misuse the hardware would fault on (no configuration, shapes that do not agree) aborts with a message.
+// Misuse the hardware would fault on (no configuration, shapes that do not agree) aborts with a message; not checked:
+// the configuration's reserved bytes, its start row, colsb a multiple of 4 for tdpbf16ps (our TileConfig zeroes the
+// first two and uses 64-byte rows). The tile products are not the hardware's bit for bit: on the device host 0.03–1 %
+// of the outputs differ (benchmarks/probe_amx_emulation.py), so tests compare with tolerances, as they do anyway.
+// Every AMX intrinsic this file does not replace is undefined at its end: GCC's tile macros expand to inline asm,
+// which the compiler would emit whatever the target, so a kernel that used one would fault on a CPU without AMX —
+// with the macro undefined it does not compile instead.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <cstring>  // (kernels_amx_emulated.cpp includes these first, under the default target)
 
 namespace cs149gpt {
 namespace amx_emulation {
@@ -136,6 +144,23 @@ inline void dpbf16ps(int c, int a, int b) {
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
+// Not emulated: undefined, so that a use does not compile (above).
+#undef _tile_loadd_internal
+#undef _tile_stream_loadd_internal
+#undef _tile_stored_internal
+#undef _tile_zero_internal
+#undef _tile_dpbf16ps_internal
+#undef _tile_dpbssd
+#undef _tile_dpbsud
+#undef _tile_dpbusd
+#undef _tile_dpbuud
+#undef _tile_int8_dp_internal
+#undef _tile_dpfp16ps
+#undef _tile_dpfp16ps_internal
+#undef _tile_cmmimfp16ps
+#undef _tile_cmmrlfp16ps
+#undef _tile_cmmimfp16ps_internal
+#undef _tile_cmmrlfp16ps_internal
 #define _tile_loadd(t, base, stride) ::cs149gpt::amx_emulation::loadd(t, base, stride)
 #define _tile_stream_loadd(t, base, stride) ::cs149gpt::amx_emulation::loadd(t, base, stride)
 #define _tile_stored(t, base, stride) ::cs149gpt::amx_emulation::stored(t, base, stride)

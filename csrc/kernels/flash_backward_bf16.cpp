@@ -39,7 +39,8 @@ using flash_backward_onepass::visible_key_range;  // the one definition of which
 // Tiles, both whole dot-product steps (32) and at most kMaxTile:
 //   head_dim <= 64: 128 query rows x 128 keys (the better of 32-128 x 64-256 on the dev box, avx512_bf16), and 256
 //     keys on AMX: device host, issue 12's d <= 64 shapes, causal both, two interleaved rounds (results/s10d_bwd_tiles_*):
-//     backward x SDPA 1.00-1.49x that of 128 keys on 1 thread (causal: 1.44, 1.49), 0.94-1.13x on 16;
+//     backward x SDPA 0.97-1.49x that of 128 keys on 1 thread (causal: 1.41-1.49), 0.95-1.14x on 16 (against the
+//     default column and the same 128 x 128 tile named explicitly, which differed by up to 10 % themselves);
 //   head_dim > 64: 64 query rows (less scratch per thread), and 256 keys on AMX: device host, 16 threads,
 //     (1,16,4096,128) backward x SDPA 1.57 against 1.14 with 128 keys, causal 1.54 against 1.38
 //     (benchmarks/results/backward_session4_backward_tiles.txt; 64x512 was faster causal but not otherwise and takes

@@ -44,7 +44,7 @@ constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax
 // 256 rows measured 0–25 % slower on the device host, results/cpu_16core_forward_session3.txt); key tiles of
 // 128 keys for vdpbf16ps, and for AMX 512: with AMX the products are cheap and each key tile loads and stores the
 // group's O_i through tile registers, so longer tiles amortise that. At head_dim ≤ 64, 512 against the 256 of earlier
-// sweeps (results/cpu_amx_tile_sweep_*, taken on an older kernel): 2–17 % more GFLOP/s in 23 of 24 cells — bf16 and
+// sweeps (results/cpu_amx_tile_sweep_*, taken on an older kernel): 1–17 % more GFLOP/s in 23 of 24 cells (5 % less in one) — bf16 and
 // fp16, 1 and 16 threads, causal both, issue 9's d ≤ 64 shapes, three interleaved rounds (results/s10c_sweep_*).
 constexpr int64_t kDefaultBlockQ = 128;
 inline int64_t default_block_k(int64_t head_dim) {
