@@ -6,6 +6,10 @@ One attention per process (the process's heap history is the point), median forw
 glibc's mallinfo2 after the last forward: sbrk'd heap (arena), mmapped chunks (hblkhd), trimmable top (keepcost).
 
     for env in "" MALLOC_ARENA_MAX=1 ...; do env $env python benchmarks/probe_bert_heap.py sdpa 16; done
+
+PROBE_SPACER_MB=2 (with cs149gpt): each of our attention calls first allocates and writes that many MiB of float32,
+kept until the call returns — what SDPA's path does when it turns the bool mask into a float one (torch.where,
+(32, 1, 128, 128): 2 MiB) — to see whether the heap's pattern of faults follows that allocation.
 """
 import ctypes
 import os
@@ -32,6 +36,16 @@ def main() -> int:
     dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
     import transformers
     cs149gpt.register_transformers()
+    spacer_mb = float(os.environ.get("PROBE_SPACER_MB", "0"))
+    if impl == "cs149gpt" and spacer_mb > 0:
+        from cs149gpt import integration
+
+        def with_spacer(*args, **kwargs):
+            spacer = torch.ones(int(spacer_mb * 2**18))  # float32, every page written
+            out = integration._transformers_attention(*args, **kwargs)
+            del spacer
+            return out
+        transformers.AttentionInterface.register("cs149gpt", with_spacer)
     torch.set_num_threads(threads)
     config = transformers.BertConfig(vocab_size=1000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                                      intermediate_size=1024, max_position_embeddings=4096, pad_token_id=0)
@@ -54,7 +68,7 @@ def main() -> int:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
     m = libc.mallinfo2()
-    env = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MALLOC_")) or "default"
+    env = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("MALLOC_", "PROBE_"))) or "default"
     print(f"| {env} | {impl} | {threads} | {str(dtype)[6:]} | {statistics.median(times) * 1e3:.2f} | "
           f"{statistics.median(faults):.0f} | {m.arena / 2**20:.0f} | {m.hblkhd / 2**20:.0f} | {m.keepcost / 2**20:.1f} |",
           flush=True)
