@@ -313,7 +313,8 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 def isa() -> str:
-    """The instruction set the kernels run with: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'scalar'.
+    """The instruction set the kernels run with: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'scalar' (or
+    'amx_emulated', the amx kernels with the tiles done in software, when a test forces it).
 
     amx and avx512_bf16 are avx512 plus bf16 dot-product instructions (AMX tiles, vdpbf16ps), which the flash
     kernel uses for bfloat16 inputs. On a CPU with AMX whose kernel refuses the tile permission, the reason is
