@@ -238,7 +238,10 @@ struct KernelTable {
 };
 
 namespace amx { extern const KernelTable kernel_table; }          // AVX-512 + AMX-BF16 tiles for bf16
-namespace amx_emulated { extern const KernelTable kernel_table; }  // the same, tiles in software (tests only)
+namespace amx_emulated {  // the same, tiles in software (tests only)
+extern const KernelTable kernel_table;
+bool restores_tile_config();  // DotScope puts back a thread's tile configuration (tests; kernels_amx_emulated.cpp)
+}  // namespace amx_emulated
 namespace avx512_bf16 { extern const KernelTable kernel_table; }  // AVX-512 + vdpbf16ps for bf16
 namespace avx512 { extern const KernelTable kernel_table; }
 namespace avx2 { extern const KernelTable kernel_table; }

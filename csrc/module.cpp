@@ -1553,4 +1553,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_exp2", &vector_exp2, "2^x by the kernels' vectorised 2^x (current ISA), for tests");
   m.def("cpu_supports", [](const std::string& name) { return cpu_supports(name.c_str()); },
         "whether this CPU runs the kernels of the named instruction set");
+  m.def("amx_emulation_restores_tile_config", [] {
+        TORCH_CHECK_NOT_IMPLEMENTED(cpu_supports("amx_emulated"),
+                                    "amx_emulation_restores_tile_config needs a CPU that runs amx_emulated "
+                                    "(AVX512-BF16)");
+        return amx_emulated::restores_tile_config();
+      },
+        "tests: under emulated tiles, a foreign tile configuration is back after one of our bf16 products, and none "
+        "is left where there was none");
 }

@@ -806,6 +806,18 @@ def test_fma_peak_gflops(isa):
         m.fma_peak_gflops(num_threads=0, seconds=0.05)
 
 
+def test_tile_configuration_restored_on_emulated_tiles():
+    """DotScope (bf16_gemm.h) puts back the tile configuration a thread had before our tiles (oneDNN's, which torch's
+    own bf16 kernels believe still loaded) and releases the tiles where there was none: checked on the emulated tiles
+    (csrc/isa/amx_emulation.h), so on any AVX512-BF16 CPU; on AMX hardware the test below checks it against oneDNN."""
+    m = module()
+    if not m.cpu_supports("amx_emulated"):
+        with pytest.raises(NotImplementedError, match="amx_emulated"):
+            m.amx_emulation_restores_tile_config()
+        pytest.skip("this CPU does not run the amx_emulated kernels")
+    assert m.amx_emulation_restores_tile_config()
+
+
 def test_bf16_interleaved_with_torchs_own_bf16_kernels(restore_threads):
     """Our bf16 path and torch's bf16 matmul/SDPA, alternating on the same threads, both stay right. (With AMX,
     both configure the per-thread tile registers, and oneDNN does not reload a configuration it believes is still

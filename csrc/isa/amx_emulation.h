@@ -1,9 +1,8 @@
 // AMX tiles in software: the tile intrinsics the amx kernels use, done with plain loops over a per-thread copy of
 // the tile registers, so that the same kernel sources (kernels_amx_emulated.cpp) run — slowly — on a CPU without
 // AMX. It exists for testing: the dev box and CI have no AMX, and without it the AMX code paths (tile blocking,
-// VNNI layouts, the configuration saved, loaded and released around each use) would be checked only on the device
-// host. (Restoring another library's configuration — oneDNN's, which DotScope puts back — is still tested only
-// there: nothing but our own code loads an emulated configuration.)
+// VNNI layouts, the configuration saved, loaded and released around each use — and put back when another library,
+// oneDNN, had one: amx_emulated::restores_tile_config, tests/test_flash.py) would be checked only on the device host.
 // Never chosen automatically; CS149GPT_ISA=amx_emulated or set_isa("amx_emulated") asks for it.
 //
 // What it follows, from Intel's description of the instructions (SDM, "Intel AMX"):

@@ -36,3 +36,35 @@
 #define CS149_ISA_AMX
 #define CS149_ISA_FP16_SPLIT
 #include "all_kernels.inc"
+
+namespace cs149gpt {
+namespace amx_emulated {
+
+// For tests (module.cpp, amx_emulation_restores_tile_config): the configuration a thread had before our tiles
+// — here a foreign one, as oneDNN leaves its own — is back after a bf16 product under DotScope, and a thread that
+// had none has none again. Needs a CPU that runs this file's kernels (cpu_supports("amx_emulated")).
+bool restores_tile_config() {
+  alignas(64) unsigned char foreign[64] = {};
+  foreign[0] = 1;    // palette 1
+  foreign[16] = 32;  // tile 0: 32 bytes a row (colsb, uint16 little-endian) ...
+  foreign[48] = 8;   // ... and 8 rows
+  bf16_bits a[32 * 32] = {}, b[32 * 32] = {};
+  float c[32 * 32] = {};
+  const auto product = [&] {
+    DotScope scope;
+    bf16_gemm(32, 32, 32, a, 32, b, 32, c, 32, false);
+  };
+  _tile_loadconfig(foreign);
+  product();
+  alignas(64) unsigned char after[64];
+  _tile_storeconfig(after);
+  const bool restored = std::memcmp(foreign, after, 64) == 0;
+  _tile_release();
+  product();
+  _tile_storeconfig(after);
+  const bool released = std::all_of(after, after + 64, [](unsigned char x) { return x == 0; });
+  return restored && released;
+}
+
+}  // namespace amx_emulated
+}  // namespace cs149gpt
