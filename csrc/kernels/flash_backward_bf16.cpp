@@ -53,14 +53,11 @@ using flash_backward_onepass::visible_key_range;  // the one definition of which
 constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C: the strips of keys of tile_pair
 constexpr int64_t kMaxTile = 512;
 inline int64_t default_block_q(int64_t head_dim) { return head_dim > 64 ? 64 : 128; }
-inline int64_t default_block_k(int64_t head_dim) {
-  (void)head_dim;
 #if defined(CS149_ISA_AMX)
-  return 256;
+constexpr int64_t kDefaultBlockK = 256;  // every head_dim
 #else
-  return 128;
+constexpr int64_t kDefaultBlockK = 128;
 #endif
-}
 // A task packs Qᵀ and dOᵀ of its query rows once (instead of once per tile pair: a third of the pair's time on the
 // dev box) when they take at most this many bf16 each. Beyond, the cache would make the backward's memory exceed
 // torch's, which keeps a float32 dQ per thread as we do (1,16,4096,128: 89 MiB for torch, 121 with the cache).
@@ -94,7 +91,7 @@ struct Layout {
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kStep) : default_block_q(p.head_dim);
-    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kStep) : default_block_k(p.head_dim);
+    Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kStep) : kDefaultBlockK;
     Br = std::min({Br, round_up(p.q_len, kStep), kMaxTile});
     Bc = std::min({Bc, round_up(p.kv_len, kStep), kMaxTile});
     q_pad = round_up(p.q_len, Br);

@@ -42,19 +42,17 @@ using flash::shown_keys_end;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
 // Defaults: query tiles of 128 rows (2 AMX groups, 4 vdpbf16ps ones; fewer when the threads need more tasks;
 // 256 rows measured 0–25 % slower on the device host, results/cpu_16core_forward_session3.txt); key tiles of
-// 128 keys for vdpbf16ps, and for AMX 512: with AMX the products are cheap and each key tile loads and stores the
-// group's O_i through tile registers, so longer tiles amortise that. At head_dim ≤ 64, 512 against the 256 of earlier
-// sweeps (results/cpu_amx_tile_sweep_*, taken on an older kernel): 1–17 % more GFLOP/s in 23 of 24 cells (5 % less in one) — bf16 and
-// fp16, 1 and 16 threads, causal both, issue 9's d ≤ 64 shapes, three interleaved rounds (results/s10c_sweep_*).
+// 128 keys for vdpbf16ps, and for AMX 512 at every head_dim: with AMX the products are cheap and each key tile loads
+// and stores the group's O_i through tile registers, so longer tiles amortise that. At head_dim ≤ 64, 512 against the
+// 256 of earlier sweeps (results/cpu_amx_tile_sweep_*, taken on an older kernel): 1–17 % more GFLOP/s in 23 of 24
+// cells (5 % less in one) — bf16 and fp16, 1 and 16 threads, causal both, issue 9's d ≤ 64 shapes, three interleaved
+// rounds (results/s10c_sweep_*).
 constexpr int64_t kDefaultBlockQ = 128;
-inline int64_t default_block_k(int64_t head_dim) {
-  (void)head_dim;
 #if defined(CS149_ISA_AMX)
-  return 512;
+constexpr int64_t kDefaultBlockK = 512;
 #else
-  return 128;
+constexpr int64_t kDefaultBlockK = 128;
 #endif
-}
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
@@ -73,7 +71,7 @@ struct Layout {
   explicit Layout(const AttentionParams& p) {
     parts = parts_of(p);
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), G) : kDefaultBlockQ;  // clamped before rounding
-    Bc = p.block_k > 0 ? p.block_k : default_block_k(p.head_dim);
+    Bc = p.block_k > 0 ? p.block_k : kDefaultBlockK;
     if (p.block_q <= 0)
       while (Br > G && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < 4 * p.num_threads) Br -= G;
     Br = std::min(Br, round_up(p.q_len, G));
