@@ -448,6 +448,77 @@ inline void bf16_gemm_split(int64_t M, int64_t N, int64_t K, const bf16_bits* Ah
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// O kept in tile registers (flash_bf16.cpp, head_dim ≤ 64): a group of 16 query rows walks all its keys with its O
+// (16 × 16·NC float32, NC ≤ 4) in tiles 0 to NC−1; S is made 32 keys at a time in tiles 4 and 5, and tiles 6 and 7
+// carry the A and B operands. O goes to memory only to be rescaled and at the end (bf16_gemm loads and stores C for
+// every call).
+// ---------------------------------------------------------------------------------------------------
+template <int NC>
+inline void o_tiles_zero() {
+  static_assert(NC >= 1 && NC <= 4, "O in tiles 0-3");
+  _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+}
+template <int NC>
+inline void o_tiles_store(float* O, int64_t ldo) {  // O: 16 rows, ldo floats apart
+  const int64_t stride = ldo * 4;
+  _tile_stored(0, O, stride);
+  if constexpr (NC > 1) _tile_stored(1, O + 16, stride);
+  if constexpr (NC > 2) _tile_stored(2, O + 32, stride);
+  if constexpr (NC > 3) _tile_stored(3, O + 48, stride);
+}
+template <int NC>
+inline void o_tiles_load(const float* O, int64_t ldo) {
+  const int64_t stride = ldo * 4;
+  _tile_loadd(0, O, stride);
+  if constexpr (NC > 1) _tile_loadd(1, O + 16, stride);
+  if constexpr (NC > 2) _tile_loadd(2, O + 32, stride);
+  if constexpr (NC > 3) _tile_loadd(3, O + 48, stride);
+}
+
+// S (16 × 32 float32, rows lds apart) = Q (16 × 32·KS bf16, rows ldq apart) · Kᵀ of 32 keys: KT at the keys' first
+// B tile in a packed Kᵀ (bf16_gemm's B layout, ldk its ldb), KS strips of 32 head-dim values.
+template <int KS>
+inline void s_tiles_qk(const bf16_bits* Q, int64_t ldq, const bf16_bits* KT, int64_t ldk, float* S, int64_t lds) {
+  _tile_zero(4);
+  _tile_zero(5);
+#pragma GCC unroll 2
+  for (int kk = 0; kk < KS; ++kk) {
+    const bf16_bits* strip = KT + kk * 32 * ldk;
+    _tile_loadd(6, Q + kk * 32, ldq * 2);
+    _tile_loadd(7, strip, 64);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(7, strip + 512, 64);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  _tile_stored(4, S, lds * 4);
+  _tile_stored(5, S + 16, lds * 4);
+}
+
+// O += P V over 32 keys: P (16 × 32 bf16, rows ldp apart) times the keys' rows of a packed V (V at their first B
+// tile).
+template <int NC>
+inline void o_tiles_pv(const bf16_bits* P, int64_t ldp, const bf16_bits* V) {
+  _tile_loadd(6, P, ldp * 2);
+  _tile_loadd(7, V, 64);
+  _tile_dpbf16ps(0, 6, 7);
+  if constexpr (NC > 1) {
+    _tile_loadd(7, V + 512, 64);
+    _tile_dpbf16ps(1, 6, 7);
+  }
+  if constexpr (NC > 2) {
+    _tile_loadd(7, V + 1024, 64);
+    _tile_dpbf16ps(2, 6, 7);
+  }
+  if constexpr (NC > 3) {
+    _tile_loadd(7, V + 1536, 64);
+    _tile_dpbf16ps(3, 6, 7);
+  }
+}
+
 #else  // CS149_ISA_AVX512_BF16
 // ---------------------------------------------------------------------------------------------------
 // vdpbf16ps. A pair of A's bf16 (one 32-bit element) is broadcast; 16 pairs of one VNNI row of B (a row of a
