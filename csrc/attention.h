@@ -78,11 +78,6 @@ struct AttentionParams {
 
   int num_threads = 1;  // OpenMP threads the kernel may use; its workspace is sized for this many
 
-  // bf16 on AMX tiles (flash_bf16.cpp), head_dim ≤ 64, no attn_mask, window or dropout: each group of 16 query rows
-  // keeps its O in tile registers across all its keys. false takes the general path (O in memory) instead;
-  // module.cpp's set_o_in_tiles() clears it for tests and A/B runs.
-  bool o_in_tiles = true;
-
   // A KV cache (attention_with_kvcache; read by flash_decode.cpp only, null/0 everywhere else).
   // Per-sequence lengths: sequence b holds cache_seqlens[b] keys (int32 or int64), plus q_len more when k_new is
   // set; it sees that many keys, kv_len being their maximum, and causal_offset is then its length − q_len.

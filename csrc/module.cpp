@@ -457,9 +457,6 @@ at::Tensor key_ranges_of(const at::Tensor& mask4) {
   }
 }
 
-// AttentionParams::o_in_tiles for every flash call (set_o_in_tiles: tests and A/B runs turn it off).
-bool g_o_in_tiles = true;
-
 // Fills the params of a call whose arguments check_attention has passed (it returned dtype).
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
@@ -526,7 +523,6 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                                        std::max({q_len, kv_len, d}));
       break;
     case Impl::flash:
-      p.o_in_tiles = g_o_in_tiles;
       // 0 lets the kernel choose its tiles (flash.cpp). Given tiles are clamped to the sequence lengths here,
       // before any kernel rounds them up to row groups or vectors: a tile beyond N is all of N (the forward
       // clamps it too; the backward's round_up(block_q, ...) would overflow near INT64_MAX).
@@ -1539,10 +1535,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_backward_path = path;
   }, "force the flash backward's algorithm ('one_pass', 'two_pass'), or let the shape decide ('auto', the default)");
   m.def("backward_path", [] { return g_backward_path; }, "the flash backward's algorithm setting (set_backward_path)");
-  m.def("set_o_in_tiles", [](bool on) { g_o_in_tiles = on; },
-        "bf16 forward on AMX at head_dim <= 64: keep each 16-row group's O in tile registers (True, the default) or "
-        "take the general path with O in memory (False: tests, A/B runs)");
-  m.def("o_in_tiles", [] { return g_o_in_tiles; }, "the set_o_in_tiles setting");
   m.def("set_backward_key_chunks", [](int64_t chunks) {
     TORCH_CHECK_VALUE(chunks >= 0 && chunks <= 8, "chunks must be in [0, 8] (0: decided by shape), got ", chunks);
     g_backward_key_chunks = chunks;

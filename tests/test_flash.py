@@ -364,66 +364,6 @@ def test_low_precision_accuracy(isa, dtype):
     assert not failures, "\n".join(failures)
 
 
-@pytest.fixture
-def o_in_tiles_setting():
-    """Restores set_o_in_tiles's setting (on by default) after a test that changes it."""
-    m = module()
-    before = m.o_in_tiles()
-    yield m
-    m.set_o_in_tiles(before)
-
-
-def test_bf16_o_in_tiles_path(isa, o_in_tiles_setting):
-    """bfloat16 on AMX tiles at head_dim <= 64 keeps each 16-row group's O in tile registers (flash_bf16.cpp,
-    query_tile_o_in_tiles); set_o_in_tiles(False) takes the general path. Both meet the accuracy bar on shapes that
-    cut groups and key steps anywhere (partial groups, keys not a multiple of 32, several key tiles, both causal
-    alignments with rows that see no key, GQA, head dims 16..64, odd scales), the new path with the same error as
-    the general one to within a rounding (the same arithmetic; only the tiles' sums run in another order); its bits
-    differ from the general path's where the keys span several steps (so the path did run), and not with the thread
-    count. Non-finite values keep the rule (a NaN value row or a NaN query: test_nonfinite covers both paths too)."""
-    if isa not in ("amx", "amx_emulated"):
-        pytest.skip("the O-in-tiles path is the AMX build's")
-    m = o_in_tiles_setting
-    g = gen(131)
-    failures, differed = [], False
-    for shape_q, shape_kv, scale in (((1, 2, 100, 64), (1, 2, 77, 64), None), ((2, 4, 130, 32), (2, 2, 300, 32), 0.3),
-                                     ((1, 1, 17, 48), (1, 1, 600, 48), None), ((1, 3, 64, 16), (1, 1, 64, 16), 2.0),
-                                     ((1, 2, 530, 64), (1, 2, 1100, 64), None), ((1, 2, 40, 64), (1, 2, 25, 64), None)):
-        q, k, v = qkv(shape_q, shape_kv, g, torch.bfloat16)
-        k = k * 3  # sharper rows: maxima that grow from step to step
-        for mode in (False, True, "bottom_right"):
-            outs = {}
-            for on in (True, False):
-                m.set_o_in_tiles(on)
-                outs[on], _ = run_and_check(q, k, v, failures, f"{shape_q}/{shape_kv} o_in_tiles={on}", scale=scale,
-                                            is_causal=mode)
-            want, _ = ref_attention(q, k, v, scale=scale, is_causal=mode)
-            err_tiles, err_general = ((outs[on].double() - want).abs().max().item() for on in (True, False))
-            if not err_tiles <= 1.1 * err_general + F32_SLACK:
-                failures.append(f"{shape_q}/{shape_kv} causal={mode}: O in tiles max error {err_tiles:.3g}, "
-                                f"general path {err_general:.3g}")
-            differed |= not torch.equal(outs[True], outs[False])
-    assert differed, "set_o_in_tiles(False) gave the same bits everywhere: the O-in-tiles path did not run"
-    # The README's rule for NaN: value row 5 (which sends the query tile to the general path) turns exactly the rows
-    # that see key 5 NaN (causal: rows 5 on), query row 5 its own row; the other rows stay right.
-    m.set_o_in_tiles(True)
-    q, k, v = qkv((1, 2, 70, 64), (1, 2, 200, 64), g, torch.bfloat16)
-    for where in ("v", "q"):
-        qn, vn = q.clone(), v.clone()
-        (vn if where == "v" else qn)[0, 1, 5] = float("nan")
-        out = cs149gpt.attention(qn, k, vn, is_causal=True)
-        rows = torch.arange(70)
-        nan_rows = (rows >= 5) if where == "v" else (rows == 5)
-        if not torch.equal(torch.isnan(out[0, 1]).any(-1), nan_rows) or torch.isnan(out[0, 0]).any():
-            failures.append(f"NaN in {where}: NaN rows {torch.isnan(out).any(-1).nonzero().tolist()}")
-        want, _ = ref_attention(q, k, v, is_causal=True)
-        clean = (~nan_rows)[None, :, None].expand(2, 70, 64)
-        err = (out[0].double() - want[0]).abs()[clean].max().item()
-        if not err <= 0.02:
-            failures.append(f"NaN in {where}: the other rows off by {err:.3g}")
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
 def test_low_precision_accumulates_in_float32(isa, dtype):
     """Sums that a bf16/fp16 accumulator would ruin: 3000 keys of near-uniform weight (a bf16 running sum

@@ -316,110 +316,6 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   finish_rows<T>(p, b, h, i0, rows, Oi, L.d_n, m, l);
 }
 
-#if defined(CS149_ISA_AMX)
-// ---------------------------------------------------------------------------------------------------
-// The same forward for bfloat16 with O in tile registers (head_dim ≤ 64, no attn_mask, window or dropout).
-//
-// query_tile above takes 64 rows through 512 keys at a time, and both products round-trip through memory: S (64 ×
-// 512 float32, 128 KB) goes to L2 and back, and O_g is loaded into tiles and stored again for every key tile. Here
-// a group of 16 rows takes its keys a step of s_keys (128) at a time, and its O_g (16 × d ≤ 64 float32: at most four
-// tiles) stays in the tiles from its first key to its last (bf16_gemm.h, o_tiles_*):
-//   S   = Q_g K_jᵀ                                  16 × s_keys, 8 KB: stays in L1
-//   m, P, l, α: the online softmax, as query_tile   (flash_common.h: P = exp(S − m_new) in bf16, l = α·l + rowsum P)
-//   O_g = α · O_g                                   only where some α ≠ 0, 1: the tiles stored, rows scaled, reloaded
-//   O_g += P V_j                                    into the tiles
-// α = 1 where a row's max did not grow; α = 0 on its first keys, where O_g's row is still 0. So the arithmetic is
-// query_tile's, the same ops in the same order per row, with P rounded to bf16 likewise; only the tiles' sums differ
-// in order. Non-finite values therefore follow the same rule; V tiles holding NaN or inf send the query tile to
-// query_tile, which keeps 0 · NaN out of the rows that do not see them.
-constexpr int64_t kGroupRows = 16;    // the rows of one tile
-constexpr int64_t kStepKeysDefault = 128;
-
-inline bool o_in_tiles_applies(const AttentionParams& p, const Layout& L) {
-  return p.o_in_tiles && p.dtype == DType::bf16 && L.d_n <= 64 && L.d_k <= 64 && !has_mask_or_window(p) &&
-         p.dropout_p == 0.0f && (L.Bc % kDotK == 0 || L.Tc == 1);
-}
-
-template <int KS, int NC>
-void query_tile_o_in_tiles(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0,
-                           const bf16_bits* kt_all, const bf16_bits* v_all, float* scratch) {
-  const int64_t d = p.head_dim, rows = std::min(L.Br, p.q_len - i0);
-  const int64_t s_keys = std::min(kStepKeysDefault, L.Bc_pad);  // S and P: 16 × s_keys, within query_tile's space
-  bf16_bits* Qi = reinterpret_cast<bf16_bits*>(scratch + L.q_off);
-  bf16_bits* P = reinterpret_cast<bf16_bits*>(scratch + L.p_off);
-  float *S = scratch + L.s_off, *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
-  float *alpha = scratch + L.alpha_off, *m_new = alpha + kGroupRows;
-  int64_t visible[kGroupRows];
-
-  // Q_i as bf16, zero past the rows (to whole groups) and the head dim; m = −inf, l = 0.
-  const uint16_t* Q = reinterpret_cast<const uint16_t*>(q_head<c10::BFloat16>(p, b, h)) + i0 * p.q_strides[2];
-  const int64_t rows_pad = round_up(rows, kGroupRows);
-  std::fill(Qi, Qi + rows_pad * L.d_k, bf16_bits{0});
-  for (int64_t r = 0; r < rows; ++r) std::copy(Q + r * p.q_strides[2], Q + r * p.q_strides[2] + d, Qi + r * L.d_k);
-  fill_row(kNegInf, m, rows_pad);
-  fill_row(0.0f, l, rows_pad);
-
-  const int64_t first_tile = (b * p.num_kv_heads + kv_head(p, h)) * L.Tc;
-  for (int64_t g0 = 0; g0 < rows; g0 += kGroupRows) {
-    const bf16_bits* Qg = Qi + g0 * L.d_k;
-    const int64_t keys_seen = visible_keys(p, i0 + std::min(g0 + kGroupRows, rows) - 1);  // by the group's last row
-    o_tiles_zero<NC>();
-    for (int64_t j0 = 0, j = 0; j0 < keys_seen; j0 += L.Bc, ++j) {
-      const int64_t tile = first_tile + j, tile_keys = std::min({L.Bc, p.kv_len - j0, keys_seen - j0});
-      const bf16_bits* KTj = kt_all + tile * L.kt_tile;
-      const bf16_bits* Vj = v_all + tile * L.v_tile;
-      for (int64_t o = 0; o < tile_keys; o += s_keys) {
-        const int64_t n_keys = std::min(s_keys, tile_keys - o), k_keys = round_up(n_keys, kDotK);
-        // S = Q_g K_jᵀ over the step's keys [j0 + o, j0 + o + n_keys), 32 at a time
-        for (int64_t c = 0; c < k_keys; c += kDotK)
-          s_tiles_qk<KS>(Qg, L.d_k, KTj + b_tile_offset(0, o + c, L.Bc_pad), L.Bc_pad, S + c, s_keys);
-        // The online softmax: P = exp(scale·S − m_new) into bf16, l and m updated, α = exp(m − m_new) per row.
-        // Rows past the query tile see every key: their Q = 0, S = 0, never written out.
-        for (int64_t r = 0; r < kGroupRows; ++r)
-          visible[r] = g0 + r < rows ? std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0 - o, 0, n_keys) : n_keys;
-        online_softmax(S, s_keys, kGroupRows, n_keys, visible, p.scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16{P, s_keys, k_keys});
-        // O_g = α · O_g, through memory, where a row's max grew past its first keys
-        if (std::any_of(alpha, alpha + kGroupRows, [](float a) { return a != 0.0f && a != 1.0f; })) {
-          float* Og = Oi + g0 * L.d_n;
-          o_tiles_store<NC>(Og, L.d_n);
-          for (int64_t r = 0; r < kGroupRows; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
-          o_tiles_load<NC>(Og, L.d_n);
-        }
-        // O_g += P V_j, 32 keys at a time
-        for (int64_t c = 0; c < k_keys; c += kDotK)
-          o_tiles_pv<NC>(P + c, s_keys, Vj + b_tile_offset(o + c, 0, L.d_n));
-      }
-    }
-    o_tiles_store<NC>(Oi + g0 * L.d_n, L.d_n);
-  }
-  finish_rows<c10::BFloat16>(p, b, h, i0, rows, Oi, L.d_n, m, l);
-}
-
-// query_tile_o_in_tiles for this head dim (in KS strips of 32 for Q Kᵀ, NC tiles of 16 columns for O), or false
-// where a key tile the query tile sees holds a NaN or infinity in V.
-inline bool run_o_in_tiles(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0,
-                           const bf16_bits* kt_all, const bf16_bits* v_all, const float* finite, float* scratch) {
-  const int64_t first_tile = (b * p.num_kv_heads + kv_head(p, h)) * L.Tc;
-  const int64_t seen_tiles = (visible_keys(p, i0 + std::min(L.Br, p.q_len - i0) - 1) + L.Bc - 1) / L.Bc;
-  for (int64_t j = 0; j < seen_tiles; ++j)
-    if (finite[first_tile + j] == 0.0f) return false;
-  const auto go = [&](auto ks, auto nc) {
-    query_tile_o_in_tiles<decltype(ks)::value, decltype(nc)::value>(p, L, b, h, i0, kt_all, v_all, scratch);
-  };
-  using One = std::integral_constant<int, 1>;
-  using Two = std::integral_constant<int, 2>;
-  const bool one_strip = L.d_k == kDotK;
-  switch (L.d_n / kDotCols) {
-    case 1: one_strip ? go(One{}, One{}) : go(Two{}, One{}); break;
-    case 2: one_strip ? go(One{}, Two{}) : go(Two{}, Two{}); break;
-    case 3: go(Two{}, std::integral_constant<int, 3>{}); break;
-    default: go(Two{}, std::integral_constant<int, 4>{}); break;
-  }
-  return true;
-}
-#endif
-
 template <class T>
 void run(const AttentionParams& p, float* workspace) {
   const Layout L(p);
@@ -427,18 +323,12 @@ void run(const AttentionParams& p, float* workspace) {
   bf16_bits* v_all = reinterpret_cast<bf16_bits*>(workspace + L.kt_floats);
   float* finite = workspace + L.kt_floats + L.v_floats;
   float* thread_scratch = finite + L.flags_floats;
-#if defined(CS149_ISA_AMX)
-  const bool o_in_tiles = std::is_same_v<T, c10::BFloat16> && o_in_tiles_applies(p, L);
-#endif
   // Pack every K and V tile once, then the query tiles, each thread under our AMX tile configuration (DotScope:
   // the previous one restored after).
   run_forward_tiles<DotScope>(
       p, L.Br, L.Tr, L.Tc, thread_scratch, L.per_thread,
       [&](int64_t b, int64_t kvh, int64_t j) { pack_kv_tile(p, L, b, kvh, j, kt_all, v_all, finite); },
       [&](int64_t b, int64_t h, int64_t i0, float* scratch) {
-#if defined(CS149_ISA_AMX)
-        if (o_in_tiles && run_o_in_tiles(p, L, b, h, i0, kt_all, v_all, finite, scratch)) return;
-#endif
         query_tile<T>(p, L, b, h, i0, kt_all, v_all, finite, scratch);
       });
 }
