@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Session 11, first run on the device host: the bf16 AMX forward with O kept in tile registers (flash_bf16.cpp,
 # query_tile_o_in_tiles) against the general path, then its tests on the hardware, then issue 9's bf16 table.
+# That path measured 0.64-0.89x of the general path's speed and was reverted: the kernel, set_o_in_tiles() and
+# benchmarks/probe_o_in_tiles.py live in commit e53d1e2 only (git checkout e53d1e2 to run this again).
 #   s11a_probe_o_in_tiles.txt  probe_o_in_tiles.py: O in tiles vs general vs SDPA, issue 9's d <= 64 shapes, 1/16 threads
 #   s11a_pytest.txt            test_flash, test_nonfinite, test_attention under amx and amx_emulated
 #   s11a_forward_bf16.txt      bench_attention.py, bf16, issue 9's four shapes, causal both, 1 and 16 threads
