@@ -70,6 +70,20 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
+// Σ a[c]·b[c] over n bf16 pairs, in float32 vectors (the backward's D = rowsum(dO ∘ O)): a bf16 is the high half of
+// its float32, so widening is a shift.
+inline float dot_bf16(const bf16_bits* a, const bf16_bits* b, int64_t n) {
+  const auto widen = [](const bf16_bits* x, __mmask16 lanes) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x)), 16));
+  };
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
+    acc = _mm512_fmadd_ps(widen(a + c, lanes), widen(b + c, lanes), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Two-part bf16 (flash_bf16.cpp's float16 path). x = hi + lo with hi = bf16(x) and lo = bf16(x − hi), both
 // rounded to nearest even: |x − hi| ≤ 2^-8·|x|, and x − hi (exact in float32) is rounded once more, so

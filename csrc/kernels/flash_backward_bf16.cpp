@@ -171,9 +171,7 @@ void row_statistics(const AttentionBackwardParams& bp, const Layout& L, int64_t 
       continue;
     }
     const bf16_bits *g = row_of(bp.dout, bp.dout_strides, b, h, i), *o = row_of(p.out, p.out_strides, b, h, i);
-    float sum = 0.0f;
-    for (int64_t c = 0; c < p.head_dim; ++c) sum += from_bf16(g[c]) * from_bf16(o[c]);
-    delta[i] = sum;
+    delta[i] = dot_bf16(g, o, p.head_dim);
     // lse = −inf (a row that sees no key) as +inf: exp(S − inf) = 0. NaN stays NaN.
     const float l = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
     lse2[i] = (l == kNegInf ? std::numeric_limits<float>::infinity() : l) * kLog2e;
