@@ -305,6 +305,80 @@ inline int64_t pack_vnni_transposed_split(int64_t K, int64_t N, const uint16_t* 
   return nonfinite;
 }
 
+// The backward's results out of its float32 accumulators into bf16, 16 values an instruction sequence instead of
+// one c10::BFloat16 conversion each. Rounding as c10::BFloat16 does it, bit for bit: to nearest even by integer
+// arithmetic (bits + 0x7FFF + the kept part's lowest bit, then the high half), subnormals kept, NaN as 0x7FC0.
+// (vcvtneps2bf16 would read subnormal inputs as zero.)
+inline __m256i bf16_round(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+// y[c] = bf16(scale·x[c]) for c < n.
+inline void store_scaled_bf16(const float* x, float scale, int64_t n, bf16_bits* y) {
+  const __m512 a = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
+    _mm256_mask_storeu_epi16(y + c, lanes, bf16_round(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(lanes, x + c))));
+  }
+}
+// Row i of y (rows ldy apart) = bf16(scale · column i of x) for the rows < rows and columns < cols of x (rows ldx
+// floats apart): a transposed copy out, 16 × 16 blocks through registers (simd.h's transpose16x16).
+inline void store_transposed_scaled_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols, float scale,
+                                         bf16_bits* y, int64_t ldy) {
+  const __m512 a = _mm512_set1_ps(scale);
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    const int64_t nc = std::min<int64_t>(16, cols - c0);
+    const __mmask16 col_lanes = (__mmask16)((1u << nc) - 1u);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const int64_t nr = std::min<int64_t>(16, rows - r0);
+      const __mmask16 row_lanes = (__mmask16)((1u << nr) - 1u);
+      __m512 block[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        block[i] = i < nr ? _mm512_maskz_loadu_ps(col_lanes, x + (r0 + i) * ldx + c0) : _mm512_setzero_ps();
+      transpose16x16(block);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        if (i < nc) _mm256_mask_storeu_epi16(y + (c0 + i) * ldy + r0, row_lanes, bf16_round(_mm512_mul_ps(a, block[i])));
+    }
+  }
+}
+// xt[c · ldt + t] = x[t · ldx + c] for t < rows, c < cols (bf16 bits, a plain transpose; xt is not touched beyond):
+// 32 rows × 16 columns at a time, rows paired into 32-bit words (row 2p in the low half) and the 16 × 16 words
+// transposed, so that each column's 32 values leave as one 64-byte store. Returns how many values are ±inf or NaN.
+inline int64_t transpose_bf16(const bf16_bits* x, int64_t ldx, int64_t rows, int64_t cols, bf16_bits* xt,
+                              int64_t ldt) {
+  int64_t nonfinite = 0;
+  for (int64_t t0 = 0; t0 < rows; t0 += 32) {
+    const int64_t nt = std::min<int64_t>(32, rows - t0);
+    const __mmask32 out_lanes = nt >= 32 ? ~__mmask32{0} : (__mmask32)((1u << nt) - 1u);
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const int64_t nc = std::min<int64_t>(16, cols - c0);
+      const __mmask16 col_lanes = (__mmask16)((1u << nc) - 1u);
+      __m512 words[16];
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) {
+        const int64_t t = t0 + 2 * p;
+        const __m256i even = t < rows ? _mm256_maskz_loadu_epi16(col_lanes, x + t * ldx + c0) : _mm256_setzero_si256();
+        const __m256i odd = t + 1 < rows ? _mm256_maskz_loadu_epi16(col_lanes, x + (t + 1) * ldx + c0)
+                                         : _mm256_setzero_si256();
+        nonfinite += nonfinite_bf16(_mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1),
+                                    (__mmask32)col_lanes | ((__mmask32)col_lanes << 16));
+        words[p] = _mm512_castsi512_ps(
+            _mm512_or_si512(_mm512_cvtepu16_epi32(even), _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16)));
+      }
+      transpose16x16(words);
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c)
+        if (c < nc) _mm512_mask_storeu_epi16(xt + (c0 + c) * ldt + t0, out_lanes, _mm512_castps_si512(words[c]));
+    }
+  }
+  return nonfinite;
+}
+
 #if defined(CS149_ISA_AMX)
 // ---------------------------------------------------------------------------------------------------
 // AMX. Tile registers: 0–3 hold C (a 2 × 2 block of 16×16 float32 tiles), 4–5 A (16 rows × 32 bf16), 6–7 B

@@ -139,7 +139,6 @@ inline float from_bf16(bf16_bits x) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-inline bool finite_bf16(bf16_bits x) { return (x & 0x7F80) != 0x7F80; }
 
 inline const bf16_bits* row_of(const void* base, const int64_t (&strides)[3], int64_t b, int64_t h, int64_t i) {
   return static_cast<const bf16_bits*>(base) + b * strides[0] + h * strides[1] + i * strides[2];
@@ -214,20 +213,12 @@ KeyTile pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int6
   std::fill(s.Kr, s.Kr + L.packed_keys * L.d_k, bf16_bits{0});
   std::fill(s.Vr, s.Vr + L.packed_keys * L.d_k, bf16_bits{0});
   std::fill(s.KT, s.KT + L.d_k * L.Bc, bf16_bits{0});
-  bool finite = true;
-  for (int64_t t = 0; t < n_keys; ++t) {
-    const bf16_bits *k = tile.K + t * tile.k_ld, *v = tile.V + t * tile.v_ld;
-    if (t >= packed_from) {
-      std::copy(k, k + d, s.Kr + (t - packed_from) * L.d_k);
-      std::copy(v, v + d, s.Vr + (t - packed_from) * L.d_k);
-    }
-    for (int64_t c = 0; c < d; ++c) {
-      s.KT[c * L.Bc + t] = k[c];
-      finite = finite && finite_bf16(k[c]);
-    }
+  for (int64_t t = packed_from; t < n_keys; ++t) {
+    std::copy(tile.K + t * tile.k_ld, tile.K + t * tile.k_ld + d, s.Kr + (t - packed_from) * L.d_k);
+    std::copy(tile.V + t * tile.v_ld, tile.V + t * tile.v_ld + d, s.Vr + (t - packed_from) * L.d_k);
   }
   KeyTile result = tile;
-  result.k_finite = finite;
+  result.k_finite = transpose_bf16(tile.K, tile.k_ld, n_keys, d, s.KT, L.Bc) == 0;
   return result;
 }
 
@@ -351,19 +342,16 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
                    j0 * bp.dk_strides[2];
     auto* dv_out = static_cast<c10::BFloat16*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] +
                    j0 * bp.dv_strides[2];
-    for (int64_t t = 0; t < n_keys; ++t)
-      for (int64_t c = 0; c < d; ++c) {
-        dk_out[t * bp.dk_strides[2] + c] = static_cast<c10::BFloat16>(p.scale * s.dK[t * L.d_n + c]);
-        dv_out[t * bp.dv_strides[2] + c] = static_cast<c10::BFloat16>(s.dV[t * L.d_n + c]);
-      }
+    for (int64_t t = 0; t < n_keys; ++t) {
+      store_scaled_bf16(s.dK + t * L.d_n, p.scale, d, reinterpret_cast<bf16_bits*>(dk_out + t * bp.dk_strides[2]));
+      store_scaled_bf16(s.dV + t * L.d_n, 1.0f, d, reinterpret_cast<bf16_bits*>(dv_out + t * bp.dv_strides[2]));
+    }
   }
   if (L.chunks > 1) return;  // run() sums the chunks' dQᵀ
-  for (int64_t g = 0; g < L.group_size; ++g) {
+  for (int64_t g = 0; g < L.group_size; ++g) {  // dQ = scale · (dQᵀ)ᵀ
     auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
-    const float* dQT = s.dQT + g * L.d_k * L.q_pad;
-    for (int64_t i = 0; i < p.q_len; ++i)
-      for (int64_t c = 0; c < d; ++c)
-        dq_out[i * bp.dq_strides[2] + c] = static_cast<c10::BFloat16>(p.scale * dQT[c * L.q_pad + i]);
+    store_transposed_scaled_bf16(s.dQT + g * L.d_k * L.q_pad, L.q_pad, d, p.q_len, p.scale,
+                                 reinterpret_cast<bf16_bits*>(dq_out), bp.dq_strides[2]);
   }
 }
 
