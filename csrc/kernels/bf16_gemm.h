@@ -305,25 +305,6 @@ inline int64_t pack_vnni_transposed_split(int64_t K, int64_t N, const uint16_t* 
   return nonfinite;
 }
 
-// The backward's results out of its float32 accumulators into bf16, 16 values an instruction sequence instead of
-// one c10::BFloat16 conversion each. Rounding as c10::BFloat16 does it, bit for bit: to nearest even by integer
-// arithmetic (bits + 0x7FFF + the kept part's lowest bit, then the high half), subnormals kept, NaN as 0x7FC0.
-// (vcvtneps2bf16 would read subnormal inputs as zero.)
-inline __m256i bf16_round(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
-}
-// y[c] = bf16(scale·x[c]) for c < n.
-inline void store_scaled_bf16(const float* x, float scale, int64_t n, bf16_bits* y) {
-  const __m512 a = _mm512_set1_ps(scale);
-  for (int64_t c = 0; c < n; c += 16) {
-    const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
-    _mm256_mask_storeu_epi16(y + c, lanes, bf16_round(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(lanes, x + c))));
-  }
-}
 // Row i of y (rows ldy apart) = bf16(scale · column i of x) for the rows < rows and columns < cols of x (rows ldx
 // floats apart): a transposed copy out, 16 × 16 blocks through registers (simd.h's transpose16x16).
 inline void store_transposed_scaled_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols, float scale,

@@ -441,6 +441,12 @@ void finish_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int
   T* out = out_head<T>(p, b, h) + i0 * p.out_strides[2];
   for (int64_t r = 0; r < rows; ++r) {
     const float inv_l = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+#if defined(CS149_ISA_AVX512)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {  // 16 at a time, rounded as c10::BFloat16 rounds (simd.h)
+      store_scaled_bf16(Oi + r * ldo, inv_l, p.head_dim, reinterpret_cast<uint16_t*>(out + r * p.out_strides[2]));
+      continue;
+    }
+#endif
     for (int64_t c = 0; c < p.head_dim; ++c) out[r * p.out_strides[2] + c] = static_cast<T>(Oi[r * ldo + c] * inv_l);
   }
   if (p.lse) {

@@ -469,6 +469,28 @@ inline void micro_gemm(int64_t K, const float* A, int64_t a_row, int64_t a_col, 
     for (int v = 0; v < NV; ++v) acc[r][v].store(C + r * ldc + v * W);
 }
 
+#if defined(CS149_ISA_AVX512)
+// float32 results into bf16 (outputs, gradients), 16 values an instruction sequence instead of one c10::BFloat16
+// conversion each. Rounding as c10::BFloat16 does it, bit for bit: to nearest even by integer
+// arithmetic (bits + 0x7FFF + the kept part's lowest bit, then the high half), subnormals kept, NaN as 0x7FC0.
+// (vcvtneps2bf16 would read subnormal inputs as zero.)
+inline __m256i bf16_round(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+// y[c] = bf16(scale·x[c]) for c < n.
+inline void store_scaled_bf16(const float* x, float scale, int64_t n, uint16_t* y) {
+  const __m512 a = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
+    _mm256_mask_storeu_epi16(y + c, lanes, bf16_round(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(lanes, x + c))));
+  }
+}
+#endif
+
 // dst[c · ld_dst + r] = scale · src[r · ld_src + c] for r < rows, c < cols: a block transposed, as the flash
 // kernel's packing of K_jᵀ (keys become columns) and of Q's column-major row groups need it. Element by element
 // that is a strided store or load per value, as much work as the products themselves for short sequences (BERT's
