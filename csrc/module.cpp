@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 #endif
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/record_function.h>
 
@@ -965,10 +966,16 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                   c10::SymIntArrayRef(expected), ", got ", t->sym_sizes());
   }
   // The cache is written in place and read through its strides: its rows must be contiguous (no copy can stand
-  // in for it).
-  for (const auto& [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}})
+  // in for it); written into, no two of its elements may share memory (an expanded cache: one head's new row would
+  // overwrite another's), as torch refuses for its in-place ops.
+  for (const auto& [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
     CHECK_SIZES(t->sym_size(3).sym_eq(1).sym_or(t->sym_stride(3).sym_eq(1)), name,
                 " must have a contiguous last dim (stride 1), got strides ", t->sym_strides());
+    if (has_k_new)
+      TORCH_CHECK_VALUE(at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
+                        " has elements that share memory (an expanded view: strides ", t->sym_strides(),
+                        "), so k_new and v_new cannot be written into it; pass a cache of its own (.contiguous())");
+  }
   if (scale)
     TORCH_CHECK_VALUE(std::isfinite(*scale) && std::fabs(*scale) < kFloat32Overflow,
                       "scale must be a finite float32, got ", *scale);
@@ -989,6 +996,13 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
   const bool paged = block_table.has_value() && block_table->defined();
   const bool append = k_new.has_value() && k_new->defined();
+  // Appending writes both caches: one memory for the two would take v_new over k_new (fake tensors have no memory
+  // to compare, so this check is the real call's alone).
+  if (append)
+    TORCH_CHECK_VALUE(at::get_overlap_status(k_cache, v_cache) == at::MemOverlapStatus::No ||
+                          at::get_overlap_status(k_cache, v_cache) == at::MemOverlapStatus::TooHard,
+                      "k_cache and v_cache share memory, so k_new and v_new would be written over each other; pass "
+                      "two caches");
   const int64_t B = q.size(0), Nq = q.size(2), d = q.size(3);
 
   // The lengths and the block ids, read before any kernel: nothing past the cache is ever touched.

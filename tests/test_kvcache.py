@@ -392,6 +392,11 @@ def bad_cases():
          "k_cache must have a contiguous last dim"),
         ("meta cache", (q, k.to("meta"), v, seqlens, None, None, None), ValueError, "must be on one device"),
         ("scale", (q, k, v, seqlens, None, None, None, float("inf")), ValueError, "scale must be a finite float32"),
+        # Appending into memory that two cache elements share would write one head's new row over another's.
+        ("expanded cache appended to", (q, k[:, :1].expand(k.shape), v, seqlens, k_new, v_new, None), ValueError,
+         "k_cache has elements that share memory"),
+        ("one cache for k and v appended to", (q, k, k, seqlens, k_new, v_new, None), ValueError,
+         "k_cache and v_cache share memory"),
     ]
 
 

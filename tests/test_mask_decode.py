@@ -106,6 +106,29 @@ def test_decode_key_padding(isa, dtype):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_key_ranges_with_causal(isa, dtype):
+    """Key padding (a run of keys per row: the kernels take it as key ranges) together with the causal mask, the
+    padding's end at every key near the causal diagonal, so that it cuts some rows' causal prefixes and not others.
+    (Rows whose shown keys coincided shared one look at the mask although their causal prefixes differed: a row the
+    padding cut took the unmasked path and attended to hidden keys.)"""
+    g = gen(1308)
+    failures = []
+    for n_q, n_k in ((2, 2), (3, 2), (3, 7), (5, 40), (16, 40), (4, 300)):
+        ends = sorted({max(1, e) for e in range(n_k - n_q - 2, n_k + 1)} | {1, n_k // 2})
+        b = len(ends)
+        q, k, v, _ = inputs((b, 4, n_q, 16), (b, 2, n_k, 16), g, dtype)
+        shown = torch.arange(n_k)[None, :] < torch.tensor(ends)[:, None]  # (b, Nk): sequence i sees keys < ends[i]
+        for mask in (shown[:, None, None, :], shown[:, None, None, :].expand(b, 1, n_q, n_k),
+                     torch.where(shown, 0.0, float("-inf"))[:, None, None, :].to(dtype)):
+            for is_causal in (True, "bottom_right"):
+                out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=is_causal, return_lse=True)
+                failures += out_problems(out, lse, q, k, v, mask, is_causal=is_causal,
+                                         tag=f"{isa} Nq={n_q} Nk={n_k} mask {tuple(mask.shape)} {mask.dtype} "
+                                             f"causal={is_causal}")
+    assert not failures, "\n".join(failures[:20])
+
+
 def test_decode_fully_masked_rows_match_torch():
     """Rows whose mask hides every key: 0 as torch's SDPA on the CPU, for bool and −inf masks, while other heads of
     the same GQA group see keys."""

@@ -228,6 +228,33 @@ def test_all_logits_minus_inf_is_a_row_with_no_key(each_isa):
         assert out[..., 2].isnan().all() and not out[..., [0, 1, 3]].isnan().any(), name
 
 
+def test_huge_finite_logits_stay_finite(each_isa):
+    """Finite logits, however large (scale up to 1e20, or inputs of 1e5 and 1e18), give finite rows: the softmax is
+    then one-hot on the largest logit, out its value row, as the float64 reference says. (The bf16 path folded log2 e
+    into one FMA with the scale, so the row max's own exponent kept the product's rounding residue, up to 2^-25 of
+    it: 2^860 at logits of 1e10, inf / inf = NaN.)"""
+    g = torch.Generator().manual_seed(1900)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (20, 30, 30))
+    failures = []
+    for scale, mult in ((1e9, 1.0), (1e20, 1.0), (None, 1e5), (None, 1e18)):
+        for n_q in (20, 3):  # the tiled kernels and the decode kernel
+            qm, km = (q[:, :, :n_q] * mult), k * mult
+            for name, out in run_all(qm, km, v).items() if scale is None else \
+                    {d: cs149gpt.attention(qm.to(d), km.to(d), v.to(d), scale=scale)
+                     for d in (torch.float32, torch.bfloat16, torch.float16)}.items():
+                dtype = out.dtype
+                if not (torch.isfinite(qm.to(dtype)).all() and torch.isfinite(km.to(dtype)).all()):
+                    continue  # float16 holds neither 1e5 nor 1e18: inf inputs, which the rule makes NaN
+                qd, kd = qm.to(dtype).double(), km.to(dtype).double()
+                s = (qd @ kd.transpose(-1, -2)) * (scale if scale is not None else 16 ** -0.5)
+                want = torch.softmax(s, -1) @ v.to(dtype).double()
+                err = (out.double() - want).abs().max().item()
+                if not (torch.isfinite(out).all() and err <= 2e-2):
+                    failures.append(f"{each_isa} {name} scale={scale} inputs x{mult} Nq={n_q}: "
+                                    f"{int((~torch.isfinite(out)).any(-1).sum())} non-finite rows, max error {err:.3g}")
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("value", NONFINITE)
 def test_nonfinite_value_rows_propagate_as_in_torch(each_isa, value):
     """NaN/±inf in a visible value row: the output column becomes what Σ p_j v_j gives, as torch computes."""

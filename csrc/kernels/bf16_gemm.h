@@ -46,23 +46,39 @@ constexpr int64_t kDotCols = 16, kDotK = 32;
 // exponentials (round to nearest even; NaN stays NaN). The online softmax's exp pass and the rounding of P for
 // P·V in one sweep over the scores. exp(u) = 2^(u·log2 e): log2 e rides in the FMA's two constants, and
 // the degree-4 2^ of simd.h is accurate enough for a P rounded to bf16.
+// The exponent (scale·x − shift)·log2 e of 16 logits: one FMA with log2 e folded into both constants, or, for a
+// shift past kExactShiftFrom (simd.h; whatever the scale: x·log2 e is rounded too), scale·x rounded first and the
+// shift subtracted before log2 e multiplies, so that the row max's own exponent is exactly 0.
+struct Log2Exponent {
+  __m512 a, s, scale, shift;
+  bool exact;
+  Log2Exponent(float shift_, float scale_)
+      : a(_mm512_set1_ps(scale_ * 1.44269504088896341f)), s(_mm512_set1_ps(-shift_ * 1.44269504088896341f)),
+        scale(_mm512_set1_ps(scale_)), shift(_mm512_set1_ps(shift_)), exact(!(std::fabs(shift_) < kExactShiftFrom)) {}
+  __m512 operator()(__m512 x) const {
+    if (!exact) return _mm512_fmadd_ps(x, a, s);
+    // An explicit rounding mode keeps GCC from contracting the product and the difference into one FMA (it
+    // does so with plain _mm512_mul_ps / _mm512_sub_ps under its default -ffp-contract=fast).
+    const __m512 product = _mm512_mul_round_ps(x, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_mul_ps(_mm512_sub_ps(product, shift), _mm512_set1_ps(1.44269504088896341f));
+  }
+};
+
 inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
                                      int64_t n_pad) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  const __m512 a = _mm512_set1_ps(scale * kLog2e), s = _mm512_set1_ps(-shift * kLog2e);
+  const Log2Exponent u(shift, scale);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight, one 32-lane bf16 store
-    const __m512 e0 = exp2_poly<4>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
-    const __m512 e1 = exp2_poly<4>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
+    const __m512 e0 = exp2_poly<4>(u(_mm512_loadu_ps(x + c)));
+    const __m512 e1 = exp2_poly<4>(u(_mm512_loadu_ps(x + c + 16)));
     sum0 = _mm512_add_ps(sum0, e0);
     sum1 = _mm512_add_ps(sum1, e1);
     _mm512_storeu_si512(y + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
   }
   for (; c < n; c += 16) {
     const __mmask16 lanes = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
-    const __m512 u = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, x + c), a, s);
-    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_poly<4>(u));
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_poly<4>(u(_mm512_maskz_loadu_ps(lanes, x + c))));
     sum0 = _mm512_add_ps(sum0, e);
     _mm256_mask_storeu_epi16(y + c, lanes, (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -140,13 +156,12 @@ inline void split_f32_row(const float* x, int64_t n, bf16_bits* hi, bf16_bits* l
 // simd.h's degree-6 2^ (8.4e-8 relative) since P is no longer rounded to 8 bits.
 inline float exp_shifted_sum_to_bf16_split(const float* x, float shift, int64_t n, float scale, bf16_bits* hi,
                                            bf16_bits* lo, int64_t n_pad) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  const __m512 a = _mm512_set1_ps(scale * kLog2e), s = _mm512_set1_ps(-shift * kLog2e);
+  const Log2Exponent u(shift, scale);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight
-    const __m512 e0 = exp2_poly<6>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, s));
-    const __m512 e1 = exp2_poly<6>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, s));
+    const __m512 e0 = exp2_poly<6>(u(_mm512_loadu_ps(x + c)));
+    const __m512 e1 = exp2_poly<6>(u(_mm512_loadu_ps(x + c + 16)));
     sum0 = _mm512_add_ps(sum0, e0);
     sum1 = _mm512_add_ps(sum1, e1);
     __m256i h0, l0, h1, l1;
@@ -159,8 +174,7 @@ inline float exp_shifted_sum_to_bf16_split(const float* x, float shift, int64_t 
   }
   for (; c < n; c += 16) {
     const __mmask16 lanes = lanes_below(n - c);
-    const __m512 u = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, x + c), a, s);
-    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_poly<6>(u));
+    const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_poly<6>(u(_mm512_maskz_loadu_ps(lanes, x + c))));
     sum0 = _mm512_add_ps(sum0, e);
     __m256i h, l;
     split_bf16(e, &h, &l);

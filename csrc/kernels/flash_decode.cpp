@@ -288,24 +288,29 @@ inline flash::MaskBlock mask_rows(const AttentionParams& p, const Layout& L, int
   using flash::MaskBlock;
   bool all_visible = true;
   int64_t end = 0, used = 0;
-  int64_t last_at = -1, last_lo = -1, last_hi = -1;  // the previous look: its mask row and its shown keys
+  // The previous look: its mask row, its causal prefix and the keys the causal mask and the window show it. A row
+  // shares it only where all three agree: `visible` means "hides nothing the causal mask shows", so a row whose
+  // causal prefix is longer (a later query of a key-padding mask) needs a look of its own even where the window
+  // leaves it the same shown keys.
+  int64_t last_at = -1, last_causal = -1, last_lo = -1, last_hi = -1;
   MaskBlock last = MaskBlock::visible;
   int64_t last_keys = 0;
   const float* last_bias = nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t rho = rho0 + r, i = rho / L.group, h = head_of(L, kvh, rho);
+    const int64_t causal = std::clamp<int64_t>(visible_keys(p, i) - t0, 0, n);  // the keys the causal mask shows
     int64_t lo, hi;  // the keys of the block that the causal mask and the window show row i
     flash::shown_keys(p, b, h, i, t0, n, &lo, &hi);
     const int64_t at = p.mask ? b * p.mask_strides[0] + h * p.mask_strides[1] + i * p.mask_strides[2] : 0;
-    if (r == 0 || at != last_at || lo != last_lo || hi != last_hi) {
+    if (r == 0 || at != last_at || causal != last_causal || lo != last_lo || hi != last_hi) {
       float* row_bias = bias_rows + used * kBlockKeys;
       last = flash::mask_block(p, b, h, i, 1, t0, n, row_bias, kBlockKeys, 1);
-      last_at = at, last_lo = lo, last_hi = hi;
+      last_at = at, last_causal = causal, last_lo = lo, last_hi = hi;
       last_bias = nullptr;
       if (last == MaskBlock::hidden) {
         last_keys = 0;
       } else if (last == MaskBlock::visible) {
-        last_keys = std::clamp<int64_t>(visible_keys(p, i) - t0, 0, n);
+        last_keys = causal;
       } else {
         last_bias = row_bias;
         last_keys = flash::shown_keys_end(row_bias, kBlockKeys, 1, n);

@@ -346,11 +346,22 @@ inline float max_of(const float* x, int64_t n) {
 
 // x[c] = exp(scale·x[c] − shift); returns Σ x[c]. With shift = max_c scale·x[c] every exponent is ≤ 0: no
 // overflow. scale·x − shift is one fused multiply-add (exactly x − shift for scale = 1).
+// Past kExactShiftFrom, the product scale·x is rounded on its own first (one more instruction): the shift is a row
+// max taken as round(scale·x_max), and only then does that element's exponent come out exactly 0. A single FMA
+// would leave the product's rounding residue, up to 2^-25 of |shift|, in the exponent: beyond ~2^31 that overflows
+// exp (inf / inf = NaN for a row of finite logits), and far below it P is already off by more than a float32 ulp.
+constexpr float kExactShiftFrom = 4096.0f;
+inline bool exact_shift_needed(float shift, float scale) { return scale != 1.0f && !(std::fabs(shift) < kExactShiftFrom); }
+
 inline float exp_shifted_sum(float* x, float shift, int64_t n, float scale = 1.0f) {
   constexpr int W = Vec::width;
   const Vec s = Vec::broadcast(-shift), a = Vec::broadcast(scale);
   Vec sum = Vec::zero();
   int64_t c = 0;
+  if (exact_shift_needed(shift, scale)) {
+    for (c = 0; c < n; ++c) x[c] *= scale;
+    return exp_shifted_sum(x, shift, n, 1.0f);
+  }
   for (; c + W <= n; c += W) {
     Vec e = exp(fmadd(Vec::load(x + c), a, s));
     e.store(x + c);
