@@ -42,31 +42,36 @@ constexpr int64_t kDotRows = 32;
 #endif
 constexpr int64_t kDotCols = 16, kDotK = 32;
 
-// y[c] = bf16(exp(scale·x[c] − shift)) for c < n and 0 for n ≤ c < n_pad; returns the float32 sum of the
-// exponentials (round to nearest even; NaN stays NaN). The online softmax's exp pass and the rounding of P for
-// P·V in one sweep over the scores. exp(u) = 2^(u·log2 e): log2 e rides in the FMA's two constants, and
-// the degree-4 2^ of simd.h is accurate enough for a P rounded to bf16.
-// The exponent (scale·x − shift)·log2 e of 16 logits: one FMA with log2 e folded into both constants, or, for a
-// shift past kExactShiftFrom (simd.h; whatever the scale: x·log2 e is rounded too), scale·x rounded first and the
-// shift subtracted before log2 e multiplies, so that the row max's own exponent is exactly 0.
+// The exponent (scale·x − shift)·log2 e of 16 logits, the shift being the row's max of scale·x: one FMA with log2 e
+// folded into both constants; or (kExact, for a shift past kExactShiftFrom, simd.h) scale·x rounded first and the
+// shift subtracted before log2 e multiplies, so that the row max's own exponent is exactly 0 — the FMA leaves the
+// product's rounding residue, up to 2^-25 of the shift, there: 2^860 at logits of 1e10, and inf / inf = NaN.
+template <bool kExact>
 struct Log2Exponent {
   __m512 a, s, scale, shift;
-  bool exact;
   Log2Exponent(float shift_, float scale_)
       : a(_mm512_set1_ps(scale_ * 1.44269504088896341f)), s(_mm512_set1_ps(-shift_ * 1.44269504088896341f)),
-        scale(_mm512_set1_ps(scale_)), shift(_mm512_set1_ps(shift_)), exact(!(std::fabs(shift_) < kExactShiftFrom)) {}
+        scale(_mm512_set1_ps(scale_)), shift(_mm512_set1_ps(shift_)) {}
   __m512 operator()(__m512 x) const {
-    if (!exact) return _mm512_fmadd_ps(x, a, s);
-    // An explicit rounding mode keeps GCC from contracting the product and the difference into one FMA (it
-    // does so with plain _mm512_mul_ps / _mm512_sub_ps under its default -ffp-contract=fast).
-    const __m512 product = _mm512_mul_round_ps(x, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_mul_ps(_mm512_sub_ps(product, shift), _mm512_set1_ps(1.44269504088896341f));
+    if constexpr (!kExact) {
+      return _mm512_fmadd_ps(x, a, s);
+    } else {
+      // An explicit rounding mode keeps GCC from contracting the product and the difference into one FMA (it
+      // does so with plain _mm512_mul_ps / _mm512_sub_ps under its default -ffp-contract=fast).
+      const __m512 product = _mm512_mul_round_ps(x, scale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm512_mul_ps(_mm512_sub_ps(product, shift), _mm512_set1_ps(1.44269504088896341f));
+    }
   }
 };
+inline bool exact_exponent_needed(float shift) { return !(std::fabs(shift) < kExactShiftFrom); }
 
-inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
-                                     int64_t n_pad) {
-  const Log2Exponent u(shift, scale);
+// y[c] = bf16(exp(scale·x[c] − shift)) for c < n and 0 for n ≤ c < n_pad; returns the float32 sum of the
+// exponentials (round to nearest even; NaN stays NaN). The online softmax's exp pass and the rounding of P for
+// P·V in one sweep over the scores. exp(u) = 2^(u·log2 e) (Log2Exponent), and the degree-4 2^ of simd.h is
+// accurate enough for a P rounded to bf16.
+template <bool kExact>
+inline float exp_shifted_sum_to_bf16_with(const Log2Exponent<kExact>& u, const float* x, int64_t n, bf16_bits* y,
+                                          int64_t n_pad) {
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight, one 32-lane bf16 store
@@ -84,6 +89,11 @@ inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, flo
   }
   for (c = n; c < n_pad; ++c) y[c] = 0;
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+inline float exp_shifted_sum_to_bf16(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
+                                     int64_t n_pad) {
+  if (exact_exponent_needed(shift)) return exp_shifted_sum_to_bf16_with(Log2Exponent<true>(shift, scale), x, n, y, n_pad);
+  return exp_shifted_sum_to_bf16_with(Log2Exponent<false>(shift, scale), x, n, y, n_pad);
 }
 
 // Σ a[c]·b[c] over n bf16 pairs, in float32 vectors (the backward's D = rowsum(dO ∘ O)): a bf16 is the high half of
@@ -154,9 +164,9 @@ inline void split_f32_row(const float* x, int64_t n, bf16_bits* hi, bf16_bits* l
 
 // exp_shifted_sum_to_bf16 for the two-part P: hi[c] + lo[c] ≈ exp(scale·x[c] − shift) to 2^-17 relative, with
 // simd.h's degree-6 2^ (8.4e-8 relative) since P is no longer rounded to 8 bits.
-inline float exp_shifted_sum_to_bf16_split(const float* x, float shift, int64_t n, float scale, bf16_bits* hi,
-                                           bf16_bits* lo, int64_t n_pad) {
-  const Log2Exponent u(shift, scale);
+template <bool kExact>
+inline float exp_shifted_sum_to_bf16_split_with(const Log2Exponent<kExact>& u, const float* x, int64_t n,
+                                                bf16_bits* hi, bf16_bits* lo, int64_t n_pad) {
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight
@@ -183,6 +193,12 @@ inline float exp_shifted_sum_to_bf16_split(const float* x, float shift, int64_t 
   }
   for (c = n; c < n_pad; ++c) hi[c] = lo[c] = 0;
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+inline float exp_shifted_sum_to_bf16_split(const float* x, float shift, int64_t n, float scale, bf16_bits* hi,
+                                           bf16_bits* lo, int64_t n_pad) {
+  if (exact_exponent_needed(shift))
+    return exp_shifted_sum_to_bf16_split_with(Log2Exponent<true>(shift, scale), x, n, hi, lo, n_pad);
+  return exp_shifted_sum_to_bf16_split_with(Log2Exponent<false>(shift, scale), x, n, hi, lo, n_pad);
 }
 
 // One key row t of the bf16 backward's transposed tile (flash_backward_bf16.cpp: keys as rows, n query columns, n
