@@ -336,27 +336,19 @@ inline int64_t pack_vnni_transposed_split(int64_t K, int64_t N, const uint16_t* 
 }
 
 // Row i of y (rows ldy apart) = bf16(scale · column i of x) for the rows < rows and columns < cols of x (rows ldx
-// floats apart): a transposed copy out, 16 × 16 blocks through registers (simd.h's transpose16x16).
+// floats apart): a transposed copy out, 16 × 16 blocks through registers (simd.h's for_each_transposed_block).
 inline void store_transposed_scaled_bf16(const float* x, int64_t ldx, int64_t rows, int64_t cols, float scale,
                                          bf16_bits* y, int64_t ldy) {
-  const __m512 a = _mm512_set1_ps(scale);
-  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-    const int64_t nc = std::min<int64_t>(16, cols - c0);
-    const __mmask16 col_lanes = (__mmask16)((1u << nc) - 1u);
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-      const int64_t nr = std::min<int64_t>(16, rows - r0);
-      const __mmask16 row_lanes = (__mmask16)((1u << nr) - 1u);
-      __m512 block[16];
+  for_each_transposed_block(x, ldx, rows, cols, scale,
+                            [&](const __m512* block, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+                              const __mmask16 row_lanes = (__mmask16)((1u << nr) - 1u);
 #pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        block[i] = i < nr ? _mm512_maskz_loadu_ps(col_lanes, x + (r0 + i) * ldx + c0) : _mm512_setzero_ps();
-      transpose16x16(block);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        if (i < nc) _mm256_mask_storeu_epi16(y + (c0 + i) * ldy + r0, row_lanes, bf16_round(_mm512_mul_ps(a, block[i])));
-    }
-  }
+                              for (int i = 0; i < 16; ++i)
+                                if (i < nc)
+                                  _mm256_mask_storeu_epi16(y + (c0 + i) * ldy + r0, row_lanes, bf16_round(block[i]));
+                            });
 }
+
 // xt[c · ldt + t] = x[t · ldx + c] for t < rows, c < cols (bf16 bits, a plain transpose; xt is not touched beyond):
 // 32 rows × 16 columns at a time, rows paired into 32-bit words (row 2p in the low half) and the 16 × 16 words
 // transposed, so that each column's 32 values leave as one 64-byte store. Returns how many values are ±inf or NaN.

@@ -535,27 +535,40 @@ inline void transpose16x16(__m512 r[16]) {
 }
 #endif
 
-inline void transpose_block(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float scale, float* dst,
-                            int64_t ld_dst) {
 #if defined(CS149_ISA_AVX512)
+// The blocks of scale · srcᵀ, 16 × 16 at a time through registers: store(block, r0, nr, c0, nc) gets block[i] =
+// scale · column c0 + i of src over its rows [r0, r0 + nr) (lanes past nr zero), for i < nc ≤ 16.
+template <class Store>
+inline void for_each_transposed_block(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float scale,
+                                      const Store& store) {
+  const __m512 s = _mm512_set1_ps(scale);
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     const int64_t nr = std::min<int64_t>(16, rows - r0);
-    const __mmask16 row_lanes = (__mmask16)((1u << nr) - 1u);
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
       const int64_t nc = std::min<int64_t>(16, cols - c0);
       const __mmask16 col_lanes = (__mmask16)((1u << nc) - 1u);
       __m512 block[16];
-      const __m512 s = _mm512_set1_ps(scale);
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i)
         block[i] = i < nr ? _mm512_mul_ps(s, _mm512_maskz_loadu_ps(col_lanes, src + (r0 + i) * ld_src + c0))
                           : _mm512_setzero_ps();
       transpose16x16(block);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i)
-        if (i < nc) _mm512_mask_storeu_ps(dst + (c0 + i) * ld_dst + r0, row_lanes, block[i]);
+      store(block, r0, nr, c0, nc);
     }
   }
+}
+#endif
+
+inline void transpose_block(const float* src, int64_t ld_src, int64_t rows, int64_t cols, float scale, float* dst,
+                            int64_t ld_dst) {
+#if defined(CS149_ISA_AVX512)
+  for_each_transposed_block(src, ld_src, rows, cols, scale,
+                            [&](const __m512* block, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+                              const __mmask16 row_lanes = (__mmask16)((1u << nr) - 1u);
+#pragma GCC unroll 16
+                              for (int i = 0; i < 16; ++i)
+                                if (i < nc) _mm512_mask_storeu_ps(dst + (c0 + i) * ld_dst + r0, row_lanes, block[i]);
+                            });
 #else
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = scale * src[r * ld_src + c];
