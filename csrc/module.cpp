@@ -998,11 +998,12 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   const bool append = k_new.has_value() && k_new->defined();
   // Appending writes both caches: one memory for the two would take v_new over k_new (fake tensors have no memory
   // to compare, so this check is the real call's alone).
-  if (append)
-    TORCH_CHECK_VALUE(at::get_overlap_status(k_cache, v_cache) == at::MemOverlapStatus::No ||
-                          at::get_overlap_status(k_cache, v_cache) == at::MemOverlapStatus::TooHard,
+  if (append) {
+    const at::MemOverlapStatus overlap = at::get_overlap_status(k_cache, v_cache);
+    TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
                       "k_cache and v_cache share memory, so k_new and v_new would be written over each other; pass "
                       "two caches");
+  }
   const int64_t B = q.size(0), Nq = q.size(2), d = q.size(3);
 
   // The lengths and the block ids, read before any kernel: nothing past the cache is ever touched.
