@@ -19,6 +19,7 @@ IMPLS = ("naive", "blocked", "fused", "flash")
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A scale from here up (FLT_MAX + half an ulp) rounds to inf as a float32, which is what the kernels take it as.
 _FLOAT32_OVERFLOW = float.fromhex("0x1.ffffffp+127")
+_INT64_MAX = 2**63 - 1  # the operators take ints as int64
 
 # torch's own SDPA, captured when this module is imported: our drop-in falls back to it. Looking it up on
 # torch.nn.functional at call time would find ourselves once a user installs the drop-in there
@@ -76,7 +77,7 @@ def attention(
             that requires grad is refused (torch's SDPA computes that one).
         window: (flash only) sliding-window (local) attention, FlashAttention's window_size (left, right):
             query i sees keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 leaves a side unbounded
-            (None = (-1, -1)). Applied together with is_causal and attn_mask; key tiles outside the band are
+            (None = (-1, -1)), and so does a bound past Nq + Nk (sys.maxsize included). Applied together with is_causal and attn_mask; key tiles outside the band are
             skipped, forward and backward.
         dropout_p: (flash only) dropout on the attention weights, in [0, 1): each weight is zeroed with that
             probability, the others scaled by 1 / (1 - dropout_p); lse stays that of the undropped weights. The
@@ -114,6 +115,9 @@ def attention(
             raise ValueError("attn_mask requires grad, but the flash kernel computes no gradient for it; pass "
                              "attn_mask.detach() (or use torch's scaled_dot_product_attention for a learned mask)")
     window_left, window_right = _window(window)
+    for name, tile in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(tile, int) and not isinstance(tile, bool) and tile > _INT64_MAX:  # others: the op's own check
+            raise ValueError(f"{name} must be >= 1 and at most 2**63 - 1, got {tile}")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0.0 and impl != "flash":
@@ -183,9 +187,9 @@ def _window(window) -> Tuple[int, int]:
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
         raise TypeError(f"window must be a pair of ints (left, right), got {window!r}")
-    if min(window) < -1:
-        raise ValueError(f"window must be (left, right) with each >= 0, or -1 for no bound on that side; got "
-                         f"{tuple(window)}")
+    if min(window) < -1 or max(window) > _INT64_MAX:
+        raise ValueError(f"window must be (left, right) with each >= 0, or -1 for no bound on that side, and at "
+                         f"most 2**63 - 1; got {tuple(window)}")
     return int(window[0]), int(window[1])
 
 

@@ -504,8 +504,12 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       p.mask_kind = MaskKind::none;
     }
   }
-  p.window_left = window_left;
-  p.window_right = window_right;
+  // A bound that reaches past every key leaves its side unbounded (−1): row i's band is i + offset ± bound in int64
+  // (attention.h), which a bound near INT64_MAX — sys.maxsize meaning "no bound" — would overflow. Exact: with
+  // |offset| < q_len + kv_len, a bound beyond q_len + kv_len hides no key.
+  const auto bound_or_none = [&](int64_t bound) { return bound > q_len + kv_len ? int64_t{-1} : bound; };
+  p.window_left = bound_or_none(window_left);
+  p.window_right = bound_or_none(window_right);
   p.window_offset = kv_len - q_len;
   if (dropout_p > 0.0) {
     p.dropout_p = static_cast<float>(dropout_p);

@@ -231,6 +231,14 @@ BAD_CALLS = [
 ]
 
 
+@pytest.mark.parametrize("tile", ["block_q", "block_k"])
+def test_tiles_beyond_int64_name_the_argument(tile):
+    """A tile past int64 cannot reach the operator (its schema takes int64): attention() says which argument."""
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=rf"{tile} must be >= 1 and at most 2\*\*63 - 1, got 9223372036854775808"):
+        cs149gpt.attention(q, q, q, **{tile: 2**63})
+
+
 def _bad_call_tensors(q_shape, k_shape, v_shape, k_dtype, device="cpu"):
     return (torch.randn(q_shape, device=device), torch.randn(k_shape, device=device).to(k_dtype),
             torch.randn(v_shape, device=device))

@@ -11,6 +11,7 @@ cs149gpt.scaled_dot_product_attention against torch's SDPA (which path, which re
 
 Inputs come from fixed seeds. Loops collect every mismatch and report them all at once.
 """
+import sys
 import pytest
 import torch
 import torch.nn.functional as F
@@ -581,6 +582,33 @@ def test_window_gradients(isa):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.parametrize("n_q,n_k", [(4, 6), (6, 3), (40, 70), (70, 40)])
+def test_window_bounds_past_every_key(isa, n_q, n_k):
+    """A bound that reaches past every key hides none, up to sys.maxsize ("no bound", as some callers write it):
+    the band's ends, i + (Nk - Nq) ± bound, must not overflow int64. Forward and gradients equal those of -1 on that
+    side; the decode kernel (Nq <= 16) and the tiled ones."""
+    g = gen(1123)
+    q, k, v, dout = inputs((1, 2, n_q, 8), (1, 2, n_k, 8), g)
+    failures = []
+    for other in (-1, 3):
+        for big in (n_q + n_k, n_q + n_k + 1, 2**62, sys.maxsize - n_q, sys.maxsize):
+            for window, same in (((other, big), (other, -1)), ((big, other), (-1, other))):
+                grads = []
+                for w in (window, same):
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                    out = cs149gpt.attention(*leaves, window=w)
+                    out.backward(dout)
+                    grads.append([out.detach()] + [t.grad for t in leaves])
+                # Past q_len + kv_len the bound is -1 itself (the same call, the same bits); at it, the band path
+                # must still show every key.
+                tol = 1e-5 if big == n_q + n_k else 0.0
+                for name, a, b in zip(("out", "dq", "dk", "dv"), *grads):
+                    err = (a - b).abs().max().item()
+                    if not err <= tol:
+                        failures.append(f"{isa} ({n_q}, {n_k}) window={window} against {same}: {name} off by {err:.3g}")
+    assert not failures, "\n".join(failures[:20])
+
+
 def test_window_checks():
     g = gen(1122)
     q, k, v, _ = inputs((1, 2, 5, 8), (1, 2, 5, 8), g)
@@ -592,4 +620,6 @@ def test_window_checks():
         cs149gpt.attention(q, k, v, impl="naive", window=(1, 1))
     with pytest.raises(ValueError, match="window must be"):
         torch.ops.cs149gpt.flash_attention(q, k, v, window_left=-5)
+    with pytest.raises(ValueError, match=r"at most 2\*\*63 - 1; got \(-1, 9223372036854775808\)"):
+        cs149gpt.attention(q, k, v, window=(-1, 2**63))
     assert torch.equal(cs149gpt.attention(q, k, v, window=(-1, -1)), cs149gpt.attention(q, k, v))
