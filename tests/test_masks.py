@@ -623,3 +623,37 @@ def test_window_checks():
     with pytest.raises(ValueError, match=r"at most 2\*\*63 - 1; got \(-1, 9223372036854775808\)"):
         cs149gpt.attention(q, k, v, window=(-1, 2**63))
     assert torch.equal(cs149gpt.attention(q, k, v, window=(-1, -1)), cs149gpt.attention(q, k, v))
+
+
+def test_dropin_computes_what_torch_refuses():
+    """Calls torch 2.13's SDPA refuses or turns NaN although they have one meaning: the drop-in runs our kernel and
+    matches float64 (README, API). If a torch release starts taking them, torch's result must agree too."""
+    g = gen(1124)
+    cases = []
+    for shape in ((3, 5, 8), (2, 2, 3, 5, 8)):  # attn_mask with is_causal on 3-D and 5-D inputs
+        q = randn(*shape, gen=g)
+        mask = randn(5, 5, gen=g) > -0.5
+        cases.append((f"mask + causal {shape}", (q, q, q), dict(attn_mask=mask, is_causal=True), mask, True, None))
+    q, k = randn(1, 4, 5, 8, gen=g), randn(1, 2, 5, 8, gen=g)
+    for mask in (torch.tensor(True), torch.ones(5, dtype=torch.bool)):  # 0-d and 1-d masks with enable_gqa
+        kk = k.repeat_interleave(2, dim=1)
+        cases.append((f"{mask.dim()}-d mask, GQA", (q, k, k), dict(attn_mask=mask, enable_gqa=True), mask, False,
+                      (q, kk, kk)))
+    q = randn(1, 2, 5, 8, gen=g)
+    for scale in (0.0, -1.0):  # is_causal with a scale <= 0
+        cases.append((f"causal, scale {scale}", (q, q, q), dict(is_causal=True, scale=scale), None, True, None))
+    failures = []
+    for tag, args, kwargs, mask, causal, ref_args in cases:
+        out = cs149gpt.scaled_dot_product_attention(*args, **kwargs)
+        r = [t.double() for t in (ref_args or args)]
+        want, _ = ref_masked(*r, mask, scale=kwargs.get("scale"), is_causal=causal)
+        err = (out.double() - want).abs().max().item()
+        if not err <= TOL:
+            failures.append(f"{tag}: ours off float64 by {err:.3g}")
+        try:
+            theirs = F.scaled_dot_product_attention(*args, **kwargs)
+        except (RuntimeError, IndexError):
+            continue
+        if torch.isfinite(theirs).all() and not (theirs.double() - want).abs().max().item() <= TOL:
+            failures.append(f"{tag}: torch now takes it, and differs from float64")
+    assert not failures, "\n".join(failures)
