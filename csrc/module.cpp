@@ -986,6 +986,54 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   return dtype;
 }
 
+// Appending into a paged cache: each row that k_new and v_new are written to must be seen by the sequence that writes
+// it, and by no other. Block tables may share a block (a common prefix), but a row that one sequence appends and
+// another sees (or appends too) would give that other sequence a key that is not its own; so would a table naming
+// one block twice, the appended row then seen at a second position. lengths[b] counts the new rows too. One pass over
+// the block ids the call reads anyway, with a mark per cache block (kept from call to call, cleared after each).
+void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, const std::vector<int64_t>& lengths,
+                                  int64_t added, int64_t page_size, int64_t num_pages) {
+  thread_local std::vector<uint8_t> written;  // written[block]: some sequence appends into it
+  if (static_cast<int64_t>(written.size()) < num_pages) written.resize(num_pages, 0);
+  const int64_t B = static_cast<int64_t>(lengths.size());
+  std::vector<int32_t> blocks;  // the blocks marked, to clear
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = (lengths[b] - added) / page_size; i * page_size < lengths[b]; ++i) {
+      const int32_t block = table[b * max_blocks + i];
+      if (!written[block]) blocks.push_back(block);
+      written[block] = 1;
+    }
+  // Every (sequence, position in its table) that names a block written into: the rows of it the sequence sees,
+  // [0, seen), and those it writes, [first_new, seen) (first_new = seen when it writes none there).
+  struct Use {
+    int32_t block;
+    int64_t b, i, seen, first_new;
+  };
+  std::vector<Use> uses;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i * page_size < lengths[b]; ++i) {
+      const int32_t block = table[b * max_blocks + i];
+      if (!written[block]) continue;
+      const int64_t seen = std::min(page_size, lengths[b] - i * page_size);
+      const int64_t first_new = std::clamp(lengths[b] - added - i * page_size, int64_t{0}, seen);
+      uses.push_back({block, b, i, seen, first_new});
+    }
+  for (const int32_t block : blocks) written[block] = 0;
+  std::sort(uses.begin(), uses.end(), [](const Use& x, const Use& y) { return x.block < y.block; });
+  for (size_t first = 0, last; first < uses.size(); first = last) {  // the uses of one block: [first, last)
+    for (last = first; last < uses.size() && uses[last].block == uses[first].block;) ++last;
+    for (size_t w = first; w < last; ++w)
+      for (size_t u = first; u < last; ++u) {
+        const Use &writer = uses[w], &other = uses[u];
+        if (u == w || writer.first_new == writer.seen || other.seen <= writer.first_new) continue;
+        TORCH_CHECK_VALUE(false, "block_table: sequence ", writer.b, " writes k_new and v_new into rows ",
+                          writer.first_new, "..", writer.seen - 1, " of block ", writer.block, ", which block_table[",
+                          other.b, ", ", other.i, "] names too, its rows 0..", other.seen - 1, " read by sequence ",
+                          other.b, "; a row a call appends may be seen by the sequence that appends it alone");
+      }
+  }
+}
+
 }  // namespace
 
 // attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, is_causal) -> out
@@ -1018,6 +1066,7 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t capacity = paged ? checked_product({max_blocks, page_size}) : k_cache.size(2);
   const int64_t added = append ? Nq : 0;
   int64_t max_len = 0;
+  std::vector<int64_t> lengths(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t cached = seqlens.scalar_type() == at::kLong ? seqlens.data_ptr<int64_t>()[b]
                                                               : seqlens.data_ptr<int32_t>()[b];
@@ -1028,6 +1077,7 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
                       paged ? " (max_blocks x block_size)" : " (k_cache dim 2)");
     const int64_t length = cached + added;
     max_len = std::max(max_len, length);
+    lengths[b] = length;
     if (paged) {
       const int32_t* row = table.data_ptr<int32_t>() + b * max_blocks;
       for (int64_t i = 0; i < (length + page_size - 1) / page_size; ++i)
@@ -1035,6 +1085,7 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
                           " is not a block of the cache (k_cache has ", num_pages, " blocks)");
     }
   }
+  if (paged && append) check_appended_rows_unshared(table.data_ptr<int32_t>(), max_blocks, lengths, added, page_size, num_pages);
 
   const at::Tensor q4 = q.size(3) > 1 && q.stride(3) != 1 ? q.contiguous() : q;
   at::Tensor k_new4, v_new4;

@@ -397,6 +397,23 @@ def bad_cases():
          "k_cache has elements that share memory"),
         ("one cache for k and v appended to", (q, k, k, seqlens, k_new, v_new, None), ValueError,
          "k_cache and v_cache share memory"),
+        # A row a sequence appends (lengths 3 and 10, 2 new keys each, blocks of 4) that another entry of the block
+        # tables sees would hand that sequence a key not its own.
+        ("append where another sequence reads", (q, pk, pv, seqlens, k_new, v_new,
+                                                 torch.tensor([[5, 0, 2], [1, 3, 0]], dtype=i32)), ValueError,
+         r"block_table: sequence 0 writes k_new and v_new into rows 0\.\.0 of block 0, which block_table\[1, 2\] "
+         r"names too, its rows 0\.\.3 read by sequence 1"),
+        ("append into a shared prefix block", (q, pk, pv, seqlens, k_new, v_new,
+                                               torch.tensor([[5, 0, 2], [5, 3, 4]], dtype=i32)), ValueError,
+         r"sequence 0 writes k_new and v_new into rows 3\.\.3 of block 5, which block_table\[1, 0\] names too"),
+        ("two sequences append into one row", (q, pk, pv, torch.tensor([4, 10], dtype=i32), k_new, v_new,
+                                               torch.tensor([[5, 4, 2], [1, 3, 4]], dtype=i32)), ValueError,
+         r"into rows 0\.\.1 of block 4, which block_table\[1, 2\] names too|"
+         r"into rows 2\.\.3 of block 4, which block_table\[0, 1\] names too"),
+        ("one table naming a block twice", (q[:1], pk, pv, seqlens[:1], k_new[:1], v_new[:1],
+                                            torch.tensor([[5, 5, 2]], dtype=i32)), ValueError,
+         r"sequence 0 writes k_new and v_new into rows 0\.\.0 of block 5, which block_table\[0, 0\] names too, "
+         r"its rows 0\.\.3 read by sequence 0"),
     ]
 
 
@@ -410,3 +427,23 @@ def test_bad_input_is_a_clear_error(case):
                                         scale=scale[0] if scale else None)
     after = [t for t in (k, v) if t.device.type == "cpu"]
     assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(after, before)), "a refused call wrote"
+
+
+def test_shared_blocks_that_appends_do_not_touch():
+    """Block tables may share blocks as long as no row one sequence appends is seen by another: sequences 0 and 1
+    share their first block (a common prefix, read only); sequence 0 names block 7 past its length (never read),
+    into which sequence 2 appends."""
+    g = gen(1701)
+    bs, d = 4, 8
+    q = randn((3, 4, 2, d), g, torch.float32)
+    blocks_k, blocks_v = randn((8, 2, bs, d), g, torch.float32), randn((8, 2, bs, d), g, torch.float32)
+    k_new, v_new = randn((3, 2, 2, d), g, torch.float32), randn((3, 2, 2, d), g, torch.float32)
+    table = torch.tensor([[5, 0, 7], [5, 3, 4], [6, 7, 1]], dtype=torch.int32)
+    seqlens = torch.tensor([4, 8, 5], dtype=torch.int32)  # new rows: block 0's 0-1, block 4's 0-1, block 7's 1-2
+    k_exp, v_exp = from_paged(blocks_k, table, 3 * bs), from_paged(blocks_v, table, 3 * bs)
+    out = cs149gpt.attention_with_kvcache(q, blocks_k, blocks_v, seqlens, k_new=k_new, v_new=v_new, block_table=table)
+    for b in range(3):
+        k_exp[b, :, seqlens[b]:seqlens[b] + 2] = k_new[b]
+        v_exp[b, :, seqlens[b]:seqlens[b] + 2] = v_new[b]
+    problem = error_of(out, reference(q, k_exp, v_exp, seqlens + 2), torch.float32)
+    assert not problem, problem
