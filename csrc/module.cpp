@@ -993,8 +993,9 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 // the block ids the call reads anyway, with a mark per cache block (kept from call to call, cleared after each).
 void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, const std::vector<int64_t>& lengths,
                                   int64_t added, int64_t page_size, int64_t num_pages) {
-  thread_local std::vector<uint8_t> written;  // written[block]: some sequence appends into it
-  if (static_cast<int64_t>(written.size()) < num_pages) written.resize(num_pages, 0);
+  thread_local std::vector<uint8_t> marks;
+  if (static_cast<int64_t>(marks.size()) < num_pages) marks.resize(num_pages, 0);
+  uint8_t* written = marks.data();  // written[block]: some sequence appends into it (one thread-local lookup)
   const int64_t B = static_cast<int64_t>(lengths.size());
   std::vector<int32_t> blocks;  // the blocks marked, to clear
   for (int64_t b = 0; b < B; ++b)
