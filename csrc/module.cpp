@@ -190,9 +190,9 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     const c10::SymInt hq = q.sym_size(-3), hkv = k.sym_size(-3);
     CHECK_SIZES(v.sym_size(-3).sym_eq(hkv), "k and v must have the same number of heads (dim -3), got k ",
                 k.sym_sizes(), ", v ", v.sym_sizes());
-    // Two checks, one message: hq % 0 must never be evaluated.
-    CHECK_SIZES(hkv.sym_ge(1), "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
-                q.sym_sizes(), ", k ", k.sym_sizes());
+    // First: hq % 0 must never be evaluated.
+    CHECK_SIZES(hkv.sym_ge(1), "k and v must have at least one head (dim -3), got k ", k.sym_sizes(), ", v ",
+                v.sym_sizes());
     CHECK_SIZES((hq % hkv).sym_eq(0), "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
                 q.sym_sizes(), ", k ", k.sym_sizes());
   }
@@ -947,8 +947,8 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
               k_cache.sym_sizes(), "; got ", v_cache.sym_sizes());
   CHECK_SIZES(k_cache.sym_size(3).sym_eq(d), "k_cache and v_cache must have head dim d = ", d,
               " (the last dim of q), got k_cache of shape ", k_cache.sym_sizes());
-  CHECK_SIZES(Hkv.sym_ge(1), "the heads of q (dim 1) must be a multiple of the kv heads of k_cache (dim 1), got q ",
-              q.sym_sizes(), ", k_cache ", k_cache.sym_sizes());
+  CHECK_SIZES(Hkv.sym_ge(1), "k_cache must have at least one kv head (dim 1), got k_cache of shape ",
+              k_cache.sym_sizes());
   CHECK_SIZES((Hq % Hkv).sym_eq(0),
               "the heads of q (dim 1) must be a multiple of the kv heads of k_cache (dim 1), got q ", q.sym_sizes(),
               ", k_cache ", k_cache.sym_sizes());

@@ -384,6 +384,8 @@ def bad_cases():
         ("v_cache shape", (q, k, v[:, :, :5], seqlens, None, None, None), ValueError, "v_cache must have k_cache's shape"),
         ("head dim", (q[..., :4], k, v, seqlens, None, None, None), ValueError, "head dim d = 4"),
         ("GQA", (q[:, :3], k, v, seqlens, None, None, None), ValueError, "multiple of the kv heads"),
+        ("no kv heads", (q, k[:, :0], v[:, :0], seqlens, None, None, None), ValueError,
+         r"k_cache must have at least one kv head \(dim 1\), got k_cache of shape \[2, 0, 12, 8\]"),
         ("k_new shape", (q, k, v, seqlens, k_new[:, :, :1], v_new, None), ValueError, "k_new must have shape"),
         ("k_new alone", (q, k, v, seqlens, k_new, None, None), ValueError, "k_new and v_new must be given together"),
         ("q rank", (q[0], k, v, seqlens, None, None, None), ValueError, r"q must have shape \(B, Hq, Nq, d\)"),
