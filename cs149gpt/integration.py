@@ -52,7 +52,8 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
     """transformers' attention-function signature (transformers.integrations.sdpa_attention.sdpa_attention_forward,
     which it follows) on our SDPA: query (B, H, Nq, d), key/value (B, Hkv, Nk, d), attention_mask from the "sdpa"
     mask function (a bool (B or 1, 1, Nq, Nk), or None when is_causal says it all). GQA runs without repeating
-    the kv heads, masked or not. Returns (out (B, Nq, H, d), None)."""
+    the kv heads, masked or not; a learned sink per head (s_aux / sinks) as _attention_with_sinks says. Returns
+    (out (B, Nq, H, d), None)."""
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='cs149gpt' does not support `softcap`; use 'eager'")
     if kwargs.get("output_attentions", False):
@@ -70,10 +71,49 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
 
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None:
+        out = _attention_with_sinks(query, key, value, attention_mask, sinks, dropout, scaling, bool(is_causal))
+        return out.transpose(1, 2).contiguous(), None
     out = ops.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                            scale=scaling, is_causal=bool(is_causal),
                                            enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_with_sinks(query, key, value, attention_mask, sinks, dropout, scaling, is_causal):
+    """Attention with a learned sink per head (gpt-oss and others pass it as s_aux or sinks): one more logit in
+    each row's softmax, whose weight is dropped. With l = Σ_j exp(s_j) over the keys a row sees and lse = log l,
+
+        out = Σ_j exp(s_j) v_j / (l + exp(sink)) = O · l / (l + exp(sink)) = O · sigmoid(lse − sink),
+
+    O and lse being our kernel's: exact, and only a rescaling of its output. Our lse takes no gradient (the backward
+    would need its term in dS), so a call that needs gradients or dropout, or one our kernel does not take, runs as
+    transformers' eager attention does (the logits and the sink through one softmax, O(N²) memory)."""
+    enable_gqa = key.shape[1] != query.shape[1]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, sinks))
+    if (not needs_grad and dropout == 0.0
+            and ops.uses_our_kernel(query, key, value, attention_mask, 0.0, is_causal, scaling, enable_gqa)):
+        out, lse = ops.attention(query, key, value, scale=scaling, is_causal=is_causal, attn_mask=attention_mask,
+                                 return_lse=True)
+        weight = torch.sigmoid(lse - sinks.reshape(1, -1, 1).to(lse.dtype))
+        return (out.float() * weight.unsqueeze(-1)).to(out.dtype)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    logits = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if is_causal:
+        n_q, n_k = logits.shape[-2:]
+        shown = torch.ones(n_q, n_k, dtype=torch.bool, device=logits.device).tril()
+        logits = logits.masked_fill(~shown, float("-inf"))
+    if attention_mask is not None:
+        logits = (logits.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool
+                  else logits + attention_mask)
+    sink = sinks.reshape(1, -1, 1, 1).to(logits.dtype).expand(*logits.shape[:-1], 1)
+    logits = torch.cat([logits, sink], dim=-1)
+    weights = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    weights = F.dropout(weights, p=dropout, training=dropout > 0.0)
+    return torch.matmul(weights.to(value.dtype), value)
 
 
 def _transformers_mask(*args, **kwargs):

@@ -321,3 +321,78 @@ def test_compiled_gpt2_training_step_matches_torch():
     theirs_params = dict(theirs.named_parameters())
     worst = max((p.grad - theirs_params[n].grad).abs().max().item() for n, p in ours.named_parameters())
     assert worst <= 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss: one learned logit per head in every row's softmax, passed as s_aux). transformers
+# refuses "sdpa" for such models; the reference is its "eager" attention.
+# ---------------------------------------------------------------------------------------------------------
+def gpt_oss_config():
+    return transformers.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=4, max_position_embeddings=128,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=None,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def sink_twins():
+    """gpt-oss on ours and on eager attention, with sinks large enough to matter (initialised near 0, a sink already
+    takes a share of every row's weight; scaled up, some rows put most of it there)."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation="cs149gpt").eval()
+    theirs = transformers.AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.linspace(-2.0, 3.0, p.numel()))
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_sink_model_padded_batch(side):
+    """Inference: each row's output is our kernel's rescaled by sigmoid(lse − sink): the logits match eager's, and
+    every attention call (one per layer, sliding-window layers included) ran our kernel."""
+    ours, theirs = sink_twins()
+    ids, mask = padded_batch(96, [10, 6, 8], 10, side, seed=5)
+    with torch.no_grad():
+        logits, counts = attention_calls(lambda: ours(input_ids=ids, attention_mask=mask).logits)
+        want = theirs(input_ids=ids, attention_mask=mask).logits
+    assert_all_ours(counts, expected=2)
+    keep = mask.bool()
+    assert (logits - want)[keep].abs().max().item() <= TOL
+
+
+def test_sink_model_greedy_generation():
+    ours, theirs = sink_twins()
+    ids, mask = padded_batch(96, [9, 5], 9, "left", seed=6)
+    new = 6
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        tokens, counts = attention_calls(lambda: ours.generate(input_ids=ids, **kwargs))
+        want = theirs.generate(input_ids=ids, **kwargs)
+    assert_all_ours(counts, expected=2 * new)
+    assert torch.equal(tokens, want)
+
+
+def test_sink_model_training_step():
+    """With gradients the sink goes through eager's math (our lse takes no gradient): the loss and every gradient,
+    the sinks' included, match eager's."""
+    ours, theirs = sink_twins()
+    ours.train()
+    theirs.train()
+    ids, mask = padded_batch(96, [10, 7], 10, "right", seed=7)
+    labels = ids.masked_fill(mask == 0, -100)
+    losses = []
+    for model in (ours, theirs):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= TOL
+    theirs_params = dict(theirs.named_parameters())
+    worst = max((p.grad - theirs_params[n].grad).abs().max().item() for n, p in ours.named_parameters()
+                if p.grad is not None)
+    assert worst <= 1e-4
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in ours.named_parameters() if n.endswith("sinks"))
