@@ -13,6 +13,7 @@ torch's own SDPA: `cs149gpt.uses_our_kernel(...)` says which. transformers is op
 register_transformers().
 """
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -91,12 +92,13 @@ def _attention_with_sinks(query, key, value, attention_mask, sinks, dropout, sca
     would need its term in dS), so a call that needs gradients or dropout, or one our kernel does not take, runs as
     transformers' eager attention does (the logits and the sink through one softmax, O(N²) memory)."""
     enable_gqa = key.shape[1] != query.shape[1]
+    rows = _sink_rows(sinks, query.shape[:-1])  # (B, H, Nq): each row's sink logit
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, sinks))
     if (not needs_grad and dropout == 0.0
             and ops.uses_our_kernel(query, key, value, attention_mask, 0.0, is_causal, scaling, enable_gqa)):
         out, lse = ops.attention(query, key, value, scale=scaling, is_causal=is_causal, attn_mask=attention_mask,
                                  return_lse=True)
-        weight = torch.sigmoid(lse - sinks.reshape(1, -1, 1).to(lse.dtype))
+        weight = torch.sigmoid(lse - rows.to(lse.dtype))
         return (out.float() * weight.unsqueeze(-1)).to(out.dtype)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -109,11 +111,39 @@ def _attention_with_sinks(query, key, value, attention_mask, sinks, dropout, sca
     if attention_mask is not None:
         logits = (logits.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool
                   else logits + attention_mask)
-    sink = sinks.reshape(1, -1, 1, 1).to(logits.dtype).expand(*logits.shape[:-1], 1)
-    logits = torch.cat([logits, sink], dim=-1)
+    logits = torch.cat([logits, rows.unsqueeze(-1).to(logits.dtype)], dim=-1)
     weights = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
     weights = F.dropout(weights, p=dropout, training=dropout > 0.0)
     return torch.matmul(weights.to(value.dtype), value)
+
+
+def _sink_rows(sinks, rows_shape):
+    """The sink logit of every query row, (B, H, Nq): sinks are one per head (H,) (gpt-oss) or per row
+    (B, H, Nq, 1) (computed from the hidden states, as inkling2's)."""
+    s = sinks.reshape(1, -1, 1) if sinks.dim() == 1 else sinks
+    if s.dim() == len(rows_shape) + 1 and s.shape[-1] == 1:
+        s = s[..., 0]
+    try:
+        return s.expand(rows_shape)
+    except RuntimeError:
+        raise ValueError(f"attention sinks (s_aux / sinks) must be one per head (H,) or one per query row "
+                         f"(B, H, Nq) or (B, H, Nq, 1); got shape {tuple(sinks.shape)} for (B, H, Nq) = "
+                         f"{tuple(rows_shape)}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_sdpa_masks(model_type: str) -> bool:
+    """Whether transformers runs models of this type on its "sdpa" attention (the model class's _supports_sdpa):
+    only those are written for sdpa's masks. The others build their masks through the same interface, with
+    config._attn_implementation's mask function, and use them as eager's additive float mask — a bool one added to
+    the scores masks nothing, and None drops the causal mask (bloom, mpt, ... a model-zoo comparison found them)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    name = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+    names = [name] if isinstance(name, str) else list(name or ())
+    classes = [c for c in (getattr(transformers, n, None) for n in names) if c is not None]
+    return all(getattr(c, "_supports_sdpa", False) for c in classes)  # unknown types: as before, sdpa's masks
 
 
 def _transformers_mask(*args, **kwargs):
@@ -121,9 +151,15 @@ def _transformers_mask(*args, **kwargs):
     where the bool mask is handed over as an additive one of 0 and −inf in float32: inductor's CPU code writes a
     (B, 1, Nq, Nk) bool tensor several times slower than a floating one (a 4 × 512 × 512 mask: 2.9 vs 0.65 ms on
     the dev box; 10 ms a layer inside a compiled Llama, more than our attention), and our kernel takes either as
-    the same key ranges (module.cpp, key_ranges_of), hiding exactly the same keys."""
-    from transformers.masking_utils import sdpa_mask
+    the same key ranges (module.cpp, key_ranges_of), hiding exactly the same keys. Models that transformers does
+    not run on "sdpa" get its "eager" mask function's float masks, which they are written for (our attention
+    function takes those too)."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
 
+    config = kwargs.get("config")
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_type, str) and not _takes_sdpa_masks(model_type):
+        return eager_mask(*args, **kwargs)
     mask = sdpa_mask(*args, **kwargs)
     if mask is not None and mask.dtype == torch.bool and torch.compiler.is_compiling():
         mask = torch.where(mask, 0.0, float("-inf")).to(torch.float32)

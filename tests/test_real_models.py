@@ -396,3 +396,71 @@ def test_sink_model_training_step():
                 if p.grad is not None)
     assert worst <= 1e-4
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in ours.named_parameters() if n.endswith("sinks"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Models transformers does not run on "sdpa" (_supports_sdpa = False) still build their masks through the mask
+# function registered under config._attn_implementation, and read them as eager's float masks: they get eager's.
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["bloom", "mpt"])
+def test_models_without_sdpa_get_eager_masks(arch):
+    """Registered under "cs149gpt", such a model (its own attention, adding the mask to its scores) computes what
+    it computes under "eager": with padding, and without (where sdpa's mask function would return None)."""
+    make = {
+        "bloom": lambda: (transformers.BloomConfig(vocab_size=96, hidden_size=64, n_layer=2, n_head=4),
+                          transformers.BloomForCausalLM),
+        "mpt": lambda: (transformers.MptConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
+                        transformers.MptForCausalLM),
+    }[arch]
+    config, cls = make()
+    assert not cls._supports_sdpa
+    torch.manual_seed(0)
+    ours = cls._from_config(make()[0], attn_implementation="cs149gpt").eval()
+    theirs = cls._from_config(config, attn_implementation="eager").eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids, mask = padded_batch(96, [12, 8], 12, "right", seed=8)
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=mask).logits
+        want = theirs(input_ids=ids, attention_mask=mask).logits
+        assert (got - want)[mask.bool()].abs().max().item() <= TOL
+        assert (ours(input_ids=ids[:1]).logits - theirs(input_ids=ids[:1]).logits).abs().max().item() <= TOL
+
+
+def eager_sink_reference(q, k, v, mask, sinks, scale):
+    """float64: the sink as one more logit per row (transformers' eager attention of gpt-oss / inkling2)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    rows = sinks.double().reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1) if sinks.dim() == 1 else sinks.double()
+    p = torch.softmax(torch.cat([s, rows], dim=-1), dim=-1)[..., :-1]
+    return (p @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_sinks_per_head_and_per_row(per_row, grad):
+    """Sinks one per head (gpt-oss) or one per query row, (B, H, Nq, 1) (inkling2): our kernel rescaled without
+    gradients, eager's math with them; both against float64."""
+    from cs149gpt.integration import _transformers_attention
+
+    g = torch.Generator().manual_seed(9)
+    B, H, Hkv, N, d = 2, 4, 2, 7, 16
+    q, k, v = (torch.randn(B, h, N, d, generator=g) for h in (H, Hkv, Hkv))
+    sinks = torch.randn(B, H, N, 1, generator=g) * 2 if per_row else torch.randn(H, generator=g) * 2
+    mask = torch.ones(B, 1, N, N, dtype=torch.bool).tril()
+    mask[1, :, :, 5:] = False  # padding: sequence 1 has 5 keys
+    module = torch.nn.Module()
+    leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    out, _ = _transformers_attention(module, *leaves, mask, scaling=0.25, s_aux=sinks)
+    want = eager_sink_reference(q, k, v, mask, sinks, 0.25)
+    assert (out.double() - want).abs().max().item() <= TOL
+    if grad:
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        eager_sink_reference(*ref_leaves, mask, sinks, 0.25).sum().backward()
+        out.sum().backward()
+        for a, b in zip(leaves, ref_leaves):
+            assert (a.grad.double() - b.grad).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match=r"attention sinks \(s_aux / sinks\) must be one per head"):
+        _transformers_attention(module, q, k, v, mask, scaling=0.25, s_aux=torch.zeros(3))
