@@ -63,6 +63,7 @@ struct Layout {
   int64_t Br, Bc, Tr, Tc;
   int64_t parts;            // 1 (bfloat16) or 2 (float16: hi, then lo, of the same size)
   int64_t Bc_pad;           // keys to whole dot-product steps (kDotK); Br is already whole groups
+  int64_t s_ld, p_ld;       // row strides of S (floats) and P (bf16): a cache line past Bc_pad (see below)
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n), per part
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats); V's flags, then K's
@@ -79,6 +80,11 @@ struct Layout {
     Tr = (p.q_len + Br - 1) / Br;
     Tc = (p.kv_len + Bc - 1) / Bc;
     Bc_pad = round_up(Bc, kDotK);
+    // A tile store or load moves 16 rows at once. Rows Bc_pad apart (2 KB at 512 keys) would all fall into the same
+    // two of L1's 64 sets, and a 2 × 2 block of S tiles would put 16 lines into sets of 12 ways; one cache line more
+    // per row spreads a tile's rows over 16 sets (as flash.cpp's S).
+    s_ld = Bc_pad + 16;
+    p_ld = Bc_pad + 32;
     d_k = round_up(p.head_dim, kDotK);
     d_n = round_up(p.head_dim, kDotCols);
     kt_tile = d_k * Bc_pad;
@@ -88,9 +94,9 @@ struct Layout {
     v_floats = floats_for(tiles * v_tile * parts);
     flags_floats = round_up(tiles * parts, 16);
     q_off = 0;                                        // Q_i, bf16, Br × d_k (per part)
-    s_off = q_off + parts * floats_for(Br * d_k);     // S/P of one group, float32, G × Bc_pad
-    p_off = s_off + G * Bc_pad;                       // P of one group, bf16, G × Bc_pad (per part)
-    o_off = p_off + parts * floats_for(G * Bc_pad);   // O_i, float32, Br × d_n
+    s_off = q_off + parts * floats_for(Br * d_k);     // S/P of one group, float32, G × s_ld
+    p_off = s_off + G * s_ld;                         // P of one group, bf16, G × p_ld (per part)
+    o_off = p_off + parts * floats_for(G * p_ld);     // O_i, float32, Br × d_n
     m_off = o_off + Br * d_n;
     l_off = m_off + round_up(Br, 16);
     alpha_off = l_off + round_up(Br, 16);
@@ -137,14 +143,14 @@ inline float value_of(const bf16_bits* hi, const bf16_bits* lo, int64_t at) {
 }
 
 // O_g[r] += Σ_{t < visible[r]} P[r, t] · V_j[t] in float32, row by row: only for a V tile holding NaN or inf.
-// With attn_mask's offsets (bias, rows ldp apart; null where it hides nothing) the keys it hides are left out too.
+// With attn_mask's offsets (bias, rows ld_bias apart; null where it hides nothing) the keys it hides are left out too.
 // P and V_j as their parts (the lo ones null for bfloat16).
 void pv_visible_only(int64_t rows, const bf16_bits* P, const bf16_bits* P_lo, int64_t ldp, const int64_t* visible,
-                     const float* bias, const bf16_bits* vt, const bf16_bits* vt_lo, const Layout& L, int64_t d,
-                     float* O, int64_t ldo) {
+                     const float* bias, int64_t ld_bias, const bf16_bits* vt, const bf16_bits* vt_lo, const Layout& L,
+                     int64_t d, float* O, int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < visible[r]; ++t)
-      if (!bias || bias[r * ldp + t] != kNegInf) {
+      if (!bias || bias[r * ld_bias + t] != kNegInf) {
         const float w = value_of(P, P_lo, r * ldp + t);
         for (int64_t c = 0; c < d; ++c) O[r * ldo + c] += w * value_of(vt, vt_lo, vnni_index(t, c, L.d_n));
       }
@@ -228,7 +234,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   bf16_bits* Qi = reinterpret_cast<bf16_bits*>(scratch + L.q_off);
   bf16_bits* Qi_lo = kSplit ? reinterpret_cast<bf16_bits*>(scratch + L.q_off + floats_for(L.Br * L.d_k)) : nullptr;
   bf16_bits* Pb = reinterpret_cast<bf16_bits*>(scratch + L.p_off);
-  bf16_bits* Pb_lo = kSplit ? reinterpret_cast<bf16_bits*>(scratch + L.p_off + floats_for(G * L.Bc_pad)) : nullptr;
+  bf16_bits* Pb_lo = kSplit ? reinterpret_cast<bf16_bits*>(scratch + L.p_off + floats_for(G * L.p_ld)) : nullptr;
   float *S = scratch + L.s_off, *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
   float *alpha = scratch + L.alpha_off, *m_new = alpha + G;
   float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
@@ -277,17 +283,17 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if constexpr (kSplit) {
         if (qk_finite)
           bf16_gemm_split</*kLoLo=*/true>(G, s_cols, L.d_k, Qi + g0 * L.d_k, Qi_lo + g0 * L.d_k, L.d_k, KTj, KTj_lo, L.Bc_pad, S,
-                          L.Bc_pad, false);
+                          L.s_ld, false);
         else
-          qk_in_float32(G, s_cols, d, Qi + g0 * L.d_k, Qi_lo + g0 * L.d_k, L.d_k, KTj, KTj_lo, L.Bc_pad, S, L.Bc_pad);
+          qk_in_float32(G, s_cols, d, Qi + g0 * L.d_k, Qi_lo + g0 * L.d_k, L.d_k, KTj, KTj_lo, L.Bc_pad, S, L.s_ld);
       } else {
-        bf16_gemm(G, s_cols, L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.Bc_pad, false);
+        bf16_gemm(G, s_cols, L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.s_ld, false);
       }
       // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
       const bool partial = block == MaskBlock::partial;
       if (partial)
         for (int64_t r = 0; r < group_rows; ++r)
-          add_mask(S + r * L.Bc_pad, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
+          add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
 
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16 (float16: Pb + Pb_lo);
       // m, l, α updated.
@@ -296,21 +302,22 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       const AttentionParams* dropout = p.dropout_p > 0.0f ? &p : nullptr;
       const float softmax_scale = partial ? 1.0f : p.scale;
       if constexpr (kSplit)
-        online_softmax(S, L.Bc_pad, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16Split{Pb, Pb_lo, L.Bc_pad, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
+        online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
+                       PToBf16Split{Pb, Pb_lo, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
       else
-        online_softmax(S, L.Bc_pad, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16{Pb, L.Bc_pad, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
+        online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
+                       PToBf16{Pb, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
 
       // O_g = α · O_g + P V_j   (float16: Ph·Vl + Pl·Vh + Ph·Vh)
       float* Og = Oi + g0 * L.d_n;
       for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
       if (finite[tile] == 0.0f)
-        pv_visible_only(group_rows, Pb, Pb_lo, L.Bc_pad, visible, partial ? bias : nullptr, Vj, Vj_lo, L, d, Og, L.d_n);
+        pv_visible_only(group_rows, Pb, Pb_lo, L.p_ld, visible, partial ? bias : nullptr, L.Bc_pad, Vj, Vj_lo, L, d, Og,
+                        L.d_n);
       else if constexpr (kSplit)
-        bf16_gemm_split</*kLoLo=*/false>(G, L.d_n, k_keys, Pb, Pb_lo, L.Bc_pad, Vj, Vj_lo, L.d_n, Og, L.d_n, true);
+        bf16_gemm_split</*kLoLo=*/false>(G, L.d_n, k_keys, Pb, Pb_lo, L.p_ld, Vj, Vj_lo, L.d_n, Og, L.d_n, true);
       else
-        bf16_gemm(G, L.d_n, k_keys, Pb, L.Bc_pad, Vj, L.d_n, Og, L.d_n, true);
+        bf16_gemm(G, L.d_n, k_keys, Pb, L.p_ld, Vj, L.d_n, Og, L.d_n, true);
     }
   }
   finish_rows<T>(p, b, h, i0, rows, Oi, L.d_n, m, l);
