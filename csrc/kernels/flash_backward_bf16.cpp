@@ -76,10 +76,13 @@ inline bool rows_in_place(const void* base, const int64_t (&strides)[3], int64_t
 
 struct Layout {
   int64_t Br, Bc, Tc, q_pad, d_k, d_n, group_size, chunks, pairs, tasks, threads, packed_keys;
+  // dQᵀ's row stride: a cache line past q_pad. Its tiles (16 rows) are loaded and stored for every tile pair, and
+  // rows q_pad apart (4 KB at 1024 queries) would all fall into one of L1's 64 sets.
+  int64_t dqt_ld;
   bool cache_query;     // Qᵀ, dOᵀ packed once per task (else per tile pair)
   bool keys_in_place;   // whole strips of K_j, V_j read in place; only a last partial strip is packed
   int64_t partial_dq, shared;  // with key chunks (flash_backward_onepass.cpp): each task's partial dQᵀ
-  // per thread, in floats: dQᵀ without key chunks (group × d_k × q_pad), lse·log2(e) and D (group × q_pad);
+  // per thread, in floats: dQᵀ without key chunks (group × d_k × dqt_ld), lse·log2(e) and D (group × q_pad);
   // K_j, V_j by rows (packed_keys × d_k bf16: the whole tile, or one strip of 32 keys when read in place), K_jᵀ
   // (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
   // q_pad/Br × d_k × Br bf16), else of one query tile; Q_i, dO_i in VNNI pairs (Br × d_n bf16);
@@ -95,6 +98,7 @@ struct Layout {
     Br = std::min({Br, round_up(p.q_len, kStep), kMaxTile});
     Bc = std::min({Bc, round_up(p.kv_len, kStep), kMaxTile});
     q_pad = round_up(p.q_len, Br);
+    dqt_ld = q_pad + 16;
     d_k = round_up(p.head_dim, kDotK);     // k of Sᵀ, dPᵀ; rows (M) of dQᵀ
     d_n = round_up(p.head_dim, kDotCols);  // n of dV, dK
     group_size = p.num_heads / p.num_kv_heads;
@@ -105,7 +109,7 @@ struct Layout {
     threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
     keys_in_place = rows_in_place(p.k, p.k_strides, p.head_dim) && rows_in_place(p.v, p.v_strides, p.head_dim);
     packed_keys = keys_in_place ? kStep : Bc;
-    const int64_t dq_size = group_size * d_k * q_pad;
+    const int64_t dq_size = group_size * d_k * dqt_ld;
     partial_dq = 0;
     shared = chunks > 1 ? tasks * dq_size : 0;
     dqt_off = 0;
@@ -280,7 +284,7 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   pack_vnni_rows(rows, d, dO, bp.dout_strides[2], s.dOv, L.d_n);
 
   const float *lse2 = s.lse2 + g * L.q_pad + i0, *delta = s.delta + g * L.q_pad + i0;
-  float* dQT = s.dQT + g * L.d_k * L.q_pad + i0;
+  float* dQT = s.dQT + g * L.d_k * L.dqt_ld + i0;
   for (int64_t t0 = 0; t0 < m_keys; t0 += kStep) {
     // Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ   (the strip's 32 keys × n_q, float32)
     int64_t k_ld, v_ld;
@@ -310,13 +314,13 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
         for (int64_t t = std::max<int64_t>(s.begin[c], t0); t < std::min<int64_t>(s.end[c], t0 + kStep); ++t) {
           const float ds = from_bf16(s.dST[(t - t0) * Br + c]);
           const bf16_bits* k = tile.K + t * tile.k_ld;
-          for (int64_t e = 0; e < d; ++e) dQT[e * L.q_pad + c] += ds * from_bf16(k[e]);
+          for (int64_t e = 0; e < d; ++e) dQT[e * L.dqt_ld + c] += ds * from_bf16(k[e]);
         }
     }
   }
 
   // dQ_iᵀ += K_jᵀ dSᵀ   (d_k × n_q; k: the keys)
-  if (tile.k_finite) bf16_gemm(L.d_k, n_q, m_keys, s.KT, L.Bc, s.dSv, Br, dQT + c0, L.q_pad, true);
+  if (tile.k_finite) bf16_gemm(L.d_k, n_q, m_keys, s.KT, L.Bc, s.dSv, Br, dQT + c0, L.dqt_ld, true);
 }
 
 // The task of chunk `chunk` of kv head kvh in batch b (key tiles [chunk·Tc/C, (chunk+1)·Tc/C)): dK, dV of its keys,
@@ -325,7 +329,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
                   const Scratch& s) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, h0 = kvh * L.group_size;
-  fill_row(0.0f, s.dQT, L.group_size * L.d_k * L.q_pad);
+  fill_row(0.0f, s.dQT, L.group_size * L.d_k * L.dqt_ld);
   for (int64_t g = 0; g < L.group_size; ++g) {
     row_statistics(bp, L, b, h0 + g, s.lse2 + g * L.q_pad, s.delta + g * L.q_pad);
     if (L.cache_query) pack_query_tiles(bp, L, b, h0 + g, s.QT + g * L.q_pad * L.d_k, s.dOT + g * L.q_pad * L.d_k);
@@ -350,7 +354,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   if (L.chunks > 1) return;  // run() sums the chunks' dQᵀ
   for (int64_t g = 0; g < L.group_size; ++g) {  // dQ = scale · (dQᵀ)ᵀ
     auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
-    store_transposed_scaled_bf16(s.dQT + g * L.d_k * L.q_pad, L.q_pad, d, p.q_len, p.scale,
+    store_transposed_scaled_bf16(s.dQT + g * L.d_k * L.dqt_ld, L.dqt_ld, d, p.q_len, p.scale,
                                  reinterpret_cast<bf16_bits*>(dq_out), bp.dq_strides[2]);
   }
 }
@@ -359,13 +363,13 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
 void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, const float* partial, int64_t b, int64_t h,
                    int64_t i) {
   const AttentionParams& p = bp.fwd;
-  const int64_t kvh = h / L.group_size, g = h % L.group_size, dq_size = L.group_size * L.d_k * L.q_pad;
+  const int64_t kvh = h / L.group_size, g = h % L.group_size, dq_size = L.group_size * L.d_k * L.dqt_ld;
   auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] +
                  i * bp.dq_strides[2];
   for (int64_t e = 0; e < p.head_dim; ++e) {
     float sum = 0.0f;
     for (int64_t c = 0; c < L.chunks; ++c)
-      sum += partial[(c * L.pairs + b * p.num_kv_heads + kvh) * dq_size + (g * L.d_k + e) * L.q_pad + i];
+      sum += partial[(c * L.pairs + b * p.num_kv_heads + kvh) * dq_size + (g * L.d_k + e) * L.dqt_ld + i];
     dq_out[e] = static_cast<c10::BFloat16>(p.scale * sum);
   }
 }
@@ -377,7 +381,7 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   {
     Scratch s(L, ws + L.shared + omp_get_thread_num() * L.per_thread);
     const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
-    const int64_t dq_size = L.group_size * L.d_k * L.q_pad;
+    const int64_t dq_size = L.group_size * L.d_k * L.dqt_ld;
     float* own_dqt = s.dQT;
     // Tasks chunk by chunk: under a causal mask the first keys meet the most query rows, so go first.
 #pragma omp for schedule(dynamic, 1)
