@@ -140,10 +140,18 @@ def _takes_sdpa_masks(model_type: str) -> bool:
     import transformers
     from transformers.models.auto import modeling_auto
 
-    name = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
-    names = [name] if isinstance(name, str) else list(name or ())
-    classes = [c for c in (getattr(transformers, n, None) for n in names) if c is not None]
-    return all(getattr(c, "_supports_sdpa", False) for c in classes)  # unknown types: as before, sdpa's masks
+    mappings = [getattr(modeling_auto, n) for n in dir(modeling_auto) if n.endswith("_MAPPING_NAMES")]
+    # A sub-model's config (blip_text_model, groupvit_vision_model, ...) goes by its parent's classes.
+    for kind in (model_type, *(model_type[:-len(end)] for end in ("_text_model", "_vision_model", "_text", "_vision")
+                               if model_type.endswith(end))):
+        names = set()
+        for mapping in mappings:
+            if isinstance(mapping, dict) and kind in mapping:
+                names.update([mapping[kind]] if isinstance(mapping[kind], str) else mapping[kind])
+        classes = [c for c in (getattr(transformers, n, None) for n in sorted(names)) if hasattr(c, "_supports_sdpa")]
+        if classes:
+            return all(c._supports_sdpa for c in classes)
+    return True  # a type transformers does not map: as before, sdpa's masks
 
 
 def _transformers_mask(*args, **kwargs):

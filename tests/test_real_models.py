@@ -464,3 +464,14 @@ def test_sinks_per_head_and_per_row(per_row, grad):
             assert (a.grad.double() - b.grad).abs().max().item() <= 1e-4
     with pytest.raises(ValueError, match=r"attention sinks \(s_aux / sinks\) must be one per head"):
         _transformers_attention(module, q, k, v, mask, scaling=0.25, s_aux=torch.zeros(3))
+
+
+def test_which_model_types_get_sdpa_masks():
+    """sdpa's masks for the types transformers runs on "sdpa", eager's for the others; a sub-model's config
+    (blip_text_model) goes by its parent's classes."""
+    from cs149gpt.integration import _takes_sdpa_masks
+
+    assert _takes_sdpa_masks("llama") and _takes_sdpa_masks("gpt2") and _takes_sdpa_masks("bert")
+    assert not _takes_sdpa_masks("bloom") and not _takes_sdpa_masks("mpt")
+    assert not _takes_sdpa_masks("blip_text_model")
+    assert _takes_sdpa_masks("a_type_transformers_does_not_map")
