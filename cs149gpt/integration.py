@@ -52,7 +52,8 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
                             position_bias=None, **kwargs):
     """transformers' attention-function signature (transformers.integrations.sdpa_attention.sdpa_attention_forward,
     which it follows) on our SDPA: query (B, H, Nq, d), key/value (B, Hkv, Nk, d), attention_mask from the "sdpa"
-    mask function (a bool (B or 1, 1, Nq, Nk), or None when is_causal says it all). GQA runs without repeating
+    mask function (a bool (B or 1, 1, Nq, Nk), or None when is_causal says it all; eager's float mask for the
+    models transformers does not run on "sdpa", _transformers_mask). GQA runs without repeating
     the kv heads, masked or not; a learned sink per head (s_aux / sinks) as _attention_with_sinks says. Returns
     (out (B, Nq, H, d), None)."""
     if kwargs.get("softcap") is not None:
@@ -119,16 +120,18 @@ def _attention_with_sinks(query, key, value, attention_mask, sinks, dropout, sca
 
 def _sink_rows(sinks, rows_shape):
     """The sink logit of every query row, (B, H, Nq): sinks are one per head (H,) (gpt-oss) or per row
-    (B, H, Nq, 1) (computed from the hidden states, as inkling2's)."""
-    s = sinks.reshape(1, -1, 1) if sinks.dim() == 1 else sinks
-    if s.dim() == len(rows_shape) + 1 and s.shape[-1] == 1:
+    (B, H, Nq) or (B, H, Nq, 1) (computed from the hidden states, as inkling2's); a dim of 1 broadcasts. Any other
+    layout is refused rather than broadcast by trailing dims (a (B, Nq, H) tensor with Nq = H would pass)."""
+    s = sinks
+    if s.dim() == 1 and s.numel() in (1, rows_shape[1]):
+        s = s.reshape(1, -1, 1)
+    elif s.dim() == 4 and s.shape[-1] == 1:
         s = s[..., 0]
-    try:
-        return s.expand(rows_shape)
-    except RuntimeError:
+    if s.dim() != 3 or any(n not in (1, want) for n, want in zip(s.shape, rows_shape)):
         raise ValueError(f"attention sinks (s_aux / sinks) must be one per head (H,) or one per query row "
                          f"(B, H, Nq) or (B, H, Nq, 1); got shape {tuple(sinks.shape)} for (B, H, Nq) = "
-                         f"{tuple(rows_shape)}") from None
+                         f"{tuple(rows_shape)}")
+    return s.expand(rows_shape)
 
 
 @functools.lru_cache(maxsize=None)

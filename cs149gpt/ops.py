@@ -77,7 +77,7 @@ def attention(
             that requires grad is refused (torch's SDPA computes that one).
         window: (flash only) sliding-window (local) attention, FlashAttention's window_size (left, right):
             query i sees keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 leaves a side unbounded
-            (None = (-1, -1)), and so does a bound past Nq + Nk (sys.maxsize included). Applied together with is_causal and attn_mask; key tiles outside the band are
+            (None = (-1, -1)), and so does a bound past Nq + Nk (sys.maxsize too). Applied together with is_causal and attn_mask; key tiles outside the band are
             skipped, forward and backward.
         dropout_p: (flash only) dropout on the attention weights, in [0, 1): each weight is zeroed with that
             probability, the others scaled by 1 / (1 - dropout_p); lse stays that of the undropped weights. The
@@ -116,8 +116,8 @@ def attention(
                              "attn_mask.detach() (or use torch's scaled_dot_product_attention for a learned mask)")
     window_left, window_right = _window(window)
     for name, tile in (("block_q", block_q), ("block_k", block_k)):
-        if isinstance(tile, int) and not isinstance(tile, bool) and tile > _INT64_MAX:  # others: the op's own check
-            raise ValueError(f"{name} must be >= 1 and at most 2**63 - 1, got {tile}")
+        if isinstance(tile, int) and not isinstance(tile, bool) and not -_INT64_MAX - 1 <= tile <= _INT64_MAX:
+            raise ValueError(f"{name} must be >= 1 and at most 2**63 - 1, got {tile}")  # (in int64: the op's check)
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0.0 and impl != "flash":

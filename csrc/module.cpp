@@ -1021,7 +1021,9 @@ void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, cons
       uses.push_back({block, b, i, seen, first_new});
     }
   for (const int32_t block : blocks) written[block] = 0;
-  std::sort(uses.begin(), uses.end(), [](const Use& x, const Use& y) { return x.block < y.block; });
+  std::sort(uses.begin(), uses.end(), [](const Use& x, const Use& y) {  // by block, then in table order
+    return std::tie(x.block, x.b, x.i) < std::tie(y.block, y.b, y.i);
+  });
   for (size_t first = 0, last; first < uses.size(); first = last) {  // the uses of one block: [first, last)
     for (last = first; last < uses.size() && uses[last].block == uses[first].block;) ++last;
     for (size_t w = first; w < last; ++w)

@@ -399,8 +399,8 @@ def bad_cases():
          "k_cache has elements that share memory"),
         ("one cache for k and v appended to", (q, k, k, seqlens, k_new, v_new, None), ValueError,
          "k_cache and v_cache share memory"),
-        # A row a sequence appends (lengths 3 and 10, 2 new keys each, blocks of 4) that another entry of the block
-        # tables sees would hand that sequence a key not its own.
+        # A row a sequence appends (cache_seqlens 3 and 10, 2 new keys each, blocks of 4) that another entry of the
+        # block tables sees would hand that sequence a key not its own.
         ("append where another sequence reads", (q, pk, pv, seqlens, k_new, v_new,
                                                  torch.tensor([[5, 0, 2], [1, 3, 0]], dtype=i32)), ValueError,
          r"block_table: sequence 0 writes k_new and v_new into rows 0\.\.0 of block 0, which block_table\[1, 2\] "
@@ -408,10 +408,14 @@ def bad_cases():
         ("append into a shared prefix block", (q, pk, pv, seqlens, k_new, v_new,
                                                torch.tensor([[5, 0, 2], [5, 3, 4]], dtype=i32)), ValueError,
          r"sequence 0 writes k_new and v_new into rows 3\.\.3 of block 5, which block_table\[1, 0\] names too"),
-        ("two sequences append into one row", (q, pk, pv, torch.tensor([4, 10], dtype=i32), k_new, v_new,
+        ("another sequence reads the new rows", (q, pk, pv, torch.tensor([4, 10], dtype=i32), k_new, v_new,
+                                                 torch.tensor([[5, 4, 2], [1, 3, 4]], dtype=i32)), ValueError,
+         r"sequence 0 writes k_new and v_new into rows 0\.\.1 of block 4, which block_table\[1, 2\] names too, "
+         r"its rows 0\.\.3 read by sequence 1"),
+        ("two sequences append into one row", (q, pk, pv, torch.tensor([4, 8], dtype=i32), k_new, v_new,
                                                torch.tensor([[5, 4, 2], [1, 3, 4]], dtype=i32)), ValueError,
-         r"into rows 0\.\.1 of block 4, which block_table\[1, 2\] names too|"
-         r"into rows 2\.\.3 of block 4, which block_table\[0, 1\] names too"),
+         r"sequence 0 writes k_new and v_new into rows 0\.\.1 of block 4, which block_table\[1, 2\] names too, "
+         r"its rows 0\.\.1 read by sequence 1"),
         ("one table naming a block twice", (q[:1], pk, pv, seqlens[:1], k_new[:1], v_new[:1],
                                             torch.tensor([[5, 5, 2]], dtype=i32)), ValueError,
          r"sequence 0 writes k_new and v_new into rows 0\.\.0 of block 5, which block_table\[0, 0\] names too, "
@@ -449,3 +453,9 @@ def test_shared_blocks_that_appends_do_not_touch():
         v_exp[b, :, seqlens[b]:seqlens[b] + 2] = v_new[b]
     problem = error_of(out, reference(q, k_exp, v_exp, seqlens + 2), torch.float32)
     assert not problem, problem
+    # every sequence's rows, the new ones where its table puts them, the shared block untouched (rows past a
+    # sequence's length may be another's: sequence 0's block 7)
+    after_k, after_v = from_paged(blocks_k, table, 3 * bs), from_paged(blocks_v, table, 3 * bs)
+    for b in range(3):
+        n = seqlens[b] + 2
+        assert torch.equal(after_k[b, :, :n], k_exp[b, :, :n]) and torch.equal(after_v[b, :, :n], v_exp[b, :, :n])

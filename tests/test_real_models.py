@@ -451,6 +451,7 @@ def test_sinks_per_head_and_per_row(per_row, grad):
     sinks = torch.randn(B, H, N, 1, generator=g) * 2 if per_row else torch.randn(H, generator=g) * 2
     mask = torch.ones(B, 1, N, N, dtype=torch.bool).tril()
     mask[1, :, :, 5:] = False  # padding: sequence 1 has 5 keys
+    mask[0, :, 3, :] = False  # a row that sees no key: lse = -inf, all its weight on the sink, out 0 (as eager)
     module = torch.nn.Module()
     leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
     out, _ = _transformers_attention(module, *leaves, mask, scaling=0.25, s_aux=sinks)
@@ -462,8 +463,9 @@ def test_sinks_per_head_and_per_row(per_row, grad):
         out.sum().backward()
         for a, b in zip(leaves, ref_leaves):
             assert (a.grad.double() - b.grad).abs().max().item() <= 1e-4
-    with pytest.raises(ValueError, match=r"attention sinks \(s_aux / sinks\) must be one per head"):
-        _transformers_attention(module, q, k, v, mask, scaling=0.25, s_aux=torch.zeros(3))
+    for bad in (torch.zeros(3), torch.zeros(B, N, H)):  # (B, Nq, H) with Nq != H; a trailing broadcast would not do
+        with pytest.raises(ValueError, match=r"attention sinks \(s_aux / sinks\) must be one per head"):
+            _transformers_attention(module, q, k, v, mask, scaling=0.25, s_aux=bad)
 
 
 def test_which_model_types_get_sdpa_masks():

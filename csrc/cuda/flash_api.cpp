@@ -116,8 +116,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     const int64_t hq = q.size(-3), hkv = k.size(-3);
     TORCH_CHECK_VALUE(v.size(-3) == hkv, "k and v must have the same number of heads (dim -3), got k ", k.sizes(),
                       ", v ", v.sizes());
-    TORCH_CHECK_VALUE(hkv >= 1 && hq % hkv == 0, "the heads of q (dim -3) must be a multiple of those of k and v, "
-                      "got q ", q.sizes(), ", k ", k.sizes());
+    TORCH_CHECK_VALUE(hkv >= 1, "k and v must have at least one head (dim -3), got k ", k.sizes(), ", v ", v.sizes());
+    TORCH_CHECK_VALUE(hq % hkv == 0, "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
+                      q.sizes(), ", k ", k.sizes());
   }
   const double scale_value = scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
   TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale_value)), "scale must be a finite float32, got ",
