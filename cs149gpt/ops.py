@@ -77,8 +77,8 @@ def attention(
             that requires grad is refused (torch's SDPA computes that one).
         window: (flash only) sliding-window (local) attention, FlashAttention's window_size (left, right):
             query i sees keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 leaves a side unbounded
-            (None = (-1, -1)), and so does a bound past Nq + Nk (sys.maxsize too). Applied together with is_causal and attn_mask; key tiles outside the band are
-            skipped, forward and backward.
+            (None = (-1, -1)), and so does a bound past Nq + Nk (sys.maxsize too). Applied together with
+            is_causal and attn_mask; key tiles outside the band are skipped, forward and backward.
         dropout_p: (flash only) dropout on the attention weights, in [0, 1): each weight is zeroed with that
             probability, the others scaled by 1 / (1 - dropout_p); lse stays that of the undropped weights. The
             mask comes from a counter-based generator keyed by a (seed, offset) drawn from torch's default

@@ -61,7 +61,7 @@ constexpr int64_t kDefaultBlockK = 128;
 struct Layout {
   int64_t Br, Bc, Tr, Tc;
   int64_t Br_pad, Bc_pad, d_pad;  // rows to whole row groups, keys and columns to whole vectors
-  int64_t s_ld;                   // S's row stride: a cache line past Bc_pad, so that rows do not share L1 sets
+  int64_t s_ld;                   // S's row stride: a cache line past Bc_pad (line_past)
   int64_t panel;                  // keys per panel of K_jᵀ (pack_kv_tile)
   bool pack_v;                    // V is converted/padded once rather than read in place
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad, to whole panels
@@ -85,7 +85,7 @@ struct Layout {
     Br_pad = round_up(Br, kRowGroup);
     Bc_pad = round_up(Bc, W);
     d_pad = round_up(d, W);
-    s_ld = Bc_pad + 16;
+    s_ld = line_past(Bc_pad, sizeof(float));
     panel = std::min<int64_t>(kQkVecs * W, Bc_pad);
     pack_v = p.dtype != DType::f32 || d_pad != d;
     kt_tile = d * round_up(Bc_pad, panel);

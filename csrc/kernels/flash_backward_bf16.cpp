@@ -32,6 +32,7 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash_backward_bf16 {
 
+using flash::line_past;
 using flash::round_up;
 using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
@@ -76,9 +77,7 @@ inline bool rows_in_place(const void* base, const int64_t (&strides)[3], int64_t
 
 struct Layout {
   int64_t Br, Bc, Tc, q_pad, d_k, d_n, group_size, chunks, pairs, tasks, threads, packed_keys;
-  // dQᵀ's row stride: a cache line past q_pad. Its tiles (16 rows) are loaded and stored for every tile pair, and
-  // rows q_pad apart (4 KB at 1024 queries) would all fall into one of L1's 64 sets.
-  int64_t dqt_ld;
+  int64_t dqt_ld;  // dQᵀ's row stride, a cache line past q_pad (line_past: 4 KB apart at 1024 queries, one L1 set)
   bool cache_query;     // Qᵀ, dOᵀ packed once per task (else per tile pair)
   bool keys_in_place;   // whole strips of K_j, V_j read in place; only a last partial strip is packed
   int64_t partial_dq, shared;  // with key chunks (flash_backward_onepass.cpp): each task's partial dQᵀ
@@ -98,7 +97,7 @@ struct Layout {
     Br = std::min({Br, round_up(p.q_len, kStep), kMaxTile});
     Bc = std::min({Bc, round_up(p.kv_len, kStep), kMaxTile});
     q_pad = round_up(p.q_len, Br);
-    dqt_ld = q_pad + 16;
+    dqt_ld = line_past(q_pad, sizeof(float));
     d_k = round_up(p.head_dim, kDotK);     // k of Sᵀ, dPᵀ; rows (M) of dQᵀ
     d_n = round_up(p.head_dim, kDotCols);  // n of dV, dK
     group_size = p.num_heads / p.num_kv_heads;

@@ -36,6 +36,7 @@ using flash::mask_block;
 using flash::MaskBlock;
 using flash::online_softmax;
 using flash::prefetch_next_mask_block;
+using flash::line_past;
 using flash::round_up;
 using flash::run_forward_tiles;
 using flash::shown_keys_end;
@@ -63,7 +64,7 @@ struct Layout {
   int64_t Br, Bc, Tr, Tc;
   int64_t parts;            // 1 (bfloat16) or 2 (float16: hi, then lo, of the same size)
   int64_t Bc_pad;           // keys to whole dot-product steps (kDotK); Br is already whole groups
-  int64_t s_ld, p_ld;       // row strides of S (floats) and P (bf16): a cache line past Bc_pad (see below)
+  int64_t s_ld, p_ld;       // row strides of S (floats) and P (bf16): a cache line past Bc_pad (line_past)
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n), per part
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats); V's flags, then K's
@@ -80,11 +81,8 @@ struct Layout {
     Tr = (p.q_len + Br - 1) / Br;
     Tc = (p.kv_len + Bc - 1) / Bc;
     Bc_pad = round_up(Bc, kDotK);
-    // A tile store or load moves 16 rows at once. Rows Bc_pad apart (2 KB at 512 keys) would all fall into the same
-    // two of L1's 64 sets, and a 2 × 2 block of S tiles would put 16 lines into sets of 12 ways; one cache line more
-    // per row spreads a tile's rows over 16 sets (as flash.cpp's S).
-    s_ld = Bc_pad + 16;
-    p_ld = Bc_pad + 32;
+    s_ld = line_past(Bc_pad, sizeof(float));  // Bc_pad apart, 2 KB at 512 keys: a tile's rows in two L1 sets
+    p_ld = line_past(Bc_pad, sizeof(bf16_bits));
     d_k = round_up(p.head_dim, kDotK);
     d_n = round_up(p.head_dim, kDotCols);
     kt_tile = d_k * Bc_pad;

@@ -34,6 +34,12 @@ constexpr int64_t kKeyAlign = kRowGroup / std::gcd(kRowGroup, W) * W;
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// The row stride of a scratch matrix whose rows are n elements of `bytes` each: one cache line (64 B) more. Rows a
+// multiple of 1–4 KB apart fall into the same few of L1's 64 sets, and a 16-row tile load or store (AMX) or a
+// micro-kernel's rows would then evict each other (2 KB apart: a 2 × 2 block of S tiles put 16 lines into 12-way
+// sets; measured in results/ab_s12c_forward.txt); one line more spreads consecutive rows over the sets.
+inline int64_t line_past(int64_t n, int64_t bytes) { return n + 64 / bytes; }
+
 template <class T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
