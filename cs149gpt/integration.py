@@ -99,7 +99,10 @@ def _attention_with_sinks(query, key, value, attention_mask, sinks, dropout, sca
             and ops.uses_our_kernel(query, key, value, attention_mask, 0.0, is_causal, scaling, enable_gqa)):
         out, lse = ops.attention(query, key, value, scale=scaling, is_causal=is_causal, attn_mask=attention_mask,
                                  return_lse=True)
-        weight = torch.sigmoid(lse - rows.to(lse.dtype))
+        sink = rows.to(lse.dtype)
+        # The sink is one more logit, so the project's rule holds for it: +inf makes the row NaN (as in eager's softmax;
+        # sigmoid(lse − inf) would be 0), NaN stays NaN, −inf weighs 0.
+        weight = torch.sigmoid(lse - sink).masked_fill(sink == float("inf"), float("nan"))
         return (out.float() * weight.unsqueeze(-1)).to(out.dtype)
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)

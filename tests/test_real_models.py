@@ -477,3 +477,21 @@ def test_which_model_types_get_sdpa_masks():
     assert not _takes_sdpa_masks("bloom") and not _takes_sdpa_masks("mpt")
     assert not _takes_sdpa_masks("blip_text_model")
     assert _takes_sdpa_masks("a_type_transformers_does_not_map")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_non_finite_sinks_follow_the_rule(grad):
+    """A sink is one more logit: +inf or NaN makes its rows NaN, −inf weighs 0 (the output is the kernel's alone), as
+    in eager's softmax; on the kernel path (no gradients) and eager's math (gradients)."""
+    from cs149gpt.integration import _transformers_attention
+
+    g = torch.Generator().manual_seed(10)
+    q, k, v = torch.randn(1, 3, 5, 8, generator=g), torch.randn(1, 1, 5, 8, generator=g), torch.randn(1, 1, 5, 8, generator=g)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+    sinks = torch.tensor([float("inf"), float("nan"), float("-inf")])
+    leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    out, _ = _transformers_attention(torch.nn.Module(), *leaves, mask, scaling=0.3, s_aux=sinks)
+    want = eager_sink_reference(q, k, v, mask, sinks, 0.3)
+    assert out[:, :, 0].isnan().all() and out[:, :, 1].isnan().all() and want[:, :, :2].isnan().all()
+    assert (out[:, :, 2].double() - want[:, :, 2]).abs().max().item() <= TOL
+
