@@ -57,18 +57,16 @@ constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with lon
 constexpr int64_t kMinTasks = 64;
 constexpr int64_t kMinSplitKeys = 256;
 // Below this many bytes of K and V read (all tasks together), the call runs on the calling thread, with no parallel
-// region at all; from there on, on all the caller's threads. Measured on the 16-core device host, inside the shipped
-// GPT (bench_generate.py, 4 layers, 1 MB of cache per call at context 1024): its decode ran at 0.74× SDPA with 16
-// threads per call (results/decode_16core_run2_*), and at 0.34× when a call asked for only 8 of the 16
-// (results/decode_session4_*; teams of changing size are what torch's parallel_for avoids by never passing num_threads:
-// "bugs in GOMP's thread pool", pytorch#32008); SDPA's own 16-thread call took 55 µs there
-// (decode_session4_profile.txt) for ~25 µs of reading: between a model's other operators, waking the pool costs tens of
-// µs. One thread reads 1 MB in ~45 µs (decode_session4_decode.txt, 128 Llama keys, float32). Back-to-back calls
-// (bench_decode.py) find the pool awake and would gain from threads at a few hundred KB already.
+// region at all; from there on, on all the caller's threads (never a team of another size: libgomp then rebuilds
+// its pool, and torch's parallel_for never passes num_threads, "bugs in GOMP's thread pool", pytorch#32008 — asking
+// for 8 of 16 threads made the shipped GPT's matrix products around our call 9× slower, results/decode_session4_*).
+// Inside the shipped GPT at context 1024 (bench_generate.py, 4 layers, ~1 MB of cache per call, 16 threads, the
+// device host; results/s13a_profile_*.txt, torch.profiler) a call took 55 µs on the calling thread and 16 µs on
+// all 16 (SDPA's: 31–34 µs): the pool is awake between a model's operators, so threads pay from a few hundred KB.
 // Bytes alone undercount GQA: each key is multiplied by all G query heads of its group, and a bf16 cache is half the
 // bytes for the same arithmetic. One thread took 28 µs for 2^20 multiply-adds (128 bf16 Llama keys, 32 query heads,
 // results/session4_recheck_decode_128.txt) where SDPA's 16 threads took 23–25: from kParallelMacs on, threads too.
-constexpr int64_t kSerialBytes = 1024 * 1024;
+constexpr int64_t kSerialBytes = 256 * 1024;
 constexpr int64_t kParallelMacs = 512 * 1024;
 
 // The flash kernel (flash.cpp) hands a call of decode_kernel_takes's shape to this path when it has no attn_mask and
