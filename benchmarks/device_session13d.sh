@@ -18,7 +18,6 @@ for dt in float32 bfloat16; do
   tag=$([ $dt = float32 ] && echo f32 || echo bf16)
   timeout 200 python3 benchmarks/bench_backward.py --shapes 1,4,1024,32 1,12,1024,64 4,12,2048,64 1,16,4096,128 \
     --threads 1,16 --causal both --dtype $dt --min-run-time 0.1 --rounds 2 --memory > "$OUT/s13d_backward_$tag.txt" 2>&1
-  grep -E "bwd flash|peak" "$OUT/s13d_backward_$tag.txt" | cut -c1-100
-  grep -E "^\| .*bwd" "$OUT/s13d_backward_$tag.txt" | head -0
+  grep -E "peak|^\| .* \| (bwd|fwd\+bwd) \| " "$OUT/s13d_backward_$tag.txt" | cut -c1-130
   uptime
 done
