@@ -468,18 +468,20 @@ def test_fully_masked_rows(isa, dtype, backward_path):
 # ---------------------------------------------------------------------------------------------------------
 # Determinism
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backward_path", ["auto", "one_pass", "one_pass_chunked", "two_pass"], indirect=True)
-def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backward_path):
+def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backward_path, dtype):
     """dq, dk, dv are torch.equal for 1, 2, 3 threads and more threads than CPUs (including GQA, where dk/dv sum over
     a group of query heads, tiles that give several tasks per thread, and key runs that wait for each other's merge
     on threads the OS may not be running), and for two runs on the same thread count: for each backward algorithm,
-    and for the one module.cpp picks (which must not depend on the thread count)."""
+    and for the one module.cpp picks (which must not depend on the thread count); float32, and bf16 (its own
+    one-pass kernel on amx and avx512_bf16, whose key runs add their dQ to a shared sum in turn)."""
     g = gen(710)
     failures = []
     for q_shape, kv_shape, tiles in [((2, 4, 130, 32), (2, 4, 130, 32), (None, None)),
                                      ((2, 8, 100, 32), (2, 2, 121, 32), (None, None)),
                                      ((1, 6, 90, 24), (1, 1, 77, 24), (7, 20))]:
-        q, k, v, dout = inputs(q_shape, kv_shape, g)
+        q, k, v, dout = inputs(q_shape, kv_shape, g, dtype)
         for mode in CAUSAL_MODES:
             runs = []
             counts = (1, 2, 3, 2, 2 * (os.cpu_count() or 1) + 1)

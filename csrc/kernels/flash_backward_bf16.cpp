@@ -80,8 +80,12 @@ struct Layout {
   int64_t dqt_ld;  // dQᵀ's row stride, a cache line past q_pad (line_past: 4 KB apart at 1024 queries, one L1 set)
   bool cache_query;     // Qᵀ, dOᵀ packed once per task (else per tile pair)
   bool keys_in_place;   // whole strips of K_j, V_j read in place; only a last partial strip is packed
-  int64_t partial_dq, shared;  // with key chunks (flash_backward_onepass.cpp): each task's partial dQᵀ
-  // per thread, in floats: dQᵀ without key chunks (group × d_k × dqt_ld), lse·log2(e) and D (group × q_pad);
+  // shared, with key chunks (flash_backward_onepass.cpp): the task counter and each kv head's merge turn (int64s),
+  // then each kv head's dQᵀ sum, float32 (pairs × dq_size): a run adds its own dQᵀ to it in the order of the runs
+  // and the last run writes dq. One sum per kv head, not one partial per run: (1,12,1024,64) in 4 runs, one thread,
+  // the partials took 12.8 MB (peak backward 17.3 MiB against torch's 7.7; results/s13d_backward_bf16.txt).
+  int64_t counters, dq_sums, shared;
+  // per thread, in floats: the task's dQᵀ (group × d_k × dqt_ld), lse·log2(e) and D (group × q_pad);
   // K_j, V_j by rows (packed_keys × d_k bf16: the whole tile, or one strip of 32 keys when read in place), K_jᵀ
   // (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
   // q_pad/Br × d_k × Br bf16), else of one query tile; Q_i, dO_i in VNNI pairs (Br × d_n bf16);
@@ -109,10 +113,11 @@ struct Layout {
     keys_in_place = rows_in_place(p.k, p.k_strides, p.head_dim) && rows_in_place(p.v, p.v_strides, p.head_dim);
     packed_keys = keys_in_place ? kStep : Bc;
     const int64_t dq_size = group_size * d_k * dqt_ld;
-    partial_dq = 0;
-    shared = chunks > 1 ? tasks * dq_size : 0;
+    counters = 0;
+    dq_sums = round_up(16 + 2 * pairs, 16);  // the task counter on a cache line of its own, then the turns
+    shared = chunks > 1 ? dq_sums + pairs * dq_size : 0;
     dqt_off = 0;
-    lse2_off = dqt_off + (chunks > 1 ? 0 : dq_size);
+    lse2_off = dqt_off + dq_size;
     delta_off = lse2_off + group_size * q_pad;
     kr_off = delta_off + group_size * q_pad;
     vr_off = kr_off + floats_for(packed_keys * d_k);
@@ -149,11 +154,12 @@ inline const bf16_bits* row_of(const void* base, const int64_t (&strides)[3], in
 
 struct Scratch {
   float *dQT, *lse2, *delta, *ST, *dPT, *dK, *dV;
+  float* workspace;  // the call's: with key chunks, the task counter, the merge turns and the kv heads' dQᵀ sums
   bf16_bits *Kr, *Vr, *KT, *QT, *dOT, *Qv, *dOv, *PT, *dST, *dSv;
   int32_t *begin, *end;
-  Scratch(const Layout& L, float* s)
+  Scratch(const Layout& L, float* s, float* ws)
       : dQT(s + L.dqt_off), lse2(s + L.lse2_off), delta(s + L.delta_off), ST(s + L.st_off), dPT(s + L.dpt_off),
-        dK(s + L.dk_off), dV(s + L.dv_off), Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
+        dK(s + L.dk_off), dV(s + L.dv_off), workspace(ws), Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
         Vr(reinterpret_cast<bf16_bits*>(s + L.vr_off)), KT(reinterpret_cast<bf16_bits*>(s + L.kt_off)),
         QT(reinterpret_cast<bf16_bits*>(s + L.qt_off)), dOT(reinterpret_cast<bf16_bits*>(s + L.dot_off)),
         Qv(reinterpret_cast<bf16_bits*>(s + L.qv_off)), dOv(reinterpret_cast<bf16_bits*>(s + L.dov_off)),
@@ -322,8 +328,14 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   if (tile.k_finite) bf16_gemm(L.d_k, n_q, m_keys, s.KT, L.Bc, s.dSv, Br, dQT + c0, L.dqt_ld, true);
 }
 
+// Kv head `pair`'s merge turn: how many of its runs have added their dQᵀ to its sum.
+inline int64_t* merge_turn(const Layout& L, float* ws, int64_t pair) {
+  return reinterpret_cast<int64_t*>(ws + L.counters + 16) + pair;
+}
+
 // The task of chunk `chunk` of kv head kvh in batch b (key tiles [chunk·Tc/C, (chunk+1)·Tc/C)): dK, dV of its keys,
-// its share of the dQᵀ of the group's query heads into s.dQT, written out here when the task has all the keys.
+// its share of the dQᵀ of the group's query heads into s.dQT, written out here when the task has all the keys (else
+// merged into the kv head's sum, and written out by the last run).
 void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
                   const Scratch& s) {
   const AttentionParams& p = bp.fwd;
@@ -350,51 +362,56 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
       store_scaled_bf16(s.dV + t * L.d_n, 1.0f, d, reinterpret_cast<bf16_bits*>(dv_out + t * bp.dv_strides[2]));
     }
   }
-  if (L.chunks > 1) return;  // run() sums the chunks' dQᵀ
+  // With key chunks: this run's dQᵀ joins the kv head's sum once runs 0 .. chunk − 1 have joined theirs, so every sum
+  // is ((dQᵀ_0 + dQᵀ_1) + dQᵀ_2) + ..., whatever thread ran which run and when; the last run writes dq from it.
+  const float* dQT = s.dQT;
+  if (L.chunks > 1) {
+    const int64_t dq_size = L.group_size * L.d_k * L.dqt_ld, pair = b * p.num_kv_heads + kvh;
+    float* sum = s.workspace + L.dq_sums + pair * dq_size;
+    int64_t* turn = merge_turn(L, s.workspace, pair);
+    flash_backward_onepass::wait_for_turn(turn, chunk);
+    for (int64_t g = 0; g < L.group_size; ++g)
+      for (int64_t e = 0; e < d; ++e) {
+        float* to = sum + (g * L.d_k + e) * L.dqt_ld;
+        const float* part = s.dQT + (g * L.d_k + e) * L.dqt_ld;
+        if (chunk == 0)
+          std::copy(part, part + p.q_len, to);
+        else
+          for (int64_t i = 0; i < p.q_len; ++i) to[i] += part[i];
+      }
+    __atomic_store_n(turn, chunk + 1, __ATOMIC_RELEASE);
+    if (chunk < L.chunks - 1) return;
+    dQT = sum;
+  }
   for (int64_t g = 0; g < L.group_size; ++g) {  // dQ = scale · (dQᵀ)ᵀ
     auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
-    store_transposed_scaled_bf16(s.dQT + g * L.d_k * L.dqt_ld, L.dqt_ld, d, p.q_len, p.scale,
+    store_transposed_scaled_bf16(dQT + g * L.d_k * L.dqt_ld, L.dqt_ld, d, p.q_len, p.scale,
                                  reinterpret_cast<bf16_bits*>(dq_out), bp.dq_strides[2]);
-  }
-}
-
-// With key chunks: dQ row i of query head h = scale · Σ_c (chunk c's partial dQᵀ column), in the order of c.
-void sum_chunks_dq(const AttentionBackwardParams& bp, const Layout& L, const float* partial, int64_t b, int64_t h,
-                   int64_t i) {
-  const AttentionParams& p = bp.fwd;
-  const int64_t kvh = h / L.group_size, g = h % L.group_size, dq_size = L.group_size * L.d_k * L.dqt_ld;
-  auto* dq_out = static_cast<c10::BFloat16*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] +
-                 i * bp.dq_strides[2];
-  for (int64_t e = 0; e < p.head_dim; ++e) {
-    float sum = 0.0f;
-    for (int64_t c = 0; c < L.chunks; ++c)
-      sum += partial[(c * L.pairs + b * p.num_kv_heads + kvh) * dq_size + (g * L.d_k + e) * L.dqt_ld + i];
-    dq_out[e] = static_cast<c10::BFloat16>(p.scale * sum);
   }
 }
 
 void run(const AttentionBackwardParams& bp, float* ws) {
   const AttentionParams& p = bp.fwd;
   const Layout L(bp);
+  int64_t* next_task = reinterpret_cast<int64_t*>(ws + L.counters);
+  if (L.chunks > 1) {  // the task counter, the merge turns
+    *next_task = 0;
+    std::fill(merge_turn(L, ws, 0), merge_turn(L, ws, L.pairs), int64_t{0});
+  }
 #pragma omp parallel num_threads(static_cast<int>(L.threads))
   {
-    Scratch s(L, ws + L.shared + omp_get_thread_num() * L.per_thread);
+    const Scratch s(L, ws + L.shared + omp_get_thread_num() * L.per_thread, ws);
     const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
-    const int64_t dq_size = L.group_size * L.d_k * L.dqt_ld;
-    float* own_dqt = s.dQT;
-    // Tasks chunk by chunk: under a causal mask the first keys meet the most query rows, so go first.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < L.tasks; ++t) {
-      s.dQT = L.chunks > 1 ? ws + L.partial_dq + t * dq_size : own_dqt;
+    const auto task = [&](int64_t t) {
       kv_head_task(bp, L, (t % L.pairs) / p.num_kv_heads, t % p.num_kv_heads, t / L.pairs, s);
-    }
-    // (implicit barrier: every chunk's dQᵀ is complete)
-    if (L.chunks > 1) {
-      const int64_t rows = p.batch * p.num_heads * p.q_len;
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < rows; ++r)
-        sum_chunks_dq(bp, L, ws + L.partial_dq, r / (p.num_heads * p.q_len), (r / p.q_len) % p.num_heads,
-                      r % p.q_len);
+    };
+    if (L.chunks == 1) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < L.tasks; ++t) task(t);
+    } else {
+      // Tasks in the order of t, chunk by chunk (under a causal mask the first keys meet the most query rows, so go
+      // first): a run's predecessor, `pairs` tasks earlier, is then always running or done when the run merges.
+      for (int64_t t; (t = __atomic_fetch_add(next_task, 1, __ATOMIC_RELAXED)) < L.tasks;) task(t);
     }
   }
 }
