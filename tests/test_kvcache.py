@@ -263,7 +263,7 @@ def test_thread_count_does_not_change_bits(dtype, restore_threads):
 
 @pytest.mark.parametrize("n", [200, 1500])
 def test_thread_count_does_not_change_bits_at_any_size(n, restore_threads):
-    """On both sides of the kernel's serial threshold (1 MB of K and V or 2^19 multiply-adds: 200 keys are 200 KB
+    """On both sides of the kernel's serial threshold (256 KB of K and V or 2^19 multiply-adds: 200 keys are 200 KB
     and 409,600, run on the calling thread; 1500 keys take the parallel path): 1, 2 and 4 threads compute the same
     bits, batch 1, Llama's GQA group of 4, d = 128."""
     g = gen(1550)
