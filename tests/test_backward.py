@@ -369,10 +369,10 @@ def test_low_precision_gradients(isa, dtype, backward_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_key_layout_does_not_change_the_bits(isa, dtype, backward_path):
     """Gradients of k and v given as views of a fused (B, N, 3, H, d) tensor (rows 3·H·d apart), as views with an odd
-    row stride (d + 1), and as contiguous tensors are torch.equal, and within tolerance of float64 autograd. The
-    one-pass kernels read K (float32) or whole 32-key strips of K and V (bf16) in place where the rows allow and
-    pack them otherwise (an odd bf16 stride, the keys of a last partial strip): the values multiplied are the same
-    either way. Key tiles of 256 and 96 (key counts not a multiple of 32) and the default; causal and not; GQA."""
+    row stride (d + 1), as views with rows 4 KB apart (a (B, N, H, d) buffer with H·d = 4096 bytes: Llama-sized heads),
+    and as contiguous tensors are torch.equal, and within tolerance of float64 autograd. The one-pass kernels read K
+    (float32) or whole 32-key strips of K and V (bf16) in place where the rows allow and pack them otherwise (an odd
+    bf16 stride, the keys of a last partial strip): the values multiplied are the same either way. Key tiles of 256 and 96 (key counts not a multiple of 32) and the default; causal and not; GQA."""
     g = gen(712)
     failures = []
     for (b, hq, hkv, nq, nk, d), causal in [((1, 4, 2, 150, 300, 64), False), ((1, 2, 2, 200, 270, 128), True),
@@ -386,17 +386,23 @@ def test_key_layout_does_not_change_the_bits(isa, dtype, backward_path):
             label = f"{dtype} {(b, hq, hkv, nq, nk, d)} causal={causal} tiles={tiles}"
             kwargs = dict(is_causal=causal, block_q=tiles[0], block_k=tiles[1])
             base = check_grads(q, k, v, dout, failures, label, want=want, **kwargs)
-            for layout in ("fused", "odd stride"):
+            for layout in ("fused", "odd stride", "4 KB stride"):
                 # views of leaves, so that the kernels see their strides (our_grads' clones would be contiguous)
                 if layout == "fused":
                     leaf = fused.detach().clone().requires_grad_()
                     kl, vl = leaf[:, :, 1].transpose(1, 2), leaf[:, :, 2].transpose(1, 2)
-                else:
+                elif layout == "odd stride":
                     padded = [torch.zeros(b, hkv, nk, d + 1, dtype=dtype) for _ in range(2)]
                     for t, src in zip(padded, (k, v)):
                         t[..., :d] = src
                     kl, vl = (t.requires_grad_()[..., :d] for t in padded)
-                assert kl.stride(-2) in (3 * hkv * d, d + 1)
+                else:
+                    heads = 4096 // (d * dtype.itemsize)  # of d values each: rows 4 KB apart
+                    wide = [torch.zeros(b, nk, heads, d, dtype=dtype) for _ in range(2)]
+                    for t, src in zip(wide, (k, v)):
+                        t[:, :, :hkv] = src.transpose(1, 2)
+                    kl, vl = (t.requires_grad_()[:, :, :hkv].transpose(1, 2) for t in wide)
+                assert kl.stride(-2) * kl.element_size() in (3 * hkv * d * dtype.itemsize, (d + 1) * dtype.itemsize, 4096)
                 ql = q.detach().clone().requires_grad_()
                 out = cs149gpt.attention(ql, kl, vl, **kwargs)
                 got = (out.detach(), *torch.autograd.grad(out, (ql, kl, vl), dout))
