@@ -161,8 +161,8 @@ def test_reference_gradients_match_torch_sdpa():
 def backward_path(request):
     """Runs the test with one backward algorithm forced: one pass (flash_backward_onepass.cpp and, for bf16 on amx
     and avx512_bf16, flash_backward_bf16.cpp: a task per (batch, kv head)), the same with each kv head's keys split
-    into 3 tasks whose partial dq are summed afterwards, or two passes (flash_backward.cpp). module.cpp otherwise
-    picks by shape and CPU count, so on any one machine some shapes would only ever meet one of them."""
+    into 3 tasks whose partial dq join the kv head's sum in turn, or two passes (flash_backward.cpp). module.cpp
+    otherwise picks by shape and CPU count, so on any one machine some shapes would only ever meet one of them."""
     m = module()
     m.set_backward_path("two_pass" if request.param == "two_pass" else "one_pass")
     m.set_backward_key_chunks(3 if request.param == "one_pass_chunked" else 0)
@@ -486,7 +486,10 @@ def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backw
     failures = []
     for q_shape, kv_shape, tiles in [((2, 4, 130, 32), (2, 4, 130, 32), (None, None)),
                                      ((2, 8, 100, 32), (2, 2, 121, 32), (None, None)),
-                                     ((1, 6, 90, 24), (1, 1, 77, 24), (7, 20))]:
+                                     ((1, 6, 90, 24), (1, 1, 77, 24), (7, 20)),
+                                     # 32-key tiles: several runs per kv head on every ISA's default tiles too (amx's
+                                     # 256-key tile would give the shapes above one run each), two kv heads merging
+                                     ((2, 8, 100, 32), (2, 2, 121, 32), (None, 32))]:
         q, k, v, dout = inputs(q_shape, kv_shape, g, dtype)
         for mode in CAUSAL_MODES:
             runs = []
