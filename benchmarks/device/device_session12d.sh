@@ -13,12 +13,12 @@ export CS149GPT_NO_CUDA=1
 uptime
 TAG=s12d_forward ROUNDS=3 TL=150 MIN_RUN=0.15 \
   ARGS="--shapes 1,12,1024,64 4,12,2048,64 1,16,4096,128 --threads 1 --causal both --dtype bfloat16" \
-  bash benchmarks/device_ab.sh > /dev/null 2>&1
+  bash benchmarks/device/device_ab.sh > /dev/null 2>&1
 awk '/^==/{print; next} $5=="flash"{print $1, $2, $3, $4, $6, $8}' "$OUT/ab_s12d_forward.txt"
 uptime
 TAG=s12d_backward ROUNDS=2 TL=200 KEEP="^\| [0-9]" \
   CMD="benchmarks/bench_backward.py --shapes 1,12,1024,64 1,8,2048,128 --threads 1,16 --causal both --dtype bfloat16 --rounds 1 --min-run-time 0.2" \
-  ARGS="" bash benchmarks/device_ab.sh > /dev/null 2>&1
+  ARGS="" bash benchmarks/device/device_ab.sh > /dev/null 2>&1
 awk -F'|' '/^==/{print; next} $7 ~ /flash/ {print $2, $3, $5, $6, $8, $10}' "$OUT/ab_s12d_backward.txt"
 uptime
 PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_backward.py tests/test_flash.py \

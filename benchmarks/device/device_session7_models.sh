@@ -6,7 +6,7 @@
 # output-layout change touches (every ISA, amx included); PROFILE=1 adds operator profiles (profile_models.py) of
 # compiled Llama and of BERT at 32 x 128, 16 threads; SMALL=1 small calls (probe_small_calls.py) and masked prefill
 # (bench_masks.py); MODELS=0 skips the whole models; TESTS overrides the test files.
-#   run: CS149GPT_NO_CUDA=1 DTYPE=bfloat16 bash benchmarks/device_session7_models.sh
+#   run: CS149GPT_NO_CUDA=1 DTYPE=bfloat16 bash benchmarks/device/device_session7_models.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 # One run on the device host's CPU (16-core Xeon with AMX): build, the flash/attention/non-finite tests under
 # every ISA that CPU runs (the `isa` fixture forces amx, avx512_bf16, avx512, avx2, scalar in turn), then the
 # forward benchmark for bf16, fp16 and fp32 on 1 and 16 threads. Everything lands in $OUT.
-#   run: bash benchmarks/device_cpu.sh   (the device tool sets $OUT)
+#   run: bash benchmarks/device/device_cpu.sh   (the device tool sets $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

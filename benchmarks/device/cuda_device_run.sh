@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the CUDA extension, run the CUDA tests, the driver, a profile and the benchmark, logs
 # under $OUT.
-#   bash benchmarks/cuda_device_run.sh [quick|full]
+#   bash benchmarks/device/cuda_device_run.sh [quick|full]
 #   CONFIGS=1: first sweep the tile configurations;  PROFILE=1: Nsight Compute on ours and FA2 (d 128)
 set -uo pipefail
 mode=${1:-quick}

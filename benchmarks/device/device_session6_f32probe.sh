@@ -2,7 +2,7 @@
 # Session 6 (16-core Xeon): why the float32 forward reaches ~52 % of the FMA peak on one thread there (78–83 % on the
 # dev box's Zen 5): every tile size, key tiles whose row stride is not a power of two among them (cache-set and
 # 4K-aliasing effects), and flush-to-zero off/on (microcode assists on subnormals).
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session6_f32probe.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session6_f32probe.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

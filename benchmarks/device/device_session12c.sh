@@ -11,7 +11,7 @@ export CS149GPT_NO_CUDA=1
 uptime
 TAG=s12c_forward ROUNDS=2 TL=200 MIN_RUN=0.15 \
   ARGS="--shapes 1,4,1024,32 1,12,1024,64 4,12,2048,64 1,16,4096,128 --threads 1,16 --causal both --dtype bfloat16,float16" \
-  bash benchmarks/device_ab.sh > /dev/null 2>&1
+  bash benchmarks/device/device_ab.sh > /dev/null 2>&1
 awk '/^==/{print; next} $5=="flash"{print $1, $2, $3, $4, $6, $8}' "$OUT/ab_s12c_forward.txt"
 uptime
 PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_flash.py tests/test_masks.py \

@@ -3,7 +3,7 @@
 # (carried as .gpu_stage/base), and the decode tests under every ISA, amx and amx_emulated included.
 #   s10a_pytest.txt   test_kvcache.py, test_mask_decode.py (every ISA), test_flash.py -k 'decode or amx'
 #   s10a_ab.txt       bench_decode.py --dtypes bfloat16, 1 and 16 threads, base and new alternating, $ROUNDS rounds
-#   run: bash benchmarks/device_session10.sh   (the device tool sets $OUT)
+#   run: bash benchmarks/device/device_session10.sh   (the device tool sets $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

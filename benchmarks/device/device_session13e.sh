@@ -11,7 +11,7 @@ export MAX_JOBS=16 PYTHONUNBUFFERED=1 CS149GPT_NO_CUDA=1
 nproc; uptime
 TAG=s13e_backward_bf16 ROUNDS=2 TL=120 CMD="benchmarks/bench_backward.py --shapes 1,4,1024,32 1,12,1024,64 --threads 1,16 \
   --causal both --dtype bfloat16 --min-run-time 0.1 --rounds 1 --memory" KEEP="^\| .* \| bwd \| " ARGS="" \
-  bash benchmarks/device_ab.sh > /dev/null 2>&1
+  bash benchmarks/device/device_ab.sh > /dev/null 2>&1
 cut -c1-100 "$OUT/ab_s13e_backward_bf16.txt"
 uptime
 export PYTHONPATH=$PWD

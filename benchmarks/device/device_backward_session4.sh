@@ -4,7 +4,7 @@
 # ((1,12,1024,64) and (1,16,4096,128)); the training step on 16 threads (shipped, nano256; fp32, autocast); a
 # torch.profiler breakdown of nano256's fp32 step; the backward's time for other tile sizes (bench_backward_tiles.py).
 # Each step has its own time limit; files land in $OUT as they are written.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_backward_session4.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_backward_session4.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 # One run on the device host's CPU (16-core Xeon with AMX), CPU only: build, the mask/window/dropout tests and the
 # flash, backward and non-finite suites under every ISA the CPU runs (the `isa` fixture), then the masked-prefill
 # benchmark (ours vs torch SDPA with the same mask, same run) for float32 and bfloat16 on 1 and 16 threads.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_masks.sh   (the device tool sets $OUT)
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_masks.sh   (the device tool sets $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

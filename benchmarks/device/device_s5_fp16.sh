@@ -4,8 +4,8 @@
 # vs torch's float16 SDPA, same run); the flash/mask/dropout/non-finite tests under every ISA the CPU runs (the
 # `isa` fixture forces amx, avx512_bf16, avx512, avx2, scalar in turn); with SWEEP=1 also a one-thread tile sweep of
 # float16 and bfloat16. Files land in $OUT as s5_fp16_<tag>_*.
-#   run: CS149GPT_NO_CUDA=1 TAG=run1 bash benchmarks/device_s5_fp16.sh
-#        CS149GPT_NO_CUDA=1 TAG=run2 ROUNDS=3 MIN_RUN=0.25 SWEEP=1 bash benchmarks/device_s5_fp16.sh
+#   run: CS149GPT_NO_CUDA=1 TAG=run1 bash benchmarks/device/device_s5_fp16.sh
+#        CS149GPT_NO_CUDA=1 TAG=run2 ROUNDS=3 MIN_RUN=0.25 SWEEP=1 bash benchmarks/device/device_s5_fp16.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 TAG=${TAG:-run1}

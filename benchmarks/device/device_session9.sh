@@ -3,7 +3,7 @@
 # merged in order (4 tasks a CPU, no partial buffers) — issue 12's backward table at 16 threads with peak memory
 # (bench_backward.py, the issue's shapes, float32), and the training step (bench_train.py, 16 threads). The one-thread
 # rows: BWD1=1 (the three smaller shapes; the largest takes minutes a call there).
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session9.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session9.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

@@ -4,7 +4,7 @@
 #           avx512, avx2, scalar in turn); masked prefill against SDPA given the same mask (issue 11).
 #   PART=b: the forward benchmark (issue 9: bf16, fp16, fp32; the issue's four shapes; causal both; 1 and 16
 #           threads); the backward on 16 threads (issue 12).
-#   run: CS149GPT_NO_CUDA=1 PART=a bash benchmarks/device_session6_final.sh
+#   run: CS149GPT_NO_CUDA=1 PART=a bash benchmarks/device/device_session6_final.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

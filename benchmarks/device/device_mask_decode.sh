@@ -5,7 +5,7 @@
 # threads); the decode kernel with a key-padding mask against SDPA with the same mask (bench_decode.py --mask bool);
 # then the masked-decode, KV-cache and real-model tests. Each step has its own time limit, so a slow one leaves the
 # others' results. Outputs: $OUT/${PREFIX}_*.txt.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_mask_decode.sh   (the device tool sets $OUT)
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_mask_decode.sh   (the device tool sets $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 P=${PREFIX:-masks_session4}

@@ -2,7 +2,7 @@
 # Session 5's first device run (16-core Xeon with AMX): build; the KV-cache tests (the decode kernel's serial /
 # parallel choice changed); decode at 128 and 1024 keys (Llama heads); the whole-model prefill probe (why bf16 on
 # one thread was slower with the faster attention); the whole-model benchmark, bf16 and float32.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session5_probe.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session5_probe.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

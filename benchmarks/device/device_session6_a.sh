@@ -2,7 +2,7 @@
 # Session 6 (16-core Xeon with AMX): the forward benchmark (issue 9: bf16, fp16, fp32; the issue's four shapes;
 # causal both; 1 and 16 threads), the one-thread backward (issue 12), the training step (shipped model and a
 # nanoGPT-sized one). Each stage time-limited to fit one 10-minute device call.
-#   run: CS149GPT_NO_CUDA=1 TAG=s6a bash benchmarks/device_session6_a.sh
+#   run: CS149GPT_NO_CUDA=1 TAG=s6a bash benchmarks/device/device_session6_a.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 TAG=${TAG:-s6a}

@@ -2,7 +2,7 @@
 # Session 5's closing run, part B (16-core Xeon with AMX), on merged main: masked prefill against SDPA given the
 # same mask; whole Hugging Face Llama models (prefill, generate) with each attention; decoding (Llama heads, batch 1
 # and 8, 128–8192 keys); the backward on 16 threads.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session5_final_b.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session5_final_b.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 # Session 5's closing run, part A (16-core Xeon with AMX), on merged main: build; the CPU test suites under every
 # ISA the CPU runs (the `isa` fixture forces amx, avx512_bf16, avx512, avx2, scalar in turn); the forward benchmark
 # (bf16, fp16, fp32; the issue's four shapes; causal both; 1 and 16 threads).
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session5_final_a.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session5_final_a.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

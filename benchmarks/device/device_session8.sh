@@ -6,7 +6,7 @@
 # at 4 x 512 and probe_small_calls.py;
 # MODELS=1 every whole-model case (bench_models.py, DTYPE) with BERT at 32 x 128; FORWARD=1 issue 9's forward table
 # (bench_attention.py, the issue's shapes, 3 dtypes) and masked prefill (bench_masks.py).
-#   run: CS149GPT_NO_CUDA=1 PYTEST=1 PROFILE=1 PROBE=1 DTYPE=bfloat16 bash benchmarks/device_session8.sh
+#   run: CS149GPT_NO_CUDA=1 PYTEST=1 PROFILE=1 PROBE=1 DTYPE=bfloat16 bash benchmarks/device/device_session8.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

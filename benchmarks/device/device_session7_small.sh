@@ -2,7 +2,7 @@
 # Session 7, device host (16-core Xeon with AMX): why BERT on 32 x 128 sentence batches runs slower with ours at 16
 # threads (the attention calls 2x torch's there) — small calls, per ISA (amx, avx512_bf16); and Llama under
 # torch.compile with the graph compiled per thread count (bench_models.py).
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session7_small.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session7_small.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

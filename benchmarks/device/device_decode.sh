@@ -10,7 +10,7 @@
 #   profile.txt           profile_decode_step: where a decode step's time goes (shipped 1024 and Llama 4096, 16 threads)
 #   overhead.txt          bench_overhead, 1 and 16 threads
 #   pytest.txt            the KV-cache, fast-path and model tests under every ISA this CPU runs (AMX included)
-#   run: bash benchmarks/device_decode.sh   (the device tool sets $OUT)
+#   run: bash benchmarks/device/device_decode.sh   (the device tool sets $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

@@ -3,7 +3,7 @@
 # suites under every ISA that CPU runs (the `isa` fixture forces amx, avx512_bf16, avx512, avx2, scalar in turn);
 # the forward benchmark (bf16, fp16, fp32; the four shapes; causal both; 1 and 16 threads); the backward
 # benchmark on 16 threads; decode with a padding mask. Each step has its own time limit; files land in $OUT.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session4_final.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session4_final.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

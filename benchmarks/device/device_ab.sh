@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B on the device host: the working tree against a copy of the previous commit (.gpu_stage/base, carried),
 # both built, then the same benchmark alternating between the two in separate processes, ROUNDS times.
-#   run: CS149GPT_NO_CUDA=1 ARGS="--shapes 1,12,1024,64 --dtype float32 --threads 1" bash benchmarks/device_ab.sh
+#   run: CS149GPT_NO_CUDA=1 ARGS="--shapes 1,12,1024,64 --dtype float32 --threads 1" bash benchmarks/device/device_ab.sh
 #   another benchmark: CMD="benchmarks/bench_masks.py --markdown" KEEP="^\| [a-z]" ARGS="--threads 1,16" ...
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}

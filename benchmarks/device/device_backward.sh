@@ -3,7 +3,7 @@
 # runs (amx included), attention's peak backward memory and the training step (bench_train.py), then the backward
 # benchmark (fwd, bwd, fwd+bwd vs SDPA) in float32 and bf16 on 16 and 1 threads. Everything lands in $OUT, each
 # file written as it goes, so a run cut short still brings back what it measured.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_backward.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_backward.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

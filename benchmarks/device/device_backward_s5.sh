@@ -5,7 +5,7 @@
 # vs SDPA) at the four shapes on 16 threads, float32 and bf16; the new default tiles against the old ones
 # (bench_backward_tiles.py); two shapes on 1 thread. Each step has its own time limit; files land in $OUT as
 # s5_backward_*.txt as they are written.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_backward_s5.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_backward_s5.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

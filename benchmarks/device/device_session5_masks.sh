@@ -2,7 +2,7 @@
 # Session 5's second device run (16-core Xeon with AMX): build; the mask / fast-path / KV-cache tests under every
 # ISA; masked prefill against SDPA (the mask block prefetch); per-call cost with and without a padding mask (masks
 # now taken in C++); the shipped GPT's decoding at 16 threads, profiled and timed.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session5_masks.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session5_masks.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

@@ -3,7 +3,7 @@
 # part B could not measure — masked prefill against SDPA given the same mask; whole Hugging Face models (prefill,
 # generate, GPT-2 train step) with each attention; decoding (Llama heads, batch 1 and 8, 128–8192 keys); the
 # backward on 16 threads. Every stage has its own time limit so that the whole fits one 10-minute device call.
-#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device_session6_b.sh
+#   run: CS149GPT_NO_CUDA=1 bash benchmarks/device/device_session6_b.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cs149gpt-device}
 mkdir -p "$OUT"

@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 export MAX_JOBS=16 PYTHONUNBUFFERED=1 CS149GPT_NO_CUDA=1
 nproc; uptime
 TAG=s13a_generate ROUNDS=3 TL=100 CMD="benchmarks/bench_generate.py --threads 16 --contexts 1024 --impls flash --repeats 3" \
-  KEEP="^\| [0-9]" ARGS="" bash benchmarks/device_ab.sh > /dev/null 2>&1
+  KEEP="^\| [0-9]" ARGS="" bash benchmarks/device/device_ab.sh > /dev/null 2>&1
 cat "$OUT/ab_s13a_generate.txt"
 uptime
 for tree in base new; do
