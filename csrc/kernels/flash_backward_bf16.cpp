@@ -36,6 +36,7 @@ using flash::line_past;
 using flash::round_up;
 using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
+namespace key_runs = flash_backward_onepass::key_runs;  // the order of key runs' dQ merges, shared
 
 // Tiles, both whole dot-product steps (32) and at most kMaxTile:
 //   head_dim <= 64: 128 query rows x 128 keys (the better of 32-128 x 64-256 on the dev box, avx512_bf16), and 256
@@ -80,11 +81,11 @@ struct Layout {
   int64_t dqt_ld;  // dQᵀ's row stride, a cache line past q_pad (line_past: 4 KB apart at 1024 queries, one L1 set)
   bool cache_query;     // Qᵀ, dOᵀ packed once per task (else per tile pair)
   bool keys_in_place;   // whole strips of K_j, V_j read in place; only a last partial strip is packed
-  // shared, with key chunks (flash_backward_onepass.cpp): the task counter and each kv head's merge turn (int64s),
-  // then each kv head's dQᵀ sum, float32 (pairs × dq_size): a run adds its own dQᵀ to it in the order of the runs
-  // and the last run writes dq. One sum per kv head, not one partial per run: (1,12,1024,64) in 4 runs, one thread,
-  // the partials took 12.8 MB (peak backward 17.3 MiB against torch's 7.7; results/s13d_backward_bf16.txt).
-  int64_t counters, dq_sums, shared;
+  // shared, with key chunks: flash_backward_onepass.cpp's key_runs header, then each kv head's dQᵀ sum, float32
+  // (pairs × dq_size): a run adds its own dQᵀ to it in the order of the runs and the last run writes dq. One sum
+  // per kv head, not one partial per run: (1,12,1024,64) in 4 runs, one thread, the partials took 12.8 MB (peak
+  // backward 17.3 MiB against torch's 7.7; results/s13d_backward_bf16.txt).
+  int64_t dq_sums, shared;
   // per thread, in floats: the task's dQᵀ (group × d_k × dqt_ld), lse·log2(e) and D (group × q_pad);
   // K_j, V_j by rows (packed_keys × d_k bf16: the whole tile, or one strip of 32 keys when read in place), K_jᵀ
   // (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
@@ -113,8 +114,7 @@ struct Layout {
     keys_in_place = rows_in_place(p.k, p.k_strides, p.head_dim) && rows_in_place(p.v, p.v_strides, p.head_dim);
     packed_keys = keys_in_place ? kStep : Bc;
     const int64_t dq_size = group_size * d_k * dqt_ld;
-    counters = 0;
-    dq_sums = round_up(16 + 2 * pairs, 16);  // the task counter on a cache line of its own, then the turns
+    dq_sums = key_runs::header_floats(pairs);
     shared = chunks > 1 ? dq_sums + pairs * dq_size : 0;
     dqt_off = 0;
     lse2_off = dqt_off + dq_size;
@@ -328,11 +328,6 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   if (tile.k_finite) bf16_gemm(L.d_k, n_q, m_keys, s.KT, L.Bc, s.dSv, Br, dQT + c0, L.dqt_ld, true);
 }
 
-// Kv head `pair`'s merge turn: how many of its runs have added their dQᵀ to its sum.
-inline int64_t* merge_turn(const Layout& L, float* ws, int64_t pair) {
-  return reinterpret_cast<int64_t*>(ws + L.counters + 16) + pair;
-}
-
 // The task of chunk `chunk` of kv head kvh in batch b (key tiles [chunk·Tc/C, (chunk+1)·Tc/C)): dK, dV of its keys,
 // its share of the dQᵀ of the group's query heads into s.dQT, written out here when the task has all the keys (else
 // merged into the kv head's sum, and written out by the last run).
@@ -368,8 +363,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   if (L.chunks > 1) {
     const int64_t dq_size = L.group_size * L.d_k * L.dqt_ld, pair = b * p.num_kv_heads + kvh;
     float* sum = s.workspace + L.dq_sums + pair * dq_size;
-    int64_t* turn = merge_turn(L, s.workspace, pair);
-    flash_backward_onepass::wait_for_turn(turn, chunk);
+    key_runs::wait_for_turn(s.workspace, pair, chunk);
     for (int64_t g = 0; g < L.group_size; ++g)
       for (int64_t e = 0; e < d; ++e) {
         float* to = sum + (g * L.d_k + e) * L.dqt_ld;
@@ -379,7 +373,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
         else
           for (int64_t i = 0; i < p.q_len; ++i) to[i] += part[i];
       }
-    __atomic_store_n(turn, chunk + 1, __ATOMIC_RELEASE);
+    key_runs::end_turn(s.workspace, pair, chunk);
     if (chunk < L.chunks - 1) return;
     dQT = sum;
   }
@@ -393,11 +387,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
 void run(const AttentionBackwardParams& bp, float* ws) {
   const AttentionParams& p = bp.fwd;
   const Layout L(bp);
-  int64_t* next_task = reinterpret_cast<int64_t*>(ws + L.counters);
-  if (L.chunks > 1) {  // the task counter, the merge turns
-    *next_task = 0;
-    std::fill(merge_turn(L, ws, 0), merge_turn(L, ws, L.pairs), int64_t{0});
-  }
+  if (L.chunks > 1) key_runs::reset(ws, L.pairs);
 #pragma omp parallel num_threads(static_cast<int>(L.threads))
   {
     const Scratch s(L, ws + L.shared + omp_get_thread_num() * L.per_thread, ws);
@@ -409,9 +399,7 @@ void run(const AttentionBackwardParams& bp, float* ws) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < L.tasks; ++t) task(t);
     } else {
-      // Tasks in the order of t, chunk by chunk (under a causal mask the first keys meet the most query rows, so go
-      // first): a run's predecessor, `pairs` tasks earlier, is then always running or done when the run merges.
-      for (int64_t t; (t = __atomic_fetch_add(next_task, 1, __ATOMIC_RELAXED)) < L.tasks;) task(t);
+      key_runs::take_in_order(ws, L.tasks, task);
     }
   }
 }

@@ -79,15 +79,51 @@ inline KeyRange visible_in_tile(const AttentionParams& p, int64_t i, int64_t j0,
   return {begin, std::max(begin, end)};
 }
 
+// Key runs (module.cpp's key_chunks), in this kernel and in flash_backward_bf16.cpp. Run r of a kv head adds its
+// partial dQ to the kv head's sum once runs 0 .. r − 1 have added theirs, so that every sum is
+// ((dQ_0 + dQ_1) + dQ_2) + ..., whatever thread ran which run and when. What orders them heads the shared workspace:
+// the task counter on a cache line of its own (threads waiting for a turn do not slow the others taking tasks), then
+// each kv head's merge turn, how many of its runs have added theirs (int64s, two floats each).
+namespace key_runs {
+inline int64_t header_floats(int64_t pairs) { return round_up(16 + 2 * pairs, 16); }
+inline int64_t* task_counter(float* ws) { return reinterpret_cast<int64_t*>(ws); }
+inline int64_t* merge_turn(float* ws, int64_t pair) { return reinterpret_cast<int64_t*>(ws + 16) + pair; }
+inline void reset(float* ws, int64_t pairs) {
+  *task_counter(ws) = 0;
+  std::fill(merge_turn(ws, 0), merge_turn(ws, pairs), int64_t{0});
+}
+// Every thread takes tasks in the order of t, chunk by chunk (t / pairs; under a causal mask the first keys meet the
+// most query rows, so go first): a run's predecessor, `pairs` tasks earlier, is then always running or done when the
+// run waits for its turn.
+template <class Task>
+void take_in_order(float* ws, int64_t tasks, const Task& task) {
+  for (int64_t t; (t = __atomic_fetch_add(task_counter(ws), 1, __ATOMIC_RELAXED)) < tasks;) task(t);
+}
+// Waiting for a turn: a pause between looks, and the CPU given up after a while (more threads than CPUs: the run
+// waited for may be one that is not running).
+inline void wait_for_turn(float* ws, int64_t pair, int64_t run) {
+  const int64_t* turn = merge_turn(ws, pair);
+  for (int64_t looks = 0; __atomic_load_n(turn, __ATOMIC_ACQUIRE) != run; ++looks) {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_pause();
+#endif
+    if (looks > 4096) std::this_thread::yield();
+  }
+}
+inline void end_turn(float* ws, int64_t pair, int64_t run) {
+  __atomic_store_n(merge_turn(ws, pair), run + 1, __ATOMIC_RELEASE);
+}
+}  // namespace key_runs
+
 struct Layout {
   int64_t Br, Bc, Tr, Tc, q_pad, d_pad, group_size, chunks, pairs, tasks, threads;
   // K_j by rows (B of dQ_i += dS K_j) read in place from k: float32 rows of whole vectors (no padding to add). Saves
   // Bc x d_pad floats per thread: (1,12,1024,64) with 192-key tiles stays under torch SDPA's backward memory.
   bool k_rows_in_place;
-  // shared, with key chunks: the task counter and each kv head's merge turn (int64 each), then the dQ sums of the
-  // kv heads (pairs × group_size × q_pad × d_pad) unless they are summed in dq itself (float32).
+  // shared, with key chunks: key_runs' header, then the dQ sums of the kv heads (pairs × group_size × q_pad × d_pad)
+  // unless they are summed in dq itself (float32).
   bool dq_sums_in_place;
-  int64_t counters, dq_sums, shared;
+  int64_t dq_sums, shared;
   // per thread: dQ of the task's group (group_size × q_pad × d_pad), D and lse (group_size × q_pad);
   // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad, unless read in place); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones
   int64_t dq_off, delta_off, lse_off, kt_off, vt_off, kr_off, qi_off, doi_off, p_off, ds_off, dk_off, dv_off, ones_off,
@@ -113,10 +149,7 @@ struct Layout {
     threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
     const int64_t dq_size = group_size * q_pad * d_pad;
     dq_sums_in_place = p.dtype == DType::f32;
-    counters = 0;
-    // The task counter on a cache line of its own (threads waiting for a turn do not slow the others taking tasks),
-    // then the turns: int64s, two floats each.
-    dq_sums = round_up(16 + 2 * pairs, 16);
+    dq_sums = key_runs::header_floats(pairs);
     shared = chunks > 1 ? dq_sums + (dq_sums_in_place ? 0 : pairs * dq_size) : 0;
     dq_off = 0;
     delta_off = dq_off + dq_size;
@@ -310,21 +343,6 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
 // The key tiles of chunk c of C: [c·Tc/C, (c+1)·Tc/C).
 inline int64_t chunk_start(const Layout& L, int64_t c) { return c * L.Tc / L.chunks; }
 
-// With key chunks: run r adds its partial dQ to its kv head's sum once runs 0 .. r − 1 have added theirs, so that
-// every sum is ((dQ_0 + dQ_1) + dQ_2) + ..., whatever thread ran which run and when.
-// Waiting for a turn: a pause between looks, and the CPU given up after a while (more threads than CPUs: the run
-// waited for may be one that is not running).
-inline void wait_for_turn(const int64_t* turn, int64_t value) {
-  for (int64_t looks = 0; __atomic_load_n(turn, __ATOMIC_ACQUIRE) != value; ++looks) {
-#if defined(__x86_64__) || defined(_M_X64)
-    _mm_pause();
-#endif
-    if (looks > 4096) std::this_thread::yield();
-  }
-}
-inline int64_t* merge_turn(const Layout& L, float* ws, int64_t pair) {
-  return reinterpret_cast<int64_t*>(ws + L.counters + 16) + pair;
-}
 // Row i of query head g of kv head (b, kvh)'s dQ sum: in dq itself (float32), else in the workspace.
 inline float* dq_sum_row(const AttentionBackwardParams& bp, const Layout& L, float* ws, int64_t b, int64_t kvh,
                          int64_t g, int64_t i) {
@@ -338,8 +356,8 @@ inline float* dq_sum_row(const AttentionBackwardParams& bp, const Layout& L, flo
 inline void merge_chunk(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
                         const float* dQ, float* ws) {
   const AttentionParams& p = bp.fwd;
-  int64_t* turn = merge_turn(L, ws, b * p.num_kv_heads + kvh);
-  wait_for_turn(turn, chunk);
+  const int64_t pair = b * p.num_kv_heads + kvh;
+  key_runs::wait_for_turn(ws, pair, chunk);
   for (int64_t g = 0; g < L.group_size; ++g)
     for (int64_t i = 0; i < p.q_len; ++i) {
       float* sum = dq_sum_row(bp, L, ws, b, kvh, g, i);
@@ -349,7 +367,7 @@ inline void merge_chunk(const AttentionBackwardParams& bp, const Layout& L, int6
       else
         for (int64_t e = 0; e < p.head_dim; ++e) sum[e] += part[e];
     }
-  __atomic_store_n(turn, chunk + 1, __ATOMIC_RELEASE);
+  key_runs::end_turn(ws, pair, chunk);
 }
 
 // The task of chunk `chunk` of kv head kvh in batch b: dK, dV of its keys, and its share of the dQ of the query heads
@@ -396,11 +414,7 @@ template <class T>
 void run(const AttentionBackwardParams& bp, float* ws) {
   const AttentionParams& p = bp.fwd;
   const Layout L(bp);
-  int64_t* next_task = reinterpret_cast<int64_t*>(ws + L.counters);
-  if (L.chunks > 1) {  // the task counter, the merge turns
-    *next_task = 0;
-    std::fill(merge_turn(L, ws, 0), merge_turn(L, ws, L.pairs), int64_t{0});
-  }
+  if (L.chunks > 1) key_runs::reset(ws, L.pairs);
 #pragma omp parallel num_threads(static_cast<int>(L.threads))
   {
     float* scratch = ws + L.shared + omp_get_thread_num() * L.per_thread;
@@ -413,9 +427,7 @@ void run(const AttentionBackwardParams& bp, float* ws) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < L.tasks; ++t) task(t);
     } else {
-      // Tasks in the order of t, chunk by chunk (under a causal mask the first keys meet the most query rows, so go
-      // first): a run's predecessor, `pairs` tasks earlier, is then always running or done when the run merges.
-      for (int64_t t; (t = __atomic_fetch_add(next_task, 1, __ATOMIC_RELAXED)) < L.tasks;) task(t);
+      key_runs::take_in_order(ws, L.tasks, task);
 #pragma omp barrier
       // Every sum is complete: dQ = scale · sum.
       const int64_t rows = p.batch * p.num_heads * p.q_len;
