@@ -508,6 +508,37 @@ def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backw
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("isa", BF16_DOT_ISAS, indirect=True)
+def test_bf16_key_runs_on_one_thread_share_one_dq_sum(isa, restore_threads, ops):
+    """bf16 backward, 4 key runs per kv head, one thread: the runs go kv head by kv head and one float32 dQᵀ sum
+    serves them all, so the call's extra memory stays below a float32 dQ of every head (what one sum per kv head
+    took: (1,12,1024,64) on one thread then peaked over torch's backward). Extra memory = every allocation the
+    profiler sees in the call, less the three bf16 gradients it returns."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = gen(720)
+    q, k, v, dout = inputs((1, 12, 512, 64), (1, 12, 512, 64), g, torch.bfloat16)
+    out, lse = ops.flash_attention(q, k, v, None, "none", None, None)
+    m = module()
+    torch.set_num_threads(1)
+    m.set_backward_path("one_pass")
+    m.set_backward_key_chunks(4)
+    try:
+        ops.flash_attention_backward(dout, q, k, v, out, lse, None, "none", None, None)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            grads = ops.flash_attention_backward(dout, q, k, v, out, lse, None, "none", None, None)
+    finally:
+        m.set_backward_path("auto")
+        m.set_backward_key_chunks(0)
+    allocated = sum(e.nbytes() for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU and e.nbytes() > 0)
+    extra = allocated - sum(t.numel() * t.element_size() for t in grads)
+    all_heads_dq_f32 = q.numel() * 4
+    assert 0 < extra < all_heads_dq_f32, (extra, all_heads_dq_f32)
+    failures = grad_problems((out, *grads), ref_grads(q, k, v, dout), (q, k, v), "one thread, 4 key runs")
+    assert not failures, "\n".join(failures)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Finite differences: our gradient against our own forward
 # ---------------------------------------------------------------------------------------------------------

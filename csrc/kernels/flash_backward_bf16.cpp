@@ -84,8 +84,12 @@ struct Layout {
   // shared, with key chunks: flash_backward_onepass.cpp's key_runs header, then each kv head's dQᵀ sum, float32
   // (pairs × dq_size): a run adds its own dQᵀ to it in the order of the runs and the last run writes dq. One sum
   // per kv head, not one partial per run: (1,12,1024,64) in 4 runs, one thread, the partials took 12.8 MB (peak
-  // backward 17.3 MiB against torch's 7.7; results/s13d_backward_bf16.txt).
-  int64_t dq_sums, shared;
+  // backward 17.3 MiB against torch's 7.7; results/s13d_backward_bf16.txt). On one thread the runs go kv head by kv
+  // head (pair_major) and one sum serves them all, in turn: that call's peak is then under torch's (its float32 dQ
+  // is a whole call's); on several threads the runs go key chunk by key chunk (key_runs::take_in_order) and every
+  // kv head's sum is live at once. The sums' order of additions, hence the bits, is the same either way.
+  bool pair_major;
+  int64_t sum_slots, dq_sums, shared;
   // per thread, in floats: the task's dQᵀ (group × d_k × dqt_ld), lse·log2(e) and D (group × q_pad);
   // K_j, V_j by rows (packed_keys × d_k bf16: the whole tile, or one strip of 32 keys when read in place), K_jᵀ
   // (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
@@ -115,7 +119,9 @@ struct Layout {
     packed_keys = keys_in_place ? kStep : Bc;
     const int64_t dq_size = group_size * d_k * dqt_ld;
     dq_sums = key_runs::header_floats(pairs);
-    shared = chunks > 1 ? dq_sums + pairs * dq_size : 0;
+    pair_major = threads == 1;
+    sum_slots = pair_major ? 1 : pairs;
+    shared = chunks > 1 ? dq_sums + sum_slots * dq_size : 0;
     dqt_off = 0;
     lse2_off = dqt_off + dq_size;
     delta_off = lse2_off + group_size * q_pad;
@@ -362,7 +368,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   const float* dQT = s.dQT;
   if (L.chunks > 1) {
     const int64_t dq_size = L.group_size * L.d_k * L.dqt_ld, pair = b * p.num_kv_heads + kvh;
-    float* sum = s.workspace + L.dq_sums + pair * dq_size;
+    float* sum = s.workspace + L.dq_sums + (L.pair_major ? 0 : pair) * dq_size;
     key_runs::wait_for_turn(s.workspace, pair, chunk);
     for (int64_t g = 0; g < L.group_size; ++g)
       for (int64_t e = 0; e < d; ++e) {
@@ -393,7 +399,8 @@ void run(const AttentionBackwardParams& bp, float* ws) {
     const Scratch s(L, ws + L.shared + omp_get_thread_num() * L.per_thread, ws);
     const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
     const auto task = [&](int64_t t) {
-      kv_head_task(bp, L, (t % L.pairs) / p.num_kv_heads, t % p.num_kv_heads, t / L.pairs, s);
+      const int64_t pair = L.pair_major ? t / L.chunks : t % L.pairs, chunk = L.pair_major ? t % L.chunks : t / L.pairs;
+      kv_head_task(bp, L, pair / p.num_kv_heads, pair % p.num_kv_heads, chunk, s);
     };
     if (L.chunks == 1) {
 #pragma omp for schedule(dynamic, 1)
