@@ -6,6 +6,7 @@ and with torch's SDPA: torch.profiler's operators by self CPU time, both attenti
     python benchmarks/profile_models.py --dtype bfloat16 --threads 1
     python benchmarks/profile_models.py --model bert --batch 32 --seq 128
     python benchmarks/profile_models.py --compile
+    python benchmarks/profile_models.py --generate static --threads 16   # greedy generate, 16 new tokens
 """
 import argparse
 import time
@@ -27,6 +28,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--model", choices=("llama", "bert"), default="llama")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--generate", choices=("dynamic", "static"), default=None,
+                        help="profile Llama's greedy generate (--new-tokens) with this cache instead of one forward")
+    parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args()
     import transformers
 
@@ -56,10 +60,16 @@ def main() -> int:
 
         inductor_config.cpp.enable_kernel_profile = True  # each generated kernel its own profiler event
     print(f"# torch {torch.__version__}, isa {cs149gpt.isa()}, {args.model}, {args.dtype}, {args.threads} thread(s), "
-          f"batch {args.batch} x {args.seq} padded{', torch.compile' if args.compile else ''}")
+          f"batch {args.batch} x {args.seq} padded{', torch.compile' if args.compile else ''}"
+          f"{f', generate {args.new_tokens} tokens, {args.generate} cache' if args.generate else ''}")
     for impl in ("sdpa", "cs149gpt", "sdpa", "cs149gpt"):
         model.set_attn_implementation(impl)
         run = model
+        if args.generate:
+            def run(input_ids, attention_mask):
+                return model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                      max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
+                                      cache_implementation=args.generate)
         if args.compile:  # compiled afresh for each attention (switching a compiled model's fails dynamo's guards)
             torch._dynamo.reset()
             run = torch.compile(model)
