@@ -15,6 +15,9 @@ enum class DType { f32, bf16, f16 };  // q, k, v and out share one; arithmetic i
 // torch SDPA's attn_mask: none; boolean (true = the key takes part); additive (added to the scaled logits).
 enum class MaskKind { none, boolean, additive };
 
+// How the forward multiplies float32 on AMX (AttentionParams::f32_products): module.cpp's set_float32_products.
+enum class F32Products { automatic, fma, bf16_tiles };
+
 // Strides are in elements, in the order [batch, head, row]. Within a row the head_dim columns are
 // contiguous (module.cpp guarantees it; SIMD loads need it).
 struct AttentionParams {
@@ -77,6 +80,10 @@ struct AttentionParams {
   int64_t block_k = 1;
 
   int num_threads = 1;  // OpenMP threads the kernel may use; its workspace is sized for this many
+
+  // float32's two products on AMX: in float32 FMAs (flash.cpp), or on the bf16 tiles with every operand in three
+  // bf16 parts (flash_bf16.cpp); automatic: the tiles from a head_dim they win at. Results are float32's either way.
+  F32Products f32_products = F32Products::automatic;
 
   // A KV cache (attention_with_kvcache; read by flash_decode.cpp only, null/0 everywhere else).
   // Per-sequence lengths: sequence b holds cache_seqlens[b] keys (int32 or int64), plus q_len more when k_new is

@@ -458,6 +458,10 @@ at::Tensor key_ranges_of(const at::Tensor& mask4) {
   }
 }
 
+// float32's products on AMX (AttentionParams::f32_products): set_float32_products() forces them, for tests and
+// benchmarks; automatic lets the kernel choose by head_dim (flash_bf16.cpp, kFloat32MinHeadDim).
+F32Products g_float32_products = F32Products::automatic;
+
 // Fills the params of a call whose arguments check_attention has passed (it returned dtype).
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
@@ -486,6 +490,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   p.scale = static_cast<float>(scale_value);
   p.causal_offset = parse_causal(causal, q_len, kv_len, &p.is_causal);
   p.num_threads = std::max(1, at::get_num_threads());
+  p.f32_products = g_float32_products;
   if (is_given(attn_mask)) {
     prep.mask4 = mask_as_4d(*attn_mask, q, kv_len);
     p.mask = prep.mask4.data_ptr();
@@ -1609,6 +1614,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_backward_path = path;
   }, "force the flash backward's algorithm ('one_pass', 'two_pass'), or let the shape decide ('auto', the default)");
   m.def("backward_path", [] { return g_backward_path; }, "the flash backward's algorithm setting (set_backward_path)");
+  m.def("set_float32_products", [](const std::string& how) {
+    TORCH_CHECK_VALUE(how == "auto" || how == "fma" || how == "bf16_tiles",
+                      "how must be 'auto', 'fma' or 'bf16_tiles'; got '", how, "'");
+    g_float32_products = how == "fma" ? F32Products::fma
+                         : how == "bf16_tiles" ? F32Products::bf16_tiles : F32Products::automatic;
+  }, "force how the flash forward multiplies float32 where the ISA has AMX tiles: float32 FMAs ('fma'), or the bf16 "
+     "tiles with each operand in three bf16 parts ('bf16_tiles'); 'auto' (the default) chooses by head_dim");
   m.def("set_backward_key_chunks", [](int64_t chunks) {
     TORCH_CHECK_VALUE(chunks >= 0 && chunks <= 8, "chunks must be in [0, 8] (0: decided by shape), got ", chunks);
     g_backward_key_chunks = chunks;

@@ -12,11 +12,13 @@ import cs149gpt
 from cs149gpt import _ext
 
 # Widest first, as dispatch.cpp tries them. amx and avx512_bf16 differ from avx512 only for bfloat16 inputs (and amx
-# for float16). amx_emulated, last, is the amx kernels with the tiles done in software (csrc/isa/amx_emulation.h):
+# for float16, and for float32 at head_dim >= 96). amx_emulated, last, is the amx kernels with the tiles done in software (csrc/isa/amx_emulation.h):
 # never chosen by itself, it runs the AMX code paths wherever avx512_bf16 runs.
 ALL_ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "scalar", "amx_emulated")
 # Where bfloat16 runs on bf16 dot-product instructions (flash_bf16.cpp, flash_backward_bf16.cpp).
 BF16_DOT_ISAS = ("amx", "avx512_bf16", "amx_emulated")
+# Where the float32 forward may run on the bf16 tiles, each operand in three bf16 parts (flash_bf16.cpp).
+TILE_ISAS = ("amx", "amx_emulated")
 
 # Max abs error allowed against float64 for unit-scale (torch.randn) inputs.
 TOL = 1e-4
@@ -94,6 +96,23 @@ def isa(request):
         yield name
     finally:
         m.set_isa(original)
+
+
+@pytest.fixture(params=["auto", "bf16_tiles"])
+def f32_products(request):
+    """Runs a float32 test on amx and amx_emulated twice: as the kernels choose (the tiles from head_dim 96, float32
+    FMAs below), and with every float32 forward on the bf16 tiles in three parts (set_float32_products), so that
+    every shape, tile, mask and dropout case meets that path too. Elsewhere, and for other dtypes, once."""
+    params = request.node.callspec.params
+    if request.param == "bf16_tiles" and (params.get("isa") not in TILE_ISAS
+                                          or params.get("dtype", torch.float32) != torch.float32):
+        pytest.skip("float32 takes the bf16 tiles only on amx and amx_emulated")
+    m = module()
+    m.set_float32_products(request.param)
+    try:
+        yield request.param
+    finally:
+        m.set_float32_products("auto")
 
 
 def visible_mask(n_q, n_k, is_causal):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import cs149gpt
-from tests._helpers import gen, isa, module, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import f32_products, gen, isa, module, randn, scaled_scores, visible_mask  # noqa: F401  (isa, f32_products: fixtures)
 
 NEG_INF = float("-inf")
 TOL = 1e-4       # float32 out against float64
@@ -68,7 +68,7 @@ def test_keep_mask_rate_and_counter_layout():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_given_the_mask(isa, dtype):
+def test_forward_given_the_mask(isa, f32_products, dtype):
     """out = (P ∘ keep / (1 − p)) V and lse of the undropped P, with attn_mask, both causal modes, GQA, odd tiles."""
     g = gen(1200)
     failures = []

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import ALL_ISAS, BF16_DOT_ISAS, TOL, expected_strides, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import ALL_ISAS, BF16_DOT_ISAS, TILE_ISAS, TOL, expected_strides, f32_products, gen, isa, module, randn, reference, scaled_scores, visible_mask  # noqa: F401  (isa, f32_products: fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -195,7 +195,7 @@ def test_reference_matches_torch():
 # Causal alignments, rows that see nothing, decoding
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_causal_alignments_nq_ne_nk(isa, dtype):
+def test_causal_alignments_nq_ne_nk(isa, f32_products, dtype):
     """Nq < Nk, Nq = Nk and Nq > Nk, every causal mode, with lse; is_causal=True is "top_left", and for
     Nq = Nk "bottom_right" is the same mask (bitwise the same result)."""
     g = gen(101)
@@ -217,7 +217,7 @@ def test_causal_alignments_nq_ne_nk(isa, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rows_that_see_no_key(isa, dtype):
+def test_rows_that_see_no_key(isa, f32_products, dtype):
     """Bottom-right with Nq > Nk: rows i < Nq − Nk see no key: out exactly 0 and lse −inf (torch's SDPA
     would give NaN or 0 depending on the version; ours is documented). Tiles are chosen so that one row group
     or tile mixes such rows with rows that see keys."""
@@ -262,7 +262,7 @@ def test_decode_one_query_against_kv_cache(isa, dtype):
 # Grouped-query attention
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gqa_and_mqa(isa, dtype):
+def test_gqa_and_mqa(isa, f32_products, dtype):
     """Query head h reads kv head h // (Hq / Hkv); the result is bitwise the one for k/v with their heads
     repeated (repeat_interleave copies) and, for MQA, for k/v expanded with a zero head stride."""
     g = gen(104)
@@ -419,6 +419,43 @@ def test_float16_no_less_accurate_than_torch_sdpa(isa, is_causal):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("isa", TILE_ISAS, indirect=True)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float32_on_bf16_tiles_no_less_accurate_than_torch_sdpa(isa, is_causal):
+    """float32 on the bf16 tiles, each operand in three parts (flash_bf16.cpp; automatic from head_dim 96 on amx,
+    forced here at every head_dim): the max error against the float64 reference at most 1.5× that of torch's own
+    float32 SDPA on the same inputs, also with logits 9× larger, GQA and odd tiles; lse within float32's. The order
+    of the tile products' sums matters here (bf16_gemm.h, amx_block_parts): small products added into the large
+    sum step by step doubled the error."""
+    g = gen(110)
+    failures = []
+    m = module()
+    m.set_float32_products("bf16_tiles")
+    try:
+        for shape_q, shape_kv, amplitude, tiles in (
+                ((1, 4, 256, 32), (1, 4, 256, 32), 1.0, (None, None)),
+                ((1, 2, 257, 128), (1, 2, 257, 128), 1.0, (None, None)),
+                ((1, 2, 200, 128), (1, 2, 700, 128), 3.0, (None, None)),
+                ((2, 4, 100, 96), (2, 2, 130, 96), 1.0, (17, 24)), ((1, 2, 90, 256), (1, 2, 90, 256), 3.0, (64, 40))):
+            q, k, v = qkv(shape_q, shape_kv, g)
+            q, k = amplitude * q, amplitude * k
+            out, lse = cs149gpt.attention(q, k, v, is_causal=is_causal, block_q=tiles[0], block_k=tiles[1],
+                                          return_lse=True)
+            want, want_lse = ref_attention(q, k, v, is_causal=is_causal)
+            live = torch.isfinite(want_lse)
+            ours = (out.double() - want).abs()[live].max().item()
+            theirs = torch_sdpa_error(q, k, v, want, live, is_causal=is_causal)
+            tag = f"{shape_q}/{shape_kv} ×{amplitude} tiles {tiles}"
+            if not ours <= 1.5 * theirs:
+                failures.append(f"{tag}: max abs error {ours:.3g} > 1.5 × torch SDPA's {theirs:.3g}")
+            lse_err = ((lse.double() - want_lse).abs() - LSE_RTOL * want_lse.abs())[live].max().item()
+            if not lse_err <= LSE_ATOL:
+                failures.append(f"{tag}: lse error {lse_err:.3g} beyond {LSE_ATOL:g} + {LSE_RTOL:g}·|lse|")
+    finally:
+        m.set_float32_products("auto")
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")])
 def test_float16_infinite_key_with_inexact_bf16_query(isa, value):
     """A float16 q whose bf16 split has a lo part of the other sign (1 + 5·2^-10 = (1 + 2^-7) − 3·2^-10) against
@@ -453,7 +490,7 @@ def test_mixed_dtypes_are_type_errors():
 # lse
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_lse_shapes_and_values(isa, dtype):
+def test_lse_shapes_and_values(isa, f32_products, dtype):
     """lse has q.shape[:-1], float32, = logsumexp over visible keys of scale·q·k: 2-D to 5-D, GQA, both
     causal alignments, explicit scales."""
     g = gen(108)
@@ -507,7 +544,7 @@ HEAD_DIMS = [1, 3, 16, 31, 32, 33, 64, 80, 96, 128, 129, 256]
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_head_dims_and_tiles(isa, d):
+def test_head_dims_and_tiles(isa, f32_products, d):
     """Every head dim 1..256 the brief lists, Nq != Nk (neither a multiple of any tile), odd tiles, all
     causal modes, float32; bf16 with the default tiles."""
     g = gen(200 + d)
@@ -526,7 +563,7 @@ BENCH_SHAPES = [(1, 4, 32), (1, 12, 64), (4, 12, 64), (1, 16, 128), (1, 32, 64)]
 
 
 @pytest.mark.parametrize("bhd", BENCH_SHAPES, ids=lambda s: "B{}H{}d{}".format(*s))
-def test_benchmark_shapes_small_n(isa, bhd):
+def test_benchmark_shapes_small_n(isa, f32_products, bhd):
     b, h, d = bhd
     g = gen(300 + h + d)
     failures = []
@@ -561,7 +598,7 @@ def _strided_cases(g, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_strided_inputs(isa, dtype):
+def test_strided_inputs(isa, f32_products, dtype):
     """Views are read in place through their strides: correct, bitwise equal to the contiguous copies, and
     the inputs untouched."""
     g = gen(400)
@@ -587,7 +624,7 @@ def test_strided_inputs(isa, dtype):
 # Threads
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_thread_count_does_not_change_bits(isa, dtype, restore_threads):
+def test_thread_count_does_not_change_bits(isa, f32_products, dtype, restore_threads):
     """torch.equal results for 1, 2 and 3 threads, with several query tiles and tasks per thread. The default
     tiles depend on the thread count (the query tile shrinks until there are 4 tasks per thread: (1, 1, 300)
     takes 96-row tiles on 1 thread, 48 on 2, 24 on 3), and the rows must come out the same anyway."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import cs149gpt
-from tests._helpers import gen, isa, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import f32_products, gen, isa, randn, scaled_scores, visible_mask  # noqa: F401  (isa, f32_products: fixtures)
 
 NEG_INF = float("-inf")
 # float32 out and gradients against float64 (test_flash.TOL, test_backward.GRAD_TOL).
@@ -155,7 +155,7 @@ def make_mask(kind, shape, g, dtype=torch.float32):
 
 @pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_forward_every_mask_shape(isa, dtype, kind):
+def test_forward_every_mask_shape(isa, f32_products, dtype, kind):
     """out and lse for every broadcast shape of the mask, with each causal mode and tile size."""
     g = gen(1100)
     failures = []
@@ -249,7 +249,7 @@ def test_non_contiguous_masks_are_read_in_place():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fully_masked_rows_are_torchs(isa, dtype):
+def test_fully_masked_rows_are_torchs(isa, f32_products, dtype):
     """Rows whose mask hides every key (bool False, or additive −inf): out 0, lse −inf, zero gradient — torch
     SDPA's answer on the CPU; equal to torch's output."""
     g = gen(1103)
@@ -287,7 +287,7 @@ def test_non_finite_mask_entries_follow_torch():
 
 
 @pytest.mark.parametrize("block_k", [None, 1, 4, 5])
-def test_hidden_keys_are_never_read(isa, block_k):
+def test_hidden_keys_are_never_read(isa, f32_products, block_k):
     """NaN in the k and v of keys the mask hides (a padded batch's padding) leaves every row finite and
     correct, whether the hidden key sits in a block the mask hides whole or in one it cuts."""
     g = gen(1105)
@@ -539,7 +539,7 @@ WINDOWS = [(0, 0), (3, 0), (16, 5), (-1, 2), (7, -1), (40, 40)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_window_forward(isa, dtype):
+def test_window_forward(isa, f32_products, dtype):
     """out and lse with a window alone, with is_causal, and with an attn_mask, Nq = Nk and Nq != Nk, odd tiles."""
     g = gen(1120)
     failures = []

@@ -160,6 +160,11 @@ def run_all(q, k, v, is_causal=False):
     for dtype in (torch.bfloat16, torch.float16):
         results[f"flash-{dtype}"] = cs149gpt.attention(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=is_causal)
     results["flash-tiles-3x5"] = cs149gpt.attention(q, k, v, is_causal=is_causal, block_q=3, block_k=5)
+    module().set_float32_products("bf16_tiles")  # float32 on the bf16 tiles in three parts (amx, amx_emulated)
+    try:
+        results["flash-float32-on-bf16-tiles"] = cs149gpt.attention(q, k, v, is_causal=is_causal)
+    finally:
+        module().set_float32_products("auto")
     return results
 
 

@@ -1,5 +1,6 @@
 // The attention kernels compiled for AVX-512 with AMX-BF16: bf16 inputs take flash_bf16.cpp's AMX tile path, and
-// so do float16 ones, split into two bf16 parts (this CPU family has no AMX-FP16).
+// so do float16 ones, split into two bf16 parts (this CPU family has no AMX-FP16), and float32 ones from a head_dim
+// of 96 on, split into three (flash_bf16.cpp, kFloat32MinHeadDim).
 //
 // Standard and intrinsic headers come first, under the default target, so that inline code from them
 // is never compiled for a wider ISA than the CPU may have; only the kernels below the pragma are.
@@ -26,5 +27,5 @@
 #define CS149_ISA_AVX512
 #define CS149_ISA_BF16_DOT
 #define CS149_ISA_AMX
-#define CS149_ISA_FP16_SPLIT  // float16 on the bf16 tiles too, each operand in two bf16 parts (flash_bf16.cpp)
+#define CS149_ISA_SPLIT_ON_TILES  // float16 and float32 on the bf16 tiles, in two and three bf16 parts (flash_bf16.cpp)
 #include "all_kernels.inc"

@@ -34,7 +34,7 @@
 #define CS149_ISA_AVX512
 #define CS149_ISA_BF16_DOT
 #define CS149_ISA_AMX
-#define CS149_ISA_FP16_SPLIT
+#define CS149_ISA_SPLIT_ON_TILES
 #include "all_kernels.inc"
 
 namespace cs149gpt {

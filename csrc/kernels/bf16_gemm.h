@@ -111,62 +111,62 @@ inline float dot_bf16(const bf16_bits* a, const bf16_bits* b, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Two-part bf16 (flash_bf16.cpp's float16 path). x = hi + lo with hi = bf16(x) and lo = bf16(x − hi), both
-// rounded to nearest even: |x − hi| ≤ 2^-8·|x|, and x − hi (exact in float32) is rounded once more, so
-// |x − hi − lo| ≤ 2^-17·|x|. A float16 x has 11 significant bits, hi takes the first 8 and x − hi has at most 3
-// left (with x's exponent range, fp16 subnormals included, well inside bf16's): for float16, hi + lo = x exactly.
-// lo is 0 where hi is ±inf or NaN (x − hi would be NaN: inf − inf), so hi + lo is still x, and below 2^-100
-// (only weights P get there, where 2^-100 absolute is nothing): there x − hi could be a float32 subnormal, and
-// on the device host's Xeon an instruction whose result underflows costs a microcode assist (simd.h, exp).
-// Returns the lanes whose hi is finite.
+// Operands in several bf16 parts (flash_bf16.cpp's float16 and float32 paths). x = x_0 + x_1 + ... with
+// x_0 = bf16(x) and each next part the bf16 of what the parts before leave, x − x_0 − ... (exact in float32), all
+// rounded to nearest even: each part takes the next 8 (or more) significant bits, so |x − x_0 − ... − x_i| ≤
+// 2^(-8(i+1)-1)·|x|. A float16 x (11 significant bits) is exactly x_0 + x_1; a float32 x (24 bits) exactly
+// x_0 + x_1 + x_2 — with x's exponent range, fp16 subnormals included, well inside bf16's. Only x_0 is kept where
+// it is ±inf or NaN (x − x_0 would be NaN: inf − inf), so the sum is still x, and where |x| < 2^-100: there the
+// remainders could be float32 subnormals, and on the device host's Xeon an instruction whose result underflows
+// costs a microcode assist (simd.h, exp); AMX reads bf16 subnormals as 0 anyway. Below 2^-100 a value keeps bf16's
+// 8 bits (an absolute error under 2^-108); only weights P get there in practice. The parts of one operand lie one
+// after another, `part` bf16 apart, each in the operand's layout. Returns the lanes whose x_0 is finite.
 // ---------------------------------------------------------------------------------------------------
-inline __mmask16 split_bf16(__m512 x, __m256i* hi, __m256i* lo) {
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-  const __m512 h_f32 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  const __m512 magnitude = _mm512_abs_ps(h_f32);
+template <int kParts>
+inline __mmask16 split_bf16(__m512 x, __m256i (&part)[kParts]) {
+  __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  part[0] = h;
+  const __m512 magnitude = _mm512_abs_ps(x);
   const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
-  const __mmask16 has_lo = _mm512_mask_cmp_ps_mask(finite, magnitude, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
-  *hi = h;
-  *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(has_lo, x, h_f32));
+  const __mmask16 has_rest = _mm512_mask_cmp_ps_mask(finite, magnitude, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+#pragma GCC unroll 2
+  for (int i = 1; i < kParts; ++i) {
+    x = _mm512_maskz_sub_ps(has_rest, x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    h = (__m256i)_mm512_cvtneps_pbh(x);
+    part[i] = h;
+  }
   return finite;
 }
 
 inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
 
-// hi[c] + lo[c] = x[c] for n float16 values (bits), zero from n to n_pad; returns how many x are ±inf or NaN.
-inline int64_t split_fp16_row(const uint16_t* x, int64_t n, bf16_bits* hi, bf16_bits* lo, int64_t n_pad) {
+// 16 values as float32 from float32 or from float16 (bits), lanes past `lanes` 0.
+inline __m512 load_as_f32(const float* x, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, x); }
+inline __m512 load_as_f32(const uint16_t* x, __mmask16 lanes) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, x));
+}
+
+// The parts of n values x (float32, or float16 bits) at y + i·part, zero from n to n_pad; returns how many x are
+// ±inf or NaN.
+template <int kParts, class Src>
+inline int64_t split_row(const Src* x, int64_t n, bf16_bits* y, int64_t part, int64_t n_pad) {
   int64_t nonfinite = 0;
   for (int64_t c = 0; c < n; c += 16) {
     const __mmask16 lanes = lanes_below(n - c);
-    __m256i h, l;
-    const __mmask16 finite = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, x + c)), &h, &l);
-    nonfinite += _mm_popcnt_u32(lanes & ~finite);
-    _mm256_mask_storeu_epi16(hi + c, lanes, h);
-    _mm256_mask_storeu_epi16(lo + c, lanes, l);
+    __m256i parts[kParts];
+    nonfinite += _mm_popcnt_u32(lanes & ~split_bf16<kParts>(load_as_f32(x + c, lanes), parts));
+    for (int i = 0; i < kParts; ++i) _mm256_mask_storeu_epi16(y + i * part + c, lanes, parts[i]);
   }
-  std::fill(hi + n, hi + n_pad, bf16_bits{0});
-  std::fill(lo + n, lo + n_pad, bf16_bits{0});
+  for (int i = 0; i < kParts; ++i) std::fill(y + i * part + n, y + i * part + n_pad, bf16_bits{0});
   return nonfinite;
 }
 
-// hi[c] + lo[c] ≈ x[c] (to 2^-17 relative) for n floats, zero from n to n_pad: P after dropout.
-inline void split_f32_row(const float* x, int64_t n, bf16_bits* hi, bf16_bits* lo, int64_t n_pad) {
-  for (int64_t c = 0; c < n; c += 16) {
-    const __mmask16 lanes = lanes_below(n - c);
-    __m256i h, l;
-    split_bf16(_mm512_maskz_loadu_ps(lanes, x + c), &h, &l);
-    _mm256_mask_storeu_epi16(hi + c, lanes, h);
-    _mm256_mask_storeu_epi16(lo + c, lanes, l);
-  }
-  std::fill(hi + n, hi + n_pad, bf16_bits{0});
-  std::fill(lo + n, lo + n_pad, bf16_bits{0});
-}
-
-// exp_shifted_sum_to_bf16 for the two-part P: hi[c] + lo[c] ≈ exp(scale·x[c] − shift) to 2^-17 relative, with
-// simd.h's degree-6 2^ (8.4e-8 relative) since P is no longer rounded to 8 bits.
-template <bool kExact>
-inline float exp_shifted_sum_to_bf16_split_with(const Log2Exponent<kExact>& u, const float* x, int64_t n,
-                                                bf16_bits* hi, bf16_bits* lo, int64_t n_pad) {
+// exp_shifted_sum_to_bf16 into parts: Σ_i y[i·part + c] ≈ exp(scale·x[c] − shift) to 2^-17 relative with two
+// parts, to float32's rounding with three, from simd.h's degree-6 2^ (8.4e-8 relative), since P is no longer
+// rounded to 8 bits.
+template <int kParts, bool kExact>
+inline float exp_shifted_sum_to_bf16_parts_with(const Log2Exponent<kExact>& u, const float* x, int64_t n,
+                                                bf16_bits* y, int64_t part, int64_t n_pad) {
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight
@@ -174,31 +174,33 @@ inline float exp_shifted_sum_to_bf16_split_with(const Log2Exponent<kExact>& u, c
     const __m512 e1 = exp2_poly<6>(u(_mm512_loadu_ps(x + c + 16)));
     sum0 = _mm512_add_ps(sum0, e0);
     sum1 = _mm512_add_ps(sum1, e1);
-    __m256i h0, l0, h1, l1;
-    split_bf16(e0, &h0, &l0);
-    split_bf16(e1, &h1, &l1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), h0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c + 16), h1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), l0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c + 16), l1);
+    __m256i p0[kParts], p1[kParts];
+    split_bf16<kParts>(e0, p0);
+    split_bf16<kParts>(e1, p1);
+    for (int i = 0; i < kParts; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * part + c), p0[i]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * part + c + 16), p1[i]);
+    }
   }
   for (; c < n; c += 16) {
     const __mmask16 lanes = lanes_below(n - c);
     const __m512 e = _mm512_maskz_mov_ps(lanes, exp2_poly<6>(u(_mm512_maskz_loadu_ps(lanes, x + c))));
     sum0 = _mm512_add_ps(sum0, e);
-    __m256i h, l;
-    split_bf16(e, &h, &l);
-    _mm256_mask_storeu_epi16(hi + c, lanes, h);
-    _mm256_mask_storeu_epi16(lo + c, lanes, l);
+    __m256i parts[kParts];
+    split_bf16<kParts>(e, parts);
+    for (int i = 0; i < kParts; ++i) _mm256_mask_storeu_epi16(y + i * part + c, lanes, parts[i]);
   }
-  for (c = n; c < n_pad; ++c) hi[c] = lo[c] = 0;
+  for (int i = 0; i < kParts; ++i) std::fill(y + i * part + n, y + i * part + n_pad, bf16_bits{0});
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
-inline float exp_shifted_sum_to_bf16_split(const float* x, float shift, int64_t n, float scale, bf16_bits* hi,
-                                           bf16_bits* lo, int64_t n_pad) {
-  if (exact_exponent_needed(shift))
-    return exp_shifted_sum_to_bf16_split_with(Log2Exponent<true>(shift, scale), x, n, hi, lo, n_pad);
-  return exp_shifted_sum_to_bf16_split_with(Log2Exponent<false>(shift, scale), x, n, hi, lo, n_pad);
+// float32 (three parts) takes the exact exponent at every shift: a row's max then weighs exactly 1, as in flash.cpp
+// (a query that sees one key gets that key's value row, bit for bit).
+template <int kParts>
+inline float exp_shifted_sum_to_bf16_parts(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
+                                           int64_t part, int64_t n_pad) {
+  if (kParts == 3 || exact_exponent_needed(shift))
+    return exp_shifted_sum_to_bf16_parts_with<kParts>(Log2Exponent<true>(shift, scale), x, n, y, part, n_pad);
+  return exp_shifted_sum_to_bf16_parts_with<kParts>(Log2Exponent<false>(shift, scale), x, n, y, part, n_pad);
 }
 
 // One key row t of the bf16 backward's transposed tile (flash_backward_bf16.cpp: keys as rows, n query columns, n
@@ -288,48 +290,48 @@ inline void pack_vnni_transposed(int64_t K, int64_t N, const bf16_bits* src, int
   }
 }
 
-// The same two packings from float16 (bits), into a hi and a lo operand of the same layout (split_bf16): pairs of
-// rows become VNNI pairs after the split (rows), or a key row's 32 values become 16 pairs scattered down one
-// column of a tile (transposed). Both return how many values are ±inf or NaN.
-inline int64_t pack_vnni_rows_split(int64_t K, int64_t N, const uint16_t* src, int64_t ld, bf16_bits* Bh,
-                                    bf16_bits* Bl, int64_t ldb) {
+// The same two packings from float16 (bits) or float32, into kParts operands of the same layout, `part` bf16 apart
+// (split_bf16): pairs of rows become VNNI pairs after the split (rows), or a key row's 32 values become 16 pairs
+// scattered down one column of a tile (transposed). Both return how many values are ±inf or NaN.
+template <int kParts, class Src>
+inline int64_t pack_vnni_rows_parts(int64_t K, int64_t N, const Src* src, int64_t ld, bf16_bits* B, int64_t part,
+                                    int64_t ldb) {
   int64_t nonfinite = 0;
   for (int64_t k = 0; k < K; k += 2) {
-    const uint16_t *even = src + k * ld, *odd = even + ld;
+    const Src *even = src + k * ld, *odd = even + ld;
     for (int64_t n = 0; n < N; n += 16) {
       const __mmask16 lanes = lanes_below(N - n), odd_lanes = k + 1 < K ? lanes : 0;
-      __m256i he, le, ho, lo;
-      const __mmask16 fe = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, even + n)), &he, &le);
-      const __mmask16 fo = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(odd_lanes, odd + n)), &ho, &lo);
+      __m256i e[kParts], o[kParts];
+      const __mmask16 fe = split_bf16<kParts>(load_as_f32(even + n, lanes), e);
+      const __mmask16 fo = split_bf16<kParts>(load_as_f32(odd + n, odd_lanes), o);
       nonfinite += _mm_popcnt_u32(lanes & ~fe) + _mm_popcnt_u32(odd_lanes & ~fo);
-      const auto pairs = [](__m256i first, __m256i second) {  // 16 pairs (first[c], second[c])
-        return _mm512_or_si512(_mm512_cvtepu16_epi32(first), _mm512_slli_epi32(_mm512_cvtepu16_epi32(second), 16));
-      };
-      _mm512_mask_storeu_epi32(Bh + vnni_index(k, n, ldb), lanes, pairs(he, ho));
-      _mm512_mask_storeu_epi32(Bl + vnni_index(k, n, ldb), lanes, pairs(le, lo));
+      for (int i = 0; i < kParts; ++i)  // 16 pairs (e[c], o[c])
+        _mm512_mask_storeu_epi32(B + i * part + vnni_index(k, n, ldb), lanes,
+                                 _mm512_or_si512(_mm512_cvtepu16_epi32(e[i]),
+                                                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(o[i]), 16)));
     }
   }
   return nonfinite;
 }
-inline int64_t pack_vnni_transposed_split(int64_t K, int64_t N, const uint16_t* src, int64_t ld, bf16_bits* Bh,
-                                          bf16_bits* Bl, int64_t ldb) {
+template <int kParts, class Src>
+inline int64_t pack_vnni_transposed_parts(int64_t K, int64_t N, const Src* src, int64_t ld, bf16_bits* B,
+                                          int64_t part, int64_t ldb) {
   const __m512i down_a_column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
                                                                     1, 0), _mm512_set1_epi32(16));  // VNNI rows, in words
   int64_t nonfinite = 0;
   for (int64_t n = 0; n < N; ++n) {
-    const uint16_t* row = src + n * ld;
+    const Src* row = src + n * ld;
     for (int64_t k = 0; k < K; k += 32) {
       const __mmask16 first = lanes_below(K - k), second = K - k > 16 ? lanes_below(K - k - 16) : 0;
-      __m256i h0, l0, h1, l1;
-      const __mmask16 f0 = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first, row + k)), &h0, &l0);
-      const __mmask16 f1 = split_bf16(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(second, row + k + 16)), &h1, &l1);
+      __m256i p0[kParts], p1[kParts];
+      const __mmask16 f0 = split_bf16<kParts>(load_as_f32(row + k, first), p0);
+      const __mmask16 f1 = split_bf16<kParts>(load_as_f32(row + k + 16, second), p1);
       nonfinite += _mm_popcnt_u32(first & ~f0) + _mm_popcnt_u32(second & ~f1);
       const __mmask16 pairs = lanes_below((std::min<int64_t>(K - k, 32) + 1) / 2);  // odd K: padding's 0 in the last
       const int64_t at = vnni_index(k, n, ldb);
-      _mm512_mask_i32scatter_epi32(Bh + at, pairs, down_a_column,
-                                   _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1), 4);
-      _mm512_mask_i32scatter_epi32(Bl + at, pairs, down_a_column,
-                                   _mm512_inserti64x4(_mm512_castsi256_si512(l0), l1, 1), 4);
+      for (int i = 0; i < kParts; ++i)
+        _mm512_mask_i32scatter_epi32(B + i * part + at, pairs, down_a_column,
+                                     _mm512_inserti64x4(_mm512_castsi256_si512(p0[i]), p1[i], 1), 4);
     }
   }
   return nonfinite;
@@ -499,43 +501,55 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
   }
 }
 
-// C (+)= (Ah + Al)·(Bh + Bl) over the same 2 × 2 (NB = 2) or 2 × 1 block of C tiles as amx_block, as the
-// products Ah·Bl + Ah·Bh + Al·Bh (+ Al·Bl with kLoLo; without, below 2^-16 of the whole, it is left out) per k
-// step into the same accumulators. The order lets each operand load feed the next product: Ah stays for the
-// first two, Bh for the next, Al for the last two: 8 tile loads per 12 products (NB = 2), 10 per 16 with kLoLo.
-template <int NB, bool kLoLo>
-inline void amx_block_split(int64_t K, const bf16_bits* Ah, const bf16_bits* Al, int64_t lda, const bf16_bits* Bh,
-                            const bf16_bits* Bl, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+// C (+)= A·B for operands in parts, A = Σ A_i and B = Σ B_j (kParts each, `a_part` and `b_part` bf16 apart), over
+// the same 2 × 2 (NB = 2) or 2 × 1 block of C tiles as amx_block: the products A_i·B_j with i + j ≤ kMaxOrder.
+// The products left out are below 2^-8·(kMaxOrder + 1) of the whole (float16: kMaxOrder 2 keeps all four, 1 drops
+// A_1·B_1; float32's three parts: 2 keeps six of nine, dropping what lies below 2^-24).
+// Order of the sums: the small products first, each over all of K, into zeroed tiles, and A_0·B_0 last. Added
+// into the large sum k step by k step, each small product would be rounded to the large sum's precision: with
+// float32's six products, twice the error of float32 FMAs (measured under amx_emulated on the dev box); summed
+// among themselves first they round at their own size, and the large sum then takes as many roundings as the
+// float32 FMA kernel's. C itself (P V's O) is added to at the end, in float32.
+template <int NB, int kParts, int kMaxOrder>
+inline void amx_block_parts(int64_t K, const bf16_bits* A, int64_t a_part, int64_t lda, const bf16_bits* B,
+                            int64_t b_part, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   const int64_t a_stride = lda * 2;  // bytes
-  c_block_begin<NB>(C, ldc, accumulate);
-  for (int64_t k = 0; k < K; k += kDotK) {
-    const bf16_bits *Bhk = Bh + b_tile_offset(k, 0, ldb), *Blk = Bl + b_tile_offset(k, 0, ldb);
-    _tile_loadd(4, Ah + k, a_stride);  // Ah · Bl
-    _tile_loadd(5, Ah + 16 * lda + k, a_stride);
-    products_2xNB<NB>(Blk);
-    products_2xNB<NB>(Bhk);  // Ah · Bh
-    _tile_loadd(4, Al + k, a_stride);  // Al · Bh (B's tiles still hold Bh)
-    _tile_loadd(5, Al + 16 * lda + k, a_stride);
-    products_2xNB<NB, /*kLoadB=*/false>(nullptr);
-    if (kLoLo) products_2xNB<NB>(Blk);  // Al · Bl
+  c_block_begin<NB>(C, ldc, /*accumulate=*/false);
+  const auto product = [&](int i, int j) {  // C_tiles += A_i · B_j over all of K
+    for (int64_t k = 0; k < K; k += kDotK) {
+      _tile_loadd(4, A + i * a_part + k, a_stride);
+      _tile_loadd(5, A + i * a_part + 16 * lda + k, a_stride);
+      products_2xNB<NB>(B + j * b_part + b_tile_offset(k, 0, ldb));
+    }
+  };
+  for (int order = kMaxOrder; order > 0; --order)
+    for (int i = std::max(0, order - (kParts - 1)); i <= std::min(order, kParts - 1); ++i) product(i, order - i);
+  product(0, 0);
+  if (!accumulate) {
+    c_block_end<NB>(C, ldc);
+    return;
   }
-  c_block_end<NB>(C, ldc);
+  alignas(64) float block[32 * 32];
+  c_block_end<NB>(block, 32);
+  for (int r = 0; r < 32; ++r)
+    for (int v = 0; v < NB; ++v)
+      _mm512_storeu_ps(C + r * ldc + 16 * v,
+                       _mm512_add_ps(_mm512_loadu_ps(C + r * ldc + 16 * v), _mm512_load_ps(block + r * 32 + 16 * v)));
 }
 
-// C (+)= (Ah + Al)·(Bh + Bl) over M × N × K, less Al·Bl unless kLoLo: bf16_gemm on two-part operands (hi and lo in
-// the same layout).
-template <bool kLoLo>
-inline void bf16_gemm_split(int64_t M, int64_t N, int64_t K, const bf16_bits* Ah, const bf16_bits* Al, int64_t lda,
-                            const bf16_bits* Bh, const bf16_bits* Bl, int64_t ldb, float* C, int64_t ldc,
-                            bool accumulate) {
+// C (+)= A·B over M × N × K for operands in parts (amx_block_parts): bf16_gemm on A = Σ A_i, B = Σ B_j, less the
+// products past kMaxOrder.
+template <int kParts, int kMaxOrder>
+inline void bf16_gemm_parts(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t a_part, int64_t lda,
+                            const bf16_bits* B, int64_t b_part, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   for (int64_t m = 0; m < M; m += 32) {
     int64_t n = 0;
     for (; n + 32 <= N; n += 32)
-      amx_block_split<2, kLoLo>(K, Ah + m * lda, Al + m * lda, lda, Bh + b_tile_offset(0, n, ldb),
-                         Bl + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
+      amx_block_parts<2, kParts, kMaxOrder>(K, A + m * lda, a_part, lda, B + b_tile_offset(0, n, ldb), b_part, ldb,
+                                            C + m * ldc + n, ldc, accumulate);
     if (n < N)
-      amx_block_split<1, kLoLo>(K, Ah + m * lda, Al + m * lda, lda, Bh + b_tile_offset(0, n, ldb),
-                         Bl + b_tile_offset(0, n, ldb), ldb, C + m * ldc + n, ldc, accumulate);
+      amx_block_parts<1, kParts, kMaxOrder>(K, A + m * lda, a_part, lda, B + b_tile_offset(0, n, ldb), b_part, ldb,
+                                            C + m * ldc + n, ldc, accumulate);
   }
 }
 
@@ -589,17 +603,17 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
   }
 }
 
-// C (+)= (Ah + Al)·(Bh + Bl) (less Al·Bl unless kLoLo) as passes of bf16_gemm (same signature as AMX's). The flash
-// kernel takes float16 this way only on AMX: vdpbf16ps is ~2× the float32 FMA rate, so three or four products
-// would lose to converting to float32 (flash.cpp).
-template <bool kLoLo>
-inline void bf16_gemm_split(int64_t M, int64_t N, int64_t K, const bf16_bits* Ah, const bf16_bits* Al, int64_t lda,
-                            const bf16_bits* Bh, const bf16_bits* Bl, int64_t ldb, float* C, int64_t ldc,
-                            bool accumulate) {
-  bf16_gemm(M, N, K, Ah, lda, Bl, ldb, C, ldc, accumulate);
-  bf16_gemm(M, N, K, Al, lda, Bh, ldb, C, ldc, true);
-  if (kLoLo) bf16_gemm(M, N, K, Al, lda, Bl, ldb, C, ldc, true);
-  bf16_gemm(M, N, K, Ah, lda, Bh, ldb, C, ldc, true);
+// C (+)= A·B for operands in parts, as passes of bf16_gemm (the same signature as AMX's; its order of sums less the
+// separate block). The flash kernel takes float16 and float32 this way only on AMX: vdpbf16ps is ~2× the float32
+// FMA rate, so three or more products would lose to converting to float32 (flash.cpp).
+template <int kParts, int kMaxOrder>
+inline void bf16_gemm_parts(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t a_part, int64_t lda,
+                            const bf16_bits* B, int64_t b_part, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int order = kMaxOrder; order >= 0; --order)
+    for (int i = std::max(0, order - (kParts - 1)); i <= std::min(order, kParts - 1); ++i) {
+      bf16_gemm(M, N, K, A + i * a_part, lda, B + (order - i) * b_part, ldb, C, ldc, accumulate);
+      accumulate = true;
+    }
 }
 #endif
 

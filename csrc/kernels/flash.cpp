@@ -274,8 +274,8 @@ int64_t flash_workspace_floats(const AttentionParams& p) {
 #if defined(CS149_ISA_BF16_DOT)
   if (p.dtype == DType::bf16) return flash_bf16::workspace_floats(p);
 #endif
-#if defined(CS149_ISA_FP16_SPLIT)
-  if (p.dtype == DType::f16) return flash_bf16::workspace_floats(p);
+#if defined(CS149_ISA_SPLIT_ON_TILES)
+  if (p.dtype == DType::f16 || flash_bf16::takes_float32(p)) return flash_bf16::workspace_floats(p);
 #endif
   const flash::Layout L(p);
   return L.kt_size + L.v_size + L.flags_size + p.num_threads * L.per_thread;
@@ -291,7 +291,12 @@ void flash_dispatch(const AttentionParams& p, float* workspace) {
 
 void flash_attention(const AttentionParams& p, float* workspace) {
   switch (p.dtype) {
-    case DType::f32: flash_dispatch<float>(p, workspace); break;
+    case DType::f32:
+#if defined(CS149_ISA_SPLIT_ON_TILES)  // AMX tiles from kFloat32MinHeadDim: three bf16 parts, twelve tile products
+      if (!flash_decode::applies(p) && flash_bf16::takes_float32(p)) return flash_bf16::run<float>(p, workspace);
+#endif
+      flash_dispatch<float>(p, workspace);
+      break;
     case DType::bf16:
 #if defined(CS149_ISA_BF16_DOT)  // bf16 dot-product hardware: both products on bf16 operands (flash_bf16.cpp)
       if (!flash_decode::applies(p)) return flash_bf16::run<c10::BFloat16>(p, workspace);
@@ -299,7 +304,7 @@ void flash_attention(const AttentionParams& p, float* workspace) {
       flash_dispatch<c10::BFloat16>(p, workspace);
       break;
     case DType::f16:
-#if defined(CS149_ISA_FP16_SPLIT)  // AMX tiles: each operand as two bf16 parts, three tile products (flash_bf16.cpp)
+#if defined(CS149_ISA_SPLIT_ON_TILES)  // AMX tiles: each operand as two bf16 parts, seven tile products (flash_bf16.cpp)
       if (!flash_decode::applies(p)) return flash_bf16::run<c10::Half>(p, workspace);
 #endif
       flash_dispatch<c10::Half>(p, workspace);

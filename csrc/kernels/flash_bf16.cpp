@@ -14,9 +14,11 @@
 // infinity: a key hidden from a row by the causal mask has P = 0 there, and 0 · NaN would be NaN, so such a
 // (rare) tile takes P V row by row over each row's visible keys instead (README, "Non-finite values").
 //
-// float16 (on AMX only) takes the same path with every operand in two bf16 parts, x = hi + lo (bf16_gemm.h,
-// split_bf16): the tile products run at ~13× the float32 FMA rate, so the seven products this takes (four for S,
-// three for P·V) still cost less than the two in float32 (flash.cpp); query_tile has the arithmetic.
+// float16 and float32 (on AMX only; float32 at head_dim ≥ kFloat32MinHeadDim) take the same path with every operand
+// in bf16 parts, x = x_0 + x_1 (+ x_2) (bf16_gemm.h, split_bf16): two parts hold a float16 exactly, three a float32.
+// The tile products run at ~13× the float32 FMA rate, so the seven products float16 takes (four for S, three for
+// P·V) and the twelve of float32 (six each) still cost less than the two of flash.cpp in float32 FMAs;
+// query_tile has the arithmetic.
 #include "../attention.h"
 #include "bf16_gemm.h"
 #include "flash_common.h"
@@ -57,12 +59,30 @@ constexpr int64_t kDefaultBlockK = 128;
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
-// The bf16 operands of float16 inputs come in two parts, hi and lo (query_tile); of bfloat16 ones in one.
-inline int64_t parts_of(const AttentionParams& p) { return p.dtype == DType::f16 ? 2 : 1; }
+// The bf16 operands of bfloat16 inputs come in one part, of float16 ones in two, of float32 ones in three
+// (query_tile); and the highest order of the products A_i·B_j (i + j) that S = Q Kᵀ and P V keep (bf16_gemm_parts).
+template <class T>
+constexpr int kParts = std::is_same_v<T, float> ? 3 : std::is_same_v<T, c10::Half> ? 2 : 1;
+template <class T>
+constexpr int kQkOrder = kParts<T> - 1 + (std::is_same_v<T, c10::Half> ? 1 : 0);  // float16: all four (qh·kh .. ql·kl)
+template <class T>
+constexpr int kPvOrder = kParts<T> - 1;
+inline int64_t parts_of(const AttentionParams& p) {
+  return p.dtype == DType::f32 ? kParts<float> : p.dtype == DType::f16 ? kParts<c10::Half> : kParts<c10::BFloat16>;
+}
+
+// float32 takes the tiles from this head_dim on (and float32 FMAs below: flash.cpp). Estimated from the device host's
+// bf16 and float16 times (results/s13b_forward_lowp.txt, one thread: a call's time grows by a constant per tile
+// product): at d = 128 twelve products beat flash.cpp's float32 by ~1.35×, at d = 64 they would about tie.
+constexpr int64_t kFloat32MinHeadDim = 96;
+inline bool takes_float32(const AttentionParams& p) {
+  return p.dtype == DType::f32 && (p.f32_products == F32Products::bf16_tiles ||
+                                   (p.f32_products == F32Products::automatic && p.head_dim >= kFloat32MinHeadDim));
+}
 
 struct Layout {
   int64_t Br, Bc, Tr, Tc;
-  int64_t parts;            // 1 (bfloat16) or 2 (float16: hi, then lo, of the same size)
+  int64_t parts;            // 1 (bfloat16), 2 (float16) or 3 (float32): the parts one after another, each as big
   int64_t Bc_pad;           // keys to whole dot-product steps (kDotK); Br is already whole groups
   int64_t s_ld, p_ld;       // row strides of S (floats) and P (bf16): a cache line past Bc_pad (line_past)
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
@@ -104,27 +124,34 @@ struct Layout {
 };
 
 // Key tile j of kv head (b, kvh): K_jᵀ as B of S = Q Kᵀ (k = head dim, n = key), V_j as B of P V (k = key,
-// n = head dim), both VNNI and zero-padded, each as hi then lo for float16; flags (float16: tiles apart):
-// finite[tile] = 1 if V_j holds no NaN or infinity, finite[tiles + tile] the same for K_j.
+// n = head dim), both VNNI and zero-padded, each in its parts one after another; flags (several parts: tiles
+// apart): finite[tile] = 1 if V_j holds no NaN or infinity, finite[tiles + tile] the same for K_j.
 void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, bf16_bits* kt_all,
                   bf16_bits* v_all, float* finite) {
   const int64_t j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
   const int64_t tile = (b * p.num_kv_heads + kvh) * L.Tc + j, tiles = p.batch * p.num_kv_heads * L.Tc;
-  const uint16_t* K = static_cast<const uint16_t*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] +
-                      j0 * p.k_strides[2];
-  const uint16_t* V = static_cast<const uint16_t*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] +
-                      j0 * p.v_strides[2];
-  bf16_bits* kt = kt_all + tile * L.parts * L.kt_tile;  // d_k/2 rows of Bc_pad pairs (hi, then lo)
-  bf16_bits* vt = v_all + tile * L.parts * L.v_tile;    // Bc_pad/2 rows of d_n pairs (hi, then lo)
+  const int64_t k_at = b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
+  const int64_t v_at = b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
+  bf16_bits* kt = kt_all + tile * L.parts * L.kt_tile;  // d_k/2 rows of Bc_pad pairs (each part)
+  bf16_bits* vt = v_all + tile * L.parts * L.v_tile;    // Bc_pad/2 rows of d_n pairs (each part)
   std::fill(kt, kt + L.parts * L.kt_tile, bf16_bits{0});
   std::fill(vt, vt + L.parts * L.v_tile, bf16_bits{0});
-  if (L.parts == 1) {
+  const auto pack_parts = [&](auto parts, const auto* K, const auto* V) {
+    constexpr int kP = decltype(parts)::value;
+    const int64_t k_bad = pack_vnni_transposed_parts<kP>(p.head_dim, cols, K + k_at, p.k_strides[2], kt, L.kt_tile,
+                                                         L.Bc_pad);
+    finite[tiles + tile] = k_bad == 0 ? 1.0f : 0.0f;
+    finite[tile] = pack_vnni_rows_parts<kP>(cols, p.head_dim, V + v_at, p.v_strides[2], vt, L.v_tile, L.d_n) == 0
+                       ? 1.0f : 0.0f;
+  };
+  if (p.dtype == DType::bf16) {
+    const bf16_bits *K = static_cast<const bf16_bits*>(p.k) + k_at, *V = static_cast<const bf16_bits*>(p.v) + v_at;
     pack_vnni_transposed(p.head_dim, cols, K, p.k_strides[2], kt, L.Bc_pad);
     finite[tile] = pack_vnni_rows(cols, p.head_dim, V, p.v_strides[2], vt, L.d_n) == 0 ? 1.0f : 0.0f;
+  } else if (p.dtype == DType::f16) {  // float16 as its bits
+    pack_parts(std::integral_constant<int, 2>{}, static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v));
   } else {
-    const int64_t k_bad = pack_vnni_transposed_split(p.head_dim, cols, K, p.k_strides[2], kt, kt + L.kt_tile, L.Bc_pad);
-    finite[tiles + tile] = k_bad == 0 ? 1.0f : 0.0f;
-    finite[tile] = pack_vnni_rows_split(cols, p.head_dim, V, p.v_strides[2], vt, vt + L.v_tile, L.d_n) == 0 ? 1.0f : 0.0f;
+    pack_parts(std::integral_constant<int, 3>{}, static_cast<const float*>(p.k), static_cast<const float*>(p.v));
   }
 }
 
@@ -135,36 +162,39 @@ inline float from_bf16(bf16_bits x) {
   return f;
 }
 
-// A two-part operand's element, hi + lo (lo null for bfloat16's one part).
-inline float value_of(const bf16_bits* hi, const bf16_bits* lo, int64_t at) {
-  return lo ? from_bf16(hi[at]) + from_bf16(lo[at]) : from_bf16(hi[at]);
+// An operand's element at `at`, the sum of its parts (`part` bf16 apart), in float32.
+inline float value_of(const bf16_bits* x, int64_t parts, int64_t part, int64_t at) {
+  float sum = 0.0f;
+  for (int64_t i = parts - 1; i >= 0; --i) sum += from_bf16(x[i * part + at]);  // the smallest first
+  return sum;
 }
 
 // O_g[r] += Σ_{t < visible[r]} P[r, t] · V_j[t] in float32, row by row: only for a V tile holding NaN or inf.
 // With attn_mask's offsets (bias, rows ld_bias apart; null where it hides nothing) the keys it hides are left out too.
-// P and V_j as their parts (the lo ones null for bfloat16).
-void pv_visible_only(int64_t rows, const bf16_bits* P, const bf16_bits* P_lo, int64_t ldp, const int64_t* visible,
-                     const float* bias, int64_t ld_bias, const bf16_bits* vt, const bf16_bits* vt_lo, const Layout& L,
-                     int64_t d, float* O, int64_t ldo) {
+// P and V_j as their L.parts parts, p_part and L.v_tile bf16 apart.
+void pv_visible_only(int64_t rows, const bf16_bits* P, int64_t p_part, int64_t ldp, const int64_t* visible,
+                     const float* bias, int64_t ld_bias, const bf16_bits* vt, const Layout& L, int64_t d, float* O,
+                     int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < visible[r]; ++t)
       if (!bias || bias[r * ld_bias + t] != kNegInf) {
-        const float w = value_of(P, P_lo, r * ldp + t);
-        for (int64_t c = 0; c < d; ++c) O[r * ldo + c] += w * value_of(vt, vt_lo, vnni_index(t, c, L.d_n));
+        const float w = value_of(P, L.parts, p_part, r * ldp + t);
+        for (int64_t c = 0; c < d; ++c)
+          O[r * ldo + c] += w * value_of(vt, L.parts, L.v_tile, vnni_index(t, c, L.d_n));
       }
 }
 
-// S = Q_g K_jᵀ from the two-part operands, hi + lo added back (exact for float16) and multiplied in float32: for
-// float16 where Q_g or K_j holds an inf or NaN. Dropping Al·Bl is harmless for finite values, but the split's
-// cross products are not: where k is inf, q's lo times it gives NaN (lo = 0) or the wrong sign, and a logit that
-// should be −inf would turn NaN (README, "Non-finite values": the logits are those of float32 arithmetic).
-void qk_in_float32(int64_t rows, int64_t n_keys, int64_t d, const bf16_bits* Qh, const bf16_bits* Ql, int64_t ldq,
-                   const bf16_bits* KTh, const bf16_bits* KTl, int64_t ldk, float* S, int64_t lds) {
+// S = Q_g K_jᵀ from operands in parts, added back (exact) and multiplied in float32: where Q_g or K_j holds an inf
+// or NaN. The split's cross products are wrong there: where k is inf, q's x_1 times it gives NaN (x_1 = 0) or the
+// wrong sign, and a logit that should be −inf would turn NaN (README, "Non-finite values": the logits are those of
+// float32 arithmetic).
+void qk_in_float32(int64_t rows, int64_t n_keys, int64_t d, int64_t parts, const bf16_bits* Q, int64_t q_part,
+                   int64_t ldq, const bf16_bits* KT, int64_t kt_part, int64_t ldk, float* S, int64_t lds) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < n_keys; ++t) {
       float s = 0.0f;
       for (int64_t c = 0; c < d; ++c)
-        s += value_of(Qh, Ql, r * ldq + c) * value_of(KTh, KTl, vnni_index(c, t, ldk));
+        s += value_of(Q, parts, q_part, r * ldq + c) * value_of(KT, parts, kt_part, vnni_index(c, t, ldk));
       S[r * lds + t] = s;
     }
 }
@@ -188,27 +218,33 @@ struct PToBf16 {
   void zero(int64_t r, float*, int64_t) const { std::fill(P + r * ld, P + r * ld + k_keys, bf16_bits{0}); }
 };
 
-// The same for float16's two-part P = hi + lo (to 2^-17 relative: bf16_gemm.h, split_bf16).
-struct PToBf16Split {
+// The same for P in kP parts, `part` bf16 apart (float16: to 2^-17 relative; float32: to float32's rounding;
+// bf16_gemm.h, split_bf16).
+template <int kP>
+struct PToBf16Parts {
   static constexpr bool kBase2 = false;
-  bf16_bits *P, *P_lo;
-  int64_t ld, k_keys;
+  bf16_bits* P;
+  int64_t part, ld, k_keys;
   const AttentionParams* dropout = nullptr;
   int64_t bh = 0, i = 0, j0 = 0;
   float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
-    if (!dropout) return exp_shifted_sum_to_bf16_split(s, shift, n, scale, P + r * ld, P_lo + r * ld, k_keys);
+    if (!dropout) return exp_shifted_sum_to_bf16_parts<kP>(s, shift, n, scale, P + r * ld, part, k_keys);
+    if (kP == 3) {  // float32: the row max's weight exactly 1, as exp_shifted_sum_to_bf16_parts
+      scale_row(scale, s, n);
+      scale = 1.0f;
+    }
     const float sum = exp_shifted_sum(s, shift, n, scale);
     flash::dropout_row(*dropout, bh, i + r, j0, s, n, 1);
-    split_f32_row(s, n, P + r * ld, P_lo + r * ld, k_keys);
+    split_row<kP>(s, n, P + r * ld, part, k_keys);
     return sum;
   }
   void zero(int64_t r, float*, int64_t) const {
-    std::fill(P + r * ld, P + r * ld + k_keys, bf16_bits{0});
-    std::fill(P_lo + r * ld, P_lo + r * ld + k_keys, bf16_bits{0});
+    for (int k = 0; k < kP; ++k) std::fill(P + k * part + r * ld, P + k * part + r * ld + k_keys, bf16_bits{0});
   }
 };
 
-// One query tile: rows [i0, i0 + rows) of head h in batch b. T: c10::BFloat16, or c10::Half in two parts.
+// One query tile: rows [i0, i0 + rows) of head h in batch b. T: c10::BFloat16; c10::Half in two parts; float in
+// three.
 //
 // float16 in two bf16 parts. A float16 x has 11 significant bits: hi = bf16(x) holds the first 8 and
 // lo = bf16(x − hi) the rest, so x = hi + lo exactly (bf16's exponent range covers float16's, subnormals too).
@@ -223,31 +259,42 @@ struct PToBf16Split {
 // rate: these seven cost about a quarter of the two products in float32 (flash.cpp). Where Q_g or K_j holds an
 // inf or NaN the cross products would be wrong (q's lo · k's inf), so S takes float32 (qk_in_float32); V_j's
 // are already taken row by row (pv_visible_only).
+//
+// float32 in three bf16 parts, x = x0 + x1 + x2 exactly (24 significant bits, 8 a part; |x1| ≤ 2^-8·|x|,
+// |x2| ≤ 2^-16·|x|). Of the nine products q_a·k_b, S keeps the six with a + b ≤ 2; the three left out
+// (q1·k2, q2·k1, q2·k2) are below 2^-23·Σ|q_c·k_c| together, under the float32 rounding of a d-term dot product.
+// P·V the same with P = P0 + P1 + P2 (P rounded to float32 first, as flash.cpp's P is). Twelve tile products a key
+// tile against flash.cpp's two float32 FMA products: at d = 128 the products dominate, and twelve on tiles run in
+// ~0.7 of the time of two in FMAs (kFloat32MinHeadDim).
 template <class T>
 void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const bf16_bits* kt_all,
                 const bf16_bits* v_all, const float* finite, float* scratch) {
-  constexpr bool kSplit = std::is_same_v<T, c10::Half>;
+  constexpr int kP = kParts<T>;
   const int64_t d = p.head_dim, rows = std::min(L.Br, p.q_len - i0), groups = (rows + G - 1) / G;
   const int64_t tiles = p.batch * p.num_kv_heads * L.Tc;
   bf16_bits* Qi = reinterpret_cast<bf16_bits*>(scratch + L.q_off);
-  bf16_bits* Qi_lo = kSplit ? reinterpret_cast<bf16_bits*>(scratch + L.q_off + floats_for(L.Br * L.d_k)) : nullptr;
+  const int64_t q_part = 2 * floats_for(L.Br * L.d_k);  // bf16 from one part of Q_i to the next
   bf16_bits* Pb = reinterpret_cast<bf16_bits*>(scratch + L.p_off);
-  bf16_bits* Pb_lo = kSplit ? reinterpret_cast<bf16_bits*>(scratch + L.p_off + floats_for(G * L.p_ld)) : nullptr;
+  const int64_t p_part = 2 * floats_for(G * L.p_ld);
   float *S = scratch + L.s_off, *Oi = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
   float *alpha = scratch + L.alpha_off, *m_new = alpha + G;
   float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
   int64_t visible[G];
 
-  // Q_i as bf16, or float16's hi and lo (zero past the rows and the head dim); m = −inf, l = 0, O_i = 0.
-  const uint16_t* Q = reinterpret_cast<const uint16_t*>(q_head<T>(p, b, h)) + i0 * p.q_strides[2];
-  std::fill(Qi, Qi + groups * G * L.d_k, bf16_bits{0});
+  // Q_i as bf16, or in parts (zero past the rows and the head dim); m = −inf, l = 0, O_i = 0.
+  const T* Q = q_head<T>(p, b, h) + i0 * p.q_strides[2];
+  for (int k = 0; k < kP; ++k) std::fill(Qi + k * q_part, Qi + k * q_part + groups * G * L.d_k, bf16_bits{0});
   bool q_finite = true;
-  if constexpr (kSplit) {
-    std::fill(Qi_lo, Qi_lo + groups * G * L.d_k, bf16_bits{0});
-    for (int64_t r = 0; r < rows; ++r)
-      q_finite &= split_fp16_row(Q + r * p.q_strides[2], d, Qi + r * L.d_k, Qi_lo + r * L.d_k, d) == 0;
-  } else {
-    for (int64_t r = 0; r < rows; ++r) std::copy(Q + r * p.q_strides[2], Q + r * p.q_strides[2] + d, Qi + r * L.d_k);
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (kP == 1) {
+      const bf16_bits* row = reinterpret_cast<const bf16_bits*>(Q + r * p.q_strides[2]);
+      std::copy(row, row + d, Qi + r * L.d_k);
+    } else if constexpr (std::is_same_v<T, c10::Half>) {  // as its bits
+      q_finite &= split_row<kP>(reinterpret_cast<const uint16_t*>(Q + r * p.q_strides[2]), d, Qi + r * L.d_k, q_part,
+                                d) == 0;
+    } else {
+      q_finite &= split_row<kP>(Q + r * p.q_strides[2], d, Qi + r * L.d_k, q_part, d) == 0;
+    }
   }
   fill_row(kNegInf, m, groups * G);
   fill_row(0.0f, l, groups * G);
@@ -259,9 +306,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
     const int64_t cols = std::min(L.Bc, p.kv_len - j0), tile = first_tile + j;
     const bf16_bits* KTj = kt_all + tile * L.parts * L.kt_tile;
     const bf16_bits* Vj = v_all + tile * L.parts * L.v_tile;
-    const bf16_bits* KTj_lo = kSplit ? KTj + L.kt_tile : nullptr;
-    const bf16_bits* Vj_lo = kSplit ? Vj + L.v_tile : nullptr;
-    const bool qk_finite = !kSplit || (q_finite && finite[tiles + tile] != 0.0f);
+    const bool qk_finite = kP == 1 || (q_finite && finite[tiles + tile] != 0.0f);
     for (int64_t g0 = 0; g0 < rows; g0 += G) {
       const int64_t group_last = i0 + std::min(g0 + G, rows) - 1;
       int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
@@ -276,46 +321,43 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (block == MaskBlock::hidden) continue;
       if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
-      // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles; float16: qh·kl + ql·kh + qh·kh + ql·kl)
+      // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles; in parts: Σ_{a+b ≤ kQkOrder} q_a·k_b)
       const int64_t s_cols = round_up(n_keys, kDotCols);
-      if constexpr (kSplit) {
-        if (qk_finite)
-          bf16_gemm_split</*kLoLo=*/true>(G, s_cols, L.d_k, Qi + g0 * L.d_k, Qi_lo + g0 * L.d_k, L.d_k, KTj, KTj_lo, L.Bc_pad, S,
-                          L.s_ld, false);
-        else
-          qk_in_float32(G, s_cols, d, Qi + g0 * L.d_k, Qi_lo + g0 * L.d_k, L.d_k, KTj, KTj_lo, L.Bc_pad, S, L.s_ld);
-      } else {
+      if constexpr (kP == 1)
         bf16_gemm(G, s_cols, L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.s_ld, false);
-      }
+      else if (qk_finite)
+        bf16_gemm_parts<kP, kQkOrder<T>>(G, s_cols, L.d_k, Qi + g0 * L.d_k, q_part, L.d_k, KTj, L.kt_tile, L.Bc_pad,
+                                         S, L.s_ld, false);
+      else
+        qk_in_float32(G, s_cols, d, kP, Qi + g0 * L.d_k, q_part, L.d_k, KTj, L.kt_tile, L.Bc_pad, S, L.s_ld);
       // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
       const bool partial = block == MaskBlock::partial;
       if (partial)
         for (int64_t r = 0; r < group_rows; ++r)
           add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
 
-      // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16 (float16: Pb + Pb_lo);
-      // m, l, α updated.
+      // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16 (or in parts); m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
       const AttentionParams* dropout = p.dropout_p > 0.0f ? &p : nullptr;
       const float softmax_scale = partial ? 1.0f : p.scale;
-      if constexpr (kSplit)
+      if constexpr (kP > 1)
         online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16Split{Pb, Pb_lo, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
+                       PToBf16Parts<kP>{Pb, p_part, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
       else
         online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
                        PToBf16{Pb, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
 
-      // O_g = α · O_g + P V_j   (float16: Ph·Vl + Pl·Vh + Ph·Vh)
+      // O_g = α · O_g + P V_j   (in parts: Σ_{a+b ≤ kPvOrder} P_a·V_b)
       float* Og = Oi + g0 * L.d_n;
       for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
       if (finite[tile] == 0.0f)
-        pv_visible_only(group_rows, Pb, Pb_lo, L.p_ld, visible, partial ? bias : nullptr, L.Bc_pad, Vj, Vj_lo, L, d, Og,
+        pv_visible_only(group_rows, Pb, p_part, L.p_ld, visible, partial ? bias : nullptr, L.Bc_pad, Vj, L, d, Og,
                         L.d_n);
-      else if constexpr (kSplit)
-        bf16_gemm_split</*kLoLo=*/false>(G, L.d_n, k_keys, Pb, Pb_lo, L.p_ld, Vj, Vj_lo, L.d_n, Og, L.d_n, true);
-      else
+      else if constexpr (kP == 1)
         bf16_gemm(G, L.d_n, k_keys, Pb, L.p_ld, Vj, L.d_n, Og, L.d_n, true);
+      else
+        bf16_gemm_parts<kP, kPvOrder<T>>(G, L.d_n, k_keys, Pb, p_part, L.p_ld, Vj, L.v_tile, L.d_n, Og, L.d_n, true);
     }
   }
   finish_rows<T>(p, b, h, i0, rows, Oi, L.d_n, m, l);
