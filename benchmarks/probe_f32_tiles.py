@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""float32 forward on AMX: float32 FMAs (flash.cpp) against the bf16 tiles with every operand in three bf16 parts
+(flash_bf16.cpp), and torch's SDPA, same run, interleaved rounds — to place flash_bf16.cpp's kFloat32MinHeadDim.
+
+    python benchmarks/probe_f32_tiles.py --shapes 1,12,1024,64 1,8,2048,96 1,16,2048,128 --threads 1,16
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cs149gpt  # noqa: E402
+from cs149gpt import _ext  # noqa: E402
+
+
+def seconds(fn, min_time: float) -> float:
+    fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_time or calls < 2:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["1,12,1024,64", "1,8,2048,96", "1,16,2048,128"])
+    parser.add_argument("--threads", default="1,16")
+    parser.add_argument("--causal", choices=("off", "on", "both"), default="both")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--min-time", type=float, default=0.3)
+    args = parser.parse_args()
+    m = _ext.load()
+    print(f"# torch {torch.__version__}, isa {cs149gpt.isa()}; ms = median of {args.rounds} interleaved rounds")
+    print("| shape | causal | threads | SDPA ms | fma ms | bf16_tiles ms | fma ×SDPA | tiles ×SDPA | tiles ×fma |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    causal_modes = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
+    try:
+        for shape in args.shapes:
+            b, h, n, d = (int(x) for x in shape.split(","))
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(b, h, n, d, generator=g) for _ in range(3))
+            for causal in causal_modes:
+                for threads in (int(t) for t in args.threads.split(",")):
+                    torch.set_num_threads(threads)
+                    times = {"sdpa": [], "fma": [], "bf16_tiles": []}
+                    for _ in range(args.rounds):
+                        for how in times:
+                            if how == "sdpa":
+                                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+                            else:
+                                m.set_float32_products(how)
+                                fn = lambda: cs149gpt.attention(q, k, v, is_causal=causal)  # noqa: E731
+                            times[how].append(seconds(fn, args.min_time))
+                    ms = {how: statistics.median(t) * 1e3 for how, t in times.items()}
+                    print(f"| {shape} | {'yes' if causal else 'no'} | {threads} | {ms['sdpa']:.2f} | {ms['fma']:.2f} | "
+                          f"{ms['bf16_tiles']:.2f} | {ms['sdpa'] / ms['fma']:.2f} | {ms['sdpa'] / ms['bf16_tiles']:.2f} | "
+                          f"{ms['fma'] / ms['bf16_tiles']:.2f} |", flush=True)
+    finally:
+        m.set_float32_products("auto")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
