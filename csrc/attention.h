@@ -82,7 +82,7 @@ struct AttentionParams {
   int num_threads = 1;  // OpenMP threads the kernel may use; its workspace is sized for this many
 
   // float32's two products on AMX: in float32 FMAs (flash.cpp), or on the bf16 tiles with every operand in three
-  // bf16 parts (flash_bf16.cpp); automatic: the tiles from a head_dim they win at. Results are float32's either way.
+  // bf16 parts (flash_bf16.cpp, takes_float32); automatic: FMAs. Results are float32's either way.
   F32Products f32_products = F32Products::automatic;
 
   // A KV cache (attention_with_kvcache; read by flash_decode.cpp only, null/0 everywhere else).

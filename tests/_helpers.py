@@ -12,7 +12,7 @@ import cs149gpt
 from cs149gpt import _ext
 
 # Widest first, as dispatch.cpp tries them. amx and avx512_bf16 differ from avx512 only for bfloat16 inputs (and amx
-# for float16, and for float32 at head_dim >= 96). amx_emulated, last, is the amx kernels with the tiles done in software (csrc/isa/amx_emulation.h):
+# for float16, and for float32 when set_float32_products("bf16_tiles") asks). amx_emulated, last, is the amx kernels with the tiles done in software (csrc/isa/amx_emulation.h):
 # never chosen by itself, it runs the AMX code paths wherever avx512_bf16 runs.
 ALL_ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "scalar", "amx_emulated")
 # Where bfloat16 runs on bf16 dot-product instructions (flash_bf16.cpp, flash_backward_bf16.cpp).
@@ -100,9 +100,9 @@ def isa(request):
 
 @pytest.fixture(params=["auto", "bf16_tiles"])
 def f32_products(request):
-    """Runs a float32 test on amx and amx_emulated twice: as the kernels choose (the tiles from head_dim 96, float32
-    FMAs below), and with every float32 forward on the bf16 tiles in three parts (set_float32_products), so that
-    every shape, tile, mask and dropout case meets that path too. Elsewhere, and for other dtypes, once."""
+    """Runs a float32 test on amx and amx_emulated twice: as the kernels choose (float32 FMAs), and with every
+    float32 forward on the bf16 tiles in three parts (set_float32_products), so that every shape, tile, mask and
+    dropout case meets that path too. Elsewhere, and for other dtypes, once."""
     params = request.node.callspec.params
     if request.param == "bf16_tiles" and (params.get("isa") not in TILE_ISAS
                                           or params.get("dtype", torch.float32) != torch.float32):

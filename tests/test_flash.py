@@ -422,8 +422,8 @@ def test_float16_no_less_accurate_than_torch_sdpa(isa, is_causal):
 @pytest.mark.parametrize("isa", TILE_ISAS, indirect=True)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float32_on_bf16_tiles_no_less_accurate_than_torch_sdpa(isa, is_causal):
-    """float32 on the bf16 tiles, each operand in three parts (flash_bf16.cpp; automatic from head_dim 96 on amx,
-    forced here at every head_dim): the max error against the float64 reference at most 1.5× that of torch's own
+    """float32 on the bf16 tiles, each operand in three parts (flash_bf16.cpp; set_float32_products("bf16_tiles")):
+    the max error against the float64 reference at most 1.5× that of torch's own
     float32 SDPA on the same inputs, also with logits 9× larger, GQA and odd tiles; lse within float32's. The order
     of the tile products' sums matters here (bf16_gemm.h, amx_block_parts): small products added into the large
     sum step by step doubled the error."""
@@ -454,6 +454,32 @@ def test_float32_on_bf16_tiles_no_less_accurate_than_torch_sdpa(isa, is_causal):
     finally:
         m.set_float32_products("auto")
     assert not failures, "\n".join(failures)
+
+
+def test_set_float32_products():
+    """cs149gpt.set_float32_products: a clear error for anything but 'auto', 'fma', 'bf16_tiles'; 'bf16_tiles'
+    changes nothing where the ISA has no AMX tiles (bitwise), and on amx_emulated takes another path (other bits,
+    the same values to float32's accuracy)."""
+    with pytest.raises(ValueError, match="how must be 'auto', 'fma' or 'bf16_tiles'; got 'fast'"):
+        cs149gpt.set_float32_products("fast")
+    m = module()
+    g = gen(111)
+    q, k, v = qkv((1, 2, 70, 128), (1, 2, 90, 128), g)
+    original = m.isa()
+    try:
+        for name in ("avx512", "amx_emulated"):
+            if not m.cpu_supports(name):
+                continue
+            m.set_isa(name)
+            cs149gpt.set_float32_products("fma")
+            fma = cs149gpt.attention(q, k, v)
+            cs149gpt.set_float32_products("bf16_tiles")
+            tiles = cs149gpt.attention(q, k, v)
+            assert torch.equal(fma, tiles) == (name == "avx512"), name
+            torch.testing.assert_close(tiles, fma, rtol=0, atol=2e-6)
+    finally:
+        cs149gpt.set_float32_products("auto")
+        m.set_isa(original)
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")])

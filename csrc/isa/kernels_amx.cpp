@@ -1,6 +1,6 @@
 // The attention kernels compiled for AVX-512 with AMX-BF16: bf16 inputs take flash_bf16.cpp's AMX tile path, and
-// so do float16 ones, split into two bf16 parts (this CPU family has no AMX-FP16), and float32 ones from a head_dim
-// of 96 on, split into three (flash_bf16.cpp, kFloat32MinHeadDim).
+// so do float16 ones, split into two bf16 parts (this CPU family has no AMX-FP16), and float32 ones when asked
+// (set_float32_products), split into three (flash_bf16.cpp, takes_float32).
 //
 // Standard and intrinsic headers come first, under the default target, so that inline code from them
 // is never compiled for a wider ISA than the CPU may have; only the kernels below the pragma are.

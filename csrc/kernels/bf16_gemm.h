@@ -505,20 +505,49 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
 // the same 2 × 2 (NB = 2) or 2 × 1 block of C tiles as amx_block: the products A_i·B_j with i + j ≤ kMaxOrder.
 // The products left out are below 2^-8·(kMaxOrder + 1) of the whole (float16: kMaxOrder 2 keeps all four, 1 drops
 // A_1·B_1; float32's three parts: 2 keeps six of nine, dropping what lies below 2^-24).
-// Order of the sums: the small products first, each over all of K, into zeroed tiles, and A_0·B_0 last. Added
-// into the large sum k step by k step, each small product would be rounded to the large sum's precision: with
-// float32's six products, twice the error of float32 FMAs (measured under amx_emulated on the dev box); summed
-// among themselves first they round at their own size, and the large sum then takes as many roundings as the
-// float32 FMA kernel's. C itself (P V's O) is added to at the end, in float32.
-template <int NB, int kParts, int kMaxOrder>
+// Two orders of the sums:
+// - k step by k step (float16), every product of a step into C: A_i's B_j run down for even i and up for odd i, so
+//   the B part loaded last is often the next one needed (5 operand loads per 4 products, 4 per 3).
+// - kSmallFirst (float32): the small products first, each over all of K, into zeroed tiles, and A_0·B_0 last; C
+//   itself (P V's O) added to at the end, in float32. Added into the large sum step by step, each small product is
+//   rounded to the large sum's precision: with float32's six products, twice the error of float32 FMAs (measured
+//   under amx_emulated on the dev box, fine for float16's 11 bits); summed among themselves first they round at
+//   their own size, and the large sum takes as many roundings as the float32 FMA kernel's. It costs tile loads: one
+//   per product instead of 0.6.
+template <int NB, int kParts, int kMaxOrder, bool kSmallFirst>
 inline void amx_block_parts(int64_t K, const bf16_bits* A, int64_t a_part, int64_t lda, const bf16_bits* B,
                             int64_t b_part, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   const int64_t a_stride = lda * 2;  // bytes
+  const auto load_a = [&](int i, int64_t k) {
+    _tile_loadd(4, A + i * a_part + k, a_stride);
+    _tile_loadd(5, A + i * a_part + 16 * lda + k, a_stride);
+  };
+  if constexpr (!kSmallFirst) {
+    c_block_begin<NB>(C, ldc, accumulate);
+    for (int64_t k = 0; k < K; k += kDotK) {
+      int loaded = -1;  // the B part in tiles 6, 7
+#pragma GCC unroll 3
+      for (int i = 0; i < kParts && i <= kMaxOrder; ++i) {
+        const int last = std::min(kMaxOrder - i, kParts - 1);
+        load_a(i, k);
+#pragma GCC unroll 3
+        for (int step = 0; step <= last; ++step) {
+          const int j = i % 2 == 0 ? last - step : step;
+          if (j == loaded)
+            products_2xNB<NB, /*kLoadB=*/false>(nullptr);
+          else
+            products_2xNB<NB>(B + j * b_part + b_tile_offset(k, 0, ldb));
+          loaded = j;
+        }
+      }
+    }
+    c_block_end<NB>(C, ldc);
+    return;
+  }
   c_block_begin<NB>(C, ldc, /*accumulate=*/false);
   const auto product = [&](int i, int j) {  // C_tiles += A_i · B_j over all of K
     for (int64_t k = 0; k < K; k += kDotK) {
-      _tile_loadd(4, A + i * a_part + k, a_stride);
-      _tile_loadd(5, A + i * a_part + 16 * lda + k, a_stride);
+      load_a(i, k);
       products_2xNB<NB>(B + j * b_part + b_tile_offset(k, 0, ldb));
     }
   };
@@ -539,17 +568,17 @@ inline void amx_block_parts(int64_t K, const bf16_bits* A, int64_t a_part, int64
 
 // C (+)= A·B over M × N × K for operands in parts (amx_block_parts): bf16_gemm on A = Σ A_i, B = Σ B_j, less the
 // products past kMaxOrder.
-template <int kParts, int kMaxOrder>
+template <int kParts, int kMaxOrder, bool kSmallFirst>
 inline void bf16_gemm_parts(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t a_part, int64_t lda,
                             const bf16_bits* B, int64_t b_part, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   for (int64_t m = 0; m < M; m += 32) {
     int64_t n = 0;
     for (; n + 32 <= N; n += 32)
-      amx_block_parts<2, kParts, kMaxOrder>(K, A + m * lda, a_part, lda, B + b_tile_offset(0, n, ldb), b_part, ldb,
-                                            C + m * ldc + n, ldc, accumulate);
+      amx_block_parts<2, kParts, kMaxOrder, kSmallFirst>(K, A + m * lda, a_part, lda, B + b_tile_offset(0, n, ldb),
+                                                         b_part, ldb, C + m * ldc + n, ldc, accumulate);
     if (n < N)
-      amx_block_parts<1, kParts, kMaxOrder>(K, A + m * lda, a_part, lda, B + b_tile_offset(0, n, ldb), b_part, ldb,
-                                            C + m * ldc + n, ldc, accumulate);
+      amx_block_parts<1, kParts, kMaxOrder, kSmallFirst>(K, A + m * lda, a_part, lda, B + b_tile_offset(0, n, ldb),
+                                                         b_part, ldb, C + m * ldc + n, ldc, accumulate);
   }
 }
 
@@ -603,10 +632,9 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
   }
 }
 
-// C (+)= A·B for operands in parts, as passes of bf16_gemm (the same signature as AMX's; its order of sums less the
-// separate block). The flash kernel takes float16 and float32 this way only on AMX: vdpbf16ps is ~2× the float32
+// C (+)= A·B for operands in parts, as passes of bf16_gemm, small products first (the same signature as AMX's). The flash kernel takes float16 and float32 this way only on AMX: vdpbf16ps is ~2× the float32
 // FMA rate, so three or more products would lose to converting to float32 (flash.cpp).
-template <int kParts, int kMaxOrder>
+template <int kParts, int kMaxOrder, bool kSmallFirst>
 inline void bf16_gemm_parts(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t a_part, int64_t lda,
                             const bf16_bits* B, int64_t b_part, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
   for (int order = kMaxOrder; order >= 0; --order)

@@ -292,7 +292,7 @@ void flash_dispatch(const AttentionParams& p, float* workspace) {
 void flash_attention(const AttentionParams& p, float* workspace) {
   switch (p.dtype) {
     case DType::f32:
-#if defined(CS149_ISA_SPLIT_ON_TILES)  // AMX tiles from kFloat32MinHeadDim: three bf16 parts, twelve tile products
+#if defined(CS149_ISA_SPLIT_ON_TILES)  // AMX tiles when asked: three bf16 parts, twelve tile products
       if (!flash_decode::applies(p) && flash_bf16::takes_float32(p)) return flash_bf16::run<float>(p, workspace);
 #endif
       flash_dispatch<float>(p, workspace);

@@ -14,7 +14,7 @@
 // infinity: a key hidden from a row by the causal mask has P = 0 there, and 0 · NaN would be NaN, so such a
 // (rare) tile takes P V row by row over each row's visible keys instead (README, "Non-finite values").
 //
-// float16 and float32 (on AMX only; float32 at head_dim ≥ kFloat32MinHeadDim) take the same path with every operand
+// float16 and float32 (on AMX only; float32 when asked: takes_float32) take the same path with every operand
 // in bf16 parts, x = x_0 + x_1 (+ x_2) (bf16_gemm.h, split_bf16): two parts hold a float16 exactly, three a float32.
 // The tile products run at ~13× the float32 FMA rate, so the seven products float16 takes (four for S, three for
 // P·V) and the twelve of float32 (six each) still cost less than the two of flash.cpp in float32 FMAs;
@@ -64,20 +64,22 @@ inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1)
 template <class T>
 constexpr int kParts = std::is_same_v<T, float> ? 3 : std::is_same_v<T, c10::Half> ? 2 : 1;
 template <class T>
-constexpr int kQkOrder = kParts<T> - 1 + (std::is_same_v<T, c10::Half> ? 1 : 0);  // float16: all four (qh·kh .. ql·kl)
+constexpr int kQkOrder = kParts<T> - 1 + (std::is_same_v<T, c10::Half> ? 1 : 0);  // float16: all four products
 template <class T>
 constexpr int kPvOrder = kParts<T> - 1;
+template <class T>
+constexpr bool kSmallFirst = std::is_same_v<T, float>;  // the order of the products' sums (bf16_gemm.h)
 inline int64_t parts_of(const AttentionParams& p) {
   return p.dtype == DType::f32 ? kParts<float> : p.dtype == DType::f16 ? kParts<c10::Half> : kParts<c10::BFloat16>;
 }
 
-// float32 takes the tiles from this head_dim on (and float32 FMAs below: flash.cpp). Estimated from the device host's
-// bf16 and float16 times (results/s13b_forward_lowp.txt, one thread: a call's time grows by a constant per tile
-// product): at d = 128 twelve products beat flash.cpp's float32 by ~1.35×, at d = 64 they would about tie.
-constexpr int64_t kFloat32MinHeadDim = 96;
+// float32 takes the tiles only when asked (module.cpp's set_float32_products("bf16_tiles")); by default flash.cpp's
+// float32 FMAs. On the device host (results/s14b_probe_f32_tiles.txt, s14c_tiles_sweep.txt) the tiles ran one
+// thread 1.09–1.14× the FMAs at head_dim 96 and 128 (0.84× at 64), but all 16 threads 0.67–0.81× at every
+// head_dim: there two hyperthreads share each core's one AMX unit, where the FMA kernel gains from the second. Choosing
+// by the call's thread count would make the bits depend on it (tests/test_flash.py asserts they do not).
 inline bool takes_float32(const AttentionParams& p) {
-  return p.dtype == DType::f32 && (p.f32_products == F32Products::bf16_tiles ||
-                                   (p.f32_products == F32Products::automatic && p.head_dim >= kFloat32MinHeadDim));
+  return p.dtype == DType::f32 && p.f32_products == F32Products::bf16_tiles;
 }
 
 struct Layout {
@@ -264,8 +266,8 @@ struct PToBf16Parts {
 // |x2| ≤ 2^-16·|x|). Of the nine products q_a·k_b, S keeps the six with a + b ≤ 2; the three left out
 // (q1·k2, q2·k1, q2·k2) are below 2^-23·Σ|q_c·k_c| together, under the float32 rounding of a d-term dot product.
 // P·V the same with P = P0 + P1 + P2 (P rounded to float32 first, as flash.cpp's P is). Twelve tile products a key
-// tile against flash.cpp's two float32 FMA products: at d = 128 the products dominate, and twelve on tiles run in
-// ~0.7 of the time of two in FMAs (kFloat32MinHeadDim).
+// tile against flash.cpp's two float32 FMA products: one thread ~1.1× faster at d ≥ 96, 16 hyperthreads slower
+// (takes_float32).
 template <class T>
 void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const bf16_bits* kt_all,
                 const bf16_bits* v_all, const float* finite, float* scratch) {
@@ -326,8 +328,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if constexpr (kP == 1)
         bf16_gemm(G, s_cols, L.d_k, Qi + g0 * L.d_k, L.d_k, KTj, L.Bc_pad, S, L.s_ld, false);
       else if (qk_finite)
-        bf16_gemm_parts<kP, kQkOrder<T>>(G, s_cols, L.d_k, Qi + g0 * L.d_k, q_part, L.d_k, KTj, L.kt_tile, L.Bc_pad,
-                                         S, L.s_ld, false);
+        bf16_gemm_parts<kP, kQkOrder<T>, kSmallFirst<T>>(G, s_cols, L.d_k, Qi + g0 * L.d_k, q_part, L.d_k, KTj,
+                                                         L.kt_tile, L.Bc_pad, S, L.s_ld, false);
       else
         qk_in_float32(G, s_cols, d, kP, Qi + g0 * L.d_k, q_part, L.d_k, KTj, L.kt_tile, L.Bc_pad, S, L.s_ld);
       // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
@@ -357,7 +359,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       else if constexpr (kP == 1)
         bf16_gemm(G, L.d_n, k_keys, Pb, L.p_ld, Vj, L.d_n, Og, L.d_n, true);
       else
-        bf16_gemm_parts<kP, kPvOrder<T>>(G, L.d_n, k_keys, Pb, p_part, L.p_ld, Vj, L.v_tile, L.d_n, Og, L.d_n, true);
+        bf16_gemm_parts<kP, kPvOrder<T>, kSmallFirst<T>>(G, L.d_n, k_keys, Pb, p_part, L.p_ld, Vj, L.v_tile, L.d_n,
+                                                         Og, L.d_n, true);
     }
   }
   finish_rows<T>(p, b, h, i0, rows, Oi, L.d_n, m, l);
