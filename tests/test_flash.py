@@ -459,7 +459,7 @@ def test_float32_on_bf16_tiles_no_less_accurate_than_torch_sdpa(isa, is_causal):
 def test_set_float32_products():
     """cs149gpt.set_float32_products: a clear error for anything but 'auto', 'fma', 'bf16_tiles'; 'bf16_tiles'
     changes nothing where the ISA has no AMX tiles (bitwise), and on amx_emulated takes another path (other bits,
-    the same values to float32's accuracy)."""
+    the same values to float32's accuracy), values beyond bf16's range included."""
     with pytest.raises(ValueError, match="how must be 'auto', 'fma' or 'bf16_tiles'; got 'fast'"):
         cs149gpt.set_float32_products("fast")
     m = module()
@@ -477,6 +477,15 @@ def test_set_float32_products():
             tiles = cs149gpt.attention(q, k, v)
             assert torch.equal(fma, tiles) == (name == "avx512"), name
             torch.testing.assert_close(tiles, fma, rtol=0, atol=2e-6)
+            # Values past bf16's largest finite one (float32 near its max rounds to bf16 inf): split exactly still.
+            v_big = v.clone()
+            v_big[0, 1, 3, :5] = torch.tensor([3.3961e38, -3.4e38, 3.4028e38, 1e38, -3.3895e38])
+            cs149gpt.set_float32_products("fma")
+            fma = cs149gpt.attention(q, k, v_big)
+            cs149gpt.set_float32_products("bf16_tiles")
+            tiles = cs149gpt.attention(q, k, v_big)
+            assert torch.isfinite(fma).all() and torch.isfinite(tiles).all(), name
+            torch.testing.assert_close(tiles, fma, rtol=2e-6, atol=2e-6)
     finally:
         cs149gpt.set_float32_products("auto")
         m.set_isa(original)

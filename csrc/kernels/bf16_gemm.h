@@ -6,9 +6,9 @@
 //   CS149_ISA_AVX512_BF16  vdpbf16ps: each of 16 float32 lanes gains a[0]·b[0] + a[1]·b[1] for a pair of bf16;
 //                          an 8-row × 3-vector block of C lives in 24 zmm registers, as in simd.h's micro_gemm.
 // The attention algorithm (flash_bf16.cpp) calls bf16_gemm and never sees a tile or a vector register.
-// float16 on the same hardware (flash_bf16.cpp on AMX): each operand is split into two bf16 parts, x = hi + lo
-// (split_fp16_row, the *_split packers, exp_shifted_sum_to_bf16_split), and bf16_gemm_split multiplies
-// (Ah + Al)·(Bh + Bl) as the products Ah·Bl + Al·Bh + Ah·Bh (+ Al·Bl) into the same float32 accumulators.
+// float16 on the same hardware (flash_bf16.cpp on AMX), and float32 when asked: each operand is split into two or
+// three bf16 parts, x = x_0 + x_1 (+ x_2) (split_row, the *_parts packers, exp_shifted_sum_to_bf16_parts), and
+// bf16_gemm_parts multiplies (Σ A_i)·(Σ B_j) as the products A_i·B_j it keeps, into float32 accumulators.
 //
 // Operand layouts (the packing functions below write them):
 //   A  M × K bf16, row-major, rows lda elements apart.
@@ -114,24 +114,35 @@ inline float dot_bf16(const bf16_bits* a, const bf16_bits* b, int64_t n) {
 // Operands in several bf16 parts (flash_bf16.cpp's float16 and float32 paths). x = x_0 + x_1 + ... with
 // x_0 = bf16(x) and each next part the bf16 of what the parts before leave, x − x_0 − ... (exact in float32), all
 // rounded to nearest even: each part takes the next 8 (or more) significant bits, so |x − x_0 − ... − x_i| ≤
-// 2^(-8(i+1)-1)·|x|. A float16 x (11 significant bits) is exactly x_0 + x_1; a float32 x (24 bits) exactly
-// x_0 + x_1 + x_2 — with x's exponent range, fp16 subnormals included, well inside bf16's. Only x_0 is kept where
-// it is ±inf or NaN (x − x_0 would be NaN: inf − inf), so the sum is still x, and where |x| < 2^-100: there the
-// remainders could be float32 subnormals, and on the device host's Xeon an instruction whose result underflows
-// costs a microcode assist (simd.h, exp); AMX reads bf16 subnormals as 0 anyway. Below 2^-100 a value keeps bf16's
-// 8 bits (an absolute error under 2^-108); only weights P get there in practice. The parts of one operand lie one
-// after another, `part` bf16 apart, each in the operand's layout. Returns the lanes whose x_0 is finite.
+// 2^(-8(i+1))·|x|. A float16 x (11 significant bits) is exactly x_0 + x_1; a float32 x (24 bits) exactly
+// x_0 + x_1 + x_2 — with x's exponent range, fp16 subnormals included, well inside bf16's. A finite float32 past
+// bf16's largest finite value (|x| ≥ 0x1.FFp127 rounds to bf16 inf) takes that largest value, ±0x1.FEp127, as x_0:
+// x − x_0 is then exact and the parts still sum to x. Only x_0 is kept where it is ±inf or NaN (x − x_0 would be
+// NaN: inf − inf), so the sum is still x, and where |x_0| < 2^-100: there the remainders could be float32
+// subnormals, and on the device host's Xeon an instruction whose result underflows costs a microcode assist
+// (simd.h, exp); AMX reads bf16 subnormals as 0 anyway. Below 2^-100 a value keeps bf16's 8 bits (an absolute error
+// under 2^-108); only weights P get there in practice. The parts of one operand lie one after another, `part` bf16
+// apart, each in the operand's layout. Returns the lanes whose x_0 is finite, i.e. whose x is.
 // ---------------------------------------------------------------------------------------------------
 template <int kParts>
 inline __mmask16 split_bf16(__m512 x, __m256i (&part)[kParts]) {
+  const auto widen = [](__m256i y) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(y), 16)); };
+  const __m512 inf = _mm512_set1_ps(__builtin_inff());
   __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(x), inf, _CMP_LT_OQ);
+  const __mmask16 rounded_to_inf = finite & _mm512_cmp_ps_mask(_mm512_abs_ps(widen(h)), inf, _CMP_EQ_OQ);
+  if (rounded_to_inf) {  // ±0x1.FEp127: x's sign bit, then bf16's largest finite magnitude
+    const __m256i sign = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16));
+    h = _mm256_mask_blend_epi16(rounded_to_inf, h,
+                                _mm256_or_si256(_mm256_and_si256(sign, _mm256_set1_epi16(int16_t(0x8000))),
+                                                _mm256_set1_epi16(0x7F7F)));
+  }
   part[0] = h;
-  const __m512 magnitude = _mm512_abs_ps(x);
-  const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
-  const __mmask16 has_rest = _mm512_mask_cmp_ps_mask(finite, magnitude, _mm512_set1_ps(0x1p-100f), _CMP_GE_OQ);
+  const __mmask16 has_rest = _mm512_mask_cmp_ps_mask(finite, _mm512_abs_ps(widen(h)), _mm512_set1_ps(0x1p-100f),
+                                                     _CMP_GE_OQ);
 #pragma GCC unroll 2
   for (int i = 1; i < kParts; ++i) {
-    x = _mm512_maskz_sub_ps(has_rest, x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    x = _mm512_maskz_sub_ps(has_rest, x, widen(h));
     h = (__m256i)_mm512_cvtneps_pbh(x);
     part[i] = h;
   }
@@ -426,7 +437,7 @@ class DotScope {
   TileConfig saved_;
 };
 
-// The 2 × NB block of C tiles of amx_block and amx_block_split (tiles 0, 1: rows 0–15, columns 0–15 / 16–31;
+// The 2 × NB block of C tiles of amx_block and amx_block_parts (tiles 0, 1: rows 0–15, columns 0–15 / 16–31;
 // tiles 2, 3: rows 16–31): loaded from C to accumulate into, or zeroed; and stored back.
 template <int NB>
 inline void c_block_begin(float* C, int64_t ldc, bool accumulate) {
@@ -503,7 +514,7 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
 
 // C (+)= A·B for operands in parts, A = Σ A_i and B = Σ B_j (kParts each, `a_part` and `b_part` bf16 apart), over
 // the same 2 × 2 (NB = 2) or 2 × 1 block of C tiles as amx_block: the products A_i·B_j with i + j ≤ kMaxOrder.
-// The products left out are below 2^-8·(kMaxOrder + 1) of the whole (float16: kMaxOrder 2 keeps all four, 1 drops
+// The products left out are below 2^(−8·(kMaxOrder + 1)) of the whole (float16: kMaxOrder 2 keeps all four, 1 drops
 // A_1·B_1; float32's three parts: 2 keeps six of nine, dropping what lies below 2^-24).
 // Two orders of the sums:
 // - k step by k step (float16), every product of a step into C: A_i's B_j run down for even i and up for odd i, so
@@ -632,8 +643,9 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
   }
 }
 
-// C (+)= A·B for operands in parts, as passes of bf16_gemm, small products first (the same signature as AMX's). The flash kernel takes float16 and float32 this way only on AMX: vdpbf16ps is ~2× the float32
-// FMA rate, so three or more products would lose to converting to float32 (flash.cpp).
+// C (+)= A·B for operands in parts, as passes of bf16_gemm, small products first (the same signature as AMX's).
+// The flash kernel takes float16 and float32 this way only on AMX: vdpbf16ps is ~2× the float32 FMA rate, so three
+// or more products would lose to converting to float32 (flash.cpp).
 template <int kParts, int kMaxOrder, bool kSmallFirst>
 inline void bf16_gemm_parts(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64_t a_part, int64_t lda,
                             const bf16_bits* B, int64_t b_part, int64_t ldb, float* C, int64_t ldc, bool accumulate) {

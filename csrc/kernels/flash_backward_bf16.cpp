@@ -82,7 +82,7 @@ struct Layout {
   bool cache_query;     // Qᵀ, dOᵀ packed once per task (else per tile pair)
   bool keys_in_place;   // whole strips of K_j, V_j read in place; only a last partial strip is packed
   // shared, with key chunks: flash_backward_onepass.cpp's key_runs header, then each kv head's dQᵀ sum, float32
-  // (pairs × dq_size): a run adds its own dQᵀ to it in the order of the runs and the last run writes dq. One sum
+  // (sum_slots × dq_size): a run adds its own dQᵀ to it in the order of the runs and the last run writes dq. One sum
   // per kv head, not one partial per run: (1,12,1024,64) in 4 runs, one thread, the partials took 12.8 MB (peak
   // backward 17.3 MiB against torch's 7.7; results/s13d_backward_bf16.txt). On one thread the runs go kv head by kv
   // head (pair_major) and one sum serves them all, in turn: that call's peak is then under torch's (its float32 dQ

@@ -92,9 +92,10 @@ inline void reset(float* ws, int64_t pairs) {
   *task_counter(ws) = 0;
   std::fill(merge_turn(ws, 0), merge_turn(ws, pairs), int64_t{0});
 }
-// Every thread takes tasks in the order of t, chunk by chunk (t / pairs; under a causal mask the first keys meet the
-// most query rows, so go first): a run's predecessor, `pairs` tasks earlier, is then always running or done when the
-// run waits for its turn.
+// Every thread takes tasks in the order of t — chunk by chunk (t / pairs; under a causal mask the first keys meet
+// the most query rows, so go first), or, flash_backward_bf16.cpp on one thread, kv head by kv head: a run's
+// predecessor, `pairs` tasks earlier or the one before, is then always running or done when the run waits for its
+// turn.
 template <class Task>
 void take_in_order(float* ws, int64_t tasks, const Task& task) {
   for (int64_t t; (t = __atomic_fetch_add(task_counter(ws), 1, __ATOMIC_RELAXED)) < tasks;) task(t);
