@@ -516,55 +516,58 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
 // the same 2 × 2 (NB = 2) or 2 × 1 block of C tiles as amx_block: the products A_i·B_j with i + j ≤ kMaxOrder.
 // The products left out are below 2^(−8·(kMaxOrder + 1)) of the whole (float16: kMaxOrder 2 keeps all four, 1 drops
 // A_1·B_1; float32's three parts: 2 keeps six of nine, dropping what lies below 2^-24).
+// A k step's products go A_i by A_i, the B part loaded last first where it is wanted again, then down for even i and
+// up for odd i: 5 operand loads per 4 products (float16, S), 4 per 3 (P V), 6 per the 5 small ones of float32.
 // Two orders of the sums:
-// - k step by k step (float16), every product of a step into C: A_i's B_j run down for even i and up for odd i, so
-//   the B part loaded last is often the next one needed (5 operand loads per 4 products, 4 per 3).
-// - kSmallFirst (float32): the small products first, each over all of K, into zeroed tiles, and A_0·B_0 last; C
+// - k step by k step (float16), every product of a step into C.
+// - kSmallFirst (float32): the small products, k step by k step, into zeroed tiles, then A_0·B_0 over all of K; C
 //   itself (P V's O) added to at the end, in float32. Added into the large sum step by step, each small product is
 //   rounded to the large sum's precision: with float32's six products, twice the error of float32 FMAs (measured
-//   under amx_emulated on the dev box, fine for float16's 11 bits); summed among themselves first they round at
-//   their own size, and the large sum takes as many roundings as the float32 FMA kernel's. It costs tile loads: one
-//   per product instead of 0.6.
+//   under amx_emulated on the dev box; fine for float16's 11 bits); summed among themselves first they round at
+//   their own size, and the large sum takes as many roundings as the float32 FMA kernel's.
+template <int NB, int kParts, int kMaxOrder, bool kSkipLargest>
+inline void k_step_products(const bf16_bits* A, int64_t a_part, int64_t lda, const bf16_bits* B, int64_t b_part,
+                            int64_t ldb, int64_t k) {
+  int loaded = -1;  // the B part in tiles 6, 7
+#pragma GCC unroll 3
+  for (int i = 0; i < kParts && i <= kMaxOrder; ++i) {
+    const int first = kSkipLargest && i == 0 ? 1 : 0, last = std::min(kMaxOrder - i, kParts - 1);
+    if (first > last) continue;
+    _tile_loadd(4, A + i * a_part + k, lda * 2);
+    _tile_loadd(5, A + i * a_part + 16 * lda + k, lda * 2);
+    int reused = -1;
+    if (loaded >= first && loaded <= last) {
+      products_2xNB<NB, /*kLoadB=*/false>(nullptr);
+      reused = loaded;
+    }
+#pragma GCC unroll 3
+    for (int step = 0; step <= last - first; ++step) {
+      const int j = i % 2 == 0 ? last - step : first + step;
+      if (j == reused) continue;
+      products_2xNB<NB>(B + j * b_part + b_tile_offset(k, 0, ldb));
+      loaded = j;
+    }
+  }
+}
+
 template <int NB, int kParts, int kMaxOrder, bool kSmallFirst>
 inline void amx_block_parts(int64_t K, const bf16_bits* A, int64_t a_part, int64_t lda, const bf16_bits* B,
                             int64_t b_part, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  const int64_t a_stride = lda * 2;  // bytes
-  const auto load_a = [&](int i, int64_t k) {
-    _tile_loadd(4, A + i * a_part + k, a_stride);
-    _tile_loadd(5, A + i * a_part + 16 * lda + k, a_stride);
-  };
   if constexpr (!kSmallFirst) {
     c_block_begin<NB>(C, ldc, accumulate);
-    for (int64_t k = 0; k < K; k += kDotK) {
-      int loaded = -1;  // the B part in tiles 6, 7
-#pragma GCC unroll 3
-      for (int i = 0; i < kParts && i <= kMaxOrder; ++i) {
-        const int last = std::min(kMaxOrder - i, kParts - 1);
-        load_a(i, k);
-#pragma GCC unroll 3
-        for (int step = 0; step <= last; ++step) {
-          const int j = i % 2 == 0 ? last - step : step;
-          if (j == loaded)
-            products_2xNB<NB, /*kLoadB=*/false>(nullptr);
-          else
-            products_2xNB<NB>(B + j * b_part + b_tile_offset(k, 0, ldb));
-          loaded = j;
-        }
-      }
-    }
+    for (int64_t k = 0; k < K; k += kDotK)
+      k_step_products<NB, kParts, kMaxOrder, /*kSkipLargest=*/false>(A, a_part, lda, B, b_part, ldb, k);
     c_block_end<NB>(C, ldc);
     return;
   }
   c_block_begin<NB>(C, ldc, /*accumulate=*/false);
-  const auto product = [&](int i, int j) {  // C_tiles += A_i · B_j over all of K
-    for (int64_t k = 0; k < K; k += kDotK) {
-      load_a(i, k);
-      products_2xNB<NB>(B + j * b_part + b_tile_offset(k, 0, ldb));
-    }
-  };
-  for (int order = kMaxOrder; order > 0; --order)
-    for (int i = std::max(0, order - (kParts - 1)); i <= std::min(order, kParts - 1); ++i) product(i, order - i);
-  product(0, 0);
+  for (int64_t k = 0; k < K; k += kDotK)
+    k_step_products<NB, kParts, kMaxOrder, /*kSkipLargest=*/true>(A, a_part, lda, B, b_part, ldb, k);
+  for (int64_t k = 0; k < K; k += kDotK) {  // A_0 · B_0
+    _tile_loadd(4, A + k, lda * 2);
+    _tile_loadd(5, A + 16 * lda + k, lda * 2);
+    products_2xNB<NB>(B + b_tile_offset(k, 0, ldb));
+  }
   if (!accumulate) {
     c_block_end<NB>(C, ldc);
     return;
