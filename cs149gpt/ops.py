@@ -333,8 +333,9 @@ def set_float32_products(how: str) -> None:
     float32 FMAs; 'bf16_tiles' on the bf16 tiles with every operand split into three bf16 parts, exactly, and the
     six largest of the nine part products kept: float32-class results (in the tests at most 1.5× torch's float32
     SDPA error), except that values below 2^-100 in magnitude keep bf16's 8 significant bits.
-    Measured on a 16-CPU Xeon with AMX: 'bf16_tiles' ~1.1× faster on one thread at head_dim ≥ 96, slower at 64 and
-    on hyperthreads (two threads share a core's AMX unit). Elsewhere it changes nothing. Process-wide."""
+    Measured on a 16-CPU Xeon with AMX (README, "float32 on the AMX tiles"): 'bf16_tiles' 1.1–1.25× faster on one
+    thread at head_dim ≥ 96, about even at 64, 0.7–0.9× on all 16 hyperthreads (two share a core's AMX unit).
+    Elsewhere it changes nothing. Process-wide."""
     _load()
     _ext._module.set_float32_products(how)
 
