@@ -334,7 +334,7 @@ def set_float32_products(how: str) -> None:
     six largest of the nine part products kept: float32-class results (in the tests at most 1.5× torch's float32
     SDPA error), except that values below 2^-100 in magnitude keep bf16's 8 significant bits.
     Measured on a 16-CPU Xeon with AMX (README, "float32 on the AMX tiles"): 'bf16_tiles' 1.1–1.25× faster on one
-    thread at head_dim ≥ 96, about even at 64, 0.7–0.9× on all 16 hyperthreads (two share a core's AMX unit).
+    thread at head_dim ≥ 96, about even at 64, 0.7–0.97× on 8 and 16 threads.
     Elsewhere it changes nothing. Process-wide."""
     _load()
     _ext._module.set_float32_products(how)

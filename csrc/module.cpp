@@ -1621,7 +1621,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          : how == "bf16_tiles" ? F32Products::bf16_tiles : F32Products::automatic;
   }, "force how the flash forward multiplies float32 where the ISA has AMX tiles: float32 FMAs ('fma'), or the bf16 "
      "tiles with each operand in three bf16 parts ('bf16_tiles': 1.1-1.25x faster on one thread at head_dim >= 96, "
-     "slower on hyperthreads); 'auto' (the default): FMAs");
+     "slower on 8 and 16); 'auto' (the default): FMAs");
   m.def("set_backward_key_chunks", [](int64_t chunks) {
     TORCH_CHECK_VALUE(chunks >= 0 && chunks <= 8, "chunks must be in [0, 8] (0: decided by shape), got ", chunks);
     g_backward_key_chunks = chunks;

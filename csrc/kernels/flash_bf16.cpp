@@ -75,9 +75,10 @@ inline int64_t parts_of(const AttentionParams& p) {
 
 // float32 takes the tiles only when asked (module.cpp's set_float32_products("bf16_tiles")); by default flash.cpp's
 // float32 FMAs. On the device host (results/s14g_probe_f32_tiles.txt) the tiles ran one thread 1.10–1.24× the FMAs
-// non-causal at head_dim 64–128 (0.95–1.13× causal), but all 16 threads 0.72–0.86× at every head_dim: there two
-// hyperthreads share each core's one AMX unit, where the FMA kernel gains from the second. Choosing
-// by the call's thread count would make the bits depend on it (tests/test_flash.py asserts they do not).
+// non-causal at head_dim 64–128 (0.95–1.13× causal), but all 16 threads 0.72–0.86× at every head_dim, and 8 threads
+// 0.87–0.97× (s14i; whether AMX units shared by hyperthreads or the 3× larger packed K and V is the cause is not
+// established). Choosing by the call's thread count would make the bits depend on it (tests/test_flash.py asserts
+// they do not).
 inline bool takes_float32(const AttentionParams& p) {
   return p.dtype == DType::f32 && p.f32_products == F32Products::bf16_tiles;
 }
@@ -266,7 +267,7 @@ struct PToBf16Parts {
 // |x2| ≤ 2^-16·|x|). Of the nine products q_a·k_b, S keeps the six with a + b ≤ 2; the three left out
 // (q1·k2, q2·k1, q2·k2) are below 2^-23·Σ|q_c·k_c| together, under the float32 rounding of a d-term dot product.
 // P·V the same with P = P0 + P1 + P2 (P rounded to float32 first, as flash.cpp's P is). Twelve tile products a key
-// tile against flash.cpp's two float32 FMA products: one thread 1.1–1.25× faster at d ≥ 96, 16 hyperthreads
+// tile against flash.cpp's two float32 FMA products: one thread 1.1–1.25× faster at d ≥ 96, 8 and 16 threads
 // slower (takes_float32).
 template <class T>
 void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const bf16_bits* kt_all,
