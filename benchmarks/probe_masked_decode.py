@@ -10,26 +10,14 @@ keys are filled. The unmasked call attends to the first 520 keys only (the dynam
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_overhead import per_call_us  # noqa: E402  (it put the repo root on sys.path)
 import cs149gpt  # noqa: E402
-
-
-def median_us(fn, calls: int, rounds: int = 5) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(times)[rounds // 2]
 
 
 def main() -> int:
@@ -63,7 +51,7 @@ def main() -> int:
         }
         for name, (theirs, ours) in cases.items():
             torch.testing.assert_close(ours(), theirs(), atol=2e-2, rtol=2e-2)
-            t_sdpa, t_ours = median_us(theirs, args.calls), median_us(ours, args.calls)
+            t_sdpa, t_ours = per_call_us(theirs, args.calls), per_call_us(ours, args.calls)
             print(f"| {threads} | {name} | {t_sdpa:.1f} | {t_ours:.1f} | {t_sdpa / t_ours:.2f} |", flush=True)
     return 0
 

@@ -5,12 +5,7 @@
 #   s13b_decode.txt            bench_decode.py: Llama heads 32/8, d 128, batch 1 and 8, 128-8192 keys, 1 and 16 threads
 #   s13b_generate.txt          bench_generate.py: the shipped GPT, contexts 1024 and 2048, 1 and 16 threads
 #   s13b_forward_lowp.txt      bench_attention.py --memory: bf16 and fp16 forward, issue 9's shapes, causal both
-set -uo pipefail
-OUT=${OUT:-/tmp/cs149gpt-device}
-mkdir -p "$OUT"
-export MAX_JOBS=16 PYTHONUNBUFFERED=1 CS149GPT_NO_CUDA=1 PYTHONPATH=$PWD
-nproc; uptime
-python3 -c "import cs149gpt; print('isa', cs149gpt.isa())" 2>&1 | tail -1
+source benchmarks/device/preamble.sh
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kvcache.py tests/test_mask_decode.py tests/test_fast_path.py \
   -k "amx and not emulated" > "$OUT/s13b_pytest.txt" 2>&1
 tail -1 "$OUT/s13b_pytest.txt"; grep -E "^FAILED" "$OUT/s13b_pytest.txt" | head -5

@@ -4,12 +4,7 @@
 #   s13c_models_bf16.txt       bench_models.py: HF Llama / GPT-2 / BERT, bf16, 1 and 16 threads (no torch.compile)
 #   s13c_models_bert_f32.txt   bench_models.py: BERT 32 x 128, float32, 1 and 16 threads
 #   s13c_train.txt             bench_train.py: shipped model and nanoGPT-256, float32 and autocast, 1 and 16 threads
-set -uo pipefail
-OUT=${OUT:-/tmp/cs149gpt-device}
-mkdir -p "$OUT"
-export MAX_JOBS=16 PYTHONUNBUFFERED=1 CS149GPT_NO_CUDA=1 PYTHONPATH=$PWD
-nproc; uptime
-python3 -c "import cs149gpt; print('isa', cs149gpt.isa())" 2>&1 | tail -1
+source benchmarks/device/preamble.sh
 timeout 170 python3 benchmarks/bench_attention.py --shapes 1,4,1024,32 1,12,1024,64 4,12,2048,64 1,16,4096,128 \
   --impls flash --threads 1,16 --causal both --dtype float32 --min-run-time 0.15 --rounds 2 > "$OUT/s13c_forward_f32.txt" 2>&1
 grep -E " flash |peak" "$OUT/s13c_forward_f32.txt" | grep -v "^\[" | cut -c1-110 | head -20

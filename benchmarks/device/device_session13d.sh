@@ -3,12 +3,7 @@
 #   s13d_backward_f32.txt   bench_backward.py --memory: float32, issue 12's four shapes, causal both, 1 and 16 threads
 #   s13d_backward_bf16.txt  the same in bf16
 #   s13d_profile_t1_*.txt   profile_decode_step.py: the shipped GPT, one thread, contexts 1024 and 2048
-set -uo pipefail
-OUT=${OUT:-/tmp/cs149gpt-device}
-mkdir -p "$OUT"
-export MAX_JOBS=16 PYTHONUNBUFFERED=1 CS149GPT_NO_CUDA=1 PYTHONPATH=$PWD
-nproc; uptime
-python3 -c "import cs149gpt; print('isa', cs149gpt.isa())" 2>&1 | tail -1
+source benchmarks/device/preamble.sh
 for ctx in 1024 2048; do
   timeout 60 python3 benchmarks/profile_decode_step.py --context $ctx --threads 1 --steps 32 > "$OUT/s13d_profile_t1_$ctx.txt" 2>&1
   grep -E "^## |flash_decode|scaled_dot|attention_with" "$OUT/s13d_profile_t1_$ctx.txt" | cut -c1-110

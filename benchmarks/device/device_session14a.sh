@@ -6,12 +6,7 @@
 #   s14a_masked_decode_*.txt     probe_masked_decode.py: a static-cache decode call alone, with its mask and without
 #   s14a_profile_generate_*.txt  profile_models.py --generate: Llama's greedy generate, 16 threads, bf16, per cache
 #   s14a_models_llama_t16.txt    bench_models.py: Llama, bf16, 16 threads, 7 rounds (static cache was 0.94 in s13c)
-set -uo pipefail
-OUT=${OUT:-/tmp/cs149gpt-device}
-mkdir -p "$OUT"
-export MAX_JOBS=16 PYTHONUNBUFFERED=1 CS149GPT_NO_CUDA=1 PYTHONPATH=$PWD
-nproc; uptime
-python3 -c "import cs149gpt; print('isa', cs149gpt.isa())" 2>&1 | tail -1
+source benchmarks/device/preamble.sh
 timeout 150 python3 -m pytest -q tests/test_backward.py -k "one_dq_sum or thread_count" > "$OUT/s14a_pytest.txt" 2>&1
 tail -2 "$OUT/s14a_pytest.txt"
 timeout 120 python3 benchmarks/bench_backward.py --shapes 1,4,1024,32 1,12,1024,64 --threads 1 --causal both \

@@ -4,12 +4,7 @@
 #                              amx: as chosen and forced onto the tiles) and test_backward's amx cases
 #   s14b_probe_f32_tiles.txt   probe_f32_tiles.py: float32 FMAs against the tiles and SDPA, d = 64, 96, 128
 #   s14b_forward_f32.txt       bench_attention.py, float32, issue 9's shapes (d = 128 now on the tiles)
-set -uo pipefail
-OUT=${OUT:-/tmp/cs149gpt-device}
-mkdir -p "$OUT"
-export MAX_JOBS=16 PYTHONUNBUFFERED=1 CS149GPT_NO_CUDA=1 PYTHONPATH=$PWD
-nproc; uptime
-python3 -c "import cs149gpt; print('isa', cs149gpt.isa())" 2>&1 | tail -1
+source benchmarks/device/preamble.sh
 timeout 240 python3 -m pytest -q tests/test_flash.py tests/test_masks.py tests/test_dropout.py tests/test_nonfinite.py \
   > "$OUT/s14b_pytest_forward.txt" 2>&1
 tail -1 "$OUT/s14b_pytest_forward.txt"; grep -E "^FAILED" "$OUT/s14b_pytest_forward.txt" | head -5

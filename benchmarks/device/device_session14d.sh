@@ -4,12 +4,7 @@
 #   s14d_pytest.txt            test_flash, test_masks, test_dropout, test_nonfinite, test_kvcache; test_backward's amx
 #   s14d_forward_f16.txt       bench_attention.py, float16, two of issue 9's shapes, 1 and 16 threads
 #   s14d_probe_f32_tiles.txt   probe_f32_tiles.py at (1,16,4096,128), one thread: FMAs, tiles, SDPA
-set -uo pipefail
-OUT=${OUT:-/tmp/cs149gpt-device}
-mkdir -p "$OUT"
-export MAX_JOBS=16 PYTHONUNBUFFERED=1 CS149GPT_NO_CUDA=1 PYTHONPATH=$PWD
-nproc; uptime
-python3 -c "import cs149gpt; print('isa', cs149gpt.isa())" 2>&1 | tail -1
+source benchmarks/device/preamble.sh
 timeout 260 python3 -m pytest -q tests/test_flash.py tests/test_masks.py tests/test_dropout.py tests/test_nonfinite.py \
   tests/test_kvcache.py > "$OUT/s14d_pytest.txt" 2>&1
 tail -1 "$OUT/s14d_pytest.txt"; grep -E "^FAILED" "$OUT/s14d_pytest.txt" | head -5
