@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
-from tests._helpers import BF16_DOT_ISAS, gen, isa, module, randn, scaled_scores, visible_mask  # noqa: F401  (isa: fixture)
+from tests._helpers import (BF16_DOT_ISAS, backward_path, gen, isa, module, randn, scaled_scores,  # noqa: F401
+                            visible_mask)  # (isa, backward_path: fixtures)
 
 # Max abs error of float32 out/dq/dk/dv against float64 autograd, for unit-scale (randn) q, k, v and dout
 # and the default scale (grad_tol() widens it for sharper explicit scales). Measured on every ISA over the
@@ -155,22 +156,6 @@ def test_reference_gradients_match_torch_sdpa():
                 got = ref_grads(q, k, v, dout, scale=scale, is_causal=mode)
                 for name, a, b in zip(NAMES, got, (want.detach(), *(t.grad for t in leaves))):
                     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"{name} {hq}/{hkv} {mode}")
-
-
-@pytest.fixture(params=["one_pass", "one_pass_chunked", "two_pass"])
-def backward_path(request):
-    """Runs the test with one backward algorithm forced: one pass (flash_backward_onepass.cpp and, for bf16 on amx
-    and avx512_bf16, flash_backward_bf16.cpp: a task per (batch, kv head)), the same with each kv head's keys split
-    into 3 tasks whose partial dq join the kv head's sum in turn, or two passes (flash_backward.cpp). module.cpp
-    otherwise picks by shape and CPU count, so on any one machine some shapes would only ever meet one of them."""
-    m = module()
-    m.set_backward_path("two_pass" if request.param == "two_pass" else "one_pass")
-    m.set_backward_key_chunks(3 if request.param == "one_pass_chunked" else 0)
-    try:
-        yield request.param
-    finally:
-        m.set_backward_path("auto")
-        m.set_backward_key_chunks(0)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import cs149gpt
-from tests._helpers import f32_products, gen, isa, randn, scaled_scores, visible_mask  # noqa: F401  (isa, f32_products: fixtures)
+from tests._helpers import (backward_path, f32_products, gen, isa, randn, scaled_scores,  # noqa: F401  (fixtures:
+                            visible_mask)  # isa, f32_products, backward_path)
 
 NEG_INF = float("-inf")
 # float32 out and gradients against float64 (test_flash.TOL, test_backward.GRAD_TOL).
@@ -289,7 +290,8 @@ def test_non_finite_mask_entries_follow_torch():
 @pytest.mark.parametrize("block_k", [None, 1, 4, 5])
 def test_hidden_keys_are_never_read(isa, f32_products, block_k):
     """NaN in the k and v of keys the mask hides (a padded batch's padding) leaves every row finite and
-    correct, whether the hidden key sits in a block the mask hides whole or in one it cuts."""
+    correct, whether the hidden key sits in a block the mask hides whole or in one it cuts. (Gradients:
+    test_hidden_keys_never_reach_the_gradients.)"""
     g = gen(1105)
     q, k, v, dout = inputs((2, 2, 9, 8), (2, 2, 12, 8), g)
     mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
@@ -304,10 +306,31 @@ def test_hidden_keys_are_never_read(isa, f32_products, block_k):
         out, lse = cs149gpt.attention(qd, kd, vd, attn_mask=mask, block_k=block_k, return_lse=True)
         assert torch.isfinite(out).all(), (dtype, block_k)
         assert not out_problems(out, lse, qd, k.to(dtype), v.to(dtype), mask, tag="nan in hidden keys")
-    # The gradients of q and v are finite too (dk's hidden rows: 0 · NaN is NaN in float64 autograd as well).
+
+
+@pytest.mark.parametrize("kind", ["padding", "bool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hidden_keys_never_reach_the_gradients(isa, backward_path, dtype, kind):
+    """NaN in the k and v of keys the mask hides: dq and dv stay finite and equal float64 autograd's with those keys
+    left out (dk's hidden rows are 0 · NaN there). A padding mask is one run of keys a row (the one-pass kernels take
+    it as key ranges); "bool" hides a scattered key as well (a mask the kernels read: two passes)."""
+    g = gen(1124)
+    q, k, v, dout = (t.to(dtype) for t in inputs((2, 2, 40, 16), (2, 2, 45, 16), g))
+    mask = torch.ones(2, 1, 1, 45, dtype=torch.bool)
+    mask[0, ..., :7] = False   # left padding
+    mask[1, ..., 31:] = False  # right padding
+    if kind == "bool":
+        mask[:, ..., 20] = False
+    hidden = (~mask[:, 0, 0])[:, None, :, None].expand(2, 2, 45, 16)
+    k_bad, v_bad = k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("nan"))
     leaves = [t.clone().requires_grad_() for t in (q, k_bad, v_bad)]
-    cs149gpt.attention(*leaves, attn_mask=mask, block_k=block_k).backward(dout)
-    assert torch.isfinite(leaves[2].grad).all()
+    cs149gpt.attention(*leaves, attn_mask=mask, block_q=16, block_k=16).backward(dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_masked(*ref_leaves, mask)[0].backward(dout.double())
+    tol = GRAD_TOL if dtype == torch.float32 else 0.05
+    for name, a, b in (("dq", leaves[0], ref_leaves[0]), ("dv", leaves[2], ref_leaves[2])):
+        assert torch.isfinite(a.grad).all(), (name, kind)
+        assert (a.grad.double() - b.grad).abs().max().item() <= tol, (name, kind)
 
 
 GRAD_SHAPES = [  # (B, Hq, Hkv, Nq, Nk, d)
@@ -342,9 +365,12 @@ def grad_problems(q, k, v, dout, mask, *, tag, **kwargs):
 
 
 @pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs"])
-def test_gradients_every_mask_shape(isa, kind):
+def test_gradients_every_mask_shape(isa, kind, backward_path):
     """dq, dk, dv (GQA: summed per group) against float64 autograd, for every broadcast shape of the mask, each
-    causal mode and odd tiles; the mask gets no gradient."""
+    causal mode and odd tiles; the mask gets no gradient. Runs (one run of keys a row) reach the one-pass kernels as
+    key ranges; masks they would have to read take two passes whatever is forced (so run once)."""
+    if kind in ("bool", "additive") and backward_path != "two_pass":
+        pytest.skip("a mask the kernels read takes the two-pass backward whatever path is forced")
     g = gen(1106)
     failures = []
     for b, hq, hkv, n_q, n_k, d in GRAD_SHAPES:
@@ -360,22 +386,24 @@ def test_gradients_every_mask_shape(isa, kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_gradients(isa, dtype):
+def test_low_precision_gradients(isa, dtype, backward_path):
     g = gen(1107)
     q, k, v, dout = inputs((2, 4, 45, 32), (2, 2, 60, 32), g, dtype)
     failures = []
-    for mask in (random_bool_mask((2, 1, 45, 60), g), random_additive_mask((2, 4, 45, 60), g, dtype)):
+    for mask in (random_bool_mask((2, 1, 45, 60), g), random_additive_mask((2, 4, 45, 60), g, dtype),
+                 random_run_mask((2, 1, 45, 60), g), random_run_additive_mask((2, 4, 45, 60), g, dtype)):
         failures += grad_problems(q, k, v, dout, mask, tag=f"{isa} {dtype} {mask.dtype}")
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "runs"])
 @pytest.mark.parametrize("mask_shape", [(2, 1, 130, 150), (1, 4, 130, 150)], ids=["per_batch", "batch_shared"])
-def test_results_do_not_depend_on_thread_count(restore_threads, mask_shape):
+def test_results_do_not_depend_on_thread_count(restore_threads, mask_shape, mask_kind, backward_path):
     """Bitwise the same out and gradients on 1, 2, 3 threads; a mask shared by the batch (stride 0 over b) makes the
-    forward's tasks take the batch innermost (flash_common.h, run_forward_tiles)."""
+    forward's tasks take the batch innermost (flash_common.h, run_forward_tiles); runs are key ranges."""
     g = gen(1108)
     q, k, v, dout = inputs((2, 4, 130, 32), (2, 2, 150, 32), g)
-    mask = random_bool_mask(mask_shape, g)
+    mask = (random_bool_mask if mask_kind == "bool" else random_run_mask)(mask_shape, g)
     results = []
     for threads in (1, 2, 3):
         torch.set_num_threads(threads)
@@ -560,7 +588,7 @@ def test_window_forward(isa, f32_products, dtype):
     assert not failures, "\n".join(failures[:20])
 
 
-def test_window_gradients(isa):
+def test_window_gradients(isa, backward_path):
     g = gen(1121)
     failures = []
     for (n_q, n_k) in ((50, 50), (33, 61)):

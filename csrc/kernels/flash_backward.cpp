@@ -41,7 +41,8 @@ struct Layout {
   int64_t Br, Bc, Tr, Tc, q_pad, k_pad, d_pad;
   // shared, packed once: Q·scale and dO by rows (q_pad × d_pad per head) and transposed (d × q_pad), D and
   // lse (q_pad per head); Kᵀ and Vᵀ tiles (d × Bc each); K and V by rows (k_pad × d_pad per kv head)
-  int64_t qs_off, do_off, qt_off, dot_off, delta_off, lse_off, kt_off, vt_off, kr_off, vr_off, shared;
+  // and with attn_mask, per key tile, whether its K is all finite (1.0f) or not (0.0f)
+  int64_t qs_off, do_off, qt_off, dot_off, delta_off, lse_off, kt_off, vt_off, kr_off, vr_off, k_finite_off, shared;
   // per thread: S/P and dP/dS for one row group × one key tile (pass 2) or one key tile × one chunk of
   // kQueryChunk query rows (pass 1, transposed); dK_j, dV_j; dQ for one row group; a row of ones
   int64_t s_off, ds_off, dk_off, dv_off, dq_off, ones_off, bias_off, per_thread;
@@ -74,7 +75,8 @@ struct Layout {
     vt_off = kt_off + kv_heads * Tc * p.head_dim * Bc;
     kr_off = vt_off + kv_heads * Tc * p.head_dim * Bc;
     vr_off = kr_off + kv_heads * k_pad * d_pad;
-    shared = round_up(vr_off + kv_heads * k_pad * d_pad, 16);
+    k_finite_off = vr_off + kv_heads * k_pad * d_pad;
+    shared = round_up(k_finite_off + (has_mask_or_window(p) ? kv_heads * Tc : 0), 16);
     const int64_t tile = std::max(kRowGroup * Bc, Bc * kQueryChunk);
     s_off = 0;
     ds_off = s_off + tile;
@@ -144,6 +146,7 @@ void pack_key_tile(const AttentionBackwardParams& bp, const Layout& L, float* ws
       kt[c * L.Bc + t] = kr[t * L.d_pad + c] = k_tc;
       vt[c * L.Bc + t] = vr[t * L.d_pad + c] = v_tc;
     }
+  if (has_mask_or_window(p)) ws[L.k_finite_off + head * L.Tc + j] = rows_finite(K, p.k_strides[2], cols, d) ? 1.0f : 0.0f;
 }
 
 // x[t] = 0 where attn_mask hides key t (bias −inf): dS there is 0 even where dP (0 · NaN) is NaN.
@@ -284,8 +287,18 @@ void query_tile(const AttentionBackwardParams& bp, const Layout& L, const float*
       recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols,
                          block == MaskBlock::partial ? bias : nullptr, P, dS);
       // dQ_g += dS K_j   (scale applied once below). As in the forward's P V_j: keys every row sees through
-      // the micro-kernel, the causal diagonal's rest row by row, so a hidden key's K never meets a row.
+      // the micro-kernel, the causal diagonal's rest row by row, so a hidden key's K never meets a row. Where the
+      // mask or window cuts the block and K_j holds a NaN or an infinity, each row adds the keys it sees one by one:
+      // a hidden key's dS is 0, but 0 · inf would be NaN (README, "Non-finite values").
       const float* Kj = ws + L.kr_off + ((b * p.num_kv_heads + kvh) * L.k_pad + j0) * d_pad;
+      if (block == MaskBlock::partial && ws[L.k_finite_off + kv_tile] == 0.0f) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + r) - j0, 0, n_keys);
+          for (int64_t t = 0; t < visible; ++t)
+            if (bias[r * L.Bc + t] != kNegInf) axpy(dS[r * L.Bc + t], Kj + t * d_pad, dQ + r * d_pad, d);
+        }
+        continue;
+      }
       const int64_t shared_keys = std::clamp<int64_t>(visible_keys(p, i0) - j0, 0, n_keys);
       group_gemm<kPvVecs>(kRowGroup, shared_keys, dS, L.Bc, 1, Kj, d_pad, d_pad, dQ, d_pad, ones);
       for (int64_t r = 0; r < rows; ++r) {

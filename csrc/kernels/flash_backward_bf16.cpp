@@ -264,7 +264,7 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   // Each query column's visible keys in this tile, [begin, end); the columns and key rows some query sees.
   int64_t first_col = Br, last_col = 0, max_end = 0;
   for (int64_t c = 0; c < Br; ++c) {
-    const KeyRange r = visible_key_range(p, i0 + c);
+    const KeyRange r = visible_key_range(p, b, h, i0 + c);
     const int64_t begin = std::clamp<int64_t>(r.begin - j0, 0, n_keys), end = std::clamp<int64_t>(r.end - j0, 0, n_keys);
     s.begin[c] = static_cast<int32_t>(begin);
     s.end[c] = static_cast<int32_t>(std::max(begin, end));
@@ -411,10 +411,11 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   }
 }
 
-// bf16 inputs on the one-pass path (module.cpp's choice); anything else goes to the float32 kernels.
+// bf16 inputs on the one-pass path (module.cpp's choice), windows and key ranges included (visible_key_range);
+// anything else goes to the float32 kernels (an attn_mask to read, dropout: the two-pass one, flash_backward.cpp).
 inline bool applies(const AttentionBackwardParams& bp) {
-  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16 && !has_mask_or_window(bp.fwd) &&
-         bp.fwd.dropout_p == 0.0f;  // masks, windows, dropout: the two-pass kernel (flash_backward.cpp)
+  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16 && bp.fwd.mask_kind == MaskKind::none &&
+         bp.fwd.dropout_p == 0.0f;
 }
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {

@@ -64,17 +64,24 @@ inline int64_t default_block_k(int64_t head_dim) {
 constexpr int64_t kMaxTile = 512;
 constexpr int64_t kMaxRows = (kMaxTile + kRowGroup - 1) / kRowGroup * kRowGroup;  // Br ≤ this
 
-// Keys [begin, end) of query row i; none for the padding rows past q_len.
+// Keys [begin, end) of query row i of query head h in batch b: the causal prefix, within the sliding window and
+// attn_mask's key ranges (a padded batch's mask, one run of keys a row: module.cpp's key_ranges_of) where there are
+// any; none for the padding rows past q_len. The rows of a padded sequence end early, those of a window start late:
+// a key outside the range is never read for the row, exactly as one past the causal diagonal.
 struct KeyRange {
   int64_t begin, end;
 };
-inline KeyRange visible_key_range(const AttentionParams& p, int64_t i) {
+inline KeyRange visible_key_range(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
   if (i >= p.q_len) return {0, 0};
-  return {0, visible_keys(p, i)};
+  const int64_t causal_end = visible_keys(p, i);
+  if (!has_window(p)) return {0, causal_end};
+  const int64_t begin = std::clamp<int64_t>(window_first(p, b, h, i), 0, causal_end);
+  return {begin, std::clamp<int64_t>(window_last(p, b, h, i) + 1, begin, causal_end)};
 }
 // The same, relative to a key tile [j0, j0 + n_keys) and clamped to it (begin == end: none).
-inline KeyRange visible_in_tile(const AttentionParams& p, int64_t i, int64_t j0, int64_t n_keys) {
-  const KeyRange r = visible_key_range(p, i);
+inline KeyRange visible_in_tile(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j0,
+                                int64_t n_keys) {
+  const KeyRange r = visible_key_range(p, b, h, i);
   const int64_t begin = std::clamp<int64_t>(r.begin - j0, 0, n_keys), end = std::clamp<int64_t>(r.end - j0, 0, n_keys);
   return {begin, std::max(begin, end)};
 }
@@ -255,7 +262,7 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   KeyRange ranges[kMaxRows];  // one per row of the tile
   int64_t first_row = L.Br, last_row = 0, max_end = 0;
   for (int64_t r = 0; r < L.Br; ++r) {
-    ranges[r] = visible_in_tile(p, i0 + r, j0, n_keys);
+    ranges[r] = visible_in_tile(p, b, h, i0 + r, j0, n_keys);
     if (ranges[r].end > ranges[r].begin) {
       first_row = std::min(first_row, r);
       last_row = r + 1;
@@ -443,11 +450,11 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   }
 }
 
-// Whether this kernel runs these params: module.cpp asked for it.
-// The one-pass kernels take no attn_mask, window or dropout (yet): those calls keep the two-pass kernel
-// (flash_backward.cpp), which does, whatever path module.cpp chose.
+// Whether this kernel runs these params: module.cpp asked for it. Windows and key ranges are its rows' key ranges
+// (visible_key_range); an attn_mask that must be read (a bias, or rows of several runs) or dropout keep the two-pass
+// kernel (flash_backward.cpp), whatever path module.cpp chose.
 inline bool applies(const AttentionBackwardParams& bp) {
-  return bp.path == BackwardPath::one_pass && !has_mask_or_window(bp.fwd) && bp.fwd.dropout_p == 0.0f;
+  return bp.path == BackwardPath::one_pass && bp.fwd.mask_kind == MaskKind::none && bp.fwd.dropout_p == 0.0f;
 }
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {
