@@ -217,12 +217,14 @@ inline float exp_shifted_sum_to_bf16_parts(const float* x, float shift, int64_t 
 // One key row t of the bf16 backward's transposed tile (flash_backward_bf16.cpp: keys as rows, n query columns, n
 // a multiple of 16), from its scores S and dP = V_j dO_iᵀ in float32:
 //   P[c]  = exp(scale·S[c] − lse[c])    where query c sees key t (begin[c] ≤ t < end[c]), else 0
-//   dS[c] = P[c] · (dP[c] − D[c])         where it sees it, else 0 (even where dP is NaN, from a hidden value row)
-// both rounded to bf16 (the A operands of dV += Pᵀ dO and dK += dSᵀ Q). lse2[c] = lse[c] · log2(e): the exp is a
+//   dS[c] = P[c] · (dP[c]·Z[c] − D[c])    where it sees it, else 0 (even where dP is NaN, from a hidden value row)
+// P·Z and dS rounded to bf16 (the A operands of dV += (P∘Z)ᵀ dO and dK += dSᵀ Q). Z: dropout's keep mask / (1 − p)
+// for this key (flash_common.h, dropout_column), or null (no dropout: 1). lse2[c] = lse[c] · log2(e): the exp is a
 // power of 2 (simd.h's exp2_poly<4>), its argument one FMA.
-inline void softmax_backward_row_to_bf16(const float* S, const float* dP, const float* lse2, const float* D,
-                                         const int32_t* begin, const int32_t* end, int32_t t, float scale, int64_t n,
-                                         bf16_bits* P, bf16_bits* dS) {
+template <bool kDropout>
+inline void softmax_backward_row_to_bf16_with(const float* S, const float* dP, const float* lse2, const float* D,
+                                              const int32_t* begin, const int32_t* end, int32_t t, float scale,
+                                              int64_t n, bf16_bits* P, bf16_bits* dS, const float* Z) {
   constexpr float kLog2e = 1.44269504088896341f;
   const __m512 a = _mm512_set1_ps(scale * kLog2e);
   const __m512i key = _mm512_set1_epi32(t);
@@ -230,11 +232,19 @@ inline void softmax_backward_row_to_bf16(const float* S, const float* dP, const 
     const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_loadu_si512(begin + c), key) &
                            _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(end + c), key);
     const __m512 u = _mm512_fmsub_ps(_mm512_loadu_ps(S + c), a, _mm512_loadu_ps(lse2 + c));
-    const __m512 p = _mm512_maskz_mov_ps(seen, exp2_poly<4>(u));
-    const __m512 ds = _mm512_maskz_mul_ps(seen, p, _mm512_sub_ps(_mm512_loadu_ps(dP + c), _mm512_loadu_ps(D + c)));
+    __m512 p = _mm512_maskz_mov_ps(seen, exp2_poly<4>(u)), dp = _mm512_loadu_ps(dP + c);
+    if constexpr (kDropout) dp = _mm512_mul_ps(dp, _mm512_loadu_ps(Z + c));
+    const __m512 ds = _mm512_maskz_mul_ps(seen, p, _mm512_sub_ps(dp, _mm512_loadu_ps(D + c)));
+    if constexpr (kDropout) p = _mm512_mul_ps(p, _mm512_loadu_ps(Z + c));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(P + c), (__m256i)_mm512_cvtneps_pbh(p));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dS + c), (__m256i)_mm512_cvtneps_pbh(ds));
   }
+}
+inline void softmax_backward_row_to_bf16(const float* S, const float* dP, const float* lse2, const float* D,
+                                         const int32_t* begin, const int32_t* end, int32_t t, float scale, int64_t n,
+                                         bf16_bits* P, bf16_bits* dS, const float* Z = nullptr) {
+  if (Z) return softmax_backward_row_to_bf16_with<true>(S, dP, lse2, D, begin, end, t, scale, n, P, dS, Z);
+  softmax_backward_row_to_bf16_with<false>(S, dP, lse2, D, begin, end, t, scale, n, P, dS, nullptr);
 }
 
 // The first element of the packed B tile holding element (k, n), and the position of (k, n) itself.

@@ -6,8 +6,8 @@
 // The tile products run transposed, keys as rows, so that each one's B operand is a cheap VNNI packing (pairs
 // of consecutive rows) and nothing is transposed per tile pair but Q_i and dO_i once each:
 //   Sᵀ   = K_j Q_iᵀ                      Pᵀ = exp(scale·Sᵀ − lse), 0 where a query does not see the key
-//   dPᵀ  = V_j dO_iᵀ                     dSᵀ = Pᵀ ∘ (dPᵀ − D)           (lse, D: one per column)
-//   dV_j += Pᵀ dO_i                      Pᵀ rounded to bf16
+//   dPᵀ  = (V_j dO_iᵀ) ∘ Zᵀ              dSᵀ = Pᵀ ∘ (dPᵀ − D)           (lse, D: one per column)
+//   dV_j += (P ∘ Z)ᵀ dO_i                (P ∘ Z)ᵀ rounded to bf16        (Z: dropout's keep mask / (1 − p), or 1)
 //   dK_j += dSᵀ Q_i                      dSᵀ rounded to bf16            (× scale when written)
 //   dQ_iᵀ += K_jᵀ dSᵀ                    dQᵀ of the task, float32         (× scale, transposed back, when written)
 // One task per (batch, kv head), as the float32 one-pass kernel: it owns dQ of its group's query heads and dK, dV
@@ -34,6 +34,7 @@ namespace flash_backward_bf16 {
 
 using flash::line_past;
 using flash::round_up;
+using flash::dropout_column;
 using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
 namespace key_runs = flash_backward_onepass::key_runs;  // the order of key runs' dQ merges, shared
@@ -95,9 +96,10 @@ struct Layout {
   // (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
   // q_pad/Br × d_k × Br bf16), else of one query tile; Q_i, dO_i in VNNI pairs (Br × d_n bf16);
   // Sᵀ, dPᵀ of one strip (32 × Br float32); Pᵀ, dSᵀ of one strip (32 × Br bf16); dSᵀ of the tile in VNNI pairs
-  // (Bc × Br bf16); dK_j, dV_j (Bc × d_n float32); each query column's visible keys (Br int32 twice)
+  // (Bc × Br bf16); dK_j, dV_j (Bc × d_n float32); each query column's visible keys (Br int32 twice); with dropout,
+  // Z of one key row (Br float32)
   int64_t dqt_off, lse2_off, delta_off, kr_off, vr_off, kt_off, qt_off, dot_off, qv_off, dov_off, st_off, dpt_off,
-      pt_off, dst_off, dsv_off, dk_off, dv_off, begin_off, end_off, per_thread;
+      pt_off, dst_off, dsv_off, dk_off, dv_off, begin_off, end_off, keep_off, per_thread;
 
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
@@ -143,7 +145,8 @@ struct Layout {
     dv_off = dk_off + Bc * d_n;
     begin_off = dv_off + Bc * d_n;
     end_off = begin_off + round_up(Br, 16);
-    per_thread = end_off + round_up(Br, 16);
+    keep_off = end_off + round_up(Br, 16);
+    per_thread = keep_off + (p.dropout_p > 0.0f ? round_up(Br, 16) : 0);
   }
 };
 
@@ -159,13 +162,13 @@ inline const bf16_bits* row_of(const void* base, const int64_t (&strides)[3], in
 }
 
 struct Scratch {
-  float *dQT, *lse2, *delta, *ST, *dPT, *dK, *dV;
+  float *dQT, *lse2, *delta, *ST, *dPT, *dK, *dV, *keep;
   float* workspace;  // the call's: with key chunks, the task counter, the merge turns and the kv heads' dQᵀ sums
   bf16_bits *Kr, *Vr, *KT, *QT, *dOT, *Qv, *dOv, *PT, *dST, *dSv;
   int32_t *begin, *end;
   Scratch(const Layout& L, float* s, float* ws)
       : dQT(s + L.dqt_off), lse2(s + L.lse2_off), delta(s + L.delta_off), ST(s + L.st_off), dPT(s + L.dpt_off),
-        dK(s + L.dk_off), dV(s + L.dv_off), workspace(ws), Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
+        dK(s + L.dk_off), dV(s + L.dv_off), keep(s + L.keep_off), workspace(ws), Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
         Vr(reinterpret_cast<bf16_bits*>(s + L.vr_off)), KT(reinterpret_cast<bf16_bits*>(s + L.kt_off)),
         QT(reinterpret_cast<bf16_bits*>(s + L.qt_off)), dOT(reinterpret_cast<bf16_bits*>(s + L.dot_off)),
         Qv(reinterpret_cast<bf16_bits*>(s + L.qv_off)), dOv(reinterpret_cast<bf16_bits*>(s + L.dov_off)),
@@ -304,11 +307,13 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
     bf16_gemm(kStep, n_q, L.d_k, K, k_ld, QT + b_tile_offset(0, c0, Br), Br, s.ST + c0, Br, false);
     bf16_gemm(kStep, n_q, L.d_k, V, v_ld, dOT + b_tile_offset(0, c0, Br), Br, s.dPT + c0, Br, false);
 
-    // Pᵀ, dSᵀ in bf16, 0 where the query does not see the key
-    for (int64_t t = 0; t < kStep; ++t)
+    // (P ∘ Z)ᵀ, dSᵀ in bf16, 0 where the query does not see the key
+    for (int64_t t = 0; t < kStep; ++t) {
+      if (p.dropout_p > 0.0f) dropout_column(p, b * p.num_heads + h, i0 + c0, j0 + t0 + t, s.keep + c0, n_q);
       softmax_backward_row_to_bf16(s.ST + t * Br + c0, s.dPT + t * Br + c0, lse2 + c0, delta + c0, s.begin + c0,
                                    s.end + c0, static_cast<int32_t>(t0 + t), p.scale, n_q, s.PT + t * Br + c0,
-                                   s.dST + t * Br + c0);
+                                   s.dST + t * Br + c0, p.dropout_p > 0.0f ? s.keep + c0 : nullptr);
+    }
 
     // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (the strip's rows of dV_j, dK_j; k: the query rows [c0, c1))
     bf16_gemm(kStep, L.d_n, n_q, s.PT + c0, Br, s.dOv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dV + t0 * L.d_n,
@@ -411,11 +416,10 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   }
 }
 
-// bf16 inputs on the one-pass path (module.cpp's choice), windows and key ranges included (visible_key_range);
-// anything else goes to the float32 kernels (an attn_mask to read, dropout: the two-pass one, flash_backward.cpp).
+// bf16 inputs on the one-pass path (module.cpp's choice), windows, key ranges (visible_key_range) and dropout
+// included; anything else goes to the float32 kernels (an attn_mask to read: the two-pass one, flash_backward.cpp).
 inline bool applies(const AttentionBackwardParams& bp) {
-  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16 && bp.fwd.mask_kind == MaskKind::none &&
-         bp.fwd.dropout_p == 0.0f;
+  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16 && bp.fwd.mask_kind == MaskKind::none;
 }
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {

@@ -1,12 +1,13 @@
 // FlashAttention-2's backward in one pass (Dao, 2023, Algorithm 2): S and dP once per (query tile, key tile).
 //
-// With S = Q Kᵀ, P = exp(scale·S − lse) (the forward's softmax, recomputed from its saved lse) and dO = ∂L/∂O:
+// With S = Q Kᵀ, P = exp(scale·S − lse) (the forward's softmax, recomputed from its saved lse), Z dropout's keep
+// mask / (1 − p) (regenerated from the forward's seed; 1 without dropout) and dO = ∂L/∂O:
 //   D   = rowsum(dO ∘ O)                 one number per query row, once per task
 //   for each key tile j:                 dK_j = dV_j = 0
 //     for each query tile i that sees a key of tile j:
 //       S    = Q_i K_jᵀ                   P = exp(scale·S − lse), 0 for keys the row does not see
-//       dP   = dO_i V_jᵀ                  dS = P ∘ (dP − D)
-//       dV_j += Pᵀ dO_i
+//       dP   = (dO_i V_jᵀ) ∘ Z            dS = P ∘ (dP − D)
+//       dV_j += (P ∘ Z)ᵀ dO_i
 //       dK_j += dSᵀ Q_i                   (× scale when written)
 //       dQ_i += dS K_j                    (× scale when written)
 // Five tile products per tile pair, where the two-pass kernel (flash_backward.cpp) recomputes S and dP in each of
@@ -292,8 +293,9 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   group_gemm<kQkVecs>(r1 - r0, d, Qi + r0 * d_pad, d_pad, 1, KTj, Bc, n_cols, P + r0 * Bc, Bc, nullptr);
   group_gemm<kQkVecs>(r1 - r0, d, dOi + r0 * d_pad, d_pad, 1, VTj, Bc, n_cols, dS + r0 * Bc, Bc, nullptr);
 
-  // P = exp(scale·S − lse), dS = P ∘ (dP − D); both 0 outside each row's visible keys (there dP may be NaN, from
-  // a hidden value row: 0 · NaN must not leak).
+  // P = exp(scale·S − lse), dS = P ∘ (dP ∘ Z − D), then P ∘ Z for dV; all 0 outside each row's visible keys (there
+  // dP may be NaN, from a hidden value row: 0 · NaN must not leak).
+  const int64_t bh = b * p.num_heads + h;
   for (int64_t r = r0; r < r1; ++r) {
     float *pr = P + r * Bc, *dsr = dS + r * Bc;
     const KeyRange k = ranges[r];
@@ -305,13 +307,15 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
     exp_shifted_sum(pr + k.begin, lse[i0 + r], k.end - k.begin, p.scale);
     fill_row(0.0f, pr, k.begin);
     fill_row(0.0f, pr + k.end, n_cols - k.end);
+    if (p.dropout_p > 0.0f) dropout_row(p, bh, i0 + r, j0 + k.begin, dsr + k.begin, k.end - k.begin, 1);
     const Vec D = Vec::broadcast(delta[i0 + r]);
     for (int64_t c = 0; c < n_cols; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
     fill_row(0.0f, dsr, k.begin);
     fill_row(0.0f, dsr + k.end, n_cols - k.end);
+    if (p.dropout_p > 0.0f) dropout_row(p, bh, i0 + r, j0 + k.begin, pr + k.begin, k.end - k.begin, 1);
   }
 
-  // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (n_cols key rows; k runs over the query rows that see a key here)
+  // dV_j += (P ∘ Z)ᵀ dO_i, dK_j += dSᵀ Q_i   (n_cols key rows; k runs over the query rows that see a key here)
   const int64_t k_rows = last_row - first_row;
   group_gemm<kPvVecs>(n_cols, k_rows, P + first_row * Bc, 1, Bc, dOi + first_row * d_pad, d_pad, d_pad, dV, d_pad,
                       ones);
@@ -451,10 +455,10 @@ void run(const AttentionBackwardParams& bp, float* ws) {
 }
 
 // Whether this kernel runs these params: module.cpp asked for it. Windows and key ranges are its rows' key ranges
-// (visible_key_range); an attn_mask that must be read (a bias, or rows of several runs) or dropout keep the two-pass
-// kernel (flash_backward.cpp), whatever path module.cpp chose.
+// (visible_key_range), dropout is Z above; an attn_mask that must be read (a bias, or rows of several runs) keeps the
+// two-pass kernel (flash_backward.cpp), whatever path module.cpp chose.
 inline bool applies(const AttentionBackwardParams& bp) {
-  return bp.path == BackwardPath::one_pass && bp.fwd.mask_kind == MaskKind::none && bp.fwd.dropout_p == 0.0f;
+  return bp.path == BackwardPath::one_pass && bp.fwd.mask_kind == MaskKind::none;
 }
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {

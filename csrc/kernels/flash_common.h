@@ -381,6 +381,16 @@ inline void dropout_row(const AttentionParams& p, int64_t bh, int64_t i, int64_t
   for (int64_t t = 0; t < n; ++t) x[t * stride] *= dropout_keep(key, first + t, threshold) ? scale : 0.0f;
 }
 
+// Column j of the keep mask over query rows [i0, i0 + n) of head `bh`: z[c] = 1 / (1 − p) where dropout_keep keeps
+// entry (i0 + c, j), else 0. The bf16 backward's transposed tiles (keys as rows, queries as columns) take Z this way.
+inline void dropout_column(const AttentionParams& p, int64_t bh, int64_t i0, int64_t j, float* z, int64_t n) {
+  const uint64_t key = dropout_seed_key(p.dropout_seed), threshold = dropout_threshold(p.dropout_p);
+  const float scale = 1.0f / (1.0f - p.dropout_p);
+  const uint64_t first = (static_cast<uint64_t>(bh) * p.q_len + i0) * p.kv_len + j + p.dropout_offset;
+  const uint64_t step = static_cast<uint64_t>(p.kv_len);
+  for (int64_t c = 0; c < n; ++c) z[c] = dropout_keep(key, first + c * step, threshold) ? scale : 0.0f;
+}
+
 // Whether n rows of d values (ld apart) are all finite: a V tile that is not takes P V row by row over the keys
 // each row sees, in a block attn_mask cuts, since P = 0 at a hidden key would still multiply its NaN. Read by the
 // exponent bits of each element, not all ones (integer tests the compiler vectorises, no conversion).
