@@ -10,10 +10,11 @@ alternation (`--rounds` rounds, the median of each round's calls; ×SDPA is the 
 Every row also says whether our kernel ran (`uses_our_kernel`) and how far our output is from torch's.
 
     python benchmarks/sweep_model_shapes.py [--threads 1,16] [--dtype float32,bfloat16] [--only bert,vit] [--rounds 3]
-                                            [--backward]
+                                            [--backward] [--dropout P]
 
 --backward times a training step's attention instead: the forward and `torch.autograd.grad` of q, k, v together
-(the decode calls are left out).
+(the decode calls are left out). --dropout P passes dropout_p = P to both (training: ours draws its own keep mask,
+so outputs are compared only without it).
 """
 import argparse
 import statistics
@@ -80,12 +81,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--min-time", type=float, default=0.15, help="seconds per impl per round")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call")
     args = parser.parse_args()
     keep = [s for s in args.only.split(",") if s]
     calls = {n: c for n, c in CALLS.items() if (not keep or any(s in n for s in keep))
              and not (args.backward and c[3] == 1)}
     print(f"# torch {torch.__version__}, cs149gpt isa {cs149gpt.isa()}, {args.rounds} interleaved rounds, "
-          f"{args.min_time} s per impl per round, {'forward + backward' if args.backward else 'forward'}")
+          f"{args.min_time} s per impl per round, {'forward + backward' if args.backward else 'forward'}, "
+          f"dropout_p {args.dropout}")
     print("| call | B,Hq/Hkv,Nq,Nk,d | causal | mask | dtype | threads | ours? | SDPA ms | ours ms | ×SDPA "
           "| min–max ×SDPA | max |ours − SDPA| |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -95,10 +98,10 @@ def main() -> int:
         for name, (B, Hq, Hkv, Nq, Nk, d, causal, mask_kind) in calls.items():
             for dtype in (getattr(torch, n) for n in args.dtype.split(",")):
                 q, k, v, mask = make_call(B, Hq, Hkv, Nq, Nk, d, mask_kind, dtype, g)
-                kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=Hq != Hkv)
+                kw = dict(attn_mask=mask, is_causal=causal, enable_gqa=Hq != Hkv, dropout_p=args.dropout)
                 if args.backward:
                     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-                ours_ran = cs149gpt.uses_our_kernel(q, k, v, mask, 0.0, causal, None, Hq != Hkv)
+                ours_ran = cs149gpt.uses_our_kernel(q, k, v, mask, args.dropout, causal, None, Hq != Hkv)
                 grad_out = torch.randn(q.shape, generator=g).to(dtype)
 
                 def step(sdpa):  # what the row times: the forward, and with --backward the gradients too
@@ -111,7 +114,8 @@ def main() -> int:
                     (theirs_out, theirs_grads), (ours_out, ours_grads) = (step(F.scaled_dot_product_attention),
                                                                           step(cs149gpt.scaled_dot_product_attention))
                     diff = max((a.float() - b.float()).abs().max().item()
-                               for a, b in zip((ours_out, *ours_grads), (theirs_out, *theirs_grads)))
+                               for a, b in zip((ours_out, *ours_grads), (theirs_out, *theirs_grads))) \
+                        if args.dropout == 0 else float("nan")
                     ratios, t_sdpa, t_ours = [], [], []
                     for _ in range(args.rounds):
                         a = median_s(lambda: step(F.scaled_dot_product_attention), args.min_time)
