@@ -6,6 +6,11 @@ single slow CPU holds up the call; more tasks let the others take up its work, f
 Same process, interleaved rounds, torch SDPA's backward timed alongside; the peak memory of one backward each.
 
     python benchmarks/probe_backward_tasks.py --shapes 1,16,4096,128 --threads 16
+    python benchmarks/probe_backward_tasks.py --shapes 1,8/1,1024,256 --dtype bfloat16 --threads 1,16 \
+        --variants auto,two_pass,chunks_4,chunks_8_bk128
+
+A shape B,Hq/Hkv,N,d has Hkv kv heads (GQA); a variant "chunks_C_bkK" forces the one-pass kernel with C key runs and
+key tiles of K (given to the forward, which keeps them for the backward).
 """
 import argparse
 import statistics
@@ -26,34 +31,46 @@ from cs149gpt import _ext  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["1,16,4096,128"])
-    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--threads", default="16", help="comma list")
+    parser.add_argument("--causal", default="no,yes")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--variants", default=None, help="comma list (default: all)")
     args = parser.parse_args()
     m = _ext.load()
     dtype = getattr(torch, args.dtype)
-    variants = {"sdpa": None, "auto": ("auto", 0), "chunks 1": ("one_pass", 1), "chunks 2": ("one_pass", 2),
-                "chunks 4": ("one_pass", 4), "two pass": ("two_pass", 0)}
-    if args.variants:
-        variants = {name: variants[name] for name in ["sdpa"] + args.variants.split(",")}
-    print(f"# {args.dtype}, {args.threads} threads, isa {cs149gpt.isa()}; backward alone (autograd.grad of a recorded "
-          f"forward), min and median of {args.rounds} interleaved rounds")
-    print("| shape | causal | variant | min ms | median ms | ×SDPA (min) | peak MiB |")
-    print("|---|---|---|---|---|---|---|")
+    def variant(name):  # (path, key chunks, key tile)
+        if name == "auto":
+            return ("auto", 0, None)
+        if name == "two_pass":
+            return ("two_pass", 0, None)
+        parts = name.split("_")  # chunks_C[_bkK]
+        return ("one_pass", int(parts[1]), int(parts[2][2:]) if len(parts) > 2 else None)
+
+    names = (args.variants or "auto,chunks_1,chunks_2,chunks_4,two_pass").split(",")
+    variants = {"sdpa": None, **{name: variant(name) for name in names}}
+    print(f"# {args.dtype}, isa {cs149gpt.isa()}; backward alone (autograd.grad of a recorded forward), min and "
+          f"median of {args.rounds} interleaved rounds")
+    print("| shape | causal | threads | variant | min ms | median ms | ×SDPA (min) | peak MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for text in args.shapes:
-        B, H, N, d = (int(x) for x in text.split(","))
-        for causal in (False, True):
+        B, heads, N, d = text.split(",")
+        Hq, Hkv = (int(x) for x in (heads.split("/") if "/" in heads else (heads, heads)))
+        B, N, d = int(B), int(N), int(d)
+        for causal, threads in ((c == "yes", int(t)) for c in args.causal.split(",") for t in args.threads.split(",")):
             g = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(B, H, N, d, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
-            dout = torch.randn(B, H, N, d, generator=g, dtype=dtype)
-            outs = {"sdpa": F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                    "ours": cs149gpt.attention(q, k, v, is_causal=causal)}
+            q = torch.randn(B, Hq, N, d, generator=g).to(dtype).requires_grad_()
+            k, v = (torch.randn(B, Hkv, N, d, generator=g).to(dtype).requires_grad_() for _ in range(2))
+            dout = torch.randn(B, Hq, N, d, generator=g).to(dtype)
+            outs = {"sdpa": F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)}
+            for name, spec in variants.items():
+                if spec is not None and spec[2] not in outs:
+                    outs[spec[2]] = cs149gpt.attention(q, k, v, is_causal=causal, block_k=spec[2])
             times = {name: [] for name in variants}
             peaks = {}
-            with torch_threads(args.threads):
+            with torch_threads(threads):
                 def call(name):
-                    out = outs["sdpa" if name == "sdpa" else "ours"]
+                    out = outs["sdpa" if name == "sdpa" else variants[name][2]]
                     if name != "sdpa":
                         m.set_backward_path(variants[name][0])
                         m.set_backward_key_chunks(variants[name][1])
@@ -65,9 +82,9 @@ def main() -> int:
                 reference = call("sdpa")
                 for name in variants:
                     got = call(name)
-                    err = max((a - b).abs().max().item() for a, b in zip(got, reference))
-                    assert err < 1e-2, f"{name}: gradients differ from SDPA's by {err}"
-                    peaks[name] = peak_allocator_bytes(lambda: call(name), args.threads)
+                    err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, reference))
+                    assert err < (1e-2 if dtype == torch.float32 else 0.5), f"{name}: gradients differ from SDPA's by {err}"
+                    peaks[name] = peak_allocator_bytes(lambda: call(name), threads)
                 for _ in range(args.rounds):
                     for name in variants:
                         start = time.perf_counter()
@@ -76,7 +93,7 @@ def main() -> int:
             base = min(times["sdpa"])
             for name, t in times.items():
                 peak = peaks[name]
-                print(f"| {text} | {'yes' if causal else 'no'} | {name} | {min(t) * 1e3:.1f} | "
+                print(f"| {text} | {'yes' if causal else 'no'} | {threads} | {name} | {min(t) * 1e3:.1f} | "
                       f"{statistics.median(t) * 1e3:.1f} | {base / min(t):.2f} | "
                       f"{'-' if peak is None else f'{peak / 2**20:.0f}'} |", flush=True)
     return 0
