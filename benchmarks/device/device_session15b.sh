@@ -7,7 +7,7 @@ source benchmarks/device/preamble.sh
 for dt in bfloat16 float32; do
   tag=$([ $dt = float32 ] && echo f32 || echo bf16)
   timeout 200 python3 benchmarks/probe_backward_tasks.py --shapes 1,8/1,1024,256 1,16/2,2048,128 --dtype $dt \
-    --threads 1,16 --causal yes --rounds 3 --variants auto,two_pass,chunks_4,chunks_8,chunks_8_bk128,chunks_16_bk64 \
+    --threads 1,16 --causal yes --rounds 3 --variants auto,two_pass,chunks_4,chunks_8,chunks_8_bk128 \
     > "$OUT/s15b_backward_paths_$tag.txt" 2>&1
   grep "^|" "$OUT/s15b_backward_paths_$tag.txt" | cut -d'|' -f2-8
   uptime
