@@ -799,6 +799,11 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
 // Decided from the shape and the machine's CPU count, never the call's thread count, so that the gradients' bits do
 // not depend on it. set_backward_path() / set_backward_key_chunks() force them (tests run every path).
 constexpr double kOnePassMinBusy = 0.6;  // the one-pass kernel measured ~1.6x the two-pass one's speed per thread
+// bf16 where the ISA has bf16 dot-product hardware: the one-pass kernel multiplies on it (flash_backward_bf16.cpp),
+// the two-pass one converts to float32 FMAs. Gemma-2B's heads (8 query, 1 kv, d = 256, 1024 keys, causal: 8 key runs,
+// half of the device host's 16 CPUs), backward ×SDPA (results/s15b_backward_paths_bf16.txt): one pass 1.45 on one
+// thread where two passes ran 0.26, and 1.87 against 2.01 on 16 threads. So from a quarter of the CPUs busy.
+constexpr double kOnePassMinBusyBf16Dot = 0.25;
 constexpr double kKeyChunksBusy = 0.85;  // split a kv head's keys until this many of the CPUs are busy
 constexpr int64_t kMaxKeyChunks = 8, kMinKeysPerChunk = 128;
 std::string g_backward_path = "auto";
@@ -835,10 +840,12 @@ void choose_backward(AttentionBackwardParams& bp) {
   }
   if (g_backward_key_chunks > 0) chunks = g_backward_key_chunks;
   bp.key_chunks = chunks;
+  const bool bf16_dot = p.dtype == DType::bf16 && kernels().bf16_dot_probe != nullptr;
   if (g_backward_path != "auto")
     bp.path = g_backward_path == "one_pass" ? BackwardPath::one_pass : BackwardPath::two_pass;
   else
-    bp.path = busy_share(pairs * chunks, cpus) >= kOnePassMinBusy ? BackwardPath::one_pass : BackwardPath::two_pass;
+    bp.path = busy_share(pairs * chunks, cpus) >= (bf16_dot ? kOnePassMinBusyBf16Dot : kOnePassMinBusy)
+                  ? BackwardPath::one_pass : BackwardPath::two_pass;
 }
 
 
