@@ -794,8 +794,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
 // The flash backward's algorithm for these params. One pass (flash_backward_onepass.cpp, flash_backward_bf16.cpp:
 // five tile products, a task per (batch, kv head) owning its gradient rows; split into key_chunks runs of key tiles
 // when there are too few of them for the CPUs (float32: fewer than kTasksPerCpu a CPU), the runs' dQ summed in run
-// order) when its tasks keep at least kOnePassMinBusy of this machine's CPUs busy; two passes (seven products, tasks
-// per tile) otherwise.
+// order) when its tasks keep at least kOnePassMinBusy (bf16 on dot-product hardware: kOnePassMinBusyBf16Dot) of this
+// machine's CPUs busy; two passes (seven products, tasks per tile) otherwise.
 // Decided from the shape and the machine's CPU count, never the call's thread count, so that the gradients' bits do
 // not depend on it. set_backward_path() / set_backward_key_chunks() force them (tests run every path).
 constexpr double kOnePassMinBusy = 0.6;  // the one-pass kernel measured ~1.6x the two-pass one's speed per thread
