@@ -6,7 +6,8 @@ A Llama (GQA) built from a config (nothing downloaded, random weights) with attn
 greedy generation (prefill + new tokens) with the dynamic cache and with a static one (a mask on every step), the
 prefill under torch.compile (where transformers always builds a mask; --compile, compiles take minutes), for
 GPT-2 a training step (forward + backward, attention dropout 0.1: ours runs it in the kernel, torch's in its SDPA),
-and a BERT encoder on a right-padded batch (a (B, 1, 1, N) key-padding mask).
+and a BERT encoder on a right-padded batch (a (B, 1, 1, N) key-padding mask), inference and a training step (dropout
+0.1).
 
     python benchmarks/bench_models.py                       # 1 thread
     python benchmarks/bench_models.py --threads 1,16 --batch 4 --seq 1024
@@ -70,7 +71,7 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="add Llama's prefill under torch.compile")
     parser.add_argument("--models", default="llama,gpt2,bert",
                         help="which of llama (prefill, generate with a dynamic and a static cache), gpt2 (train "
-                             "step), bert (encoder)")
+                             "step), bert (encoder, and its training step)")
     args = parser.parse_args()
     import transformers
 
@@ -127,7 +128,10 @@ def main() -> int:
                 do_sample=False, pad_token_id=0, cache_implementation="static"),
             ("gpt2", "train step (dropout 0.1)"): lambda m: m(input_ids=ids, attention_mask=mask,
                                                               labels=ids).loss.backward(),
-            ("bert", "encode (right-padded)"): lambda m: m(input_ids=ids, attention_mask=right_mask),
+            ("bert", "encode (right-padded)"): lambda m: m.eval()(input_ids=ids, attention_mask=right_mask),
+            # fine-tuning: dropout 0.1 on the attention weights and the padding mask, forward + backward
+            ("bert", "train step (right-padded, dropout 0.1)"): lambda m: m.train()(
+                input_ids=ids, attention_mask=right_mask).last_hidden_state.square().mean().backward(),
         }
         for (name, phase), fn in phases.items():
             if name not in args.models.split(",") or (phase.endswith("compile") and not compiled):
