@@ -120,9 +120,7 @@ def backward_path(request):
     """Runs the test with one backward algorithm forced: one pass (flash_backward_onepass.cpp and, for bf16 on amx
     and avx512_bf16, flash_backward_bf16.cpp: a task per (batch, kv head)), the same with each kv head's keys split
     into 3 tasks whose partial dq join the kv head's sum in turn, or two passes (flash_backward.cpp). module.cpp
-    otherwise picks by shape and CPU count, so on any one machine some shapes would only ever meet one of them.
-    (A call the one-pass kernels do not take — an attn_mask they would have to read, dropout — runs two passes
-    whatever is forced.)"""
+    otherwise picks by shape and CPU count, so on any one machine some shapes would only ever meet one of them."""
     m = module()
     m.set_backward_path("two_pass" if request.param == "two_pass" else "one_pass")
     m.set_backward_key_chunks(3 if request.param == "one_pass_chunked" else 0)

@@ -312,8 +312,8 @@ def test_hidden_keys_are_never_read(isa, f32_products, block_k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hidden_keys_never_reach_the_gradients(isa, backward_path, dtype, kind):
     """NaN in the k and v of keys the mask hides: dq and dv stay finite and equal float64 autograd's with those keys
-    left out (dk's hidden rows are 0 · NaN there). A padding mask is one run of keys a row (the one-pass kernels take
-    it as key ranges); "bool" hides a scattered key as well (a mask the kernels read: two passes)."""
+    left out (dk's hidden rows are 0 · NaN there). A padding mask is one run of keys a row (the kernels take it as
+    key ranges); "bool" hides a scattered key as well (a mask the kernels read, in blocks it cuts)."""
     g = gen(1124)
     q, k, v, dout = (t.to(dtype) for t in inputs((2, 2, 40, 16), (2, 2, 45, 16), g))
     mask = torch.ones(2, 1, 1, 45, dtype=torch.bool)
@@ -367,10 +367,8 @@ def grad_problems(q, k, v, dout, mask, *, tag, **kwargs):
 @pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs"])
 def test_gradients_every_mask_shape(isa, kind, backward_path):
     """dq, dk, dv (GQA: summed per group) against float64 autograd, for every broadcast shape of the mask, each
-    causal mode and odd tiles; the mask gets no gradient. Runs (one run of keys a row) reach the one-pass kernels as
-    key ranges; masks they would have to read take two passes whatever is forced (so run once)."""
-    if kind in ("bool", "additive") and backward_path != "two_pass":
-        pytest.skip("a mask the kernels read takes the two-pass backward whatever path is forced")
+    causal mode and odd tiles; the mask gets no gradient. Runs (one run of keys a row) reach the kernels as key
+    ranges; the others are read a tile at a time."""
     g = gen(1106)
     failures = []
     for b, hq, hkv, n_q, n_k, d in GRAD_SHAPES:

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -216,22 +217,27 @@ inline float exp_shifted_sum_to_bf16_parts(const float* x, float shift, int64_t 
 
 // One key row t of the bf16 backward's transposed tile (flash_backward_bf16.cpp: keys as rows, n query columns, n
 // a multiple of 16), from its scores S and dP = V_j dO_iᵀ in float32:
-//   P[c]  = exp(scale·S[c] − lse[c])    where query c sees key t (begin[c] ≤ t < end[c]), else 0
-//   dS[c] = P[c] · (dP[c]·Z[c] − D[c])    where it sees it, else 0 (even where dP is NaN, from a hidden value row)
+//   P[c]  = exp(scale·S[c] + M[c] − lse[c])   where query c sees key t (begin[c] ≤ t < end[c], M[c] ≠ −inf), else 0
+//   dS[c] = P[c] · (dP[c]·Z[c] − D[c])          where it sees it, else 0 (even where dP is NaN, from a hidden value row)
 // P·Z and dS rounded to bf16 (the A operands of dV += (P∘Z)ᵀ dO and dK += dSᵀ Q). Z: dropout's keep mask / (1 − p)
-// for this key (flash_common.h, dropout_column), or null (no dropout: 1). lse2[c] = lse[c] · log2(e): the exp is a
-// power of 2 (simd.h's exp2_poly<4>), its argument one FMA.
-template <bool kDropout>
+// for this key (flash_common.h, dropout_column), or null (no dropout: 1); M: attn_mask's offsets for this key
+// (mask_block), or null (none). lse2[c] = lse[c] · log2(e): the exp is a power of 2 (simd.h's exp2_poly<4>).
+template <bool kDropout, bool kMasked>
 inline void softmax_backward_row_to_bf16_with(const float* S, const float* dP, const float* lse2, const float* D,
                                               const int32_t* begin, const int32_t* end, int32_t t, float scale,
-                                              int64_t n, bf16_bits* P, bf16_bits* dS, const float* Z) {
+                                              int64_t n, bf16_bits* P, bf16_bits* dS, const float* Z, const float* M) {
   constexpr float kLog2e = 1.44269504088896341f;
   const __m512 a = _mm512_set1_ps(scale * kLog2e);
   const __m512i key = _mm512_set1_epi32(t);
   for (int64_t c = 0; c < n; c += 16) {
-    const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_loadu_si512(begin + c), key) &
-                           _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(end + c), key);
-    const __m512 u = _mm512_fmsub_ps(_mm512_loadu_ps(S + c), a, _mm512_loadu_ps(lse2 + c));
+    __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_loadu_si512(begin + c), key) &
+                     _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(end + c), key);
+    __m512 u = _mm512_fmsub_ps(_mm512_loadu_ps(S + c), a, _mm512_loadu_ps(lse2 + c));
+    if constexpr (kMasked) {  // (scale·S + M − lse)·log2 e; a key the mask hides is not seen, even where S is NaN
+      const __m512 m = _mm512_loadu_ps(M + c);
+      seen &= _mm512_cmp_ps_mask(m, _mm512_set1_ps(-__builtin_inff()), _CMP_NEQ_UQ);
+      u = _mm512_fmadd_ps(m, _mm512_set1_ps(kLog2e), u);
+    }
     __m512 p = _mm512_maskz_mov_ps(seen, exp2_poly<4>(u)), dp = _mm512_loadu_ps(dP + c);
     if constexpr (kDropout) dp = _mm512_mul_ps(dp, _mm512_loadu_ps(Z + c));
     const __m512 ds = _mm512_maskz_mul_ps(seen, p, _mm512_sub_ps(dp, _mm512_loadu_ps(D + c)));
@@ -242,9 +248,18 @@ inline void softmax_backward_row_to_bf16_with(const float* S, const float* dP, c
 }
 inline void softmax_backward_row_to_bf16(const float* S, const float* dP, const float* lse2, const float* D,
                                          const int32_t* begin, const int32_t* end, int32_t t, float scale, int64_t n,
-                                         bf16_bits* P, bf16_bits* dS, const float* Z = nullptr) {
-  if (Z) return softmax_backward_row_to_bf16_with<true>(S, dP, lse2, D, begin, end, t, scale, n, P, dS, Z);
-  softmax_backward_row_to_bf16_with<false>(S, dP, lse2, D, begin, end, t, scale, n, P, dS, nullptr);
+                                         bf16_bits* P, bf16_bits* dS, const float* Z = nullptr,
+                                         const float* M = nullptr) {
+  const auto row = [&](auto dropout, auto masked) {
+    softmax_backward_row_to_bf16_with<decltype(dropout)::value, decltype(masked)::value>(S, dP, lse2, D, begin, end,
+                                                                                         t, scale, n, P, dS, Z, M);
+  };
+  using yes = std::true_type;
+  using no = std::false_type;
+  if (Z && M) return row(yes{}, yes{});
+  if (Z) return row(yes{}, no{});
+  if (M) return row(no{}, yes{});
+  row(no{}, no{});
 }
 
 // The first element of the packed B tile holding element (k, n), and the position of (k, n) itself.

@@ -149,11 +149,6 @@ void pack_key_tile(const AttentionBackwardParams& bp, const Layout& L, float* ws
   if (has_mask_or_window(p)) ws[L.k_finite_off + head * L.Tc + j] = rows_finite(K, p.k_strides[2], cols, d) ? 1.0f : 0.0f;
 }
 
-// x[t] = 0 where attn_mask hides key t (bias −inf): dS there is 0 even where dP (0 · NaN) is NaN.
-inline void zero_where_hidden(float* x, const float* bias, int64_t n) {
-  for (int64_t t = 0; t < n; ++t) x[t] = bias[t] == kNegInf ? 0.0f : x[t];
-}
-
 // For the row group of query rows [i0, i0 + G) of head h against keys [j0, j0 + n_cols) (n_cols whole
 // vectors, row groups; keys past n_keys, or hidden by the mask, get P = dS = 0):
 //   S = Q_g K_jᵀ (+ attn_mask's offsets `bias`, rows L.Bc apart, unless null), P = exp(S − lse) into `P`;

@@ -35,6 +35,7 @@ namespace flash_backward_bf16 {
 using flash::line_past;
 using flash::round_up;
 using flash::dropout_column;
+using flash::MaskBlock;
 using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
 namespace key_runs = flash_backward_onepass::key_runs;  // the order of key runs' dQ merges, shared
@@ -97,9 +98,9 @@ struct Layout {
   // q_pad/Br × d_k × Br bf16), else of one query tile; Q_i, dO_i in VNNI pairs (Br × d_n bf16);
   // Sᵀ, dPᵀ of one strip (32 × Br float32); Pᵀ, dSᵀ of one strip (32 × Br bf16); dSᵀ of the tile in VNNI pairs
   // (Bc × Br bf16); dK_j, dV_j (Bc × d_n float32); each query column's visible keys (Br int32 twice); with dropout,
-  // Z of one key row (Br float32)
+  // Z of one key row (Br float32); with attn_mask, its offsets over one strip (32 × Br float32, keys as rows)
   int64_t dqt_off, lse2_off, delta_off, kr_off, vr_off, kt_off, qt_off, dot_off, qv_off, dov_off, st_off, dpt_off,
-      pt_off, dst_off, dsv_off, dk_off, dv_off, begin_off, end_off, keep_off, per_thread;
+      pt_off, dst_off, dsv_off, dk_off, dv_off, begin_off, end_off, keep_off, bias_off, per_thread;
 
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
@@ -146,7 +147,8 @@ struct Layout {
     begin_off = dv_off + Bc * d_n;
     end_off = begin_off + round_up(Br, 16);
     keep_off = end_off + round_up(Br, 16);
-    per_thread = keep_off + (p.dropout_p > 0.0f ? round_up(Br, 16) : 0);
+    bias_off = keep_off + (p.dropout_p > 0.0f ? round_up(Br, 16) : 0);
+    per_thread = bias_off + (p.mask_kind != MaskKind::none ? kStep * Br : 0);
   }
 };
 
@@ -162,13 +164,13 @@ inline const bf16_bits* row_of(const void* base, const int64_t (&strides)[3], in
 }
 
 struct Scratch {
-  float *dQT, *lse2, *delta, *ST, *dPT, *dK, *dV, *keep;
+  float *dQT, *lse2, *delta, *ST, *dPT, *dK, *dV, *keep, *bias;
   float* workspace;  // the call's: with key chunks, the task counter, the merge turns and the kv heads' dQᵀ sums
   bf16_bits *Kr, *Vr, *KT, *QT, *dOT, *Qv, *dOv, *PT, *dST, *dSv;
   int32_t *begin, *end;
   Scratch(const Layout& L, float* s, float* ws)
       : dQT(s + L.dqt_off), lse2(s + L.lse2_off), delta(s + L.delta_off), ST(s + L.st_off), dPT(s + L.dpt_off),
-        dK(s + L.dk_off), dV(s + L.dv_off), keep(s + L.keep_off), workspace(ws), Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
+        dK(s + L.dk_off), dV(s + L.dv_off), keep(s + L.keep_off), bias(s + L.bias_off), workspace(ws), Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
         Vr(reinterpret_cast<bf16_bits*>(s + L.vr_off)), KT(reinterpret_cast<bf16_bits*>(s + L.kt_off)),
         QT(reinterpret_cast<bf16_bits*>(s + L.qt_off)), dOT(reinterpret_cast<bf16_bits*>(s + L.dot_off)),
         Qv(reinterpret_cast<bf16_bits*>(s + L.qv_off)), dOv(reinterpret_cast<bf16_bits*>(s + L.dov_off)),
@@ -300,6 +302,19 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   const float *lse2 = s.lse2 + g * L.q_pad + i0, *delta = s.delta + g * L.q_pad + i0;
   float* dQT = s.dQT + g * L.d_k * L.dqt_ld + i0;
   for (int64_t t0 = 0; t0 < m_keys; t0 += kStep) {
+    // attn_mask over the strip (its 32 keys × the queries [c0, c1)): hidden whole, the strip adds nothing (its dSᵀ
+    // is 0 in dQ's operand); cut, its offsets go to the softmax, M[t·Br + c] for key t0 + t and query c0 + c.
+    const float* M = nullptr;
+    if (p.mask_kind != MaskKind::none) {
+      const MaskBlock block = flash::mask_block(p, b, h, i0 + c0, std::min(n_q, p.q_len - i0 - c0), j0 + t0,
+                                                std::min(kStep, n_keys - t0), s.bias, 1, Br);
+      if (block == MaskBlock::hidden) {
+        if (tile.k_finite) std::fill(s.dSv + b_tile_offset(t0, 0, Br), s.dSv + b_tile_offset(t0, 0, Br) + kStep * Br,
+                                     bf16_bits{0});
+        continue;
+      }
+      if (block == MaskBlock::partial) M = s.bias;
+    }
     // Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ   (the strip's 32 keys × n_q, float32)
     int64_t k_ld, v_ld;
     const bf16_bits* K = key_strip(L, tile, tile.K, tile.k_ld, s.Kr, t0, &k_ld);
@@ -312,7 +327,8 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
       if (p.dropout_p > 0.0f) dropout_column(p, b * p.num_heads + h, i0 + c0, j0 + t0 + t, s.keep + c0, n_q);
       softmax_backward_row_to_bf16(s.ST + t * Br + c0, s.dPT + t * Br + c0, lse2 + c0, delta + c0, s.begin + c0,
                                    s.end + c0, static_cast<int32_t>(t0 + t), p.scale, n_q, s.PT + t * Br + c0,
-                                   s.dST + t * Br + c0, p.dropout_p > 0.0f ? s.keep + c0 : nullptr);
+                                   s.dST + t * Br + c0, p.dropout_p > 0.0f ? s.keep + c0 : nullptr,
+                                   M ? M + t * Br : nullptr);
     }
 
     // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (the strip's rows of dV_j, dK_j; k: the query rows [c0, c1))
@@ -328,6 +344,7 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
     } else {
       for (int64_t c = c0; c < c1; ++c)
         for (int64_t t = std::max<int64_t>(s.begin[c], t0); t < std::min<int64_t>(s.end[c], t0 + kStep); ++t) {
+          if (M && M[(t - t0) * Br + (c - c0)] == kNegInf) continue;  // a key the mask hides (dS 0, K maybe inf)
           const float ds = from_bf16(s.dST[(t - t0) * Br + c]);
           const bf16_bits* k = tile.K + t * tile.k_ld;
           for (int64_t e = 0; e < d; ++e) dQT[e * L.dqt_ld + c] += ds * from_bf16(k[e]);
@@ -416,10 +433,10 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   }
 }
 
-// bf16 inputs on the one-pass path (module.cpp's choice), windows, key ranges (visible_key_range) and dropout
-// included; anything else goes to the float32 kernels (an attn_mask to read: the two-pass one, flash_backward.cpp).
+// bf16 inputs on the one-pass path (module.cpp's choice): windows, key ranges (visible_key_range), attn_mask (a strip
+// at a time) and dropout included.
 inline bool applies(const AttentionBackwardParams& bp) {
-  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16 && bp.fwd.mask_kind == MaskKind::none;
+  return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16;
 }
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {

@@ -11,7 +11,8 @@
 //       dK_j += dSᵀ Q_i                   (× scale when written)
 //       dQ_i += dS K_j                    (× scale when written)
 // Five tile products per tile pair, where the two-pass kernel (flash_backward.cpp) recomputes S and dP in each of
-// its passes and does seven.
+// its passes and does seven. attn_mask enters as in the forward (mask_block, flash_common.h): a tile pair it hides
+// whole is skipped, one it cuts adds its offsets to scale·S, and dS is 0 at the keys it hides.
 //
 // No two threads ever write the same gradient row, without atomics: one task per (batch, kv head) owns the dQ
 // rows of every query head of its group (accumulated in float32 in the thread's scratch, in the fixed order of
@@ -134,9 +135,10 @@ struct Layout {
   bool dq_sums_in_place;
   int64_t dq_sums, shared;
   // per thread: dQ of the task's group (group_size × q_pad × d_pad), D and lse (group_size × q_pad);
-  // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad, unless read in place); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones
+  // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad, unless read in place); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones;
+  // with attn_mask, its offsets over a tile pair (Br × Bc)
   int64_t dq_off, delta_off, lse_off, kt_off, vt_off, kr_off, qi_off, doi_off, p_off, ds_off, dk_off, dv_off, ones_off,
-      per_thread;
+      bias_off, per_thread;
 
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
@@ -173,7 +175,8 @@ struct Layout {
     dk_off = ds_off + Br * Bc;
     dv_off = dk_off + Bc * d_pad;
     ones_off = dv_off + Bc * d_pad;
-    per_thread = round_up(ones_off + std::max(Br, Bc), 16);
+    bias_off = round_up(ones_off + std::max(Br, Bc), 16);
+    per_thread = bias_off + (p.mask_kind != MaskKind::none ? Br * Bc : 0);
   }
 };
 
@@ -253,10 +256,10 @@ void pack_key_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t
 }
 
 // One tile pair: query rows [i0, i0 + Br) of head h against key tile [j0, j0 + n_keys), whose K_jᵀ, V_jᵀ, K_j are
-// packed. Accumulates into dK_j, dV_j (scratch) and the task's dQ rows.
+// packed (k_finite: K_j holds no NaN or infinity). Accumulates into dK_j, dV_j (scratch) and the task's dQ rows.
 template <class T>
 void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, int64_t i0, int64_t j0,
-               int64_t n_keys, const float* delta, const float* lse, float* dQ, float* scratch) {
+               int64_t n_keys, bool k_finite, const float* delta, const float* lse, float* dQ, float* scratch) {
   const AttentionParams& p = bp.fwd;
   const int64_t d = p.head_dim, d_pad = L.d_pad, Bc = L.Bc;
   // Which rows see which keys of this tile; the products run over the rows and keys that some row sees.
@@ -271,6 +274,13 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
     }
   }
   if (first_row >= last_row) return;
+  // attn_mask over the pair: hidden whole, nothing to do; cut (partial), its offsets in bias, rows Bc apart.
+  float* bias = scratch + L.bias_off;
+  const MaskBlock block = p.mask_kind == MaskKind::none
+                              ? MaskBlock::visible
+                              : mask_block(p, b, h, i0, std::min(L.Br, p.q_len - i0), j0, n_keys, bias, Bc, 1);
+  if (block == MaskBlock::hidden) return;
+  const bool partial = block == MaskBlock::partial;
   const int64_t n_cols = round_up(max_end, kKeyAlign);  // whole vectors (S's columns), whole row groups (dK's rows)
 
   float *Qi = scratch + L.qi_off, *dOi = scratch + L.doi_off, *P = scratch + L.p_off, *dS = scratch + L.ds_off;
@@ -293,8 +303,8 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
   group_gemm<kQkVecs>(r1 - r0, d, Qi + r0 * d_pad, d_pad, 1, KTj, Bc, n_cols, P + r0 * Bc, Bc, nullptr);
   group_gemm<kQkVecs>(r1 - r0, d, dOi + r0 * d_pad, d_pad, 1, VTj, Bc, n_cols, dS + r0 * Bc, Bc, nullptr);
 
-  // P = exp(scale·S − lse), dS = P ∘ (dP ∘ Z − D), then P ∘ Z for dV; all 0 outside each row's visible keys (there
-  // dP may be NaN, from a hidden value row: 0 · NaN must not leak).
+  // P = exp(scale·S [+ mask] − lse), dS = P ∘ (dP ∘ Z − D), then P ∘ Z for dV; all 0 outside each row's visible
+  // keys and where the mask hides a key (there dP may be NaN, from a hidden value row: 0 · NaN must not leak).
   const int64_t bh = b * p.num_heads + h;
   for (int64_t r = r0; r < r1; ++r) {
     float *pr = P + r * Bc, *dsr = dS + r * Bc;
@@ -304,15 +314,23 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
       fill_row(0.0f, dsr, n_cols);
       continue;
     }
-    exp_shifted_sum(pr + k.begin, lse[i0 + r], k.end - k.begin, p.scale);
+    const int64_t n = k.end - k.begin;
+    const float* bias_row = bias + r * Bc + k.begin;  // (a row that sees a key is a real row: mask_block filled it)
+    if (partial) {
+      add_mask(pr + k.begin, bias_row, n, /*unit=*/1.0f, /*scale=*/p.scale);  // scale·S + mask, −inf where hidden
+      exp_shifted_sum(pr + k.begin, lse[i0 + r], n, 1.0f);
+    } else {
+      exp_shifted_sum(pr + k.begin, lse[i0 + r], n, p.scale);
+    }
     fill_row(0.0f, pr, k.begin);
     fill_row(0.0f, pr + k.end, n_cols - k.end);
-    if (p.dropout_p > 0.0f) dropout_row(p, bh, i0 + r, j0 + k.begin, dsr + k.begin, k.end - k.begin, 1);
+    if (p.dropout_p > 0.0f) dropout_row(p, bh, i0 + r, j0 + k.begin, dsr + k.begin, n, 1);
     const Vec D = Vec::broadcast(delta[i0 + r]);
     for (int64_t c = 0; c < n_cols; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
     fill_row(0.0f, dsr, k.begin);
     fill_row(0.0f, dsr + k.end, n_cols - k.end);
-    if (p.dropout_p > 0.0f) dropout_row(p, bh, i0 + r, j0 + k.begin, pr + k.begin, k.end - k.begin, 1);
+    if (partial) zero_where_hidden(dsr + k.begin, bias_row, n);
+    if (p.dropout_p > 0.0f) dropout_row(p, bh, i0 + r, j0 + k.begin, pr + k.begin, n, 1);
   }
 
   // dV_j += (P ∘ Z)ᵀ dO_i, dK_j += dSᵀ Q_i   (n_cols key rows; k runs over the query rows that see a key here)
@@ -323,8 +341,15 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
                       ones);
 
   // dQ_i += dS K_j, a row group at a time: the keys every row of the group sees through the micro-kernel, each
-  // row's others one by one, so that a hidden key's K (maybe inf or NaN) never meets a row (0 · inf = NaN).
+  // row's others one by one, so that a hidden key's K (maybe inf or NaN) never meets a row (0 · inf = NaN). Where
+  // the mask cuts the pair and K_j is not all finite, every row adds the keys it shows one by one.
   float* dQi = dQ + i0 * d_pad;
+  if (partial && !k_finite) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t t = ranges[r].begin; t < ranges[r].end; ++t)
+        if (bias[r * Bc + t] != kNegInf) axpy(dS[r * Bc + t], Kj + t * k_ld, dQi + r * d_pad, d);
+    return;
+  }
   for (int64_t g0 = r0; g0 < r1; g0 += kRowGroup) {
     int64_t shared_begin = 0, shared_end = n_cols;
     for (int64_t r = g0; r < g0 + kRowGroup; ++r) {
@@ -399,11 +424,13 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   for (int64_t j = chunk_start(L, chunk); j < chunk_start(L, chunk + 1); ++j) {
     const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
     pack_key_tile<T>(p, L, b, kvh, j0, scratch + L.kt_off, scratch + L.vt_off, scratch + L.kr_off);
+    const bool k_finite = p.mask_kind == MaskKind::none ||
+                          rows_finite(row_of<T>(p.k, p.k_strides, b, kvh, j0), p.k_strides[2], n_keys, d);
     fill_row(0.0f, dK, L.Bc * d_pad);
     fill_row(0.0f, dV, L.Bc * d_pad);
     for (int64_t g = 0; g < L.group_size; ++g)
       for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br)
-        tile_pair<T>(bp, L, b, h0 + g, i0, j0, n_keys, delta + g * L.q_pad, lse + g * L.q_pad,
+        tile_pair<T>(bp, L, b, h0 + g, i0, j0, n_keys, k_finite, delta + g * L.q_pad, lse + g * L.q_pad,
                      dQ + g * L.q_pad * d_pad, scratch);
     T* dk_out = static_cast<T*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] + j0 * bp.dk_strides[2];
     T* dv_out = static_cast<T*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] + j0 * bp.dv_strides[2];
@@ -454,12 +481,9 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   }
 }
 
-// Whether this kernel runs these params: module.cpp asked for it. Windows and key ranges are its rows' key ranges
-// (visible_key_range), dropout is Z above; an attn_mask that must be read (a bias, or rows of several runs) keeps the
-// two-pass kernel (flash_backward.cpp), whatever path module.cpp chose.
-inline bool applies(const AttentionBackwardParams& bp) {
-  return bp.path == BackwardPath::one_pass && bp.fwd.mask_kind == MaskKind::none;
-}
+// Whether this kernel runs these params: module.cpp asked for it (windows and key ranges are its rows' key ranges,
+// visible_key_range; attn_mask is read a tile pair at a time; dropout is Z above).
+inline bool applies(const AttentionBackwardParams& bp) { return bp.path == BackwardPath::one_pass; }
 
 inline int64_t workspace_floats(const AttentionBackwardParams& bp) {
   const Layout L(bp);

@@ -370,6 +370,11 @@ inline void add_mask(float* s, const float* bias, int64_t n, float unit = 1.0f, 
   for (int64_t t = 0; t < n; ++t) s[t] = bias[t] == kNegInf ? kNegInf : scale * s[t] + unit * bias[t];
 }
 
+// x[t] = 0 where attn_mask hides key t (bias −inf): the backward's dS there is 0 even where dP (0 · NaN) is NaN.
+inline void zero_where_hidden(float* x, const float* bias, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) x[t] = bias[t] == kNegInf ? 0.0f : x[t];
+}
+
 // Dropout of row i of head `bh` (= b · num_heads + h) over keys [j0, j0 + n): x[t·stride] *= 1 / (1 − p) where dropout_keep
 // (attention.h) keeps entry (i, j0 + t), else 0 (multiplied, so 0 · NaN stays NaN as in IEEE arithmetic).
 // The forward applies it to P before P V; the backward to P before dV = Pᵀ dO and to dP before dS.
