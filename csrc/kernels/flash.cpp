@@ -203,15 +203,24 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       n_keys = window_keys_end(p, b, h, i0 + g0, group_rows, j0, n_keys);
       if (n_keys == 0) continue;
       prefetch_next_mask_block(p, b, h, i0, rows, g0, kRowGroup, j0, L.Bc);
-      const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
+      // (Straight from the mask where it can be, flash_common.h; not where V_j holds a NaN or inf: below, the rows
+      // that add V_j one key at a time read the offsets.)
+      const bool direct = mask_rows_direct(p) && v_finite[head * L.Tc + j] != 0.0f;
+      const MaskBlock block = direct ? classify_mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys)
+                                     : mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
-      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
+      if (block == MaskBlock::partial && !direct) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block
       group_gemm_panels<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.panel,
                                                          round_up(n_keys, W), S, L.s_ld);
       if (block == MaskBlock::partial)
-        for (int64_t r = 0; r < group_rows; ++r) add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, kLog2e);
+        for (int64_t r = 0; r < group_rows; ++r) {
+          if (direct)
+            add_mask_row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, n_keys, kLog2e);
+          else
+            add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, kLog2e);
+        }
 
       // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
       for (int64_t r = 0; r < kRowGroup; ++r)

@@ -320,9 +320,13 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       n_keys = flash::window_keys_end(p, b, h, i0 + g0, group_rows, j0, n_keys);
       if (n_keys == 0) continue;
       prefetch_next_mask_block(p, b, h, i0, rows, g0, G, j0, L.Bc);
-      const MaskBlock block = mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
+      // (Straight from the mask where it can be, flash_common.h; not where V_j holds a NaN or inf: pv_visible_only
+      // reads the offsets.)
+      const bool direct = flash::mask_rows_direct(p) && finite[tile] != 0.0f;
+      const MaskBlock block = direct ? flash::classify_mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys)
+                                     : mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
-      if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
+      if (block == MaskBlock::partial && !direct) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles; in parts: Σ_{a+b ≤ kQkOrder} q_a·k_b)
       const int64_t s_cols = round_up(n_keys, kDotCols);
@@ -336,8 +340,12 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
       const bool partial = block == MaskBlock::partial;
       if (partial)
-        for (int64_t r = 0; r < group_rows; ++r)
-          add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
+        for (int64_t r = 0; r < group_rows; ++r) {
+          if (direct)
+            flash::add_mask_row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
+          else
+            add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
+        }
 
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16 (or in parts); m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)

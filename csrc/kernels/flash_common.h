@@ -375,6 +375,47 @@ inline void zero_where_hidden(float* x, const float* bias, int64_t n) {
   for (int64_t t = 0; t < n; ++t) x[t] = bias[t] == kNegInf ? 0.0f : x[t];
 }
 
+// A block attn_mask cuts, the quick way (the forward kernels, flash.cpp and flash_bf16.cpp): when nothing but the
+// causal mask hides keys besides attn_mask (no window) and a mask row's keys are adjacent, the block is only
+// classified (classify_mask_block: its first look, hidden / visible / partial) and a cut block's rows are added to S
+// straight from the mask (add_mask_row), with no offsets buffer written and read back in between. A T5-style
+// (1, H, N, N) bias cuts every block: on the device host one thread's bf16 call spent 55 % more time with it than
+// without, the buffer's round trip through L2 included (results/s15a_sweep_forward.txt).
+inline bool mask_rows_direct(const AttentionParams& p) {
+  return p.mask_kind != MaskKind::none && !has_window(p) && p.mask_strides[3] == 1;
+}
+inline MaskBlock classify_mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i,
+                                     int64_t j0, int64_t n_j) {
+  switch (p.mask_kind) {
+    case MaskKind::none: return MaskBlock::visible;
+    case MaskKind::boolean: return classify_block<uint8_t>(p, b, h, i0, n_i, j0, n_j);
+    case MaskKind::additive: break;
+  }
+  switch (p.mask_dtype) {
+    case DType::bf16: return classify_block<c10::BFloat16>(p, b, h, i0, n_i, j0, n_j);
+    case DType::f16: return classify_block<c10::Half>(p, b, h, i0, n_i, j0, n_j);
+    default: return classify_block<float>(p, b, h, i0, n_i, j0, n_j);
+  }
+}
+template <class M>
+inline void add_mask_row_of(const M* m, float* s, int64_t n, float unit, float scale) {
+  for (int64_t t = 0; t < n; ++t) {  // as add_mask, the offset converted on the way (vectorises)
+    const float x = mask_entry(m[t]);
+    s[t] = x == kNegInf ? kNegInf : scale * s[t] + unit * x;
+  }
+}
+// s[t] = scale · s[t] + unit · (attn_mask's offset of row i, key j0 + t), −inf where it hides the key, for t < n.
+inline void add_mask_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, float* s, int64_t n,
+                         float unit = 1.0f, float scale = 1.0f) {
+  const int64_t at = b * p.mask_strides[0] + h * p.mask_strides[1] + i * p.mask_strides[2] + j0;
+  if (p.mask_kind == MaskKind::boolean) return add_mask_row_of(static_cast<const uint8_t*>(p.mask) + at, s, n, unit, scale);
+  switch (p.mask_dtype) {
+    case DType::bf16: return add_mask_row_of(static_cast<const c10::BFloat16*>(p.mask) + at, s, n, unit, scale);
+    case DType::f16: return add_mask_row_of(static_cast<const c10::Half*>(p.mask) + at, s, n, unit, scale);
+    default: return add_mask_row_of(static_cast<const float*>(p.mask) + at, s, n, unit, scale);
+  }
+}
+
 // Dropout of row i of head `bh` (= b · num_heads + h) over keys [j0, j0 + n): x[t·stride] *= 1 / (1 − p) where dropout_keep
 // (attention.h) keeps entry (i, j0 + t), else 0 (multiplied, so 0 · NaN stays NaN as in IEEE arithmetic).
 // The forward applies it to P before P V; the backward to P before dV = Pᵀ dO and to dP before dS.
