@@ -191,8 +191,8 @@ inline int64_t window_last(const AttentionParams& p, int64_t b, int64_t h, int64
 // The backward pass: reads the forward's inputs, its output and lse (fwd.out, fwd.lse) and dL/dout; writes
 // dL/dq, dL/dk, dL/dv (dk and dv have the kv heads' shape: the query heads of a group are summed).
 // The backward's algorithm (module.cpp decides, from the shape): two passes (flash_backward.cpp: dK, dV per key
-// tile, then dQ per query tile) or one (flash_backward_onepass.cpp: a task per (batch, kv head)). A kernel that
-// cannot run one_pass for some params runs two_pass.
+// tile, then dQ per query tile) or one (flash_backward_onepass.cpp: a task per (batch, kv head)). Both take every
+// call the forward takes (masks, windows, dropout).
 enum class BackwardPath { two_pass, one_pass };
 
 struct AttentionBackwardParams {

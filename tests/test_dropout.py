@@ -108,10 +108,12 @@ def test_gradients_given_the_mask(isa, backward_path, dtype):
     padding = torch.ones(2, 1, 1, 41, dtype=torch.bool)
     padding[0, ..., 30:] = False
     padding[1, ..., :6] = False
+    scattered = torch.rand(2, 1, 29, 41, generator=g) < 0.7  # rows of several runs: the kernels read it
     for q_shape, kv_shape, kwargs in [((2, 4, 29, 16), (2, 2, 41, 16), {}),
                                       ((1, 3, 40, 8), (1, 3, 40, 8), {"is_causal": True, "block_q": 7, "block_k": 9}),
                                       ((2, 2, 33, 16), (2, 2, 33, 16), {"window": (5, 3)}),
-                                      ((2, 4, 29, 16), (2, 2, 41, 16), {"attn_mask": padding})]:
+                                      ((2, 4, 29, 16), (2, 2, 41, 16), {"attn_mask": padding}),
+                                      ((2, 4, 29, 16), (2, 2, 41, 16), {"attn_mask": scattered})]:
         q, k, v, dout = (t.to(dtype) for t in inputs(q_shape, kv_shape, g))
         for p in (0.2, 0.6):
             torch.manual_seed(31)

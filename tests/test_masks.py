@@ -308,23 +308,30 @@ def test_hidden_keys_are_never_read(isa, f32_products, block_k):
         assert not out_problems(out, lse, qd, k.to(dtype), v.to(dtype), mask, tag="nan in hidden keys")
 
 
-@pytest.mark.parametrize("kind", ["padding", "bool"])
+@pytest.mark.parametrize("kind", ["padding", "bool", "strip"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hidden_keys_never_reach_the_gradients(isa, backward_path, dtype, kind):
     """NaN in the k and v of keys the mask hides: dq and dv stay finite and equal float64 autograd's with those keys
     left out (dk's hidden rows are 0 · NaN there). A padding mask is one run of keys a row (the kernels take it as
-    key ranges); "bool" hides a scattered key as well (a mask the kernels read, in blocks it cuts)."""
+    key ranges); "bool" hides a scattered key as well (a mask the kernels read, in blocks it cuts); "strip" hides keys
+    32-63 from every row, NaN in their v only, in 96-key tiles (the bf16 kernel's 32-key strips: one hidden whole
+    in a tile whose K is finite, whose dS must still be 0 in dq's product)."""
     g = gen(1124)
-    q, k, v, dout = (t.to(dtype) for t in inputs((2, 2, 40, 16), (2, 2, 45, 16), g))
-    mask = torch.ones(2, 1, 1, 45, dtype=torch.bool)
+    n_k = 96 if kind == "strip" else 45
+    q, k, v, dout = (t.to(dtype) for t in inputs((2, 2, 40, 16), (2, 2, n_k, 16), g))
+    mask = torch.ones(2, 1, 1, n_k, dtype=torch.bool)
     mask[0, ..., :7] = False   # left padding
     mask[1, ..., 31:] = False  # right padding
     if kind == "bool":
         mask[:, ..., 20] = False
-    hidden = (~mask[:, 0, 0])[:, None, :, None].expand(2, 2, 45, 16)
-    k_bad, v_bad = k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("nan"))
+    if kind == "strip":
+        mask = torch.ones(2, 1, 1, n_k, dtype=torch.bool)
+        mask[..., 32:64] = False
+    hidden = (~mask[:, 0, 0])[:, None, :, None].expand(2, 2, n_k, 16)
+    k_bad = k if kind == "strip" else k.masked_fill(hidden, float("nan"))
+    v_bad = v.masked_fill(hidden, float("nan"))
     leaves = [t.clone().requires_grad_() for t in (q, k_bad, v_bad)]
-    cs149gpt.attention(*leaves, attn_mask=mask, block_q=16, block_k=16).backward(dout)
+    cs149gpt.attention(*leaves, attn_mask=mask, block_q=16, block_k=96 if kind == "strip" else 16).backward(dout)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref_masked(*ref_leaves, mask)[0].backward(dout.double())
     tol = GRAD_TOL if dtype == torch.float32 else 0.05
@@ -381,6 +388,39 @@ def test_gradients_every_mask_shape(isa, kind, backward_path):
                                               block_k=block_k, tag=f"{isa} {kind} {shape} causal={is_causal} "
                                                                    f"tiles=({block_q}, {block_k}) q {(b, hq, n_q, d)}")
     assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_huge_finite_mask_offsets_keep_gradients_finite(isa, backward_path, dtype):
+    """An additive mask of finfo(dtype).min, as eager-style code builds it, on rows that see ordinary keys too and on
+    rows where it is every key's offset (torch averages those rows' values): out and the gradients are finite, and
+    equal float64 autograd's where a row sees an ordinary key — given a dout that is 0 on the rows the mask covers
+    whole, as a model's loss leaves padding. (Base-2 exponents of lse ≈ −3.4e38 overflow; the bf16 one-pass
+    backward sums them in natural units first.)"""
+    g = gen(1125)
+    q, k, v, dout = inputs((2, 2, 30, 16), (2, 2, 30, 16), g, dtype)
+    keep = torch.rand(2, 1, 30, 30, generator=g) < 0.6
+    keep[..., 5:, 0] = True   # every row from 5 on sees key 0
+    keep[..., :5, :] = False  # rows 0-4 see none: every offset finfo.min
+    mask = torch.zeros(2, 1, 30, 30, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    dout[..., :5, :] = 0
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = cs149gpt.attention(*leaves, attn_mask=mask)
+    out.backward(dout)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want, _ = ref_masked(*ref_leaves, mask)
+    want.backward(dout.double())
+    assert torch.isfinite(out).all()
+    seen = (slice(None), slice(None), slice(5, None))
+    err = (out[seen].double() - want[seen]).abs().max().item()
+    assert err <= (TOL if dtype == torch.float32 else 0.03), err
+    for name, a, b in zip("qkv", leaves, ref_leaves):
+        assert torch.isfinite(a.grad).all(), name
+        if dtype == torch.float32:
+            assert (a.grad.double() - b.grad).abs().max().item() <= GRAD_TOL, name
+        else:
+            rel = ((a.grad.double() - b.grad).norm() / b.grad.norm()).item()
+            assert rel <= GRAD_REL_TOL[dtype], (name, rel)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -221,8 +221,12 @@ inline float exp_shifted_sum_to_bf16_parts(const float* x, float shift, int64_t 
 //   dS[c] = P[c] · (dP[c]·Z[c] − D[c])          where it sees it, else 0 (even where dP is NaN, from a hidden value row)
 // P·Z and dS rounded to bf16 (the A operands of dV += (P∘Z)ᵀ dO and dK += dSᵀ Q). Z: dropout's keep mask / (1 − p)
 // for this key (flash_common.h, dropout_column), or null (no dropout: 1); M: attn_mask's offsets for this key
-// (mask_block), or null (none). lse2[c] = lse[c] · log2(e): the exp is a power of 2 (simd.h's exp2_poly<4>).
-template <bool kDropout, bool kMasked>
+// (mask_block), or null (none). The exp is a power of 2 (simd.h's exp2_poly<4>): lse2[c] = lse[c] · log2(e) and the
+// exponent one FMA — but in a call with attn_mask (lse_natural), lse2[c] is lse[c] itself and the exponent
+// (scale·S [+ M] − lse) · log2(e), summed in natural units first: a row whose every key carries a huge finite offset
+// (an additive mask of finfo.min) has lse ≈ −3.4e38, which times log2(e) would overflow to −inf (and P to inf),
+// where torch's answer is finite.
+template <bool kDropout, bool kNatural, bool kMasked>
 inline void softmax_backward_row_to_bf16_with(const float* S, const float* dP, const float* lse2, const float* D,
                                               const int32_t* begin, const int32_t* end, int32_t t, float scale,
                                               int64_t n, bf16_bits* P, bf16_bits* dS, const float* Z, const float* M) {
@@ -232,11 +236,17 @@ inline void softmax_backward_row_to_bf16_with(const float* S, const float* dP, c
   for (int64_t c = 0; c < n; c += 16) {
     __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_loadu_si512(begin + c), key) &
                      _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(end + c), key);
-    __m512 u = _mm512_fmsub_ps(_mm512_loadu_ps(S + c), a, _mm512_loadu_ps(lse2 + c));
-    if constexpr (kMasked) {  // (scale·S + M − lse)·log2 e; a key the mask hides is not seen, even where S is NaN
-      const __m512 m = _mm512_loadu_ps(M + c);
-      seen &= _mm512_cmp_ps_mask(m, _mm512_set1_ps(-__builtin_inff()), _CMP_NEQ_UQ);
-      u = _mm512_fmadd_ps(m, _mm512_set1_ps(kLog2e), u);
+    __m512 u;
+    if constexpr (kNatural) {  // (scale·S + M − lse)·log2 e; a key the mask hides is not seen, even where S is NaN
+      __m512 logit = _mm512_mul_ps(_mm512_loadu_ps(S + c), _mm512_set1_ps(scale));
+      if constexpr (kMasked) {
+        const __m512 m = _mm512_loadu_ps(M + c);
+        seen &= _mm512_cmp_ps_mask(m, _mm512_set1_ps(-__builtin_inff()), _CMP_NEQ_UQ);
+        logit = _mm512_add_ps(logit, m);
+      }
+      u = _mm512_mul_ps(_mm512_sub_ps(logit, _mm512_loadu_ps(lse2 + c)), _mm512_set1_ps(kLog2e));
+    } else {
+      u = _mm512_fmsub_ps(_mm512_loadu_ps(S + c), a, _mm512_loadu_ps(lse2 + c));
     }
     __m512 p = _mm512_maskz_mov_ps(seen, exp2_poly<4>(u)), dp = _mm512_loadu_ps(dP + c);
     if constexpr (kDropout) dp = _mm512_mul_ps(dp, _mm512_loadu_ps(Z + c));
@@ -249,17 +259,16 @@ inline void softmax_backward_row_to_bf16_with(const float* S, const float* dP, c
 inline void softmax_backward_row_to_bf16(const float* S, const float* dP, const float* lse2, const float* D,
                                          const int32_t* begin, const int32_t* end, int32_t t, float scale, int64_t n,
                                          bf16_bits* P, bf16_bits* dS, const float* Z = nullptr,
-                                         const float* M = nullptr) {
-  const auto row = [&](auto dropout, auto masked) {
-    softmax_backward_row_to_bf16_with<decltype(dropout)::value, decltype(masked)::value>(S, dP, lse2, D, begin, end,
-                                                                                         t, scale, n, P, dS, Z, M);
+                                         const float* M = nullptr, bool lse_natural = false) {
+  const auto row = [&](auto dropout, auto natural, auto masked) {
+    softmax_backward_row_to_bf16_with<decltype(dropout)::value, decltype(natural)::value, decltype(masked)::value>(
+        S, dP, lse2, D, begin, end, t, scale, n, P, dS, Z, M);
   };
   using yes = std::true_type;
   using no = std::false_type;
-  if (Z && M) return row(yes{}, yes{});
-  if (Z) return row(yes{}, no{});
-  if (M) return row(no{}, yes{});
-  row(no{}, no{});
+  if (M) return Z ? row(yes{}, yes{}, yes{}) : row(no{}, yes{}, yes{});
+  if (lse_natural) return Z ? row(yes{}, yes{}, no{}) : row(no{}, yes{}, no{});
+  return Z ? row(yes{}, no{}, no{}) : row(no{}, no{}, no{});
 }
 
 // The first element of the packed B tile holding element (k, n), and the position of (k, n) itself.

@@ -209,7 +209,9 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       const MaskBlock block = direct ? classify_mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys)
                                      : mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
-      if (block == MaskBlock::partial && !direct) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
+      if (block == MaskBlock::partial)
+        n_keys = direct ? shown_keys_end_direct(p, b, h, i0 + g0, group_rows, j0, n_keys)
+                        : shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block
       group_gemm_panels<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.panel,

@@ -41,7 +41,7 @@ struct Layout {
   int64_t Br, Bc, Tr, Tc, q_pad, k_pad, d_pad;
   // shared, packed once: Q·scale and dO by rows (q_pad × d_pad per head) and transposed (d × q_pad), D and
   // lse (q_pad per head); Kᵀ and Vᵀ tiles (d × Bc each); K and V by rows (k_pad × d_pad per kv head)
-  // and with attn_mask, per key tile, whether its K is all finite (1.0f) or not (0.0f)
+  // and with attn_mask or a window, per key tile, whether its K is all finite (1.0f) or not (0.0f)
   int64_t qs_off, do_off, qt_off, dot_off, delta_off, lse_off, kt_off, vt_off, kr_off, vr_off, k_finite_off, shared;
   // per thread: S/P and dP/dS for one row group × one key tile (pass 2) or one key tile × one chunk of
   // kQueryChunk query rows (pass 1, transposed); dK_j, dV_j; dQ for one row group; a row of ones

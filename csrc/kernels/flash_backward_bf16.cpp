@@ -5,7 +5,7 @@
 //
 // The tile products run transposed, keys as rows, so that each one's B operand is a cheap VNNI packing (pairs
 // of consecutive rows) and nothing is transposed per tile pair but Q_i and dO_i once each:
-//   Sᵀ   = K_j Q_iᵀ                      Pᵀ = exp(scale·Sᵀ − lse), 0 where a query does not see the key
+//   Sᵀ   = K_j Q_iᵀ                      Pᵀ = exp(scale·Sᵀ [+ Mᵀ] − lse), 0 where a query does not see the key
 //   dPᵀ  = (V_j dO_iᵀ) ∘ Zᵀ              dSᵀ = Pᵀ ∘ (dPᵀ − D)           (lse, D: one per column)
 //   dV_j += (P ∘ Z)ᵀ dO_i                (P ∘ Z)ᵀ rounded to bf16        (Z: dropout's keep mask / (1 − p), or 1)
 //   dK_j += dSᵀ Q_i                      dSᵀ rounded to bf16            (× scale when written)
@@ -92,7 +92,8 @@ struct Layout {
   // kv head's sum is live at once. The sums' order of additions, hence the bits, is the same either way.
   bool pair_major;
   int64_t sum_slots, dq_sums, shared;
-  // per thread, in floats: the task's dQᵀ (group × d_k × dqt_ld), lse·log2(e) and D (group × q_pad);
+  // per thread, in floats: the task's dQᵀ (group × d_k × dqt_ld), lse·log2(e) (lse with attn_mask) and D
+  // (group × q_pad);
   // K_j, V_j by rows (packed_keys × d_k bf16: the whole tile, or one strip of 32 keys when read in place), K_jᵀ
   // (d_k × Bc bf16); Qᵀ, dOᵀ of the task's query rows in VNNI pairs, query tile by query tile (group ×
   // q_pad/Br × d_k × Br bf16), else of one query tile; Q_i, dO_i in VNNI pairs (Br × d_n bf16);
@@ -170,7 +171,8 @@ struct Scratch {
   int32_t *begin, *end;
   Scratch(const Layout& L, float* s, float* ws)
       : dQT(s + L.dqt_off), lse2(s + L.lse2_off), delta(s + L.delta_off), ST(s + L.st_off), dPT(s + L.dpt_off),
-        dK(s + L.dk_off), dV(s + L.dv_off), keep(s + L.keep_off), bias(s + L.bias_off), workspace(ws), Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
+        dK(s + L.dk_off), dV(s + L.dv_off), keep(s + L.keep_off), bias(s + L.bias_off), workspace(ws),
+        Kr(reinterpret_cast<bf16_bits*>(s + L.kr_off)),
         Vr(reinterpret_cast<bf16_bits*>(s + L.vr_off)), KT(reinterpret_cast<bf16_bits*>(s + L.kt_off)),
         QT(reinterpret_cast<bf16_bits*>(s + L.qt_off)), dOT(reinterpret_cast<bf16_bits*>(s + L.dot_off)),
         Qv(reinterpret_cast<bf16_bits*>(s + L.qv_off)), dOv(reinterpret_cast<bf16_bits*>(s + L.dov_off)),
@@ -179,7 +181,8 @@ struct Scratch {
         end(reinterpret_cast<int32_t*>(s + L.end_off)) {}
 };
 
-// lse·log2(e) and D = rowsum(dO ∘ O) of every query row of head h (rows past q_len: +inf and 0, never seen).
+// lse·log2(e) (lse itself with attn_mask) and D = rowsum(dO ∘ O) of every query row of head h (rows past q_len: +inf
+// and 0, never seen).
 void row_statistics(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t h, float* lse2,
                     float* delta) {
   const AttentionParams& p = bp.fwd;
@@ -191,9 +194,10 @@ void row_statistics(const AttentionBackwardParams& bp, const Layout& L, int64_t 
     }
     const bf16_bits *g = row_of(bp.dout, bp.dout_strides, b, h, i), *o = row_of(p.out, p.out_strides, b, h, i);
     delta[i] = dot_bf16(g, o, p.head_dim);
-    // lse = −inf (a row that sees no key) as +inf: exp(S − inf) = 0. NaN stays NaN.
+    // lse = −inf (a row that sees no key) as +inf: exp(S − inf) = 0. NaN stays NaN. With attn_mask, lse itself:
+    // softmax_backward_row_to_bf16 then sums the exponent in natural units (a mask of finfo.min would overflow).
     const float l = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
-    lse2[i] = (l == kNegInf ? std::numeric_limits<float>::infinity() : l) * kLog2e;
+    lse2[i] = (l == kNegInf ? std::numeric_limits<float>::infinity() : l) * (p.mask_kind != MaskKind::none ? 1.0f : kLog2e);
   }
 }
 
@@ -328,10 +332,10 @@ void tile_pair(const AttentionBackwardParams& bp, const Layout& L, int64_t b, in
       softmax_backward_row_to_bf16(s.ST + t * Br + c0, s.dPT + t * Br + c0, lse2 + c0, delta + c0, s.begin + c0,
                                    s.end + c0, static_cast<int32_t>(t0 + t), p.scale, n_q, s.PT + t * Br + c0,
                                    s.dST + t * Br + c0, p.dropout_p > 0.0f ? s.keep + c0 : nullptr,
-                                   M ? M + t * Br : nullptr);
+                                   M ? M + t * Br : nullptr, /*lse_natural=*/p.mask_kind != MaskKind::none);
     }
 
-    // dV_j += Pᵀ dO_i, dK_j += dSᵀ Q_i   (the strip's rows of dV_j, dK_j; k: the query rows [c0, c1))
+    // dV_j += (P ∘ Z)ᵀ dO_i, dK_j += dSᵀ Q_i   (the strip's rows of dV_j, dK_j; k: the query rows [c0, c1))
     bf16_gemm(kStep, L.d_n, n_q, s.PT + c0, Br, s.dOv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dV + t0 * L.d_n,
               L.d_n, true);
     bf16_gemm(kStep, L.d_n, n_q, s.dST + c0, Br, s.Qv + b_tile_offset(c0, 0, L.d_n), L.d_n, s.dK + t0 * L.d_n,

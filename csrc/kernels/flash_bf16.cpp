@@ -326,7 +326,9 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       const MaskBlock block = direct ? flash::classify_mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys)
                                      : mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
-      if (block == MaskBlock::partial && !direct) n_keys = shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
+      if (block == MaskBlock::partial)
+        n_keys = direct ? flash::shown_keys_end_direct(p, b, h, i0 + g0, group_rows, j0, n_keys)
+                        : shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
       // S = Q_g K_jᵀ   (G × n_keys, computed to whole column tiles; in parts: Σ_{a+b ≤ kQkOrder} q_a·k_b)
       const int64_t s_cols = round_up(n_keys, kDotCols);

@@ -145,7 +145,8 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
 }
 
 // attn_mask and the sliding window over a block: rows [i0, i0 + n_i) × keys [j0, j0 + n_j) of query head h in
-// batch b. Every kernel reads them through mask_block, once per block of the tiles it computes anyway: the block's
+// batch b. Every kernel reads them through mask_block (or, the forward where it can, classify_mask_block and
+// add_mask_row below), once per block of the tiles it computes anyway: the block's
 // entries as float offsets of the logits go to bias[r·ld_i + t·ld_j] — 0 where the key takes part, −inf where
 // attn_mask, the window or the causal mask hides it, the additive value otherwise — and the block is classified:
 //   hidden:  they hide every entry the causal mask shows (or the causal mask shows none): skip the block;
@@ -404,6 +405,31 @@ inline void add_mask_row_of(const M* m, float* s, int64_t n, float unit, float s
     s[t] = x == kNegInf ? kNegInf : scale * s[t] + unit * x;
   }
 }
+// shown_keys_end read straight from the mask rows [i0, i0 + n_i) over keys [j0, j0 + n): one past the last key any of
+// them shows (a causal pattern passed as a bias then costs what is_causal costs here too).
+template <class M>
+inline int64_t shown_keys_end_of(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                                 int64_t n) {
+  const M* base = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1] + j0;
+  int64_t end = 0;
+  for (int64_t r = 0; r < n_i && end < n; ++r) {
+    const M* row = base + (i0 + r) * p.mask_strides[2];
+    int64_t t = n;
+    while (t > end && mask_entry(row[t - 1]) == kNegInf) --t;
+    end = std::max(end, t);
+  }
+  return end;
+}
+inline int64_t shown_keys_end_direct(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i,
+                                     int64_t j0, int64_t n) {
+  if (p.mask_kind == MaskKind::boolean) return shown_keys_end_of<uint8_t>(p, b, h, i0, n_i, j0, n);
+  switch (p.mask_dtype) {
+    case DType::bf16: return shown_keys_end_of<c10::BFloat16>(p, b, h, i0, n_i, j0, n);
+    case DType::f16: return shown_keys_end_of<c10::Half>(p, b, h, i0, n_i, j0, n);
+    default: return shown_keys_end_of<float>(p, b, h, i0, n_i, j0, n);
+  }
+}
+
 // s[t] = scale · s[t] + unit · (attn_mask's offset of row i, key j0 + t), −inf where it hides the key, for t < n.
 inline void add_mask_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, float* s, int64_t n,
                          float unit = 1.0f, float scale = 1.0f) {
@@ -438,7 +464,8 @@ inline void dropout_column(const AttentionParams& p, int64_t bh, int64_t i0, int
 }
 
 // Whether n rows of d values (ld apart) are all finite: a V tile that is not takes P V row by row over the keys
-// each row sees, in a block attn_mask cuts, since P = 0 at a hidden key would still multiply its NaN. Read by the
+// each row sees, in a block attn_mask cuts, since P = 0 at a hidden key would still multiply its NaN (and in the
+// backward a K tile that is not takes dQ += dS K so: dS = 0 at a hidden key would multiply its inf). Read by the
 // exponent bits of each element, not all ones (integer tests the compiler vectorises, no conversion).
 template <class T>
 bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
