@@ -43,17 +43,21 @@ using flash::round_up;
 using flash::run_forward_tiles;
 using flash::shown_keys_end;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
-// Defaults: query tiles of 128 rows (2 AMX groups, 4 vdpbf16ps ones; fewer when the threads need more tasks;
-// 256 rows measured 0–25 % slower on the device host, results/cpu_16core_forward_session3.txt); key tiles of
-// 128 keys for vdpbf16ps, and for AMX 512 at every head_dim: with AMX the products are cheap and each key tile loads
-// and stores the group's O_i through tile registers, so longer tiles amortise that. At head_dim ≤ 64, 512 against the
-// 256 of earlier sweeps (results/cpu_amx_tile_sweep_*, taken on an older kernel): 1–17 % more GFLOP/s in 23 of 24
-// cells (5 % less in one) — bf16 and fp16, 1 and 16 threads, causal both, issue 9's d ≤ 64 shapes, three interleaved
-// rounds (results/s10c_sweep_*).
-constexpr int64_t kDefaultBlockQ = 128;
+// Defaults (fewer query rows when the threads need more tasks: Layout). vdpbf16ps: query tiles of 128 rows (4
+// groups), key tiles of 128 keys. AMX: 256 query rows (4 groups), 1024 keys. With AMX the products are cheap and each
+// key tile loads and stores a group's O_i through tile registers, and each query tile reads every K_j, V_j from the
+// shared packing: longer key tiles amortise the first, taller query tiles the second (a query tile's groups reuse
+// K_j, V_j from L2; at 16 threads the packed K and V come from L3 half as often). Session 10 had taken 512 keys over
+// 256 (results/s10c_sweep_*); session 15's sweep on today's kernel, bf16, issue 9's four shapes, 1 and 16 threads,
+// causal both, four interleaved rounds (results/s15g_tiles_*): 256 × 1024 against 128 × 512, 1.02–1.26× the GFLOP/s
+// in 13 of 16 cells; the three others are (1,4,1024,32)'s: 0.96 on one thread causal, and 0.98 / 0.82 on 16 threads
+// with 256 rows forced, where Layout shrinks the tile to 64 rows (64 × 1024 against 64 × 512 there: 1.09 / 1.05×,
+// results/s15f_sweep_bk_t16*); (1,12,1024,64) on 16 threads shrinks to 192 rows (192 × 1024: 1.05 / 1.04×).
 #if defined(CS149_ISA_AMX)
-constexpr int64_t kDefaultBlockK = 512;
+constexpr int64_t kDefaultBlockQ = 256;
+constexpr int64_t kDefaultBlockK = 1024;
 #else
+constexpr int64_t kDefaultBlockQ = 128;
 constexpr int64_t kDefaultBlockK = 128;
 #endif
 
