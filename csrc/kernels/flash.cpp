@@ -46,14 +46,18 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
 
-// Defaults, from tile sweeps (benchmarks/tile_sweep.py): a query tile of 4 row groups; key tiles of 512 keys
-// with AVX-512 (on the device host's Xeon, one thread, 8–15 % faster than 128 at d = 64 and 128:
-// results/cpu_16core_tile_sweep_f32.txt; K_jᵀ and V_j, 2 · 512 · d floats, still fit its 2 MB L2), 128 keys
-// elsewhere (the 2-core dev box's sweep put 64–512 within ~10 % of each other).
-constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
+// Defaults, from tile sweeps (benchmarks/tile_sweep.py). AVX-512: a query tile of 8 row groups (192 rows) and key
+// tiles of 1024 keys: a query tile's groups reuse K_jᵀ and V_j from L2, and each key tile rescales O_i once. Session 15
+// on the device host's Xeon, issue 9's d ≥ 64 shapes, three interleaved rounds (results/s15j_tiles_f32_*): 192 × 1024
+// against 96 × 512, one thread 133 / 142 / 145 GFLOP/s against 120–127 / 132–138 / 134–141, 16 threads 1302 / 1473 /
+// 1562 against 1274–1311 / 1341–1443 / 1463–1488 (512 keys had beaten 128 by 8–15 % on one thread:
+// results/cpu_16core_tile_sweep_f32.txt). Elsewhere 4 row groups and 128 keys (the 2-core dev box's sweep put 64–512
+// within ~10 % of each other).
 #if defined(CS149_ISA_AVX512)
-constexpr int64_t kDefaultBlockK = 512;
+constexpr int64_t kDefaultBlockQ = 8 * kRowGroup;
+constexpr int64_t kDefaultBlockK = 1024;
 #else
+constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
 constexpr int64_t kDefaultBlockK = 128;
 #endif
 
