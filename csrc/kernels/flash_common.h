@@ -347,18 +347,22 @@ inline int64_t window_keys_end(const AttentionParams& p, int64_t b, int64_t h, i
 
 // The keys of a partial block past the last one any of its rows shows need no scores: the block's key count
 // shrinks to that end (a causal pattern passed as attn_mask then costs what is_causal costs).
-inline bool all_hidden16(const float* bias) {
+// The offsets are float (mask_block's buffer), or attn_mask's own entries read in place (M: uint8_t for a boolean
+// mask, float, bf16, f16; mask_entry converts): the forward's direct path below.
+template <class M>
+inline bool all_hidden16(const M* bias) {
   int all = 1;  // an int reduction: one vector compare
-  for (int t = 0; t < 16; ++t) all &= bias[t] == kNegInf;
+  for (int t = 0; t < 16; ++t) all &= mask_entry(bias[t]) == kNegInf;
   return all != 0;
 }
-inline int64_t shown_keys_end(const float* bias, int64_t ld, int64_t rows, int64_t n) {
+template <class M>
+inline int64_t shown_keys_end(const M* bias, int64_t ld, int64_t rows, int64_t n) {
   int64_t end = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = bias + r * ld;
+    const M* row = bias + r * ld;
     int64_t t = n;
     while (t - 16 >= end && all_hidden16(row + t - 16)) t -= 16;  // (a causal diagonal hides up to a whole tile)
-    while (t > end && row[t - 1] == kNegInf) --t;
+    while (t > end && mask_entry(row[t - 1]) == kNegInf) --t;
     end = std::max(end, t);
   }
   return end;
@@ -367,8 +371,12 @@ inline int64_t shown_keys_end(const float* bias, int64_t ld, int64_t rows, int64
 // s[t] = scale · s[t] + unit · bias[t], and −inf wherever bias is: a hidden key's logit is dropped even when it is
 // NaN. unit converts the mask's natural-log offsets to the logits' base (log2 e for flash.cpp's base-2 logits);
 // scale lets a kernel whose logits are not yet scaled (flash_bf16.cpp) do both in this one pass.
-inline void add_mask(float* s, const float* bias, int64_t n, float unit = 1.0f, float scale = 1.0f) {
-  for (int64_t t = 0; t < n; ++t) s[t] = bias[t] == kNegInf ? kNegInf : scale * s[t] + unit * bias[t];
+template <class M>
+inline void add_mask(float* s, const M* bias, int64_t n, float unit = 1.0f, float scale = 1.0f) {
+  for (int64_t t = 0; t < n; ++t) {  // (vectorises)
+    const float x = mask_entry(bias[t]);
+    s[t] = x == kNegInf ? kNegInf : scale * s[t] + unit * x;
+  }
 }
 
 // x[t] = 0 where attn_mask hides key t (bias −inf): the backward's dS there is 0 even where dP (0 · NaN) is NaN.
@@ -398,48 +406,29 @@ inline MaskBlock classify_mask_block(const AttentionParams& p, int64_t b, int64_
     default: return classify_block<float>(p, b, h, i0, n_i, j0, n_j);
   }
 }
-template <class M>
-inline void add_mask_row_of(const M* m, float* s, int64_t n, float unit, float scale) {
-  for (int64_t t = 0; t < n; ++t) {  // as add_mask, the offset converted on the way (vectorises)
-    const float x = mask_entry(m[t]);
-    s[t] = x == kNegInf ? kNegInf : scale * s[t] + unit * x;
+// shown_keys_end and add_mask on attn_mask's own rows (the direct path): the entries of rows [i0, i0 + n_i) (or row i)
+// of query head h in batch b from key j0 on, in the mask's type.
+template <class F>
+inline auto with_mask_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t j0, const F& f) {
+  const int64_t at = b * p.mask_strides[0] + h * p.mask_strides[1] + i0 * p.mask_strides[2] + j0;
+  if (p.mask_kind == MaskKind::boolean) return f(static_cast<const uint8_t*>(p.mask) + at);
+  switch (p.mask_dtype) {
+    case DType::bf16: return f(static_cast<const c10::BFloat16*>(p.mask) + at);
+    case DType::f16: return f(static_cast<const c10::Half*>(p.mask) + at);
+    default: return f(static_cast<const float*>(p.mask) + at);
   }
 }
-// shown_keys_end read straight from the mask rows [i0, i0 + n_i) over keys [j0, j0 + n): one past the last key any of
-// them shows (a causal pattern passed as a bias then costs what is_causal costs here too).
-template <class M>
-inline int64_t shown_keys_end_of(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
-                                 int64_t n) {
-  const M* base = static_cast<const M*>(p.mask) + b * p.mask_strides[0] + h * p.mask_strides[1] + j0;
-  int64_t end = 0;
-  for (int64_t r = 0; r < n_i && end < n; ++r) {
-    const M* row = base + (i0 + r) * p.mask_strides[2];
-    int64_t t = n;
-    while (t > end && mask_entry(row[t - 1]) == kNegInf) --t;
-    end = std::max(end, t);
-  }
-  return end;
-}
+// One past the last key any of the rows shows (a causal pattern passed as a bias then costs what is_causal costs here
+// too).
 inline int64_t shown_keys_end_direct(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i,
                                      int64_t j0, int64_t n) {
-  if (p.mask_kind == MaskKind::boolean) return shown_keys_end_of<uint8_t>(p, b, h, i0, n_i, j0, n);
-  switch (p.mask_dtype) {
-    case DType::bf16: return shown_keys_end_of<c10::BFloat16>(p, b, h, i0, n_i, j0, n);
-    case DType::f16: return shown_keys_end_of<c10::Half>(p, b, h, i0, n_i, j0, n);
-    default: return shown_keys_end_of<float>(p, b, h, i0, n_i, j0, n);
-  }
+  return with_mask_rows(p, b, h, i0, j0, [&](const auto* rows) { return shown_keys_end(rows, p.mask_strides[2], n_i, n); });
 }
 
 // s[t] = scale · s[t] + unit · (attn_mask's offset of row i, key j0 + t), −inf where it hides the key, for t < n.
 inline void add_mask_row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, float* s, int64_t n,
                          float unit = 1.0f, float scale = 1.0f) {
-  const int64_t at = b * p.mask_strides[0] + h * p.mask_strides[1] + i * p.mask_strides[2] + j0;
-  if (p.mask_kind == MaskKind::boolean) return add_mask_row_of(static_cast<const uint8_t*>(p.mask) + at, s, n, unit, scale);
-  switch (p.mask_dtype) {
-    case DType::bf16: return add_mask_row_of(static_cast<const c10::BFloat16*>(p.mask) + at, s, n, unit, scale);
-    case DType::f16: return add_mask_row_of(static_cast<const c10::Half*>(p.mask) + at, s, n, unit, scale);
-    default: return add_mask_row_of(static_cast<const float*>(p.mask) + at, s, n, unit, scale);
-  }
+  with_mask_rows(p, b, h, i, j0, [&](const auto* row) { add_mask(s, row, n, unit, scale); });
 }
 
 // Dropout of row i of head `bh` (= b · num_heads + h) over keys [j0, j0 + n): x[t·stride] *= 1 / (1 − p) where dropout_keep
