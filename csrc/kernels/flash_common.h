@@ -431,25 +431,37 @@ inline void add_mask_row(const AttentionParams& p, int64_t b, int64_t h, int64_t
   with_mask_rows(p, b, h, i, j0, [&](const auto* row) { add_mask(s, row, n, unit, scale); });
 }
 
+// The call's keep mask, the one place that numbers its entries: entry (i, j) of head bh is counter
+// (bh · Nq + i) · Nk + j + offset, and Z = 1 / (1 − p) where dropout_keep keeps that counter, else 0.
+struct DropoutZ {
+  uint64_t key, threshold, q_len, kv_len, offset;
+  float scale;
+  explicit DropoutZ(const AttentionParams& p)
+      : key(dropout_seed_key(p.dropout_seed)), threshold(dropout_threshold(p.dropout_p)),
+        q_len(static_cast<uint64_t>(p.q_len)), kv_len(static_cast<uint64_t>(p.kv_len)), offset(p.dropout_offset),
+        scale(1.0f / (1.0f - p.dropout_p)) {}
+  uint64_t counter(int64_t bh, int64_t i, int64_t j) const {
+    return (static_cast<uint64_t>(bh) * q_len + static_cast<uint64_t>(i)) * kv_len + static_cast<uint64_t>(j) + offset;
+  }
+  float operator()(uint64_t counter) const { return dropout_keep(key, counter, threshold) ? scale : 0.0f; }
+};
+
 // Dropout of row i of head `bh` (= b · num_heads + h) over keys [j0, j0 + n): x[t·stride] *= 1 / (1 − p) where dropout_keep
 // (attention.h) keeps entry (i, j0 + t), else 0 (multiplied, so 0 · NaN stays NaN as in IEEE arithmetic).
 // The forward applies it to P before P V; the backward to P before dV = Pᵀ dO and to dP before dS.
 inline void dropout_row(const AttentionParams& p, int64_t bh, int64_t i, int64_t j0, float* x, int64_t n,
                         int64_t stride) {
-  const uint64_t key = dropout_seed_key(p.dropout_seed), threshold = dropout_threshold(p.dropout_p);
-  const float scale = 1.0f / (1.0f - p.dropout_p);
-  const uint64_t first = (static_cast<uint64_t>(bh) * p.q_len + i) * p.kv_len + j0 + p.dropout_offset;
-  for (int64_t t = 0; t < n; ++t) x[t * stride] *= dropout_keep(key, first + t, threshold) ? scale : 0.0f;
+  const DropoutZ z(p);
+  const uint64_t first = z.counter(bh, i, j0);
+  for (int64_t t = 0; t < n; ++t) x[t * stride] *= z(first + t);
 }
 
 // Column j of the keep mask over query rows [i0, i0 + n) of head `bh`: z[c] = 1 / (1 − p) where dropout_keep keeps
 // entry (i0 + c, j), else 0. The bf16 backward's transposed tiles (keys as rows, queries as columns) take Z this way.
 inline void dropout_column(const AttentionParams& p, int64_t bh, int64_t i0, int64_t j, float* z, int64_t n) {
-  const uint64_t key = dropout_seed_key(p.dropout_seed), threshold = dropout_threshold(p.dropout_p);
-  const float scale = 1.0f / (1.0f - p.dropout_p);
-  const uint64_t first = (static_cast<uint64_t>(bh) * p.q_len + i0) * p.kv_len + j + p.dropout_offset;
-  const uint64_t step = static_cast<uint64_t>(p.kv_len);
-  for (int64_t c = 0; c < n; ++c) z[c] = dropout_keep(key, first + c * step, threshold) ? scale : 0.0f;
+  const DropoutZ keep(p);
+  const uint64_t first = keep.counter(bh, i0, j);
+  for (int64_t c = 0; c < n; ++c) z[c] = keep(first + static_cast<uint64_t>(c) * keep.kv_len);
 }
 
 // Whether n rows of d values (ld apart) are all finite: a V tile that is not takes P V row by row over the keys
