@@ -570,17 +570,19 @@ std::string sizes_of(const AttentionParams& p) {
   return s.str();
 }
 
-// A workspace of 4 MB to 64 MB lives in a mapping kept from call to call, one per calling thread (Linux; 2 MB pages
+// A workspace of 64 KB to 64 MB lives in a mapping kept from call to call, one per calling thread (Linux; 2 MB pages
 // asked for). Taken from glibc's heap and freed at the end of each call, such a buffer unsettles the heap: freed,
 // it grows the heap's free top past the trim threshold, the top goes back to the system, and the next call — and
 // the model's other tensors — fault their pages in again. On the device host, BERT (32 × 128, float32, 16
 // threads) took 45,700 page faults a forward with our attention against 22,500 with torch's, our call 4.5 ms in the
 // model against 1.5 alone, and the model ran at 0.65× (results/s8d_bfloat16_probe_bert.txt, s8e_float32_models.txt);
 // a fresh mapping per call instead zeroed its pages every call (s8f: bf16 0.77×). Kept, the pages are faulted in
-// once. The profiler is told of the workspace as torch's allocator tells it of its own, allocated at the start of
-// each call and freed at its end (memory events), so peak-memory measurements count it where it is used; the
-// mapping itself stays until the thread ends (at most 64 MB; a larger workspace, or one asked for while the kept
-// one is in use, gets a mapping of its own for the call). Undefined if the system refuses.
+// once. (From 64 KB since session 16, not 4 MB: BERT's 128-token calls, whose tasks now pack their own key tiles,
+// need ~2 MB on 16 threads where all of K packed took 10.) The profiler is told of the workspace as torch's
+// allocator tells it of its own, allocated at the start of each call and freed at its end (memory events), so
+// peak-memory measurements count it where it is used; the mapping itself stays until the thread ends (at most
+// 64 MB; a larger workspace, or one asked for while the kept one is in use, gets a mapping of its own for the
+// call). Undefined if the system refuses.
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
 struct KeptMapping {
   void* data = nullptr;
@@ -658,7 +660,7 @@ at::Tensor workspace(const K& kernel, const Params& params, const AttentionParam
   const bool formula_fits = bound >= 0 && bound <= INT64_MAX / static_cast<int64_t>(sizeof(float));
   const int64_t floats = formula_fits ? kernel.workspace_floats(params) : -1;
   check_fits(floats, sizeof(float), [&] { return what + " for " + sizes_of(p); });
-  constexpr int64_t kOwnMappingFloats = int64_t{1} << 20;  // 4 MB
+  constexpr int64_t kOwnMappingFloats = int64_t{1} << 14;  // 64 KB
   if (floats >= kOwnMappingFloats) {
     at::Tensor mapped = mapped_workspace(floats);
     if (mapped.defined()) return mapped;

@@ -19,7 +19,8 @@
 //   as many keys as one micro-kernel call covers (d × 32 with AVX-512, contiguous): a call then streams
 //   through consecutive cache lines, where rows of the whole tile, 2 KB apart, would all fall into the same
 //   few L1 sets. V is read in place, or packed once too when it is not float32 or d is not a whole number
-//   of vectors.
+//   of vectors. Where each key tile serves one task only (a head's queries in one tile, no GQA group: short
+//   sequences such as BERT's), the task packs its tiles itself, into its own scratch, just before it reads them.
 // - Q_i is copied once per tile, pre-multiplied by `scale` · log2(e) (and converted to float32): the logits
 //   are then in base 2, exp(x) = 2^(x · log2 e), and the online softmax takes 2^(S − m), which is cheaper
 //   than exp (simd.h's exp2); lse goes back to base e at the end.
@@ -70,10 +71,14 @@ struct Layout {
   int64_t s_ld;                   // S's row stride: a cache line past Bc_pad (line_past)
   int64_t panel;                  // keys per panel of K_jᵀ (pack_kv_tile)
   bool pack_v;                    // V is converted/padded once rather than read in place
+  // Each packed key tile is read by one task only (one query tile a head, no GQA group: BERT's 128 tokens, ViT's
+  // 197): the task packs its tiles itself, one at a time, into its thread's scratch, where the tile is then still in
+  // cache, instead of all tiles packed up front into a workspace as large as K (and V), behind a barrier.
+  bool pack_in_task;
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad, to whole panels
-  int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place)
+  int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place or packed in the task)
   int64_t flags_size;             // attn_mask: one flag per V tile, 1 if it is all finite (else 0 floats)
-  int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch
+  int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, bias_off, kt_off, v_off, per_thread;  // per-thread scratch
 
   explicit Layout(const AttentionParams& p) {
     const int64_t d = p.head_dim;
@@ -95,13 +100,14 @@ struct Layout {
     s_ld = line_past(Bc_pad, sizeof(float));
     panel = std::min<int64_t>(kQkVecs * W, Bc_pad);
     pack_v = p.dtype != DType::f32 || d_pad != d;
+    pack_in_task = Tr == 1 && p.num_heads == p.num_kv_heads;
     kt_tile = d * round_up(Bc_pad, panel);
-    kt_size = p.batch * p.num_kv_heads * Tc * kt_tile;
-    v_size = pack_v ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
+    kt_size = pack_in_task ? 0 : p.batch * p.num_kv_heads * Tc * kt_tile;
+    v_size = pack_v && !pack_in_task ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
     const bool masked = has_mask_or_window(p);
-    flags_size = masked ? round_up(p.batch * p.num_kv_heads * Tc, 16) : 0;
-    // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, and with
-    // attn_mask its offsets for one row group (G × Bc_pad).
+    flags_size = masked && !pack_in_task ? round_up(p.batch * p.num_kv_heads * Tc, 16) : 0;
+    // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, with
+    // attn_mask its offsets for one row group (G × Bc_pad), and when the task packs its own tiles, K_jᵀ and V_j.
     // Each piece starts on a cache line (16 floats) so threads never share one.
     q_off = 0;
     s_off = q_off + round_up(Br_pad * d, 16);
@@ -110,20 +116,21 @@ struct Layout {
     l_off = m_off + round_up(Br_pad, 16);
     alpha_off = l_off + round_up(Br_pad, 16);
     bias_off = alpha_off + round_up(2 * kRowGroup, 16);  // α and m_new of one row group
-    per_thread = bias_off + (masked ? kRowGroup * Bc_pad : 0);
+    kt_off = bias_off + round_up(masked ? kRowGroup * Bc_pad : 0, 16);
+    v_off = kt_off + (pack_in_task ? round_up(kt_tile, 16) : 0);
+    per_thread = v_off + (pack_in_task && pack_v ? Bc * d_pad : 0);
   }
 };
 
-// K_jᵀ for every (batch, kv head, key tile), in panels of `panel` keys, each d × panel and contiguous:
+// K_jᵀ of key tile j of (batch b, kv head kvh) into kt, in panels of `panel` keys, each d × panel and contiguous:
 // kt[(t / panel) · panel · d + c · panel + t % panel] = k[j0 + t][c], zero past the tile's keys.
-// V (when packed): vp[j * d_pad + c] = v[j][c], zero in the padding columns.
+// V_j (when packed) into vp: vp[t * d_pad + c] = v[j0 + t][c], zero in the padding columns.
+// Returns whether V_j is all finite (asked only under attn_mask or a window: true otherwise).
 template <class T>
-void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, float* kt_all,
-                  float* v_all, float* v_finite) {
+bool pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, float* kt,
+                  float* vp) {
   const int64_t d = p.head_dim, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
-  const int64_t head = b * p.num_kv_heads + kvh;
   const T* K = static_cast<const T*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
-  float* kt = kt_all + (head * L.Tc + j) * L.kt_tile;
   const int64_t P = L.panel;
   for (int64_t t0 = 0; t0 < L.kt_tile / d; t0 += P) {
     float* panel = kt + t0 * d;
@@ -138,20 +145,28 @@ void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t 
     }
   }
   const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
-  if (L.flags_size > 0) v_finite[head * L.Tc + j] = rows_finite(V, p.v_strides[2], cols, d) ? 1.0f : 0.0f;
-  if (L.pack_v) {
-    float* vp = v_all + (head * p.kv_len + j0) * L.d_pad;
+  if (L.pack_v)
     for (int64_t t = 0; t < cols; ++t) {
       for (int64_t c = 0; c < d; ++c) vp[t * L.d_pad + c] = to_float(V[t * p.v_strides[2] + c]);
       for (int64_t c = d; c < L.d_pad; ++c) vp[t * L.d_pad + c] = 0.0f;
     }
-  }
+  return !has_mask_or_window(p) || rows_finite(V, p.v_strides[2], cols, d);
 }
+
+// Where key tile j of a (batch, kv head) lives when every tile is packed up front: its K_jᵀ, its V_j rows (when
+// packed) and its flag.
+struct PackedTiles {
+  float *kt_all, *v_all, *v_finite;
+  float* kt(const Layout& L, int64_t head, int64_t j) const { return kt_all + (head * L.Tc + j) * L.kt_tile; }
+  float* v(const AttentionParams& p, const Layout& L, int64_t head, int64_t j) const {
+    return v_all + (head * p.kv_len + j * L.Bc) * L.d_pad;
+  }
+};
 
 // One query tile: rows [i0, i0 + rows) of head h in batch b.
 template <class T>
-void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0, const float* kt_all,
-                const float* v_all, const float* v_finite, float* scratch) {
+void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0,
+                const PackedTiles& packed, float* scratch) {
   const int64_t d = p.head_dim, d_pad = L.d_pad, rows = std::min(L.Br, p.q_len - i0);
   const int64_t groups = (rows + kRowGroup - 1) / kRowGroup;
   float *Qi = scratch + L.q_off, *S = scratch + L.s_off, *Oi = scratch + L.o_off;
@@ -186,16 +201,23 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   fill_row(0.0f, Oi, groups * kRowGroup * d_pad);
 
   const int64_t kvh = kv_head(p, h), head = b * p.num_kv_heads + kvh;
-  const float* V_packed = L.pack_v ? v_all + head * p.kv_len * d_pad : nullptr;
   const T* V_in_place = v_head<T>(p, b, h);
   const int64_t ldv = L.pack_v ? d_pad : p.v_strides[2];
 
   const int64_t keys_seen = visible_keys(p, i0 + rows - 1);  // by the tile's last row, which sees most
   for (int64_t j0 = 0, j = 0; j0 < keys_seen; j0 += L.Bc, ++j) {
     const int64_t cols = std::min(L.Bc, p.kv_len - j0);
-    const float* KTj = kt_all + (head * L.Tc + j) * L.kt_tile;
-    const float* Vj = L.pack_v ? V_packed + j0 * d_pad
-                               : reinterpret_cast<const float*>(V_in_place) + j0 * p.v_strides[2];
+    const float *KTj, *Vj = reinterpret_cast<const float*>(V_in_place) + j0 * p.v_strides[2];  // (unless packed)
+    bool v_finite;
+    if (L.pack_in_task) {
+      v_finite = pack_kv_tile<T>(p, L, b, kvh, j, scratch + L.kt_off, scratch + L.v_off);
+      KTj = scratch + L.kt_off;
+      if (L.pack_v) Vj = scratch + L.v_off;
+    } else {
+      KTj = packed.kt(L, head, j);
+      if (L.pack_v) Vj = packed.v(p, L, head, j);
+      v_finite = L.flags_size == 0 || packed.v_finite[head * L.Tc + j] != 0.0f;
+    }
 
     for (int64_t g0 = 0; g0 < rows; g0 += kRowGroup) {
       // Keys of this tile that the group's last row sees; the group's other rows see a prefix of them.
@@ -212,7 +234,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       prefetch_next_mask_block(p, b, h, i0, rows, g0, kRowGroup, j0, L.Bc);
       // (Straight from the mask where it can be, flash_common.h; not where V_j holds a NaN or inf: below, the rows
       // that add V_j one key at a time read the offsets.)
-      const bool direct = mask_rows_direct(p) && v_finite[head * L.Tc + j] != 0.0f;
+      const bool direct = mask_rows_direct(p) && v_finite;
       const MaskBlock block = direct ? classify_mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys)
                                      : mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
@@ -239,7 +261,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (p.dropout_p > 0.0f)  // P V with the dropped P; l (and lse) keep the undropped sum
         for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], 1);
 
-      if (block == MaskBlock::partial && v_finite[head * L.Tc + j] == 0.0f) {
+      if (block == MaskBlock::partial && !v_finite) {
         // A NaN or inf in V_j: each row adds only the keys it sees, since P = 0 at a hidden key would still
         // multiply its NaN (README, "Non-finite values").
         for (int64_t r = 0; r < group_rows; ++r) {
@@ -269,18 +291,22 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
 template <class T>
 void run(const AttentionParams& p, float* workspace) {
   const Layout L(p);
-  float* kt_all = workspace;
-  float* v_all = workspace + L.kt_size;
-  float* v_finite = v_all + L.v_size;
-  float* thread_scratch = v_finite + L.flags_size;
-  // 1. Pack every K tile (and V) once, all threads together; 2. the query tiles, costliest first
-  // (flash_common.h).
+  PackedTiles packed;
+  packed.kt_all = workspace;
+  packed.v_all = workspace + L.kt_size;
+  packed.v_finite = packed.v_all + L.v_size;
+  float* thread_scratch = packed.v_finite + L.flags_size;
+  // 1. Pack every K tile (and V) once, all threads together (unless each task packs its own); 2. the query tiles,
+  // costliest first (flash_common.h).
   run_forward_tiles(
-      p, L.Br, L.Tr, L.Tc, thread_scratch, L.per_thread,
-      [&](int64_t b, int64_t kvh, int64_t j) { pack_kv_tile<T>(p, L, b, kvh, j, kt_all, v_all, v_finite); },
-      [&](int64_t b, int64_t h, int64_t i0, float* scratch) {
-        query_tile<T>(p, L, b, h, i0, kt_all, v_all, v_finite, scratch);
-      });
+      p, L.Br, L.Tr, L.pack_in_task ? 0 : L.Tc, thread_scratch, L.per_thread,
+      [&](int64_t b, int64_t kvh, int64_t j) {
+        const int64_t head = b * p.num_kv_heads + kvh;
+        const bool v_finite = pack_kv_tile<T>(p, L, b, kvh, j, packed.kt(L, head, j),
+                                           L.pack_v ? packed.v(p, L, head, j) : nullptr);
+        if (L.flags_size > 0) packed.v_finite[head * L.Tc + j] = v_finite ? 1.0f : 0.0f;
+      },
+      [&](int64_t b, int64_t h, int64_t i0, float* scratch) { query_tile<T>(p, L, b, h, i0, packed, scratch); });
 }
 
 }  // namespace flash

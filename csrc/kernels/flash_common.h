@@ -487,7 +487,8 @@ bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
 }
 
 // The forward's two phases on one team of threads (flash.cpp, flash_bf16.cpp):
-//   1. pack(b, kvh, j): every key tile j of every (batch, kv head), once, all threads together;
+//   1. pack(b, kvh, j): every key tile j < Tc of every (batch, kv head), once, all threads together (none with
+//      Tc = 0: flash.cpp's tasks that pack their own);
 //   2. tile(b, h, i0, scratch): every query tile, taken dynamically, the costliest first (with the causal mask
 //      the last query tiles see the most keys), each thread on its own slice of thread_scratch.
 // PerThread is constructed by each thread around phase 2 (flash_bf16.cpp: AMX's tile configuration).
