@@ -201,6 +201,9 @@ struct AttentionBackwardParams {
   // one_pass: each (batch, kv head) is split into this many runs of key tiles, tasks of their own whose partial dQ
   // are summed in order afterwards (module.cpp asks for more than one when there are too few kv heads for the CPUs).
   int64_t key_chunks = 1;
+  // one_pass, float32: each (batch, kv head, run) is split further into this many parts of its query heads (a
+  // divisor of the group size; module.cpp asks for more than one for MQA-like groups on few kv heads).
+  int64_t head_parts = 1;
   const void* dout = nullptr;  // (batch, num_heads, q_len, head_dim)
   void* dq = nullptr;          // like q
   void* dk = nullptr;          // like k

@@ -796,10 +796,12 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
 // The flash backward's algorithm for these params. One pass (flash_backward_onepass.cpp, flash_backward_bf16.cpp:
 // five tile products, a task per (batch, kv head) owning its gradient rows; split into key_chunks runs of key tiles
 // when there are too few of them for the CPUs (float32: fewer than kTasksPerCpu a CPU), the runs' dQ summed in run
-// order) when its tasks keep at least kOnePassMinBusy (bf16 on dot-product hardware: kOnePassMinBusyBf16Dot) of this
+// order; float32 also splits a group's query heads into head_parts, for MQA-like groups on few kv heads, whose dK, dV
+// shares are summed in part order) when its tasks keep at least kOnePassMinBusy (bf16 on dot-product hardware: kOnePassMinBusyBf16Dot) of this
 // machine's CPUs busy; two passes (seven products, tasks per tile) otherwise.
 // Decided from the shape and the machine's CPU count, never the call's thread count, so that the gradients' bits do
-// not depend on it. set_backward_path() / set_backward_key_chunks() force them (tests run every path).
+// not depend on it. set_backward_path() / set_backward_key_chunks() / set_backward_head_parts() force them (tests
+// run every path).
 constexpr double kOnePassMinBusy = 0.6;  // the one-pass kernel measured ~1.6x the two-pass one's speed per thread
 // bf16 where the ISA has bf16 dot-product hardware: the one-pass kernel multiplies on it (flash_backward_bf16.cpp),
 // the two-pass one converts to float32 FMAs. Gemma-2B's heads (8 query, 1 kv, d = 256, 1024 keys, causal: 8 key runs,
@@ -810,6 +812,7 @@ constexpr double kKeyChunksBusy = 0.85;  // split a kv head's keys until this ma
 constexpr int64_t kMaxKeyChunks = 8, kMinKeysPerChunk = 128;
 std::string g_backward_path = "auto";
 int64_t g_backward_key_chunks = 0;  // 0: decided by shape
+int64_t g_backward_head_parts = 0;  // 0: decided by shape
 
 int64_t machine_cpus() {
   cpu_set_t set;
@@ -842,11 +845,22 @@ void choose_backward(AttentionBackwardParams& bp) {
   }
   if (g_backward_key_chunks > 0) chunks = g_backward_key_chunks;
   bp.key_chunks = chunks;
+  // float32, still too few tasks: the group's query heads in parts too (halving while the group divides). Gemma-2B's
+  // 8 query heads on 1 kv head, 1024 keys: 8 runs × 8 parts, where 8 runs alone kept half of 16 CPUs busy and took
+  // two passes (0.77× SDPA forward + backward on one thread, results/s15a_sweep_backward.txt).
+  int64_t parts = 1;
+  if (p.dtype == DType::f32) {
+    const int64_t group = p.num_heads / p.num_kv_heads;
+    while (group % (parts * 2) == 0 && pairs * chunks * parts < kTasksPerCpu * cpus) parts *= 2;
+  }
+  if (g_backward_head_parts > 0) parts = g_backward_head_parts;
+  bp.head_parts = parts;
+  const int64_t tasks = pairs * chunks * (p.dtype == DType::f32 ? parts : 1);
   const bool bf16_dot = p.dtype == DType::bf16 && kernels().bf16_dot_probe != nullptr;
   if (g_backward_path != "auto")
     bp.path = g_backward_path == "one_pass" ? BackwardPath::one_pass : BackwardPath::two_pass;
   else
-    bp.path = busy_share(pairs * chunks, cpus) >= (bf16_dot ? kOnePassMinBusyBf16Dot : kOnePassMinBusy)
+    bp.path = busy_share(tasks, cpus) >= (bf16_dot ? kOnePassMinBusyBf16Dot : kOnePassMinBusy)
                   ? BackwardPath::one_pass : BackwardPath::two_pass;
 }
 
@@ -1635,6 +1649,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK_VALUE(chunks >= 0 && chunks <= 8, "chunks must be in [0, 8] (0: decided by shape), got ", chunks);
     g_backward_key_chunks = chunks;
   }, "force the one-pass backward to split each kv head's keys into this many tasks (0: decided by shape)");
+  m.def("set_backward_head_parts", [](int64_t parts) {
+    TORCH_CHECK_VALUE(parts >= 0 && parts <= 64, "parts must be in [0, 64] (0: decided by shape), got ", parts);
+    g_backward_head_parts = parts;
+  }, "force the float32 one-pass backward to split each kv head's query heads into this many parts (the largest "
+     "divisor of the group size that divides it; 0: decided by shape)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured FMA peak in GFLOP/s of the current ISA's vectors on num_threads threads");

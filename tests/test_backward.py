@@ -493,6 +493,42 @@ def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backw
     assert not failures, "\n".join(failures)
 
 
+def test_float32_head_parts(isa, restore_threads):
+    """float32 one pass with a kv head's query heads split into parts (MQA/GQA on few kv heads, module.cpp's
+    head_parts): each part's dk, dv shares are added into dk, dv in part order, key tile by key tile, and with key runs
+    too each (kv head, part)'s dq sum takes its runs in order. Against float64 for 1, 2, 4 and 8 parts (8 query heads
+    on 1 kv head; 6 on 2, where 4 parts become gcd(4, 3) = 1 and 2 parts none: 3 is odd), with and without 3 key runs,
+    every causal alignment; the bits equal for 1 and 3 threads and for more threads than CPUs (a part waiting for
+    its predecessor's share on a thread the OS may not be running)."""
+    m = module()
+    g = gen(731)
+    failures = []
+    m.set_backward_path("one_pass")
+    try:
+        for q_shape, kv_shape in [((1, 8, 70, 16), (1, 1, 90, 16)), ((2, 6, 50, 24), (2, 2, 61, 24))]:
+            q, k, v, dout = inputs(q_shape, kv_shape, g)
+            for mode in CAUSAL_MODES:
+                want = ref_grads(q, k, v, dout, is_causal=mode)
+                for parts in (1, 2, 4, 8):
+                    for chunks in (1, 3):
+                        m.set_backward_head_parts(parts)
+                        m.set_backward_key_chunks(chunks)
+                        runs = []
+                        for threads in (1, 3, 2 * (os.cpu_count() or 1) + 1):
+                            torch.set_num_threads(threads)
+                            runs.append(our_grads(q, k, v, dout, is_causal=mode, block_k=32))
+                        label = f"{q_shape}/{kv_shape} causal={mode} parts={parts} chunks={chunks}"
+                        for run in runs[1:]:
+                            if not all(torch.equal(a, b) for a, b in zip(run, runs[0])):
+                                failures.append(f"{label}: bits depend on the thread count")
+                        failures += grad_problems(runs[0], want, (q, k, v), label)
+    finally:
+        m.set_backward_path("auto")
+        m.set_backward_head_parts(0)
+        m.set_backward_key_chunks(0)
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("isa", BF16_DOT_ISAS, indirect=True)
 def test_bf16_key_runs_on_one_thread_share_one_dq_sum(isa, restore_threads, ops):
     """bf16 backward, 4 key runs per kv head, one thread: the runs go kv head by kv head and one float32 dQᵀ sum

@@ -21,6 +21,9 @@
 // each one's key tiles into key_chunks runs: a task per run, its partial dQ accumulated in its thread's scratch as
 // without runs, then merged into the kv head's dQ sum in the order of the runs — a task waits for the previous run's
 // merge (taken earlier: tasks are handed out in order, chunk by chunk) — and the sum scaled once all are in.
+// float32 with many query heads on few kv heads (MQA: Gemma's 8 on 1) splits the group's query heads too, into
+// head_parts: a task per (run, part) owns the dQ rows of its part's heads, and the parts' shares of each key tile's
+// dK_j, dV_j are added into dk, dv in part order, a task waiting for the previous part's share of that tile.
 // Either way the bits of the result do not depend on the number of threads. module.cpp picks this kernel when its
 // tasks keep the machine's CPUs busy (BackwardPath::one_pass); the two-pass kernel otherwise.
 //
@@ -92,19 +95,20 @@ inline KeyRange visible_in_tile(const AttentionParams& p, int64_t b, int64_t h, 
 // partial dQ to the kv head's sum once runs 0 .. r − 1 have added theirs, so that every sum is
 // ((dQ_0 + dQ_1) + dQ_2) + ..., whatever thread ran which run and when. What orders them heads the shared workspace:
 // the task counter on a cache line of its own (threads waiting for a turn do not slow the others taking tasks), then
-// each kv head's merge turn, how many of its runs have added theirs (int64s, two floats each).
+// the merge turns (int64s, two floats each): a kv head's, how many of its runs have added theirs; here also, with
+// head parts, a (kv head, part)'s, and a key tile's, how many parts have added their dK_j, dV_j.
 namespace key_runs {
-inline int64_t header_floats(int64_t pairs) { return round_up(16 + 2 * pairs, 16); }
+inline int64_t header_floats(int64_t turns) { return round_up(16 + 2 * turns, 16); }
 inline int64_t* task_counter(float* ws) { return reinterpret_cast<int64_t*>(ws); }
-inline int64_t* merge_turn(float* ws, int64_t pair) { return reinterpret_cast<int64_t*>(ws + 16) + pair; }
-inline void reset(float* ws, int64_t pairs) {
+inline int64_t* merge_turn(float* ws, int64_t turn) { return reinterpret_cast<int64_t*>(ws + 16) + turn; }
+inline void reset(float* ws, int64_t turns) {
   *task_counter(ws) = 0;
-  std::fill(merge_turn(ws, 0), merge_turn(ws, pairs), int64_t{0});
+  std::fill(merge_turn(ws, 0), merge_turn(ws, turns), int64_t{0});
 }
 // Every thread takes tasks in the order of t — chunk by chunk (t / pairs; under a causal mask the first keys meet
 // the most query rows, so go first), or, flash_backward_bf16.cpp on one thread, kv head by kv head: a run's
-// predecessor, `pairs` tasks earlier or the one before, is then always running or done when the run waits for its
-// turn.
+// predecessor, `pairs` tasks earlier or the one before (here, with head parts, the previous part is the task
+// before), is then always running or done when the run waits for its turn.
 template <class Task>
 void take_in_order(float* ws, int64_t tasks, const Task& task) {
   for (int64_t t; (t = __atomic_fetch_add(task_counter(ws), 1, __ATOMIC_RELAXED)) < tasks;) task(t);
@@ -112,7 +116,7 @@ void take_in_order(float* ws, int64_t tasks, const Task& task) {
 // Waiting for a turn: a pause between looks, and the CPU given up after a while (more threads than CPUs: the run
 // waited for may be one that is not running).
 inline void wait_for_turn(float* ws, int64_t pair, int64_t run) {
-  const int64_t* turn = merge_turn(ws, pair);
+  const int64_t* turn = merge_turn(ws, pair);  // (pair: which turn, run: whose)
   for (int64_t looks = 0; __atomic_load_n(turn, __ATOMIC_ACQUIRE) != run; ++looks) {
 #if defined(__x86_64__) || defined(_M_X64)
     _mm_pause();
@@ -127,6 +131,9 @@ inline void end_turn(float* ws, int64_t pair, int64_t run) {
 
 struct Layout {
   int64_t Br, Bc, Tr, Tc, q_pad, d_pad, group_size, chunks, pairs, tasks, threads;
+  // The group's query heads in head_parts parts of part_heads each (float32 only: the parts' dK, dV shares are
+  // added in dk, dv themselves); merge turns: a (kv head, part)'s dQ sum, then with parts a key tile's dK_j, dV_j.
+  int64_t head_parts, part_heads, turns;
   // K_j by rows (B of dQ_i += dS K_j) read in place from k: float32 rows of whole vectors (no padding to add). Saves
   // Bc x d_pad floats per thread: (1,12,1024,64) with 192-key tiles stays under torch SDPA's backward memory.
   bool k_rows_in_place;
@@ -134,7 +141,7 @@ struct Layout {
   // unless they are summed in dq itself (float32).
   bool dq_sums_in_place;
   int64_t dq_sums, shared;
-  // per thread: dQ of the task's group (group_size × q_pad × d_pad), D and lse (group_size × q_pad);
+  // per thread: dQ of the task's heads (part_heads × q_pad × d_pad), D and lse (part_heads × q_pad);
   // K_jᵀ, V_jᵀ (d × Bc), K_j (Bc × d_pad, unless read in place); Q_i, dO_i (Br × d_pad); P, dS (Br × Bc); dK_j, dV_j (Bc × d_pad); ones;
   // with attn_mask, its offsets over a tile pair (Br × Bc)
   int64_t dq_off, delta_off, lse_off, kt_off, vt_off, kr_off, qi_off, doi_off, p_off, ds_off, dk_off, dv_off, ones_off,
@@ -156,16 +163,19 @@ struct Layout {
     group_size = p.num_heads / p.num_kv_heads;
     chunks = std::clamp<int64_t>(bp.key_chunks, 1, Tc);
     pairs = p.batch * p.num_kv_heads;
-    tasks = pairs * chunks;
+    head_parts = p.dtype == DType::f32 ? std::gcd(std::max<int64_t>(bp.head_parts, 1), group_size) : 1;
+    part_heads = group_size / head_parts;
+    tasks = pairs * chunks * head_parts;
     threads = std::max<int64_t>(1, std::min<int64_t>(p.num_threads, tasks));
-    const int64_t dq_size = group_size * q_pad * d_pad;
+    const int64_t dq_size = part_heads * q_pad * d_pad;
     dq_sums_in_place = p.dtype == DType::f32;
-    dq_sums = key_runs::header_floats(pairs);
-    shared = chunks > 1 ? dq_sums + (dq_sums_in_place ? 0 : pairs * dq_size) : 0;
+    turns = pairs * head_parts + (head_parts > 1 ? pairs * Tc : 0);
+    dq_sums = key_runs::header_floats(turns);
+    shared = chunks > 1 || head_parts > 1 ? dq_sums + (dq_sums_in_place ? 0 : pairs * group_size * q_pad * d_pad) : 0;
     dq_off = 0;
     delta_off = dq_off + dq_size;
-    lse_off = delta_off + group_size * q_pad;
-    kt_off = lse_off + group_size * q_pad;
+    lse_off = delta_off + part_heads * q_pad;
+    kt_off = lse_off + part_heads * q_pad;
     vt_off = kt_off + p.head_dim * Bc;
     kr_off = vt_off + p.head_dim * Bc;
     qi_off = kr_off + (k_rows_in_place ? 0 : Bc * d_pad);
@@ -390,35 +400,39 @@ inline float* dq_sum_row(const AttentionBackwardParams& bp, const Layout& L, flo
   return ws + L.dq_sums + ((b * p.num_kv_heads + kvh) * L.group_size * L.q_pad + g * L.q_pad + i) * L.d_pad;
 }
 
+// Run `chunk`'s share of the dQ of part `part`'s query heads (its thread's dQ) into their sums, after the previous
+// run's.
 inline void merge_chunk(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
-                        const float* dQ, float* ws) {
+                        int64_t part, const float* dQ, float* ws) {
   const AttentionParams& p = bp.fwd;
-  const int64_t pair = b * p.num_kv_heads + kvh;
-  key_runs::wait_for_turn(ws, pair, chunk);
-  for (int64_t g = 0; g < L.group_size; ++g)
+  const int64_t turn = (b * p.num_kv_heads + kvh) * L.head_parts + part;
+  key_runs::wait_for_turn(ws, turn, chunk);
+  for (int64_t gl = 0; gl < L.part_heads; ++gl)
     for (int64_t i = 0; i < p.q_len; ++i) {
-      float* sum = dq_sum_row(bp, L, ws, b, kvh, g, i);
-      const float* part = dQ + (g * L.q_pad + i) * L.d_pad;
+      float* sum = dq_sum_row(bp, L, ws, b, kvh, part * L.part_heads + gl, i);
+      const float* share = dQ + (gl * L.q_pad + i) * L.d_pad;
       if (chunk == 0)
-        for (int64_t e = 0; e < p.head_dim; ++e) sum[e] = part[e];
+        for (int64_t e = 0; e < p.head_dim; ++e) sum[e] = share[e];
       else
-        for (int64_t e = 0; e < p.head_dim; ++e) sum[e] += part[e];
+        for (int64_t e = 0; e < p.head_dim; ++e) sum[e] += share[e];
     }
-  key_runs::end_turn(ws, pair, chunk);
+  key_runs::end_turn(ws, turn, chunk);
 }
 
-// The task of chunk `chunk` of kv head kvh in batch b: dK, dV of its keys, and its share of the dQ of the query heads
-// of the group, into dQ (its thread's, group_size × q_pad × d_pad); written out here when the task has all the keys,
-// else merged into the kv head's dQ sum.
+// The task of chunk `chunk` and head part `part` of kv head kvh in batch b: the part's query heads' shares of dK, dV
+// of the chunk's keys (written out, or with several parts added in part order), and the chunk's share of their dQ,
+// into dQ (its thread's, part_heads × q_pad × d_pad); written out here when the task has all the keys, else merged
+// into the dQ sums.
 template <class T>
 void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b, int64_t kvh, int64_t chunk,
-                  float* dQ, float* scratch, float* ws) {
+                  int64_t part, float* dQ, float* scratch, float* ws) {
   const AttentionParams& p = bp.fwd;
-  const int64_t d = p.head_dim, d_pad = L.d_pad, h0 = kvh * L.group_size;
+  const int64_t d = p.head_dim, d_pad = L.d_pad, h0 = kvh * L.group_size + part * L.part_heads;
+  const int64_t pair = b * p.num_kv_heads + kvh;
   float *delta = scratch + L.delta_off, *lse = scratch + L.lse_off;
   float *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
-  fill_row(0.0f, dQ, L.group_size * L.q_pad * d_pad);
-  for (int64_t g = 0; g < L.group_size; ++g)
+  fill_row(0.0f, dQ, L.part_heads * L.q_pad * d_pad);
+  for (int64_t g = 0; g < L.part_heads; ++g)
     row_statistics<T>(bp, L, b, h0 + g, delta + g * L.q_pad, lse + g * L.q_pad);
 
   for (int64_t j = chunk_start(L, chunk); j < chunk_start(L, chunk + 1); ++j) {
@@ -428,20 +442,29 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
                           rows_finite(row_of<T>(p.k, p.k_strides, b, kvh, j0), p.k_strides[2], n_keys, d);
     fill_row(0.0f, dK, L.Bc * d_pad);
     fill_row(0.0f, dV, L.Bc * d_pad);
-    for (int64_t g = 0; g < L.group_size; ++g)
+    for (int64_t g = 0; g < L.part_heads; ++g)
       for (int64_t i0 = 0; i0 < p.q_len; i0 += L.Br)
         tile_pair<T>(bp, L, b, h0 + g, i0, j0, n_keys, k_finite, delta + g * L.q_pad, lse + g * L.q_pad,
                      dQ + g * L.q_pad * d_pad, scratch);
     T* dk_out = static_cast<T*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] + j0 * bp.dk_strides[2];
     T* dv_out = static_cast<T*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] + j0 * bp.dv_strides[2];
+    // dk = Σ over the parts, in part order, of scale · (the part's dK_j); dv likewise (float32: module.cpp splits
+    // heads for float32 only, so every partial sum is a float).
+    const int64_t turn = L.pairs * L.head_parts + pair * L.Tc + j;
+    const bool first = part == 0;
+    if (L.head_parts > 1) key_runs::wait_for_turn(ws, turn, part);
     for (int64_t t = 0; t < n_keys; ++t)
       for (int64_t c = 0; c < d; ++c) {
-        dk_out[t * bp.dk_strides[2] + c] = static_cast<T>(p.scale * dK[t * d_pad + c]);
-        dv_out[t * bp.dv_strides[2] + c] = static_cast<T>(dV[t * d_pad + c]);
+        T& dk = dk_out[t * bp.dk_strides[2] + c];
+        T& dv = dv_out[t * bp.dv_strides[2] + c];
+        const float dk_share = p.scale * dK[t * d_pad + c], dv_share = dV[t * d_pad + c];
+        dk = static_cast<T>(first ? dk_share : to_float(dk) + dk_share);
+        dv = static_cast<T>(first ? dv_share : to_float(dv) + dv_share);
       }
+    if (L.head_parts > 1) key_runs::end_turn(ws, turn, part);
   }
-  if (L.chunks > 1) return merge_chunk(bp, L, b, kvh, chunk, dQ, ws);
-  for (int64_t g = 0; g < L.group_size; ++g) {
+  if (L.chunks > 1) return merge_chunk(bp, L, b, kvh, chunk, part, dQ, ws);
+  for (int64_t g = 0; g < L.part_heads; ++g) {
     T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + (h0 + g) * bp.dq_strides[1];
     const float* dQg = dQ + g * L.q_pad * d_pad;
     for (int64_t i = 0; i < p.q_len; ++i)
@@ -453,29 +476,34 @@ template <class T>
 void run(const AttentionBackwardParams& bp, float* ws) {
   const AttentionParams& p = bp.fwd;
   const Layout L(bp);
-  if (L.chunks > 1) key_runs::reset(ws, L.pairs);
+  const bool in_turns = L.chunks > 1 || L.head_parts > 1;
+  if (in_turns) key_runs::reset(ws, L.turns);
 #pragma omp parallel num_threads(static_cast<int>(L.threads))
   {
     float* scratch = ws + L.shared + omp_get_thread_num() * L.per_thread;
     fill_row(1.0f, scratch + L.ones_off, std::max(L.Br, L.Bc));  // α = 1: the products accumulate
+    // Task t: chunk by chunk, then (batch, kv head), then head part.
     const auto task = [&](int64_t t) {
-      const int64_t chunk = t / L.pairs, b = (t % L.pairs) / p.num_kv_heads, kvh = t % p.num_kv_heads;
-      kv_head_task<T>(bp, L, b, kvh, chunk, scratch + L.dq_off, scratch, ws);
+      const int64_t chunk = t / (L.pairs * L.head_parts), pair = t / L.head_parts % L.pairs;
+      kv_head_task<T>(bp, L, pair / p.num_kv_heads, pair % p.num_kv_heads, chunk, t % L.head_parts,
+                      scratch + L.dq_off, scratch, ws);
     };
-    if (L.chunks == 1) {
+    if (!in_turns) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < L.tasks; ++t) task(t);
     } else {
       key_runs::take_in_order(ws, L.tasks, task);
+      if (L.chunks > 1) {
 #pragma omp barrier
-      // Every sum is complete: dQ = scale · sum.
-      const int64_t rows = p.batch * p.num_heads * p.q_len;
+        // Every sum is complete: dQ = scale · sum.
+        const int64_t rows = p.batch * p.num_heads * p.q_len;
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t b = r / (p.num_heads * p.q_len), h = (r / p.q_len) % p.num_heads, i = r % p.q_len;
-        const float* sum = dq_sum_row(bp, L, ws, b, h / L.group_size, h % L.group_size, i);
-        T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i * bp.dq_strides[2];
-        for (int64_t e = 0; e < p.head_dim; ++e) dq_out[e] = static_cast<T>(p.scale * sum[e]);  // (in place: float)
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t b = r / (p.num_heads * p.q_len), h = (r / p.q_len) % p.num_heads, i = r % p.q_len;
+          const float* sum = dq_sum_row(bp, L, ws, b, h / L.group_size, h % L.group_size, i);
+          T* dq_out = static_cast<T*>(bp.dq) + b * bp.dq_strides[0] + h * bp.dq_strides[1] + i * bp.dq_strides[2];
+          for (int64_t e = 0; e < p.head_dim; ++e) dq_out[e] = static_cast<T>(p.scale * sum[e]);  // (in place: float)
+        }
       }
     }
   }
