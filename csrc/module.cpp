@@ -22,6 +22,7 @@
 #include <chrono>
 #include <iomanip>
 #include <cmath>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -855,7 +856,7 @@ void choose_backward(AttentionBackwardParams& bp) {
   }
   if (g_backward_head_parts > 0) parts = g_backward_head_parts;
   bp.head_parts = parts;
-  const int64_t tasks = pairs * chunks * (p.dtype == DType::f32 ? parts : 1);
+  const int64_t tasks = pairs * chunks * (p.dtype == DType::f32 ? std::gcd(parts, p.num_heads / p.num_kv_heads) : 1);
   const bool bf16_dot = p.dtype == DType::bf16 && kernels().bf16_dot_probe != nullptr;
   if (g_backward_path != "auto")
     bp.path = g_backward_path == "one_pass" ? BackwardPath::one_pass : BackwardPath::two_pass;
@@ -1652,8 +1653,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_backward_head_parts", [](int64_t parts) {
     TORCH_CHECK_VALUE(parts >= 0 && parts <= 64, "parts must be in [0, 64] (0: decided by shape), got ", parts);
     g_backward_head_parts = parts;
-  }, "force the float32 one-pass backward to split each kv head's query heads into this many parts (the largest "
-     "divisor of the group size that divides it; 0: decided by shape)");
+  }, "force the float32 one-pass backward to split each kv head's query heads into this many parts (its greatest "
+     "common divisor with the group size; 0: decided by shape)");
   m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads") = 1, py::arg("seconds") = 0.2,
         py::call_guard<py::gil_scoped_release>(),
         "measured FMA peak in GFLOP/s of the current ISA's vectors on num_threads threads");

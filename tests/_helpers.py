@@ -120,12 +120,13 @@ def backward_path(request):
     """Runs the test with one backward algorithm forced: one pass (flash_backward_onepass.cpp and, for bf16 on amx
     and avx512_bf16, flash_backward_bf16.cpp: a task per (batch, kv head)), the same with each kv head's keys split
     into 3 tasks whose partial dq join the kv head's sum in turn and, float32 with an even GQA group, its query heads
-    in 2 parts whose dk, dv shares are added in turn, or two passes (flash_backward.cpp). module.cpp otherwise picks
-    by shape and CPU count, so on any one machine some shapes would only ever meet one of them."""
+    in 2 parts whose dk, dv shares are added in turn, or two passes (flash_backward.cpp); "auto" leaves the choice,
+    runs and parts to module.cpp, which picks by shape and CPU count, so on any one machine some shapes would only
+    ever meet one of them."""
     m = module()
-    m.set_backward_path("two_pass" if request.param == "two_pass" else "one_pass")
+    m.set_backward_path(request.param if request.param in ("auto", "two_pass") else "one_pass")
     m.set_backward_key_chunks(3 if request.param == "one_pass_chunked" else 0)
-    m.set_backward_head_parts(2 if request.param == "one_pass_chunked" else 1)
+    m.set_backward_head_parts({"one_pass_chunked": 2, "auto": 0}.get(request.param, 1))
     try:
         yield request.param
     finally:

@@ -207,7 +207,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   const int64_t keys_seen = visible_keys(p, i0 + rows - 1);  // by the tile's last row, which sees most
   for (int64_t j0 = 0, j = 0; j0 < keys_seen; j0 += L.Bc, ++j) {
     const int64_t cols = std::min(L.Bc, p.kv_len - j0);
-    const float *KTj, *Vj = reinterpret_cast<const float*>(V_in_place) + j0 * p.v_strides[2];  // (unless packed)
+    const float *KTj, *Vj = nullptr;
+    if (!L.pack_v) Vj = reinterpret_cast<const float*>(V_in_place) + j0 * p.v_strides[2];  // float32, in place
     bool v_finite;
     if (L.pack_in_task) {
       v_finite = pack_kv_tile<T>(p, L, b, kvh, j, scratch + L.kt_off, scratch + L.v_off);
