@@ -9,8 +9,9 @@ Same process, interleaved rounds, torch SDPA's backward timed alongside; the pea
     python benchmarks/probe_backward_tasks.py --shapes 1,8/1,1024,256 --dtype bfloat16 --threads 1,16 \
         --variants auto,two_pass,chunks_4,chunks_8_bk128
 
-A shape B,Hq/Hkv,N,d has Hkv kv heads (GQA); a variant "chunks_C_bkK" forces the one-pass kernel with C key runs and
-key tiles of K (given to the forward, which keeps them for the backward).
+A shape B,Hq/Hkv,N,d has Hkv kv heads (GQA); a variant "chunks_C_bkK_pP" forces the one-pass kernel with C key runs,
+key tiles of K (given to the forward, which keeps them for the backward) and, float32, each kv head's query heads in
+P parts (default 1; "auto" leaves all three to module.cpp).
 """
 import argparse
 import statistics
@@ -39,13 +40,15 @@ def main() -> int:
     args = parser.parse_args()
     m = _ext.load()
     dtype = getattr(torch, args.dtype)
-    def variant(name):  # (path, key chunks, key tile)
+    def variant(name):  # (path, key chunks, key tile, head parts)
         if name == "auto":
-            return ("auto", 0, None)
+            return ("auto", 0, None, 0)
         if name == "two_pass":
-            return ("two_pass", 0, None)
-        parts = name.split("_")  # chunks_C[_bkK]
-        return ("one_pass", int(parts[1]), int(parts[2][2:]) if len(parts) > 2 else None)
+            return ("two_pass", 0, None, 0)
+        fields = name.split("_")  # chunks_C[_bkK][_pP]
+        tile = next((int(f[2:]) for f in fields[2:] if f.startswith("bk")), None)
+        head_parts = next((int(f[1:]) for f in fields[2:] if f.startswith("p")), 1)
+        return ("one_pass", int(fields[1]), tile, head_parts)
 
     names = (args.variants or "auto,chunks_1,chunks_2,chunks_4,two_pass").split(",")
     variants = {"sdpa": None, **{name: variant(name) for name in names}}
@@ -74,11 +77,13 @@ def main() -> int:
                     if name != "sdpa":
                         m.set_backward_path(variants[name][0])
                         m.set_backward_key_chunks(variants[name][1])
+                        m.set_backward_head_parts(variants[name][3])
                     try:
                         return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
                     finally:
                         m.set_backward_path("auto")
                         m.set_backward_key_chunks(0)
+                        m.set_backward_head_parts(0)
                 reference = call("sdpa")
                 for name in variants:
                     got = call(name)
