@@ -113,19 +113,19 @@ template <class Task>
 void take_in_order(float* ws, int64_t tasks, const Task& task) {
   for (int64_t t; (t = __atomic_fetch_add(task_counter(ws), 1, __ATOMIC_RELAXED)) < tasks;) task(t);
 }
-// Waiting for a turn: a pause between looks, and the CPU given up after a while (more threads than CPUs: the run
-// waited for may be one that is not running).
-inline void wait_for_turn(float* ws, int64_t pair, int64_t run) {
-  const int64_t* turn = merge_turn(ws, pair);  // (pair: which turn, run: whose)
-  for (int64_t looks = 0; __atomic_load_n(turn, __ATOMIC_ACQUIRE) != run; ++looks) {
+// Waiting for turn `turn` to reach `run` (whose go it is: a run, or a head part): a pause between looks, and the CPU
+// given up after a while (more threads than CPUs: the task waited for may be one that is not running).
+inline void wait_for_turn(float* ws, int64_t turn, int64_t run) {
+  const int64_t* count = merge_turn(ws, turn);
+  for (int64_t looks = 0; __atomic_load_n(count, __ATOMIC_ACQUIRE) != run; ++looks) {
 #if defined(__x86_64__) || defined(_M_X64)
     _mm_pause();
 #endif
     if (looks > 4096) std::this_thread::yield();
   }
 }
-inline void end_turn(float* ws, int64_t pair, int64_t run) {
-  __atomic_store_n(merge_turn(ws, pair), run + 1, __ATOMIC_RELEASE);
+inline void end_turn(float* ws, int64_t turn, int64_t run) {
+  __atomic_store_n(merge_turn(ws, turn), run + 1, __ATOMIC_RELEASE);
 }
 }  // namespace key_runs
 
