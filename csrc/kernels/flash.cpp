@@ -78,7 +78,7 @@ struct Layout {
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad, to whole panels
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place or packed in the task)
   int64_t flags_size;             // attn_mask: one flag per V tile, 1 if it is all finite (else 0 floats)
-  int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, bias_off, kt_off, v_off, per_thread;  // per-thread scratch
+  int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, row_max_off, bias_off, kt_off, v_off, per_thread;  // per thread
 
   explicit Layout(const AttentionParams& p) {
     const int64_t d = p.head_dim;
@@ -106,8 +106,9 @@ struct Layout {
     v_size = pack_v && !pack_in_task ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
     const bool masked = has_mask_or_window(p);
     flags_size = masked && !pack_in_task ? round_up(p.batch * p.num_kv_heads * Tc, 16) : 0;
-    // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, with
-    // attn_mask its offsets for one row group (G × Bc_pad), and when the task packs its own tiles, K_jᵀ and V_j.
+    // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, the group's
+    // running row maxima (G vectors), with attn_mask its offsets for one row group (G × Bc_pad), and when the task
+    // packs its own tiles, K_jᵀ and V_j.
     // Each piece starts on a cache line (16 floats) so threads never share one.
     q_off = 0;
     s_off = q_off + round_up(Br_pad * d, 16);
@@ -115,7 +116,8 @@ struct Layout {
     m_off = o_off + round_up(Br_pad * d_pad, 16);
     l_off = m_off + round_up(Br_pad, 16);
     alpha_off = l_off + round_up(Br_pad, 16);
-    bias_off = alpha_off + round_up(2 * kRowGroup, 16);  // α and m_new of one row group
+    row_max_off = alpha_off + round_up(2 * kRowGroup, 16);  // α and m_new of one row group
+    bias_off = row_max_off + round_up(kRowGroup * W, 16);
     kt_off = bias_off + round_up(masked ? kRowGroup * Bc_pad : 0, 16);
     v_off = kt_off + (pack_in_task ? round_up(kt_tile, 16) : 0);
     per_thread = v_off + (pack_in_task && pack_v ? Bc * d_pad : 0);
@@ -173,6 +175,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   float *m = scratch + L.m_off, *l = scratch + L.l_off;
   float *alpha = scratch + L.alpha_off, *m_new = alpha + kRowGroup;  // per row of the current group
   float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
+  float* row_max = scratch + L.row_max_off;  // the group's row maxima of S, a vector a row, as the product takes them
   int64_t visible[kRowGroup];  // how many keys of the current tile each row of the group sees
 
   // Q_i = scale · log2(e) · Q[i0 : i0 + rows] (logits in base 2), zero rows up to whole row groups;
@@ -243,9 +246,16 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
         n_keys = direct ? shown_keys_end_direct(p, b, h, i0 + g0, group_rows, j0, n_keys)
                         : shown_keys_end(bias, L.Bc_pad, group_rows, n_keys);
 
-      // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block
+      for (int64_t r = 0; r < kRowGroup; ++r)
+        visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
+      // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block.
+      // Where every row sees every key and no mask is added, the product also takes the rows' maxima from its
+      // registers, so that the softmax does not read S once more for them.
+      const bool max_in_product = block != MaskBlock::partial && visible[0] == n_keys;
+      if (max_in_product) fill_row(kNegInf, row_max, kRowGroup * W);
       group_gemm_panels<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.panel,
-                                                         round_up(n_keys, W), S, L.s_ld);
+                                                         round_up(n_keys, W), S, L.s_ld,
+                                                         max_in_product ? row_max : nullptr, n_keys);
       if (block == MaskBlock::partial)
         for (int64_t r = 0; r < group_rows; ++r) {
           if (direct)
@@ -255,10 +265,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
         }
 
       // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
-      for (int64_t r = 0; r < kRowGroup; ++r)
-        visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
       online_softmax(S, L.s_ld, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new,
-                     PInPlaceBase2{});
+                     PInPlaceBase2{}, max_in_product ? row_max : nullptr);
       if (p.dropout_p > 0.0f)  // P V with the dropped P; l (and lse) keep the undropped sum
         for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], 1);
 

@@ -50,11 +50,11 @@ inline float to_float(T x) { return static_cast<float>(x); }
 // kRowsAdjacent: A's rows are adjacent (a_row = 1, known when compiling: micro_gemm's kRowsAdjacent).
 template <int NV, bool kRowsAdjacent = false>
 void gemm_block(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
-                float* C, int64_t ldc, const float* alpha) {
+                float* C, int64_t ldc, const float* alpha, float* row_max = nullptr, int max_vecs = 0) {
   constexpr int R = kAccumulators / NV;
   for (int64_t r = 0; r < rows; r += R)
     micro_gemm<R, NV, kRowsAdjacent>(K, A + r * a_row, a_row, a_col, B, ldb, C + r * ldc, ldc,
-                                     alpha ? alpha + r : nullptr);
+                                     alpha ? alpha + r : nullptr, row_max ? row_max + r * W : nullptr, max_vecs);
 }
 template <int kVecs, bool kRowsAdjacent = false>
 void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
@@ -74,20 +74,42 @@ void group_gemm(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t 
 // The same product with B in panels (flash.cpp's packed K_jᵀ): B's columns [c, c + panel) form a contiguous
 // K × panel block at B + (c / panel) · panel · K, its rows panel floats apart. panel is kVecs vectors (every
 // block of columns then lies in one panel), or all of n_cols if that is less.
+// row_max (optional, rows × W floats): each row's running maximum (micro_gemm's) over its first max_cols columns,
+// in whole vectors: the columns from max_cols / W · W on are left to the caller.
 template <int kVecs, bool kRowsAdjacent = false>
 void group_gemm_panels(int64_t rows, int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B,
-                       int64_t panel, int64_t n_cols, float* C, int64_t ldc) {
+                       int64_t panel, int64_t n_cols, float* C, int64_t ldc, float* row_max = nullptr,
+                       int64_t max_cols = 0) {
   constexpr int64_t chunk = kVecs * W;
   const auto panel_of = [&](int64_t c) { return B + c / panel * panel * K + c % panel; };
+  const auto vecs_of = [&](int64_t c) { return static_cast<int>(std::clamp<int64_t>((max_cols - c) / W, 0, kVecs)); };
   int64_t c = 0;
   for (; c + chunk <= n_cols; c += chunk)
-    gemm_block<kVecs, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr);
+    gemm_block<kVecs, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr, row_max,
+                                     vecs_of(c));
+  const auto tail = [&](auto nv) {
+    gemm_block<decltype(nv)::value, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr,
+                                                   row_max, vecs_of(c));
+  };
   switch ((n_cols - c) / W) {
     case 0: break;
-    case 1: gemm_block<1, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr); break;
-    case 2: gemm_block<2, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr); break;
-    case 3: gemm_block<3, kRowsAdjacent>(rows, K, A, a_row, a_col, panel_of(c), panel, C + c, ldc, nullptr); break;
+    case 1: tail(std::integral_constant<int, 1>{}); break;
+    case 2: tail(std::integral_constant<int, 2>{}); break;
+    case 3: tail(std::integral_constant<int, 3>{}); break;
   }
+}
+
+// The max of a row of n scores s whose first n / W · W a running maximum row_max (one vector, micro_gemm's) has
+// already taken with NaN lanes skipped: the vector's lanes and the tail. As max_of would give it, NaN included: a row
+// with a NaN but no other score above −inf is NaN (read again, only then); elsewhere a skipped NaN still turns its
+// row NaN, through P = 2^(NaN − m) in l and O.
+inline float row_max_from_vecs(const float* row_max, const float* s, int64_t n) {
+  float mx = reduce_max(Vec::load(row_max));
+  for (int64_t t = n / W * W; t < n; ++t) mx = max_nan(mx, s[t]);
+  if (mx == kNegInf)
+    for (int64_t t = 0; t < n; ++t)
+      if (s[t] != s[t]) return s[t];
+  return mx;
 }
 
 // One step of the online softmax (the paper's lines 9–11) for a group of G query rows against one key tile
@@ -97,7 +119,8 @@ void group_gemm_panels(int64_t rows, int64_t K, const float* A, int64_t a_row, i
 // A row that sees no key yet (m_new = −inf) keeps P = 0, α = 1. The max keeps a NaN (max_nan, max_of):
 // m_new = NaN makes α, P and l NaN, so a NaN logit turns the whole row NaN; so does +inf, through
 // exp(inf − inf). alpha and m_new are G floats of scratch; alpha holds α afterwards. P goes where PWriter puts
-// it (over S by default).
+// it (over S by default). row_max (optional, G × W floats): S's row maxima as micro_gemm took them (row_max_from_vecs),
+// when every row sees all n_keys scores and nothing was added to S after its product.
 // Where P = exp(S − m_new) goes: over S itself (the float32 kernels), or elsewhere (flash_bf16.cpp writes it in
 // bf16 for the next product). exp_sum writes row r's P and returns its sum; zero writes a row of zeros.
 // kBase2: the logits S (and so m) are in base 2, P = 2^(S − m_new) (flash.cpp folds log2 e into Q's scale).
@@ -118,7 +141,8 @@ struct PInPlaceBase2 {
 
 template <class PWriter = PInPlace>
 inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, const int64_t* visible, float scale,
-                           float* m, float* l, float* alpha, float* m_new, const PWriter& P = PWriter()) {
+                           float* m, float* l, float* alpha, float* m_new, const PWriter& P = PWriter(),
+                           const float* row_max = nullptr) {
   // A positive scale rides along (max of scale·S = scale · max of S; the exp's argument is one FMA);
   // another is applied to S first.
   const bool scale_in_exp = scale > 0.0f;
@@ -126,7 +150,8 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
     float* s = S + r * ld;
     if (!scale_in_exp) scale_row(scale, s, visible[r]);
     fill_row(kNegInf, s + visible[r], n_keys - visible[r]);
-    m_new[r] = max_nan(m[r], (scale_in_exp ? scale : 1.0f) * max_of(s, n_keys));
+    m_new[r] = max_nan(m[r], (scale_in_exp ? scale : 1.0f) *
+                                 (row_max ? row_max_from_vecs(row_max + r * W, s, n_keys) : max_of(s, n_keys)));
     alpha[r] = m_new[r] == kNegInf ? 0.0f : m[r] - m_new[r];  // exponent of α; −inf on a first tile
   }
   if constexpr (PWriter::kBase2)

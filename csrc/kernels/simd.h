@@ -59,6 +59,10 @@ inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)};
 inline Vec max(Vec a, Vec b) {
   return {_mm512_mask_mov_ps(_mm512_max_ps(a.v, b.v), _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), a.v)};
 }
+// The larger of x and the running maximum m, a lane where x is NaN keeping m (vmaxps alone: its second operand is
+// returned when either is NaN). One instruction where max takes three: for a running maximum that starts at −inf,
+// whose NaNs are accounted for elsewhere (online_softmax: a NaN logit turns its row NaN through P all the same).
+inline Vec max_skip_nan(Vec x, Vec m) { return {_mm512_max_ps(x.v, m.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) {  // NaN if any lane is
   if (_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)) return std::numeric_limits<float>::quiet_NaN();
@@ -87,6 +91,7 @@ inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)};
 inline Vec max(Vec a, Vec b) {  // NaN if either is (see the AVX-512 max)
   return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), a.v, _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))};
 }
+inline Vec max_skip_nan(Vec x, Vec m) { return {_mm256_max_ps(x.v, m.v)}; }  // see the AVX-512 one
 inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -118,6 +123,7 @@ inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
 // a*b + c rounded twice: std::fma would be a slow library call on CPUs without the instruction.
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
 inline Vec max(Vec a, Vec b) { return {a.v > b.v || a.v != a.v ? a.v : b.v}; }  // NaN if either is
+inline Vec max_skip_nan(Vec x, Vec m) { return {x.v > m.v ? x.v : m.v}; }  // m where x is NaN (AVX-512's)
 inline float reduce_add(Vec a) { return a.v; }
 inline float reduce_max(Vec a) { return a.v; }
 #endif
@@ -450,10 +456,13 @@ inline void softmax_row(float* x, int64_t n) {
 // kRowsAdjacent: a_row is 1, known when compiling — the R broadcasts of a step then address A from one pointer
 // with constant offsets, where a row stride known only at run time takes R registers of addresses (more than
 // x86-64 has beside the loop's own, for R = 12: the compiler spilled them inside the k loop).
+// row_max (optional): a running maximum of each row's first max_vecs vectors of C, one vector a row (row_max[r·W ..]),
+// taken from the registers as they are stored (max_skip_nan: NaN lanes skipped) — the flash forward's row max of S
+// without reading S again.
 // ---------------------------------------------------------------------------------------------------
 template <int R, int NV, bool kRowsAdjacent = false>
 inline void micro_gemm(int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B, int64_t ldb,
-                       float* C, int64_t ldc, const float* alpha) {
+                       float* C, int64_t ldc, const float* alpha, float* row_max = nullptr, int max_vecs = 0) {
   constexpr int W = Vec::width;
   if constexpr (kRowsAdjacent) a_row = 1;
   Vec acc[R][NV];
@@ -478,6 +487,16 @@ inline void micro_gemm(int64_t K, const float* A, int64_t a_row, int64_t a_col, 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) acc[r][v].store(C + r * ldc + v * W);
+  if (row_max) {
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      Vec m = Vec::load(row_max + r * W);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v)
+        if (max_vecs == NV || v < max_vecs) m = max_skip_nan(acc[r][v], m);
+      m.store(row_max + r * W);
+    }
+  }
 }
 
 #if defined(CS149_ISA_AVX512)
