@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cs149gpt  # noqa: E402
+from cs149gpt import _ext  # noqa: E402
 
 ISSUE_SHAPES = ["1,4,1024,32", "1,12,1024,64", "4,12,2048,64", "1,16,4096,128"]
 
@@ -35,6 +36,24 @@ def seconds(fn, min_time: float) -> float:
             return elapsed / calls
 
 
+def probes(threads: int) -> str:
+    """The machine's float32 FMA and bf16 (AMX or vdpbf16ps) peaks right now, GFLOP/s: the host's state."""
+    module = _ext.load()
+    fma = getattr(module, "fma_peak_gflops", None)
+    bf16 = getattr(module, "bf16_peak_gflops", None)
+    parts = []
+    if fma:
+        parts.append(f"float32 FMA {max(float(fma(threads)) for _ in range(3)):.0f}")
+    if bf16 and bf16(1, 0.01) is not None:
+        parts.append(f"bf16 {max(float(bf16(threads)) for _ in range(3)):.0f}")
+    return f"# probes on {threads} threads, GFLOP/s: " + ", ".join(parts)
+
+
+def flops(b: int, h: int, n: int, d: int, causal: bool) -> float:
+    pairs = n * (n + 1) / 2 if causal else n * n
+    return 4.0 * b * h * pairs * d
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=ISSUE_SHAPES, help="B,H,N,d (q, k and v alike)")
@@ -47,10 +66,11 @@ def main() -> int:
     dtype = getattr(torch, a.dtype)
     print(f"# torch {torch.__version__}, isa {cs149gpt.isa()}, {a.dtype}; {a.pairs} pairs of back-to-back timings "
           f"(>= {a.min_time} s each); ratio = SDPA time / ours (> 1: ours faster)")
-    print("| shape | causal | threads | median ratio | quartiles | ratio of best times | SDPA ms | ours ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | causal | threads | median ratio | quartiles | ratio of best times | SDPA ms | ours ms | ours GFLOP/s, best time |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for threads in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(threads)
+        print(probes(threads), flush=True)
         for shape in a.shapes:
             b, h, n, d = (int(x) for x in shape.split(","))
             g = torch.Generator().manual_seed(0)
@@ -73,7 +93,9 @@ def main() -> int:
                 q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
                 print(f"| {shape} | {'yes' if causal else 'no'} | {threads} | {statistics.median(ratios):.3f} | "
                       f"{q1:.3f}–{q3:.3f} | {min(t_sdpa) / min(t_ours):.3f} | {statistics.median(t_sdpa) * 1e3:.2f} | "
-                      f"{statistics.median(t_ours) * 1e3:.2f} |", flush=True)
+                      f"{statistics.median(t_ours) * 1e3:.2f} | {flops(b, h, n, d, causal) / min(t_ours) / 1e9:.0f} |",
+                      flush=True)
+        print(probes(threads), flush=True)
     return 0
 
 

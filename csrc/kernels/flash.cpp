@@ -26,6 +26,9 @@
 //   than exp (simd.h's exp2); lse goes back to base e at the end.
 // - A query tile is processed a row group of G rows at a time (G = kRowGroup, all rows of the
 //   micro-kernels): S for G rows stays in L1 while the group goes QKᵀ → online softmax → PV.
+// - The row max of S_ij comes out of the product itself: micro_gemm keeps a running maximum of each row's vectors as
+//   it stores them (where every row of the group sees every key and no mask is added after the product), so the
+//   softmax reads S once (2^(S − m) and its sum), not twice; a row whose maximum is −inf is read again for a NaN.
 // - Causal: key tiles beyond a query tile's last visible key are never visited; within a tile a row
 //   group stops at its own last visible key; the remaining masked entries are set to −inf.
 // - attn_mask: each (row group, key tile) block is classified as it is read (mask_block, flash_common.h): a block
