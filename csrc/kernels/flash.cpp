@@ -88,7 +88,11 @@ struct Layout {
     const bool wide = !p.is_causal && !has_window(p);
     Br = p.block_q > 0 ? p.block_q : wide ? kWideBlockQ : kDefaultBlockQ;
     Bc = p.block_k > 0 ? p.block_k : wide ? kWideBlockK : kDefaultBlockK;
-    if (p.block_q <= 0) Br = balanced_query_tile(p, Br, kRowGroup);  // tasks the threads share out evenly
+    if (p.block_q <= 0) {
+      // Enough tasks to keep every thread busy: shrink the query tile (never below one row group).
+      while (Br > kRowGroup && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < 4 * p.num_threads)
+        Br -= kRowGroup;
+    }
     Br = std::min(Br, p.q_len);
     Bc = std::min(Bc, p.kv_len);
     Tr = (p.q_len + Br - 1) / Br;

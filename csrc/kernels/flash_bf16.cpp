@@ -101,7 +101,8 @@ struct Layout {
     parts = parts_of(p);
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), G) : kDefaultBlockQ;  // clamped before rounding
     Bc = p.block_k > 0 ? p.block_k : kDefaultBlockK;
-    if (p.block_q <= 0) Br = flash::balanced_query_tile(p, Br, G);  // tasks the threads share out evenly
+    if (p.block_q <= 0)
+      while (Br > G && p.batch * p.num_heads * ((p.q_len + Br - 1) / Br) < 4 * p.num_threads) Br -= G;
     Br = std::min(Br, round_up(p.q_len, G));
     Bc = std::min(Bc, p.kv_len);
     Tr = (p.q_len + Br - 1) / Br;

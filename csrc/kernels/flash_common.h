@@ -511,48 +511,6 @@ bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
   return any_special == 0;
 }
 
-// The rows of a query tile when the call gives none: from Br_max down in steps of one row group (G rows), the tile
-// whose tasks run_forward_tiles' threads would finish first. A call of few heads and queries on many threads (issue 9's
-// (1,12,1024,64) on 16: 12 heads × 1024 rows) has only a few tasks a thread, and how they divide matters more than
-// how large they are: 192 rows make 5 tiles of 192 and one of 64 a head, 72 tasks that 16 threads finish in 5 rounds
-// of 192 rows where 4½ would do; 256 rows make 48 equal tasks, 3 a thread. Modelled, for each candidate, by handing
-// the tasks out in run_forward_tiles' order to whichever thread is free first (OpenMP's dynamic schedule), a task
-// costing its rows (whole row groups) times the keys they see, plus one row group's worth for reading its key tiles
-// again; the cost of a slow thread (a shared host's neighbours) as half the largest task. Ties go to the larger tile.
-// A call with many tasks a thread, or one thread, keeps Br_max.
-inline int64_t balanced_query_tile(const AttentionParams& p, int64_t Br_max, int64_t G) {
-  constexpr int64_t kMaxThreads = 512;  // the model's per-thread clocks live on the stack
-  const int64_t threads = p.num_threads, heads = p.batch * p.num_heads;
-  Br_max = std::min(Br_max, round_up(p.q_len, G));
-  if (threads <= 1 || threads > kMaxThreads || heads * ((p.q_len + Br_max - 1) / Br_max) >= 16 * threads)
-    return Br_max;
-  const auto tile_cost = [&](int64_t i0, int64_t Br) {  // rows [i0, i0 + Br) of a head
-    double cost = 0.0, keys_max = 0.0;
-    for (int64_t g0 = i0; g0 < std::min(i0 + Br, p.q_len); g0 += G) {
-      const double keys = static_cast<double>(visible_keys(p, std::min(g0 + G, p.q_len) - 1));
-      cost += static_cast<double>(G) * keys;
-      keys_max = std::max(keys_max, keys);
-    }
-    return cost + static_cast<double>(G) * keys_max;
-  };
-  int64_t best = Br_max;
-  double best_time = 0.0, free_at[kMaxThreads];
-  for (int64_t Br = Br_max; Br >= G; Br -= G) {
-    const int64_t Tr = (p.q_len + Br - 1) / Br;
-    std::fill(free_at, free_at + threads, 0.0);
-    double largest = 0.0;
-    for (int64_t task = 0; task < heads * Tr; ++task) {  // run_forward_tiles: a head's last tile first
-      const double cost = tile_cost((Tr - 1 - task % Tr) * Br, Br);
-      *std::min_element(free_at, free_at + threads) += cost;
-      largest = std::max(largest, cost);
-    }
-    const double time = *std::max_element(free_at, free_at + threads) + 0.5 * largest;
-    if (Br == Br_max || time < best_time) best = Br, best_time = time;
-    if (heads * Tr >= 16 * threads) break;  // smaller tiles would only add tasks to a call that has plenty
-  }
-  return best;
-}
-
 // The forward's two phases on one team of threads (flash.cpp, flash_bf16.cpp):
 //   1. pack(b, kvh, j): every key tile j < Tc of every (batch, kv head), once, all threads together (none with
 //      Tc = 0: flash.cpp's tasks that pack their own);
