@@ -238,6 +238,25 @@ def test_rows_that_see_no_key(isa, f32_products, dtype):
     assert not failures, "\n".join(failures)
 
 
+def test_logits_far_below_zero(isa, f32_products):
+    """Every logit of a row near −160 (in base e, −230 in base 2): the row max must be the largest real logit, never a padding
+    column's 0 — the float32 kernel takes the max from the product's registers (micro_gemm's row_max) over whole
+    vectors, and key counts that are not a whole number of vectors leave zero columns in the last one; with a shift
+    of 0, every 2^(S − m) would underflow and the row come out 0. Key counts on both sides of a vector, tiles
+    included, non-causal and causal."""
+    g = gen(104)
+    failures = []
+    for n_k in (7, 16, 100, 1000, 1024):
+        direction = torch.full((1, 2, 1, 64), 2.0)
+        k = direction + 0.01 * randn(1, 2, n_k, 64, gen=g)
+        q = -5.0 * direction.expand(1, 2, 30, 64).clone() + 0.01 * randn(1, 2, 30, 64, gen=g)
+        v = randn(1, 2, n_k, 64, gen=g)
+        for is_causal in (False, "bottom_right"):
+            for block_q, block_k in [(None, None), (24, 48), (48, 1000)]:
+                run_and_check(q, k, v, failures, f"Nk={n_k}", is_causal=is_causal, block_q=block_q, block_k=block_k)
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_one_query_against_kv_cache(isa, dtype):
     """Nq = 1 against Nk = 1000 keys, bottom-right: the KV-cache step, where the one query sees every key:
