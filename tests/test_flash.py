@@ -257,6 +257,27 @@ def test_logits_far_below_zero(isa, f32_products):
     assert not failures, "\n".join(failures)
 
 
+def test_logits_far_below_zero_with_hidden_keys(isa):
+    """As above, with a key-padding mask (which the kernel reads as each sequence's key range, cutting a tile's keys
+    in the middle of a vector): the keys it hides carry logits far above the shown ones (+50 against −160), so a row
+    max that took in a hidden key of the last vector would make every shown weight underflow. Against float64."""
+    g = gen(105)
+    direction = torch.full((1, 2, 1, 64), 2.0)
+    for n_k, shown in ((100, (41, 77)), (1000, (313, 999)), (64, (1, 63))):
+        k = direction + 0.01 * randn(2, 2, n_k, 64, gen=g)
+        mask = torch.zeros(2, 1, 1, n_k, dtype=torch.bool)
+        for b, n in enumerate(shown):
+            mask[b, ..., :n] = True
+            k[b, :, n:] = -0.3125 * direction[0]  # q·k/8 = +50 for the hidden keys
+        q = -5.0 * direction.expand(2, 2, 30, 64).clone() + 0.01 * randn(2, 2, 30, 64, gen=g)
+        v = randn(2, 2, n_k, 64, gen=g)
+        ref = torch.softmax((q.double() @ k.double().transpose(-1, -2)) / 8 + torch.where(mask, 0.0, -math.inf), -1)
+        ref = ref @ v.double()
+        out = cs149gpt.attention(q, k, v, attn_mask=mask)
+        err = (out.double() - ref).abs().max().item()
+        assert err < 1e-4, f"Nk={n_k} shown={shown}: max abs error {err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_one_query_against_kv_cache(isa, dtype):
     """Nq = 1 against Nk = 1000 keys, bottom-right: the KV-cache step, where the one query sees every key:
