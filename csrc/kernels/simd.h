@@ -493,7 +493,7 @@ inline void micro_gemm(int64_t K, const float* A, int64_t a_row, int64_t a_col, 
       Vec m = Vec::load(row_max + r * W);
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v)
-        if (max_vecs == NV || v < max_vecs) m = max_skip_nan(acc[r][v], m);
+        if (v < max_vecs) m = max_skip_nan(acc[r][v], m);
       m.store(row_max + r * W);
     }
   }
