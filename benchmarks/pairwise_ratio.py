@@ -9,6 +9,10 @@ ratio of the two best times.
 
     python benchmarks/pairwise_ratio.py --shapes 1,12,1024,64 4,12,2048,64 --threads 1 --pairs 9
     python benchmarks/pairwise_ratio.py --dtype bfloat16 --threads 16 --causal both --pairs 25
+    python benchmarks/pairwise_ratio.py --float32-products fma,bf16_tiles --threads 1,16
+
+With several --float32-products (cs149gpt.set_float32_products) each pair times SDPA and ours under every setting,
+the order rotating pair by pair, and prints a row for each setting: their ratios share the same SDPA timings.
 """
 import argparse
 import statistics
@@ -62,12 +66,15 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--min-time", type=float, default=0.05, help="seconds of calls per timing (at least one call)")
+    ap.add_argument("--float32-products", default="auto",
+                    help="comma-separated cs149gpt.set_float32_products settings, each timed as its own 'ours'")
     a = ap.parse_args()
+    settings = a.float32_products.split(",")
     dtype = getattr(torch, a.dtype)
     print(f"# torch {torch.__version__}, isa {cs149gpt.isa()}, {a.dtype}; {a.pairs} pairs of back-to-back timings "
           f"(>= {a.min_time} s each); ratio = SDPA time / ours (> 1: ours faster)")
-    print("| shape | causal | threads | median ratio | quartiles | ratio of best times | SDPA ms | ours ms | ours GFLOP/s, best time |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | causal | threads | float32 products | median ratio | quartiles | ratio of best times | SDPA ms | ours ms | ours GFLOP/s, best time |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for threads in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(threads)
         print(probes(threads), flush=True)
@@ -78,23 +85,31 @@ def main() -> int:
             for causal in {"off": [False], "on": [True], "both": [False, True]}[a.causal]:
                 sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
                 ours = lambda: cs149gpt.attention(q, k, v, is_causal=causal)  # noqa: E731
-                sdpa(), ours()  # warm-up: workspaces, packing buffers, the thread pool
-                ratios, t_sdpa, t_ours = [], [], []
+                contenders = ["sdpa"] + settings
+
+                def timed(name: str) -> float:
+                    if name == "sdpa":
+                        return seconds(sdpa, a.min_time)
+                    cs149gpt.set_float32_products(name)
+                    return seconds(ours, a.min_time)
+
+                for name in contenders:  # warm-up: workspaces, packing buffers, the thread pool
+                    timed(name)
+                times = {name: [] for name in contenders}
                 for i in range(a.pairs):
-                    if i % 2 == 0:
-                        ts = seconds(sdpa, a.min_time)
-                        to = seconds(ours, a.min_time)
-                    else:
-                        to = seconds(ours, a.min_time)
-                        ts = seconds(sdpa, a.min_time)
-                    ratios.append(ts / to)
-                    t_sdpa.append(ts)
-                    t_ours.append(to)
-                q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-                print(f"| {shape} | {'yes' if causal else 'no'} | {threads} | {statistics.median(ratios):.3f} | "
-                      f"{q1:.3f}–{q3:.3f} | {min(t_sdpa) / min(t_ours):.3f} | {statistics.median(t_sdpa) * 1e3:.2f} | "
-                      f"{statistics.median(t_ours) * 1e3:.2f} | {flops(b, h, n, d, causal) / min(t_ours) / 1e9:.0f} |",
-                      flush=True)
+                    order = contenders[i % len(contenders):] + contenders[:i % len(contenders)]
+                    for name in order if i % 2 == 0 else order[::-1]:
+                        times[name].append(timed(name))
+                t_sdpa = times["sdpa"]
+                for name in settings:
+                    t_ours = times[name]
+                    ratios = [ts / to for ts, to in zip(t_sdpa, t_ours)]
+                    q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+                    print(f"| {shape} | {'yes' if causal else 'no'} | {threads} | {name} | {statistics.median(ratios):.3f} | "
+                          f"{q1:.3f}–{q3:.3f} | {min(t_sdpa) / min(t_ours):.3f} | {statistics.median(t_sdpa) * 1e3:.2f} | "
+                          f"{statistics.median(t_ours) * 1e3:.2f} | {flops(b, h, n, d, causal) / min(t_ours) / 1e9:.0f} |",
+                          flush=True)
+                cs149gpt.set_float32_products("auto")
         print(probes(threads), flush=True)
     return 0
 

@@ -260,6 +260,55 @@ def test_huge_finite_logits_stay_finite(each_isa):
     assert not failures, "\n".join(failures)
 
 
+def test_packing_split_among_threads_keeps_each_chunks_flags(each_isa, restore_threads):
+    """Few key tiles on many threads: each tile is packed in chunks by several threads (flash_common.h's
+    split_packing), and each chunk keeps its own finite flag. A NaN value and an inf key in the last chunks, hidden by
+    the mask, never touch a row, however many threads split the packing; a NaN value in a middle chunk that
+    every row sees makes its column NaN in every row. The outputs are the same bits on 1, 3 and 16 threads."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 300, 32, generator=g) for _ in range(3))  # 300 keys: whole chunks and a cut one
+    # Keys 250.. hidden from every row, but key 280 shown to the even rows: rows that differ, so no key range
+    # stops the blocks early, and the tile holding a NaN value takes P V row by row only if its flag says so.
+    shown = (torch.arange(300) < 250) | ((torch.arange(300) == 280) & (torch.arange(300).view(-1, 1) % 2 == 0))
+    k_bad, v_bad = k.clone(), v.clone()
+    v_bad[0, 0, 260, 3] = float("nan")
+    k_bad[0, 0, 290, 7] = float("inf")
+    v_seen = v.clone()
+    v_seen[0, 0, 100, 5] = float("nan")
+    failures = []
+    for dtype, products in ((torch.float32, "auto"), (torch.float32, "bf16_tiles"), (torch.bfloat16, "auto"),
+                            (torch.float16, "auto")):
+        qd, kd, vd, kb, vb, vs = (t.to(dtype) for t in (q, k, v, k_bad, v_bad, v_seen))
+        mask = shown.view(1, 1, 300, 300)
+        module().set_float32_products(products)
+        try:
+            by_threads = {}
+            for threads in (1, 3, 16):
+                torch.set_num_threads(threads)
+                clean = cs149gpt.attention(qd, kd, vd, attn_mask=mask)
+                hidden_bad = cs149gpt.attention(qd, kb, vb, attn_mask=mask)
+                seen_bad = cs149gpt.attention(qd, kd, vs, attn_mask=mask)
+                by_threads[threads] = (clean, hidden_bad, seen_bad)
+                name = f"{dtype} {products} {threads} threads"
+                # (Not the same bits: an inf in K_j's tile sends the parts kernels' S through float32 arithmetic.)
+                if not (hidden_bad.isfinite().all() and torch.allclose(hidden_bad, clean, atol=TOL[dtype], rtol=0)):
+                    failures.append(f"{name}: a hidden NaN/inf changed {int((hidden_bad != clean).any(-1).sum())} rows")
+                if not seen_bad[..., 5].isnan().all() or seen_bad[..., :5].isnan().any():
+                    failures.append(f"{name}: a seen NaN value reached the wrong columns")
+            for threads in (3, 16):
+                if not all(torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+                           for a, b in zip(by_threads[1], by_threads[threads])):
+                    failures.append(f"{dtype} {products}: {threads} threads differ from 1")
+        finally:
+            module().set_float32_products("auto")
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                            attn_mask=shown.view(1, 1, 300, 300))
+    torch.set_num_threads(16)
+    err = (cs149gpt.attention(q, k_bad, v_bad, attn_mask=shown.view(1, 1, 300, 300)).double() - want).abs().max()
+    assert err < 1e-5, err
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("value", NONFINITE)
 def test_nonfinite_value_rows_propagate_as_in_torch(each_isa, value):
     """NaN/±inf in a visible value row: the output column becomes what Σ p_j v_j gives, as torch computes."""

@@ -79,8 +79,9 @@ struct Layout {
   // cache, instead of all tiles packed up front into a workspace as large as K (and V), behind a barrier.
   bool pack_in_task;
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad, to whole panels
+  PackChunks pack;                // each tile packed in chunks of whole panels (flash_common.h)
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place or packed in the task)
-  int64_t flags_size;             // attn_mask: one flag per V tile, 1 if it is all finite (else 0 floats)
+  int64_t flags_size;             // attn_mask: one flag per chunk of V tile, 1 if it is all finite (else 0 floats)
   int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, row_max_off, bias_off, kt_off, v_off, per_thread;  // per thread
 
   explicit Layout(const AttentionParams& p) {
@@ -105,10 +106,11 @@ struct Layout {
     pack_v = p.dtype != DType::f32 || d_pad != d;
     pack_in_task = Tr == 1 && p.num_heads == p.num_kv_heads;
     kt_tile = d * round_up(Bc_pad, panel);
+    pack = pack_in_task ? PackChunks{kt_tile / d, 1} : split_packing(p, Tc, kt_tile / d, panel);
     kt_size = pack_in_task ? 0 : p.batch * p.num_kv_heads * Tc * kt_tile;
     v_size = pack_v && !pack_in_task ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
     const bool masked = has_mask_or_window(p);
-    flags_size = masked && !pack_in_task ? round_up(p.batch * p.num_kv_heads * Tc, 16) : 0;
+    flags_size = masked && !pack_in_task ? round_up(p.batch * p.num_kv_heads * Tc * pack.chunks, 16) : 0;
     // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, the group's
     // running row maxima (G vectors), with attn_mask its offsets for one row group (G × Bc_pad), and when the task
     // packs its own tiles, K_jᵀ and V_j.
@@ -127,41 +129,47 @@ struct Layout {
   }
 };
 
-// K_jᵀ of key tile j of (batch b, kv head kvh) into kt, in panels of `panel` keys, each d × panel and contiguous:
-// kt[(t / panel) · panel · d + c · panel + t % panel] = k[j0 + t][c], zero past the tile's keys.
-// V_j (when packed) into vp: vp[t * d_pad + c] = v[j0 + t][c], zero in the padding columns.
-// Returns whether V_j is all finite (asked only under attn_mask or a window: true otherwise).
+// Chunk c of key tile j of (batch b, kv head kvh), keys [t0, t1) of the tile (whole panels; L.pack): its panels of
+// K_jᵀ into the tile's kt, each d × panel and contiguous:
+// kt[(t / panel) · panel · d + col · panel + t % panel] = k[j0 + t][col], zero past the tile's keys;
+// its rows of V_j (when packed) into the tile's vp: vp[t * d_pad + col] = v[j0 + t][col], zero in the padding columns.
+// Returns whether those rows of V_j are all finite (asked only under attn_mask or a window: true otherwise).
 template <class T>
-bool pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, float* kt,
-                  float* vp) {
+bool pack_kv_chunk(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, int64_t c, float* kt,
+                   float* vp) {
   const int64_t d = p.head_dim, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
+  const int64_t t0 = c * L.pack.keys, t1 = std::min(t0 + L.pack.keys, L.kt_tile / d);
   const T* K = static_cast<const T*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
   const int64_t P = L.panel;
-  for (int64_t t0 = 0; t0 < L.kt_tile / d; t0 += P) {
-    float* panel = kt + t0 * d;
+  for (int64_t t = t0; t < t1; t += P) {
+    float* panel = kt + t * d;
     if constexpr (std::is_same_v<T, float>) {  // 16 × 16 blocks through registers (simd.h)
-      const int64_t keys = std::clamp<int64_t>(cols - t0, 0, P);
+      const int64_t keys = std::clamp<int64_t>(cols - t, 0, P);
       if (keys < P) fill_row(0.0f, panel, d * P);
-      transpose_block(K + t0 * p.k_strides[2], p.k_strides[2], keys, d, 1.0f, panel, P);
+      transpose_block(K + t * p.k_strides[2], p.k_strides[2], keys, d, 1.0f, panel, P);
     } else {
-      for (int64_t c = 0; c < d; ++c)
-        for (int64_t t = 0; t < P; ++t)
-          panel[c * P + t] = t0 + t < cols ? to_float(K[(t0 + t) * p.k_strides[2] + c]) : 0.0f;
+      for (int64_t col = 0; col < d; ++col)
+        for (int64_t i = 0; i < P; ++i)
+          panel[col * P + i] = t + i < cols ? to_float(K[(t + i) * p.k_strides[2] + col]) : 0.0f;
     }
   }
   const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
+  const int64_t v_rows = std::clamp<int64_t>(cols - t0, 0, t1 - t0);
   if (L.pack_v)
-    for (int64_t t = 0; t < cols; ++t) {
-      for (int64_t c = 0; c < d; ++c) vp[t * L.d_pad + c] = to_float(V[t * p.v_strides[2] + c]);
-      for (int64_t c = d; c < L.d_pad; ++c) vp[t * L.d_pad + c] = 0.0f;
+    for (int64_t t = t0; t < t0 + v_rows; ++t) {
+      for (int64_t col = 0; col < d; ++col) vp[t * L.d_pad + col] = to_float(V[t * p.v_strides[2] + col]);
+      for (int64_t col = d; col < L.d_pad; ++col) vp[t * L.d_pad + col] = 0.0f;
     }
-  return !has_mask_or_window(p) || rows_finite(V, p.v_strides[2], cols, d);
+  return !has_mask_or_window(p) || rows_finite(V + t0 * p.v_strides[2], p.v_strides[2], v_rows, d);
 }
 
 // Where key tile j of a (batch, kv head) lives when every tile is packed up front: its K_jᵀ, its V_j rows (when
-// packed) and its flag.
+// packed) and its chunks' flags.
 struct PackedTiles {
   float *kt_all, *v_all, *v_finite;
+  bool finite(const Layout& L, int64_t head, int64_t j) const {
+    return L.flags_size == 0 || all_chunks_finite(v_finite + (head * L.Tc + j) * L.pack.chunks, L.pack.chunks);
+  }
   float* kt(const Layout& L, int64_t head, int64_t j) const { return kt_all + (head * L.Tc + j) * L.kt_tile; }
   float* v(const AttentionParams& p, const Layout& L, int64_t head, int64_t j) const {
     return v_all + (head * p.kv_len + j * L.Bc) * L.d_pad;
@@ -217,13 +225,13 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
     if (!L.pack_v) Vj = reinterpret_cast<const float*>(V_in_place) + j0 * p.v_strides[2];  // float32, in place
     bool v_finite;
     if (L.pack_in_task) {
-      v_finite = pack_kv_tile<T>(p, L, b, kvh, j, scratch + L.kt_off, scratch + L.v_off);
+      v_finite = pack_kv_chunk<T>(p, L, b, kvh, j, 0, scratch + L.kt_off, scratch + L.v_off);  // the whole tile
       KTj = scratch + L.kt_off;
       if (L.pack_v) Vj = scratch + L.v_off;
     } else {
       KTj = packed.kt(L, head, j);
       if (L.pack_v) Vj = packed.v(p, L, head, j);
-      v_finite = L.flags_size == 0 || packed.v_finite[head * L.Tc + j] != 0.0f;
+      v_finite = packed.finite(L, head, j);
     }
 
     for (int64_t g0 = 0; g0 < rows; g0 += kRowGroup) {
@@ -308,15 +316,15 @@ void run(const AttentionParams& p, float* workspace) {
   packed.v_all = workspace + L.kt_size;
   packed.v_finite = packed.v_all + L.v_size;
   float* thread_scratch = packed.v_finite + L.flags_size;
-  // 1. Pack every K tile (and V) once, all threads together (unless each task packs its own); 2. the query tiles,
-  // costliest first (flash_common.h).
+  // 1. Pack every K tile (and V) once, all threads together, chunk by chunk (unless each task packs its own); 2. the
+  // query tiles, costliest first (flash_common.h).
   run_forward_tiles(
-      p, L.Br, L.Tr, L.pack_in_task ? 0 : L.Tc, thread_scratch, L.per_thread,
-      [&](int64_t b, int64_t kvh, int64_t j) {
-        const int64_t head = b * p.num_kv_heads + kvh;
-        const bool v_finite = pack_kv_tile<T>(p, L, b, kvh, j, packed.kt(L, head, j),
-                                           L.pack_v ? packed.v(p, L, head, j) : nullptr);
-        if (L.flags_size > 0) packed.v_finite[head * L.Tc + j] = v_finite ? 1.0f : 0.0f;
+      p, L.Br, L.Tr, L.pack_in_task ? 0 : L.Tc * L.pack.chunks, thread_scratch, L.per_thread,
+      [&](int64_t b, int64_t kvh, int64_t u) {
+        const int64_t head = b * p.num_kv_heads + kvh, j = u / L.pack.chunks, c = u % L.pack.chunks;
+        const bool v_finite = pack_kv_chunk<T>(p, L, b, kvh, j, c, packed.kt(L, head, j),
+                                               L.pack_v ? packed.v(p, L, head, j) : nullptr);
+        if (L.flags_size > 0) packed.v_finite[head * L.Tc * L.pack.chunks + u] = v_finite ? 1.0f : 0.0f;
       },
       [&](int64_t b, int64_t h, int64_t i0, float* scratch) { query_tile<T>(p, L, b, h, i0, packed, scratch); });
 }

@@ -33,15 +33,18 @@ namespace CS149_ISA {
 namespace flash_bf16 {
 
 using flash::add_mask;
+using flash::all_chunks_finite;
 using flash::finish_rows;
 using flash::mask_block;
 using flash::MaskBlock;
 using flash::online_softmax;
+using flash::PackChunks;
 using flash::prefetch_next_mask_block;
 using flash::line_past;
 using flash::round_up;
 using flash::run_forward_tiles;
 using flash::shown_keys_end;
+using flash::split_packing;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
 // Defaults (fewer query rows when the threads need more tasks: Layout). vdpbf16ps: query tiles of 128 rows (4
 // groups), key tiles of 128 keys. AMX: 256 query rows (4 groups), 1024 keys. With AMX the products are cheap and each
@@ -95,6 +98,7 @@ struct Layout {
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n), per part
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats); V's flags, then K's
+  PackChunks pack;                            // each tile packed in chunks of whole VNNI blocks (flash_common.h)
   int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch (floats)
 
   explicit Layout(const AttentionParams& p) {
@@ -117,7 +121,8 @@ struct Layout {
     const int64_t tiles = p.batch * p.num_kv_heads * Tc;
     kt_floats = floats_for(tiles * kt_tile * parts);
     v_floats = floats_for(tiles * v_tile * parts);
-    flags_floats = round_up(tiles * parts, 16);
+    pack = split_packing(p, Tc, Bc_pad, kDotK);
+    flags_floats = round_up(tiles * pack.chunks * parts, 16);
     q_off = 0;                                        // Q_i, bf16, Br × d_k (per part)
     s_off = q_off + parts * floats_for(Br * d_k);     // S/P of one group, float32, G × s_ld
     p_off = s_off + G * s_ld;                         // P of one group, bf16, G × p_ld (per part)
@@ -130,31 +135,41 @@ struct Layout {
   }
 };
 
-// Key tile j of kv head (b, kvh): K_jᵀ as B of S = Q Kᵀ (k = head dim, n = key), V_j as B of P V (k = key,
-// n = head dim), both VNNI and zero-padded, each in its parts one after another; flags (several parts: tiles
-// apart): finite[tile] = 1 if V_j holds no NaN or infinity, finite[tiles + tile] the same for K_j.
-void pack_kv_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, bf16_bits* kt_all,
-                  bf16_bits* v_all, float* finite) {
+// Chunk c of key tile j of kv head (b, kvh), keys [t0, t1) of the tile (whole kDotK blocks; L.pack): its keys of
+// K_jᵀ as B of S = Q Kᵀ (k = head dim, n = key) and its rows of V_j as B of P V (k = key, n = head dim), both VNNI
+// and zero-padded, each in its parts one after another. In K_jᵀ the chunk's keys are a run of 16-key blocks in each
+// 32-row block (t0 · 32 bf16 in, b_tile_offset), in V_j a run of whole 32-row blocks (t0 · d_n in): the packing
+// functions write there as into a tile of the chunk's keys. Flags, one a chunk (several parts: the K flags after the
+// V flags): finite[tile · chunks + c] = 1 if the chunk's rows of V_j hold no NaN or infinity,
+// finite[(tiles + tile) · chunks + c] the same for K_j.
+void pack_kv_chunk(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, int64_t c,
+                   bf16_bits* kt_all, bf16_bits* v_all, float* finite) {
   const int64_t j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
+  const int64_t t0 = c * L.pack.keys, t1 = std::min(t0 + L.pack.keys, L.Bc_pad);
+  const int64_t keys = std::clamp<int64_t>(cols - t0, 0, t1 - t0);  // the chunk's real keys; zero after them
   const int64_t tile = (b * p.num_kv_heads + kvh) * L.Tc + j, tiles = p.batch * p.num_kv_heads * L.Tc;
-  const int64_t k_at = b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
-  const int64_t v_at = b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
-  bf16_bits* kt = kt_all + tile * L.parts * L.kt_tile;  // d_k/2 rows of Bc_pad pairs (each part)
-  bf16_bits* vt = v_all + tile * L.parts * L.v_tile;    // Bc_pad/2 rows of d_n pairs (each part)
-  std::fill(kt, kt + L.parts * L.kt_tile, bf16_bits{0});
-  std::fill(vt, vt + L.parts * L.v_tile, bf16_bits{0});
+  const int64_t flag = tile * L.pack.chunks + c, k_flag = (tiles + tile) * L.pack.chunks + c;
+  const int64_t k_at = b * p.k_strides[0] + kvh * p.k_strides[1] + (j0 + t0) * p.k_strides[2];
+  const int64_t v_at = b * p.v_strides[0] + kvh * p.v_strides[1] + (j0 + t0) * p.v_strides[2];
+  bf16_bits* kt = kt_all + tile * L.parts * L.kt_tile + t0 * kDotK;  // d_k/2 rows of Bc_pad pairs (each part)
+  bf16_bits* vt = v_all + tile * L.parts * L.v_tile + t0 * L.d_n;    // Bc_pad/2 rows of d_n pairs (each part)
+  for (int64_t part = 0; part < L.parts; ++part) {
+    for (int64_t k0 = 0; k0 < L.d_k; k0 += kDotK)
+      std::fill_n(kt + part * L.kt_tile + k0 * L.Bc_pad, (t1 - t0) * kDotK, bf16_bits{0});
+    std::fill_n(vt + part * L.v_tile, (t1 - t0) * L.d_n, bf16_bits{0});
+  }
   const auto pack_parts = [&](auto parts, const auto* K, const auto* V) {
     constexpr int kP = decltype(parts)::value;
-    const int64_t k_bad = pack_vnni_transposed_parts<kP>(p.head_dim, cols, K + k_at, p.k_strides[2], kt, L.kt_tile,
+    const int64_t k_bad = pack_vnni_transposed_parts<kP>(p.head_dim, keys, K + k_at, p.k_strides[2], kt, L.kt_tile,
                                                          L.Bc_pad);
-    finite[tiles + tile] = k_bad == 0 ? 1.0f : 0.0f;
-    finite[tile] = pack_vnni_rows_parts<kP>(cols, p.head_dim, V + v_at, p.v_strides[2], vt, L.v_tile, L.d_n) == 0
+    finite[k_flag] = k_bad == 0 ? 1.0f : 0.0f;
+    finite[flag] = pack_vnni_rows_parts<kP>(keys, p.head_dim, V + v_at, p.v_strides[2], vt, L.v_tile, L.d_n) == 0
                        ? 1.0f : 0.0f;
   };
   if (p.dtype == DType::bf16) {
     const bf16_bits *K = static_cast<const bf16_bits*>(p.k) + k_at, *V = static_cast<const bf16_bits*>(p.v) + v_at;
-    pack_vnni_transposed(p.head_dim, cols, K, p.k_strides[2], kt, L.Bc_pad);
-    finite[tile] = pack_vnni_rows(cols, p.head_dim, V, p.v_strides[2], vt, L.d_n) == 0 ? 1.0f : 0.0f;
+    pack_vnni_transposed(p.head_dim, keys, K, p.k_strides[2], kt, L.Bc_pad);
+    finite[flag] = pack_vnni_rows(keys, p.head_dim, V, p.v_strides[2], vt, L.d_n) == 0 ? 1.0f : 0.0f;
   } else if (p.dtype == DType::f16) {  // float16 as its bits
     pack_parts(std::integral_constant<int, 2>{}, static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v));
   } else {
@@ -313,7 +328,9 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
     const int64_t cols = std::min(L.Bc, p.kv_len - j0), tile = first_tile + j;
     const bf16_bits* KTj = kt_all + tile * L.parts * L.kt_tile;
     const bf16_bits* Vj = v_all + tile * L.parts * L.v_tile;
-    const bool qk_finite = kP == 1 || (q_finite && finite[tiles + tile] != 0.0f);
+    const bool v_finite = all_chunks_finite(finite + tile * L.pack.chunks, L.pack.chunks);
+    const bool qk_finite = kP == 1 || (q_finite && all_chunks_finite(finite + (tiles + tile) * L.pack.chunks,
+                                                                      L.pack.chunks));
     for (int64_t g0 = 0; g0 < rows; g0 += G) {
       const int64_t group_last = i0 + std::min(g0 + G, rows) - 1;
       int64_t n_keys = std::clamp<int64_t>(visible_keys(p, group_last) - j0, 0, cols);
@@ -326,7 +343,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       prefetch_next_mask_block(p, b, h, i0, rows, g0, G, j0, L.Bc);
       // (Straight from the mask where it can be, flash_common.h; not where V_j holds a NaN or inf: pv_visible_only
       // reads the offsets.)
-      const bool direct = flash::mask_rows_direct(p) && finite[tile] != 0.0f;
+      const bool direct = flash::mask_rows_direct(p) && v_finite;
       const MaskBlock block = direct ? flash::classify_mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys)
                                      : mask_block(p, b, h, i0 + g0, group_rows, j0, n_keys, bias, L.Bc_pad, 1);
       if (block == MaskBlock::hidden) continue;
@@ -368,7 +385,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // O_g = α · O_g + P V_j   (in parts: Σ_{a+b ≤ kPvOrder} P_a·V_b)
       float* Og = Oi + g0 * L.d_n;
       for (int64_t r = 0; r < G; ++r) scale_row(alpha[r], Og + r * L.d_n, L.d_n);
-      if (finite[tile] == 0.0f)
+      if (!v_finite)
         pv_visible_only(group_rows, Pb, p_part, L.p_ld, visible, partial ? bias : nullptr, L.Bc_pad, Vj, L, d, Og,
                         L.d_n);
       else if constexpr (kP == 1)
@@ -391,8 +408,10 @@ void run(const AttentionParams& p, float* workspace) {
   // Pack every K and V tile once, then the query tiles, each thread under our AMX tile configuration (DotScope:
   // the previous one restored after).
   run_forward_tiles<DotScope>(
-      p, L.Br, L.Tr, L.Tc, thread_scratch, L.per_thread,
-      [&](int64_t b, int64_t kvh, int64_t j) { pack_kv_tile(p, L, b, kvh, j, kt_all, v_all, finite); },
+      p, L.Br, L.Tr, L.Tc * L.pack.chunks, thread_scratch, L.per_thread,
+      [&](int64_t b, int64_t kvh, int64_t u) {
+        pack_kv_chunk(p, L, b, kvh, u / L.pack.chunks, u % L.pack.chunks, kt_all, v_all, finite);
+      },
       [&](int64_t b, int64_t h, int64_t i0, float* scratch) {
         query_tile<T>(p, L, b, h, i0, kt_all, v_all, finite, scratch);
       });

@@ -511,17 +511,38 @@ bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
   return any_special == 0;
 }
 
+// How the packing of the key tiles is split among the threads: each tile in `chunks` chunks of `keys` keys (whole
+// units: a panel or a VNNI block), enough chunks for two a thread where the tiles allow. Small calls have fewer
+// tiles than threads (4 heads × one tile of 1024 keys on 16 threads): packed a tile a task, the packing phase took
+// a whole tile's time while most threads waited at its barrier.
+struct PackChunks {
+  int64_t keys = 0, chunks = 1;  // keys per chunk (the last may hold fewer), chunks per tile
+};
+inline PackChunks split_packing(const AttentionParams& p, int64_t Tc, int64_t tile_keys, int64_t unit) {
+  const int64_t tiles = p.batch * p.num_kv_heads * Tc, units = (tile_keys + unit - 1) / unit;
+  const int64_t wanted = std::clamp<int64_t>((2 * p.num_threads + tiles - 1) / tiles, 1, units);
+  const int64_t keys = (units + wanted - 1) / wanted * unit;
+  return {keys, (tile_keys + keys - 1) / keys};
+}
+
+// Whether every chunk of a key tile was found finite (flags[c] = 1 if chunk c holds no NaN or inf).
+inline bool all_chunks_finite(const float* flags, int64_t chunks) {
+  for (int64_t c = 0; c < chunks; ++c)
+    if (flags[c] == 0.0f) return false;
+  return true;
+}
+
 // The forward's two phases on one team of threads (flash.cpp, flash_bf16.cpp):
-//   1. pack(b, kvh, j): every key tile j < Tc of every (batch, kv head), once, all threads together (none with
-//      Tc = 0: flash.cpp's tasks that pack their own);
+//   1. pack(b, kvh, u): every packing unit u < packs of every (batch, kv head) — a chunk of a key tile, PackChunks
+//      — once, all threads together (none with packs = 0: flash.cpp's tasks that pack their own);
 //   2. tile(b, h, i0, scratch): every query tile, taken dynamically, the costliest first (with the causal mask
 //      the last query tiles see the most keys), each thread on its own slice of thread_scratch.
 // PerThread is constructed by each thread around phase 2 (flash_bf16.cpp: AMX's tile configuration).
 struct NoPerThreadSetup {};
 template <class PerThread = NoPerThreadSetup, class Pack, class Tile>
-void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t Tc, float* thread_scratch,
+void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t packs, float* thread_scratch,
                        int64_t per_thread, const Pack& pack, const Tile& tile) {
-  const int64_t n_pack = p.batch * p.num_kv_heads * Tc;
+  const int64_t n_pack = p.batch * p.num_kv_heads * packs;
   const int64_t n_tasks = p.batch * p.num_heads * Tr;
   // Tasks are (batch, head, query tile), the tiles of a head costliest first. An attn_mask shared by the batch
   // (stride 0 over b: an ALiBi-style (1, H, N, N) bias) is read by every batch's tile i of head h: then the batch
@@ -531,7 +552,7 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
 #pragma omp parallel num_threads(p.num_threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_pack; ++t) pack(t / (p.num_kv_heads * Tc), (t / Tc) % p.num_kv_heads, t % Tc);
+    for (int64_t t = 0; t < n_pack; ++t) pack(t / (p.num_kv_heads * packs), (t / packs) % p.num_kv_heads, t % packs);
     // (implicit barrier: every tile is packed before any is read)
     float* scratch = thread_scratch + omp_get_thread_num() * per_thread;
     const PerThread setup;

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Adds phase timers to a copy of the tree's forward (device measurement only; never on the committed code).
+
+    python benchmarks/device/instrument_phases.py .gpu_stage/phase     # edits .gpu_stage/phase/csrc/kernels/flash_common.h
+
+run_forward_tiles (flash_common.h) gets wall-clock marks around its phases — the fork of the threads, the packing
+to its barrier, each thread's busy time over the query tiles, the join — summed over the process's calls and
+printed at exit (stderr, a line starting PHASES); benchmarks/device/phase_times.py drives it. The pack loop's own
+line is kept as the tree has it, so the same edit applies to the base tree and to the new one.
+"""
+import re
+import sys
+from pathlib import Path
+
+path = Path(sys.argv[1]) / "csrc/kernels/flash_common.h"
+s = path.read_text()
+pack_loop = re.search(r"^ *for \(int64_t t = 0; t < n_pack; \+\+t\) pack\(.*\);$", s, re.M).group(0)
+start = s.index("#pragma omp parallel num_threads(p.num_threads)\n  {\n#pragma omp for schedule(static)")
+end = s.index("// The end of a query tile")
+timed = '''  const double t_enter = omp_get_wtime();
+  double t_fork = 0, t_packed = 0, busy_sum = 0, busy_max = 0, last_end = 0;
+#pragma omp parallel num_threads(p.num_threads)
+  {
+#pragma omp master
+    t_fork = omp_get_wtime();
+#pragma omp for schedule(static)
+PACK_LOOP
+#pragma omp master
+    t_packed = omp_get_wtime();
+    const double t_start = omp_get_wtime();
+    float* scratch = thread_scratch + omp_get_thread_num() * per_thread;
+    {
+      const PerThread setup;
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t task = 0; task < n_tasks; ++task) {
+        int64_t b, h, i;
+        if (batch_inner) {
+          b = task % p.batch, i = Tr - 1 - (task / p.batch) % Tr, h = task / (p.batch * Tr);
+        } else {
+          i = Tr - 1 - task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
+        }
+        tile(b, h, i * Br, scratch);
+      }
+    }
+    const double t_end = omp_get_wtime();
+#pragma omp critical
+    {
+      busy_sum += t_end - t_start;
+      busy_max = std::max(busy_max, t_end - t_start);
+      last_end = std::max(last_end, t_end);
+    }
+  }
+  const double t_join = omp_get_wtime();
+  static PhaseTimes totals;
+  totals.calls += 1;
+  totals.enter_to_fork += t_fork - t_enter;
+  totals.pack += t_packed - t_fork;
+  totals.tiles_mean_busy += busy_sum / p.num_threads;
+  totals.tiles_max_busy += busy_max;
+  totals.last_to_join += t_join - last_end;
+  totals.total += t_join - t_enter;
+}
+
+'''.replace("PACK_LOOP", pack_loop)
+header = '''#include <omp.h>
+#include <cstdio>
+
+struct PhaseTimes {  // instrument_phases.py: per-call means, printed at exit
+  double calls = 0, enter_to_fork = 0, pack = 0, tiles_mean_busy = 0, tiles_max_busy = 0, last_to_join = 0, total = 0;
+  ~PhaseTimes() {
+    if (calls == 0) return;
+    const double us = 1e6 / calls;
+    std::fprintf(stderr, "PHASES calls %.0f | fork %.1f us | pack %.1f us | tiles: mean thread busy %.1f us, max %.1f us"
+                 " | last tile to join %.1f us | region %.1f us\\n", calls, enter_to_fork * us, pack * us,
+                 tiles_mean_busy * us, tiles_max_busy * us, last_to_join * us, total * us);
+  }
+};
+'''
+s = s[:start] + timed + s[end:]
+s = s.replace("#include <omp.h>\n", header, 1)
+path.write_text(s)
+print("instrumented", path)
