@@ -4,7 +4,8 @@
     python benchmarks/device/instrument_phases.py .gpu_stage/phase     # edits .gpu_stage/phase/csrc/kernels/flash_common.h
 
 run_forward_tiles (flash_common.h) gets wall-clock marks around its phases — the fork of the threads, the packing
-to its barrier, each thread's busy time over the query tiles, the join — summed over the process's calls and
+to its barrier (with the last thread's arrival and each thread's own packing time), each thread's busy time over
+the query tiles, the join — summed over the process's calls and
 printed at exit (stderr, a line starting PHASES); benchmarks/device/phase_times.py drives it. The pack loop's own
 line is kept as the tree has it, so the same edit applies to the base tree and to the new one.
 """
@@ -14,17 +15,21 @@ from pathlib import Path
 
 path = Path(sys.argv[1]) / "csrc/kernels/flash_common.h"
 s = path.read_text()
-pack_loop = re.search(r"^ *for \(int64_t t = 0; t < n_pack; \+\+t\) pack\(.*\);$", s, re.M).group(0)
-start = s.index("#pragma omp parallel num_threads(p.num_threads)\n  {\n#pragma omp for schedule(static)")
+pragma, loop = re.search(r"^#pragma omp for schedule\([^)]*\)\n *for \(int64_t t = 0; t < n_pack; \+\+t\) pack\(.*\);$",
+                         s, re.M).group(0).split("\n", 1)
+pack_loop = pragma + " nowait\n" + loop  # the tree's own schedule; the barrier comes after the thread's timing
+start = s.index("#pragma omp parallel num_threads(p.num_threads)\n  {\n#pragma omp for schedule(")
 end = s.index("// The end of a query tile")
 timed = '''  const double t_enter = omp_get_wtime();
-  double t_fork = 0, t_packed = 0, busy_sum = 0, busy_max = 0, last_end = 0;
+  double t_fork = 0, t_packed = 0, busy_sum = 0, busy_max = 0, last_end = 0, arrive_max = 0, work_sum = 0, work_max = 0;
 #pragma omp parallel num_threads(p.num_threads)
   {
 #pragma omp master
     t_fork = omp_get_wtime();
-#pragma omp for schedule(static)
+    const double t_arrive = omp_get_wtime();
 PACK_LOOP
+    const double t_pack_done = omp_get_wtime();
+#pragma omp barrier
 #pragma omp master
     t_packed = omp_get_wtime();
     const double t_start = omp_get_wtime();
@@ -46,6 +51,9 @@ PACK_LOOP
 #pragma omp critical
     {
       busy_sum += t_end - t_start;
+      arrive_max = std::max(arrive_max, t_arrive - t_fork);
+      work_sum += t_pack_done - t_arrive;
+      work_max = std::max(work_max, t_pack_done - t_arrive);
       busy_max = std::max(busy_max, t_end - t_start);
       last_end = std::max(last_end, t_end);
     }
@@ -55,6 +63,9 @@ PACK_LOOP
   totals.calls += 1;
   totals.enter_to_fork += t_fork - t_enter;
   totals.pack += t_packed - t_fork;
+  totals.arrive_max += arrive_max;
+  totals.pack_work_mean += work_sum / p.num_threads;
+  totals.pack_work_max += work_max;
   totals.tiles_mean_busy += busy_sum / p.num_threads;
   totals.tiles_max_busy += busy_max;
   totals.last_to_join += t_join - last_end;
@@ -67,12 +78,14 @@ header = '''#include <omp.h>
 
 struct PhaseTimes {  // instrument_phases.py: per-call means, printed at exit
   double calls = 0, enter_to_fork = 0, pack = 0, tiles_mean_busy = 0, tiles_max_busy = 0, last_to_join = 0, total = 0;
+  double arrive_max = 0, pack_work_mean = 0, pack_work_max = 0;
   ~PhaseTimes() {
     if (calls == 0) return;
     const double us = 1e6 / calls;
-    std::fprintf(stderr, "PHASES calls %.0f | fork %.1f us | pack %.1f us | tiles: mean thread busy %.1f us, max %.1f us"
-                 " | last tile to join %.1f us | region %.1f us\\n", calls, enter_to_fork * us, pack * us,
-                 tiles_mean_busy * us, tiles_max_busy * us, last_to_join * us, total * us);
+    std::fprintf(stderr, "PHASES calls %.0f | fork %.1f us | pack %.1f us (last thread in %.1f us; a thread's packing"
+                 " mean %.1f, max %.1f) | tiles: mean thread busy %.1f us, max %.1f us | last tile to join %.1f us |"
+                 " region %.1f us\\n", calls, enter_to_fork * us, pack * us, arrive_max * us, pack_work_mean * us,
+                 pack_work_max * us, tiles_mean_busy * us, tiles_max_busy * us, last_to_join * us, total * us);
   }
 };
 '''

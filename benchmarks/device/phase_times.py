@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where one forward call's time goes (device measurement; needs a tree instrumented by instrument_phases.py).
 
-    python benchmarks/device/phase_times.py float32 1,4,1024,32 16 [causal]
+    python benchmarks/device/phase_times.py float32 1,4,1024,32 16 [causal|-] [block_q]
 
 Times --seconds of calls from Python, then the patched kernel prints at exit (stderr) its mean per call: from the
 call's entry to the threads' fork, the packing phase (to its barrier), each thread's busy time over the query
@@ -18,10 +18,11 @@ import cs149gpt
 
 dtype, shape, threads = getattr(torch, sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
 causal = len(sys.argv) > 4 and sys.argv[4] == "causal"
+block_q = int(sys.argv[5]) if len(sys.argv) > 5 else None
 torch.set_num_threads(threads)
 q, k, v = (torch.randn(*shape).to(dtype) for _ in range(3))
 for fn, name in ((lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), "sdpa"),
-                 (lambda: cs149gpt.attention(q, k, v, is_causal=causal), "ours")):
+                 (lambda: cs149gpt.attention(q, k, v, is_causal=causal, block_q=block_q), "ours")):
     for _ in range(20):
         fn()
     best = float("inf")
@@ -31,5 +32,6 @@ for fn, name in ((lambda: F.scaled_dot_product_attention(q, k, v, is_causal=caus
             fn()
             calls += 1
         best = min(best, (time.perf_counter() - start) / calls)
-    print(f"{sys.argv[1]} {sys.argv[2]} {threads}t {'causal' if causal else 'non-causal'}: {name} {best * 1e6:.1f} us "
+    print(f"{sys.argv[1]} {sys.argv[2]} {threads}t {'causal' if causal else 'non-causal'} block_q {block_q}: {name} "
+          f"{best * 1e6:.1f} us "
           "a call (best of 5 x 0.1 s)", flush=True)

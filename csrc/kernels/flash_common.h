@@ -512,15 +512,16 @@ bool rows_finite(const T* x, int64_t ld, int64_t n, int64_t d) {
 }
 
 // How the packing of the key tiles is split among the threads: each tile in `chunks` chunks of `keys` keys (whole
-// units: a panel or a VNNI block), enough chunks for two a thread where the tiles allow. Small calls have fewer
-// tiles than threads (4 heads × one tile of 1024 keys on 16 threads): packed a tile a task, the packing phase took
-// a whole tile's time while most threads waited at its barrier.
+// units: a panel or a VNNI block), about eight chunks a thread where the tiles allow, taken dynamically. Small calls
+// have few tiles for many threads (4 or 12 heads × one tile of 1024 keys on 16 threads): packed a tile a task, the
+// packing phase lasted a whole tile's packing while the other threads waited at its barrier; in a few large chunks
+// a thread still got a tile's worth (12 tiles in 36 chunks: three chunks for some threads).
 struct PackChunks {
   int64_t keys = 0, chunks = 1;  // keys per chunk (the last may hold fewer), chunks per tile
 };
 inline PackChunks split_packing(const AttentionParams& p, int64_t Tc, int64_t tile_keys, int64_t unit) {
   const int64_t tiles = p.batch * p.num_kv_heads * Tc, units = (tile_keys + unit - 1) / unit;
-  const int64_t wanted = std::clamp<int64_t>((2 * p.num_threads + tiles - 1) / tiles, 1, units);
+  const int64_t wanted = std::clamp<int64_t>((8 * p.num_threads + tiles - 1) / tiles, 1, units);
   const int64_t keys = (units + wanted - 1) / wanted * unit;
   return {keys, (tile_keys + keys - 1) / keys};
 }
@@ -551,7 +552,7 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
   const bool batch_inner = p.mask != nullptr && p.batch > 1 && p.mask_strides[0] == 0;
 #pragma omp parallel num_threads(p.num_threads)
   {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_pack; ++t) pack(t / (p.num_kv_heads * packs), (t / packs) % p.num_kv_heads, t % packs);
     // (implicit barrier: every tile is packed before any is read)
     float* scratch = thread_scratch + omp_get_thread_num() * per_thread;
