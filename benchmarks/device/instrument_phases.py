@@ -7,7 +7,9 @@ run_forward_tiles (flash_common.h) gets wall-clock marks around its phases — t
 to its barrier (with the last thread's arrival and each thread's own packing time), each thread's busy time over
 the query tiles, the join — summed over the process's calls and
 printed at exit (stderr, a line starting PHASES); benchmarks/device/phase_times.py drives it. The pack loop's own
-line is kept as the tree has it, so the same edit applies to the base tree and to the new one.
+line is kept as the tree has it, so the same edit applies to the base tree and to the new one. A tree with
+session 18's schedule (no barrier: packing chunks and query tiles in one loop) gets instead each thread's time in
+packing, in tiles and waiting for a kv head's chunks (a line starting JOBS).
 """
 import re
 import sys
@@ -15,6 +17,53 @@ from pathlib import Path
 
 path = Path(sys.argv[1]) / "csrc/kernels/flash_common.h"
 s = path.read_text()
+if "const bool interleave" in s:
+    # Session 18's schedule (one dynamic loop of packing chunks and query tiles, no barrier): each thread's time in
+    # packing, in tiles and spinning for a kv head's chunks, the busiest thread's total, and the region.
+    header = """#include <omp.h>
+#include <cstdio>
+
+struct JobTimes {  // instrument_phases.py: per-call means, printed at exit
+  double calls = 0, pack = 0, tile = 0, spin = 0, busy_max = 0, region = 0;
+  ~JobTimes() {
+    if (calls == 0) return;
+    const double us = 1e6 / calls;
+    std::fprintf(stderr, "JOBS calls %.0f | a thread's mean: packing %.1f us, tiles %.1f us, waiting for chunks %.1f us"
+                 " | busiest thread %.1f us | region %.1f us\\n", calls, pack * us, tile * us, spin * us,
+                 busy_max * us, region * us);
+  }
+};
+inline thread_local double tl_pack = 0, tl_tile = 0, tl_spin = 0;
+"""
+    reps = [
+        ("      while (__atomic_load_n(packed, __ATOMIC_ACQUIRE) < packs) spin_pause();",
+         "      const double w0 = omp_get_wtime();\n"
+         "      while (__atomic_load_n(packed, __ATOMIC_ACQUIRE) < packs) spin_pause();\n"
+         "      tl_spin += omp_get_wtime() - w0;"),
+        ("    tile(b, h, i * Br, scratch);\n  };",
+         "    const double t0 = omp_get_wtime();\n    tile(b, h, i * Br, scratch);\n    tl_tile += omp_get_wtime() - t0;\n  };"),
+        ("    pack(kv / p.num_kv_heads, kv % p.num_kv_heads, u);",
+         "    const double t0 = omp_get_wtime();\n    pack(kv / p.num_kv_heads, kv % p.num_kv_heads, u);\n"
+         "    tl_pack += omp_get_wtime() - t0;"),
+        ("  const int64_t n_jobs = kv_heads * packs + n_tasks;\n#pragma omp parallel num_threads(p.num_threads)\n  {",
+         "  const int64_t n_jobs = kv_heads * packs + n_tasks;\n  const double t_enter = omp_get_wtime();\n"
+         "  double pack_sum = 0, tile_sum = 0, spin_sum = 0, busy_max = 0;\n"
+         "#pragma omp parallel num_threads(p.num_threads)\n  {\n    tl_pack = tl_tile = tl_spin = 0;"),
+        ("        run_task(kv * tiles_per_kv_head + r - chunks_before, scratch);\n    }\n  }\n}",
+         "        run_task(kv * tiles_per_kv_head + r - chunks_before, scratch);\n    }\n"
+         "#pragma omp critical\n    {\n      pack_sum += tl_pack, tile_sum += tl_tile, spin_sum += tl_spin;\n"
+         "      busy_max = std::max(busy_max, tl_pack + tl_tile + tl_spin);\n    }\n  }\n"
+         "  static JobTimes totals;\n  const double n = p.num_threads;\n  totals.calls += 1;\n"
+         "  totals.pack += pack_sum / n, totals.tile += tile_sum / n, totals.spin += spin_sum / n;\n"
+         "  totals.busy_max += busy_max, totals.region += omp_get_wtime() - t_enter;\n}"),
+    ]
+    for a, b in reps:
+        assert a in s, a
+        s = s.replace(a, b)
+    s = s.replace("#include <omp.h>\n", header, 1)
+    path.write_text(s)
+    print("instrumented (jobs)", path)
+    sys.exit(0)
 pragma, loop = re.search(r"^#pragma omp for schedule\([^)]*\)\n *for \(int64_t t = 0; t < n_pack; \+\+t\) pack\(.*\);$",
                          s, re.M).group(0).split("\n", 1)
 pack_loop = pragma + " nowait\n" + loop  # the tree's own schedule; the barrier comes after the thread's timing

@@ -82,6 +82,7 @@ struct Layout {
   PackChunks pack;                // each tile packed in chunks of whole panels (flash_common.h)
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place or packed in the task)
   int64_t flags_size;             // attn_mask: one flag per chunk of V tile, 1 if it is all finite (else 0 floats)
+  int64_t ready_size;             // a counter of packed chunks per (batch, kv head), as int32 (run_forward_tiles)
   int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, row_max_off, bias_off, kt_off, v_off, per_thread;  // per thread
 
   explicit Layout(const AttentionParams& p) {
@@ -111,6 +112,7 @@ struct Layout {
     v_size = pack_v && !pack_in_task ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
     const bool masked = has_mask_or_window(p);
     flags_size = masked && !pack_in_task ? round_up(p.batch * p.num_kv_heads * Tc * pack.chunks, 16) : 0;
+    ready_size = pack_in_task ? 0 : round_up(p.batch * p.num_kv_heads, 16);
     // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, the group's
     // running row maxima (G vectors), with attn_mask its offsets for one row group (G × Bc_pad), and when the task
     // packs its own tiles, K_jᵀ and V_j.
@@ -315,11 +317,12 @@ void run(const AttentionParams& p, float* workspace) {
   packed.kt_all = workspace;
   packed.v_all = workspace + L.kt_size;
   packed.v_finite = packed.v_all + L.v_size;
-  float* thread_scratch = packed.v_finite + L.flags_size;
-  // 1. Pack every K tile (and V) once, all threads together, chunk by chunk (unless each task packs its own); 2. the
-  // query tiles, costliest first (flash_common.h).
+  int32_t* ready = reinterpret_cast<int32_t*>(packed.v_finite + L.flags_size);
+  float* thread_scratch = packed.v_finite + L.flags_size + L.ready_size;
+  // Every K tile (and V) packed once, chunk by chunk, by whichever threads come (unless each task packs its own),
+  // beside the query tiles of the kv heads before; the query tiles costliest first (flash_common.h).
   run_forward_tiles(
-      p, L.Br, L.Tr, L.pack_in_task ? 0 : L.Tc * L.pack.chunks, thread_scratch, L.per_thread,
+      p, L.Br, L.Tr, L.pack_in_task ? 0 : L.Tc * L.pack.chunks, ready, thread_scratch, L.per_thread,
       [&](int64_t b, int64_t kvh, int64_t u) {
         const int64_t head = b * p.num_kv_heads + kvh, j = u / L.pack.chunks, c = u % L.pack.chunks;
         const bool v_finite = pack_kv_chunk<T>(p, L, b, kvh, j, c, packed.kt(L, head, j),
@@ -342,7 +345,7 @@ int64_t flash_workspace_floats(const AttentionParams& p) {
   if (p.dtype == DType::f16 || flash_bf16::takes_float32(p)) return flash_bf16::workspace_floats(p);
 #endif
   const flash::Layout L(p);
-  return L.kt_size + L.v_size + L.flags_size + p.num_threads * L.per_thread;
+  return L.kt_size + L.v_size + L.flags_size + L.ready_size + p.num_threads * L.per_thread;
 }
 
 template <class T>

@@ -98,6 +98,7 @@ struct Layout {
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n), per part
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats); V's flags, then K's
+  int64_t ready_floats;                       // a counter of packed chunks per (batch, kv head), as int32
   PackChunks pack;                            // each tile packed in chunks of whole VNNI blocks (flash_common.h)
   int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch (floats)
 
@@ -123,6 +124,7 @@ struct Layout {
     v_floats = floats_for(tiles * v_tile * parts);
     pack = split_packing(p, Tc, Bc_pad, kDotK);
     flags_floats = round_up(tiles * pack.chunks * parts, 16);
+    ready_floats = round_up(p.batch * p.num_kv_heads, 16);
     q_off = 0;                                        // Q_i, bf16, Br × d_k (per part)
     s_off = q_off + parts * floats_for(Br * d_k);     // S/P of one group, float32, G × s_ld
     p_off = s_off + G * s_ld;                         // P of one group, bf16, G × p_ld (per part)
@@ -404,11 +406,12 @@ void run(const AttentionParams& p, float* workspace) {
   bf16_bits* kt_all = reinterpret_cast<bf16_bits*>(workspace);
   bf16_bits* v_all = reinterpret_cast<bf16_bits*>(workspace + L.kt_floats);
   float* finite = workspace + L.kt_floats + L.v_floats;
-  float* thread_scratch = finite + L.flags_floats;
-  // Pack every K and V tile once, then the query tiles, each thread under our AMX tile configuration (DotScope:
-  // the previous one restored after).
+  int32_t* ready = reinterpret_cast<int32_t*>(finite + L.flags_floats);
+  float* thread_scratch = finite + L.flags_floats + L.ready_floats;
+  // Every K and V tile packed once, chunk by chunk, beside the query tiles of the kv heads before (flash_common.h),
+  // each thread under our AMX tile configuration (DotScope: the previous one restored after).
   run_forward_tiles<DotScope>(
-      p, L.Br, L.Tr, L.Tc * L.pack.chunks, thread_scratch, L.per_thread,
+      p, L.Br, L.Tr, L.Tc * L.pack.chunks, ready, thread_scratch, L.per_thread,
       [&](int64_t b, int64_t kvh, int64_t u) {
         pack_kv_chunk(p, L, b, kvh, u / L.pack.chunks, u % L.pack.chunks, kt_all, v_all, finite);
       },
@@ -419,7 +422,7 @@ void run(const AttentionParams& p, float* workspace) {
 
 inline int64_t workspace_floats(const AttentionParams& p) {
   const Layout L(p);
-  return L.kt_floats + L.v_floats + L.flags_floats + p.num_threads * L.per_thread;
+  return L.kt_floats + L.v_floats + L.flags_floats + L.ready_floats + p.num_threads * L.per_thread;
 }
 
 }  // namespace flash_bf16

@@ -533,39 +533,79 @@ inline bool all_chunks_finite(const float* flags, int64_t chunks) {
   return true;
 }
 
-// The forward's two phases on one team of threads (flash.cpp, flash_bf16.cpp):
-//   1. pack(b, kvh, u): every packing unit u < packs of every (batch, kv head) — a chunk of a key tile, PackChunks
-//      — once, all threads together (none with packs = 0: flash.cpp's tasks that pack their own);
-//   2. tile(b, h, i0, scratch): every query tile, taken dynamically, the costliest first (with the causal mask
-//      the last query tiles see the most keys), each thread on its own slice of thread_scratch.
-// PerThread is constructed by each thread around phase 2 (flash_bf16.cpp: AMX's tile configuration).
+// The forward's jobs on one team of threads (flash.cpp, flash_bf16.cpp), taken dynamically:
+//   pack(b, kvh, u): packing unit u < packs of kv head (b, kvh) — a chunk of one of its key tiles (PackChunks) —
+//      into the shared workspace, once (none with packs = 0: flash.cpp's tasks that pack their own);
+//   tile(b, h, i0, scratch): a query tile, which reads its kv head's packed tiles; the tiles of a head costliest
+//      first (with the causal mask the last query tiles see the most keys), each thread on its own scratch.
+// No barrier stands between the two. The jobs come kv head by kv head: the first kv head's chunks, then each kv
+// head's query tiles with the next one's chunks spread evenly among them, then the last one's tiles; a tile waits
+// only until its own kv head's chunks are all packed (`ready` counts them: release after a chunk, acquire before a
+// tile). The packing — bound by the caches and memory, not by the FMAs or tiles — so runs beside the products of
+// the kv head before, where behind a barrier it was a phase of its own on every thread: on the 16-core device host
+// 55–350 µs of 0.25–2.4 ms calls, however finely it was split (results/s18b_phases.txt). No wait can block
+// forever: every chunk of a kv head comes before its first tile in the order, so when a thread takes a tile, each of
+// its chunks is packed or being packed by a thread that waits for nothing.
+// With a batch-shared attn_mask the tasks take the batch innermost (below), so kv heads alternate task by task:
+// then every chunk comes first, and the tiles follow.
+// `ready` holds one counter per (batch, kv head), in the workspace; zeroed here. PerThread is constructed by each
+// thread around its jobs (flash_bf16.cpp: AMX's tile configuration).
 struct NoPerThreadSetup {};
 template <class PerThread = NoPerThreadSetup, class Pack, class Tile>
-void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t packs, float* thread_scratch,
-                       int64_t per_thread, const Pack& pack, const Tile& tile) {
-  const int64_t n_pack = p.batch * p.num_kv_heads * packs;
-  const int64_t n_tasks = p.batch * p.num_heads * Tr;
-  // Tasks are (batch, head, query tile), the tiles of a head costliest first. An attn_mask shared by the batch
-  // (stride 0 over b: an ALiBi-style (1, H, N, N) bias) is read by every batch's tile i of head h: then the batch
-  // is the innermost index, so those tasks run one after another and its rows come from cache after the first,
-  // not from memory once per batch element.
+void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t packs, int32_t* ready,
+                       float* thread_scratch, int64_t per_thread, const Pack& pack, const Tile& tile) {
+  const int64_t kv_heads = p.batch * p.num_kv_heads;
+  const int64_t tiles_per_kv_head = (p.num_heads / p.num_kv_heads) * Tr, n_tasks = p.batch * p.num_heads * Tr;
+  // Tasks are (batch, head, query tile), kv head by kv head (the heads of a GQA group are adjacent). An attn_mask
+  // shared by the batch (stride 0 over b: an ALiBi-style (1, H, N, N) bias) is read by every batch's tile i of head
+  // h: then the batch is the innermost index, so those tasks run one after another and its rows come from cache
+  // after the first, not from memory once per batch element.
   const bool batch_inner = p.mask != nullptr && p.batch > 1 && p.mask_strides[0] == 0;
+  const bool interleave = packs > 0 && !batch_inner;
+  const auto run_task = [&](int64_t task, float* scratch) {
+    int64_t b, h, i;
+    if (batch_inner) {
+      b = task % p.batch, i = Tr - 1 - (task / p.batch) % Tr, h = task / (p.batch * Tr);
+    } else {
+      i = Tr - 1 - task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
+    }
+    if (packs > 0) {
+      const int32_t* packed = ready + b * p.num_kv_heads + kv_head(p, h);
+      while (__atomic_load_n(packed, __ATOMIC_ACQUIRE) < packs) spin_pause();
+    }
+    tile(b, h, i * Br, scratch);
+  };
+  const auto run_pack = [&](int64_t kv, int64_t u) {
+    pack(kv / p.num_kv_heads, kv % p.num_kv_heads, u);
+    __atomic_fetch_add(ready + kv, 1, __ATOMIC_RELEASE);
+  };
+  std::fill_n(ready, packs > 0 ? kv_heads : 0, 0);
+  const int64_t n_jobs = kv_heads * packs + n_tasks;
 #pragma omp parallel num_threads(p.num_threads)
   {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < n_pack; ++t) pack(t / (p.num_kv_heads * packs), (t / packs) % p.num_kv_heads, t % packs);
-    // (implicit barrier: every tile is packed before any is read)
     float* scratch = thread_scratch + omp_get_thread_num() * per_thread;
     const PerThread setup;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n_tasks; ++task) {
-      int64_t b, h, i;
-      if (batch_inner) {
-        b = task % p.batch, i = Tr - 1 - (task / p.batch) % Tr, h = task / (p.batch * Tr);
-      } else {
-        i = Tr - 1 - task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
+    for (int64_t job = 0; job < n_jobs; ++job) {
+      if (!interleave) {  // every chunk, then every tile
+        if (job < kv_heads * packs)
+          run_pack(job / packs, job % packs);
+        else
+          run_task(job - kv_heads * packs, scratch);
+        continue;
       }
-      tile(b, h, i * Br, scratch);
+      if (job < packs) {  // the first kv head's chunks
+        run_pack(0, job);
+        continue;
+      }
+      // Block kv (of tiles_per_kv_head + packs jobs): kv head kv's tiles, and kv head kv + 1's chunks at the
+      // positions r where ⌊r · packs / block⌋ steps up (evenly spread); the last block holds tiles only.
+      const int64_t block = tiles_per_kv_head + packs, kv = (job - packs) / block, r = (job - packs) % block;
+      const int64_t chunks_before = kv + 1 < kv_heads ? r * packs / block : 0;
+      if (kv + 1 < kv_heads && (r + 1) * packs / block > chunks_before)
+        run_pack(kv + 1, chunks_before);
+      else
+        run_task(kv * tiles_per_kv_head + r - chunks_before, scratch);
     }
   }
 }

@@ -22,6 +22,14 @@ namespace CS149_ISA {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// One turn of a spin-wait on another thread's store (flash_common.h's run_forward_tiles): x86's PAUSE, which spares
+// the sibling hyperthread and the memory-order machine clear when the store arrives; elsewhere nothing.
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 // Asks for the cache line holding `address` (into L2: a block prefetched ahead would leave L1 again while the
 // current one streams its K and V tiles through it): a hint, never a fault. As inline asm, because GCC deletes a
 // loop of __builtin_prefetch that has no other effect (seen with GCC 12 at -O2 and -O3: flash_common.h's
