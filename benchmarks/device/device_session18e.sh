@@ -12,7 +12,7 @@ grep -m1 "^model\s" /proc/cpuinfo; lscpu | grep -E "^Thread|^Core"
 for round in 1 2 3; do
   for tree in base new; do
     dir=$PWD; [ $tree = base ] && dir=$PWD/.gpu_stage/base
-    (cd $dir && PYTHONPATH=$dir timeout 60 python3 $OLDPWD/benchmarks/bench_masks.py --threads 16,1 --markdown \
+    (cd $dir && PYTHONPATH=$dir timeout 60 python3 benchmarks/bench_masks.py --threads 16,1 --markdown \
       --cases "additive bias" --min-run-time 0.3 2>&1 | grep "^| additive" | sed "s/^/$tree round $round /")
   done
 done 2>&1 | tee "$OUT/ab_s18e_masks.txt"
