@@ -260,52 +260,72 @@ def test_huge_finite_logits_stay_finite(each_isa):
     assert not failures, "\n".join(failures)
 
 
-def test_packing_split_among_threads_keeps_each_chunks_flags(each_isa, restore_threads):
-    """Few key tiles on many threads: each tile is packed in chunks by several threads (flash_common.h's
-    split_packing), and each chunk keeps its own finite flag. A NaN value and an inf key in the last chunks, hidden by
-    the mask, never touch a row, however many threads split the packing; a NaN value in a middle chunk that
-    every row sees makes its column NaN in every row. The outputs are the same bits on 1, 3 and 16 threads."""
+def packing_split_cases():
+    """(name, q, k, v, shown, bad, seen, block_k) for the test below: the index of a hidden NaN value and a hidden inf
+    key, and of a NaN value every row of its heads sees. shown: True = the key takes part, rows that differ (no key
+    range stops a block early, so a tile holding a NaN value takes P V row by row only if its flags say so)."""
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 1, 300, 32, generator=g) for _ in range(3))  # 300 keys: whole chunks and a cut one
-    # Keys 250.. hidden from every row, but key 280 shown to the even rows: rows that differ, so no key range
-    # stops the blocks early, and the tile holding a NaN value takes P V row by row only if its flag says so.
-    shown = (torch.arange(300) < 250) | ((torch.arange(300) == 280) & (torch.arange(300).view(-1, 1) % 2 == 0))
-    k_bad, v_bad = k.clone(), v.clone()
-    v_bad[0, 0, 260, 3] = float("nan")
-    k_bad[0, 0, 290, 7] = float("inf")
-    v_seen = v.clone()
-    v_seen[0, 0, 100, 5] = float("nan")
+    j, i = torch.arange(300), torch.arange(300).view(-1, 1)
+    # One head, one key tile of 300 keys (whole chunks and a cut one): keys 250.. hidden, but 280 shown to even rows.
+    one = [torch.randn(1, 1, 300, 32, generator=g) for _ in range(3)]
+    shown = ((j < 250) | ((j == 280) & (i % 2 == 0))).view(1, 1, 300, 300)
+    yield "one head", *one, shown, ((0, 0, 260), (0, 0, 290)), (0, 0, 100), None
+    # Two batches of 4 query heads on 2 kv heads, three key tiles of 128 keys: the NaN and inf in late chunks of the
+    # middle tile of batch 1's second kv head, keys 190..249 hidden but 240 shown to even rows. A mask per batch
+    # element takes the interleaved schedule; one shared by the batch (stride 0) every chunk first.
+    q = torch.randn(2, 4, 300, 32, generator=g)
+    k, v = (torch.randn(2, 2, 300, 32, generator=g) for _ in range(2))
+    shown = (~((j >= 190) & (j < 250)) | ((j == 240) & (i % 2 == 0))).view(1, 1, 300, 300)
+    bad, seen = ((1, 1, 200), (1, 1, 230)), (1, 1, 100)
+    yield "GQA, a mask per batch element", q, k, v, shown.expand(2, 1, 300, 300).contiguous(), bad, seen, 128
+    yield "GQA, a batch-shared mask", q, k, v, shown, bad, seen, 128
+
+
+@pytest.mark.parametrize("case", list(packing_split_cases()), ids=lambda c: c[0] if isinstance(c, tuple) else "")
+def test_packing_split_among_threads_keeps_each_chunks_flags(each_isa, restore_threads, case):
+    """Few key tiles on many threads: each tile is packed in chunks by several threads (flash_common.h's
+    split_packing), and each chunk keeps its own finite flag. A NaN value and an inf key in late chunks, hidden by the
+    mask, never touch a row, however many threads split the packing; a NaN value that every row of its heads sees
+    makes its column NaN in exactly those heads. The outputs are the same bits on 1, 3 and 16 threads."""
+    name, q, k, v, shown, ((vb_at, kb_at)), seen_at, block_k = case
+    k_bad, v_bad, v_seen = k.clone(), v.clone(), v.clone()
+    v_bad[vb_at][3] = float("nan")
+    k_bad[kb_at][7] = float("inf")
+    v_seen[seen_at][5] = float("nan")
+    group = q.shape[1] // k.shape[1]
+    seen_heads = torch.zeros(q.shape[:2], dtype=torch.bool)
+    seen_heads[seen_at[0], seen_at[1] * group:(seen_at[1] + 1) * group] = True
     failures = []
     for dtype, products in ((torch.float32, "auto"), (torch.float32, "bf16_tiles"), (torch.bfloat16, "auto"),
                             (torch.float16, "auto")):
         qd, kd, vd, kb, vb, vs = (t.to(dtype) for t in (q, k, v, k_bad, v_bad, v_seen))
-        mask = shown.view(1, 1, 300, 300)
         module().set_float32_products(products)
         try:
             by_threads = {}
             for threads in (1, 3, 16):
                 torch.set_num_threads(threads)
-                clean = cs149gpt.attention(qd, kd, vd, attn_mask=mask)
-                hidden_bad = cs149gpt.attention(qd, kb, vb, attn_mask=mask)
-                seen_bad = cs149gpt.attention(qd, kd, vs, attn_mask=mask)
+                clean, hidden_bad, seen_bad = (cs149gpt.attention(qd, kk, vv, attn_mask=shown, block_k=block_k)
+                                               for kk, vv in ((kd, vd), (kb, vb), (kd, vs)))
                 by_threads[threads] = (clean, hidden_bad, seen_bad)
-                name = f"{dtype} {products} {threads} threads"
+                label = f"{name}, {dtype} {products}, {threads} threads"
                 # (Not the same bits: an inf in K_j's tile sends the parts kernels' S through float32 arithmetic.)
                 if not (hidden_bad.isfinite().all() and torch.allclose(hidden_bad, clean, atol=TOL[dtype], rtol=0)):
-                    failures.append(f"{name}: a hidden NaN/inf changed {int((hidden_bad != clean).any(-1).sum())} rows")
-                if not seen_bad[..., 5].isnan().all() or seen_bad[..., :5].isnan().any():
-                    failures.append(f"{name}: a seen NaN value reached the wrong columns")
+                    failures.append(f"{label}: a hidden NaN/inf changed {int((hidden_bad != clean).any(-1).sum())} rows")
+                nan_column = seen_bad[..., 5].isnan()
+                if not (nan_column.all(-1) == seen_heads).all() or not (nan_column.any(-1) == seen_heads).all() \
+                        or seen_bad[..., :5].isnan().any():
+                    failures.append(f"{label}: a seen NaN value reached the wrong heads or columns")
             for threads in (3, 16):
                 if not all(torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
                            for a, b in zip(by_threads[1], by_threads[threads])):
-                    failures.append(f"{dtype} {products}: {threads} threads differ from 1")
+                    failures.append(f"{name}, {dtype} {products}: {threads} threads differ from 1")
         finally:
             module().set_float32_products("auto")
-    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                                            attn_mask=shown.view(1, 1, 300, 300))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1), attn_mask=shown)
     torch.set_num_threads(16)
-    err = (cs149gpt.attention(q, k_bad, v_bad, attn_mask=shown.view(1, 1, 300, 300)).double() - want).abs().max()
-    assert err < 1e-5, err
+    err = (cs149gpt.attention(q, k_bad, v_bad, attn_mask=shown, block_k=block_k).double() - want).abs().max()
+    assert err < 1e-5, (name, err)
     assert not failures, "\n".join(failures)
 
 

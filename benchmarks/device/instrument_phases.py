@@ -36,9 +36,9 @@ struct JobTimes {  // instrument_phases.py: per-call means, printed at exit
 inline thread_local double tl_pack = 0, tl_tile = 0, tl_spin = 0;
 """
     reps = [
-        ("      while (__atomic_load_n(packed, __ATOMIC_ACQUIRE) < packs) spin_pause();",
+        ("      wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);",
          "      const double w0 = omp_get_wtime();\n"
-         "      while (__atomic_load_n(packed, __ATOMIC_ACQUIRE) < packs) spin_pause();\n"
+         "      wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);\n"
          "      tl_spin += omp_get_wtime() - w0;"),
         ("    tile(b, h, i * Br, scratch);\n  };",
          "    const double t0 = omp_get_wtime();\n    tile(b, h, i * Br, scratch);\n    tl_tile += omp_get_wtime() - t0;\n  };"),

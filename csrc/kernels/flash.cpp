@@ -82,7 +82,7 @@ struct Layout {
   PackChunks pack;                // each tile packed in chunks of whole panels (flash_common.h)
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place or packed in the task)
   int64_t flags_size;             // attn_mask: one flag per chunk of V tile, 1 if it is all finite (else 0 floats)
-  int64_t ready_size;             // a counter of packed chunks per (batch, kv head), as int32 (run_forward_tiles)
+  int64_t ready_size;             // a counter of packed chunks per (batch, kv head), a cache line each (int32)
   int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, row_max_off, bias_off, kt_off, v_off, per_thread;  // per thread
 
   explicit Layout(const AttentionParams& p) {
@@ -112,7 +112,7 @@ struct Layout {
     v_size = pack_v && !pack_in_task ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
     const bool masked = has_mask_or_window(p);
     flags_size = masked && !pack_in_task ? round_up(p.batch * p.num_kv_heads * Tc * pack.chunks, 16) : 0;
-    ready_size = pack_in_task ? 0 : round_up(p.batch * p.num_kv_heads, 16);
+    ready_size = pack_in_task ? 0 : p.batch * p.num_kv_heads * kCounterStride;
     // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, the group's
     // running row maxima (G vectors), with attn_mask its offsets for one row group (G × Bc_pad), and when the task
     // packs its own tiles, K_jᵀ and V_j.

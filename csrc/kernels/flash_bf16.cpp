@@ -98,7 +98,7 @@ struct Layout {
   int64_t d_k, d_n;         // head_dim as the k of Q Kᵀ (kDotK multiple) and as the n of P V (kDotCols)
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n), per part
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats); V's flags, then K's
-  int64_t ready_floats;                       // a counter of packed chunks per (batch, kv head), as int32
+  int64_t ready_floats;                       // a counter of packed chunks per (batch, kv head), a line each
   PackChunks pack;                            // each tile packed in chunks of whole VNNI blocks (flash_common.h)
   int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch (floats)
 
@@ -124,7 +124,7 @@ struct Layout {
     v_floats = floats_for(tiles * v_tile * parts);
     pack = split_packing(p, Tc, Bc_pad, kDotK);
     flags_floats = round_up(tiles * pack.chunks * parts, 16);
-    ready_floats = round_up(p.batch * p.num_kv_heads, 16);
+    ready_floats = p.batch * p.num_kv_heads * flash::kCounterStride;
     q_off = 0;                                        // Q_i, bf16, Br × d_k (per part)
     s_off = q_off + parts * floats_for(Br * d_k);     // S/P of one group, float32, G × s_ld
     p_off = s_off + G * s_ld;                         // P of one group, bf16, G × p_ld (per part)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <thread>
 #include <type_traits>
 
 #include <omp.h>
@@ -533,22 +534,39 @@ inline bool all_chunks_finite(const float* flags, int64_t chunks) {
   return true;
 }
 
+// A packing counter per cache line (run_forward_tiles): a tile's polling of one never meets the increments of another.
+constexpr int64_t kCounterStride = 16;  // int32 counters, 64 bytes apart
+
+// Spins until *counter ≥ value (acquire: what was written before the increments that got it there is visible).
+// PAUSE between reads; after a while the thread yields its core instead, in case the thread it waits for is not
+// running (more threads than cores).
+inline void wait_for_count(const int32_t* counter, int64_t value) {
+  for (int spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) < value; ++spins) {
+    if (spins < 4096)
+      spin_pause();
+    else
+      std::this_thread::yield();
+  }
+}
+
 // The forward's jobs on one team of threads (flash.cpp, flash_bf16.cpp), taken dynamically:
 //   pack(b, kvh, u): packing unit u < packs of kv head (b, kvh) — a chunk of one of its key tiles (PackChunks) —
 //      into the shared workspace, once (none with packs = 0: flash.cpp's tasks that pack their own);
 //   tile(b, h, i0, scratch): a query tile, which reads its kv head's packed tiles; the tiles of a head costliest
 //      first (with the causal mask the last query tiles see the most keys), each thread on its own scratch.
 // No barrier stands between the two. The jobs come kv head by kv head: the first kv head's chunks, then each kv
-// head's query tiles with the next one's chunks spread evenly among them, then the last one's tiles; a tile waits
+// head's query tiles with the next one's chunks spread evenly among them (the first at the start, the last well
+// before the next kv head's first tile), then the last one's tiles; a tile waits
 // only until its own kv head's chunks are all packed (`ready` counts them: release after a chunk, acquire before a
 // tile). The packing — bound by the caches and memory, not by the FMAs or tiles — so runs beside the products of
 // the kv head before, where behind a barrier it was a phase of its own on every thread: on the 16-core device host
 // 55–350 µs of 0.25–2.4 ms calls, however finely it was split (results/s18b_phases.txt). No wait can block
-// forever: every chunk of a kv head comes before its first tile in the order, so when a thread takes a tile, each of
-// its chunks is packed or being packed by a thread that waits for nothing.
+// forever, whatever order the jobs are handed out in: every chunk of a kv head comes before its first tile in the
+// order, so the waiting tile of lowest index waits for chunks of lower index, each packed, being packed, or still to
+// be taken by a thread whose current job has a lower index still — a chunk, or a tile that does not wait.
 // With a batch-shared attn_mask the tasks take the batch innermost (below), so kv heads alternate task by task:
 // then every chunk comes first, and the tiles follow.
-// `ready` holds one counter per (batch, kv head), in the workspace; zeroed here. PerThread is constructed by each
+// `ready` holds one counter per (batch, kv head), kCounterStride apart, in the workspace; zeroed here. PerThread is constructed by each
 // thread around its jobs (flash_bf16.cpp: AMX's tile configuration).
 struct NoPerThreadSetup {};
 template <class PerThread = NoPerThreadSetup, class Pack, class Tile>
@@ -570,16 +588,15 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
       i = Tr - 1 - task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
     }
     if (packs > 0) {
-      const int32_t* packed = ready + b * p.num_kv_heads + kv_head(p, h);
-      while (__atomic_load_n(packed, __ATOMIC_ACQUIRE) < packs) spin_pause();
+      wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);
     }
     tile(b, h, i * Br, scratch);
   };
   const auto run_pack = [&](int64_t kv, int64_t u) {
     pack(kv / p.num_kv_heads, kv % p.num_kv_heads, u);
-    __atomic_fetch_add(ready + kv, 1, __ATOMIC_RELEASE);
+    __atomic_fetch_add(ready + kv * kCounterStride, 1, __ATOMIC_RELEASE);
   };
-  std::fill_n(ready, packs > 0 ? kv_heads : 0, 0);
+  std::fill_n(ready, packs > 0 ? kv_heads * kCounterStride : 0, 0);
   const int64_t n_jobs = kv_heads * packs + n_tasks;
 #pragma omp parallel num_threads(p.num_threads)
   {
@@ -599,10 +616,11 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
         continue;
       }
       // Block kv (of tiles_per_kv_head + packs jobs): kv head kv's tiles, and kv head kv + 1's chunks at the
-      // positions r where ⌊r · packs / block⌋ steps up (evenly spread); the last block holds tiles only.
+      // positions ⌊c · block / packs⌋, c < packs (evenly spread, from r = 0); the last block holds tiles only. Before
+      // position r lie ⌈r · packs / block⌉ chunks.
       const int64_t block = tiles_per_kv_head + packs, kv = (job - packs) / block, r = (job - packs) % block;
-      const int64_t chunks_before = kv + 1 < kv_heads ? r * packs / block : 0;
-      if (kv + 1 < kv_heads && (r + 1) * packs / block > chunks_before)
+      const int64_t chunks_before = kv + 1 < kv_heads ? (r * packs + block - 1) / block : 0;
+      if (kv + 1 < kv_heads && ((r + 1) * packs + block - 1) / block > chunks_before)
         run_pack(kv + 1, chunks_before);
       else
         run_task(kv * tiles_per_kv_head + r - chunks_before, scratch);
