@@ -17,7 +17,7 @@ from pathlib import Path
 
 path = Path(sys.argv[1]) / "csrc/kernels/flash_common.h"
 s = path.read_text()
-if "const bool interleave" in s:
+if "wait_for_count(" in s:
     # Session 18's schedule (one dynamic loop of packing chunks and query tiles, no barrier): each thread's time in
     # packing, in tiles and spinning for a kv head's chunks, the busiest thread's total, and the region.
     header = """#include <omp.h>
@@ -36,10 +36,10 @@ struct JobTimes {  // instrument_phases.py: per-call means, printed at exit
 inline thread_local double tl_pack = 0, tl_tile = 0, tl_spin = 0;
 """
     reps = [
-        ("      wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);",
-         "      const double w0 = omp_get_wtime();\n"
-         "      wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);\n"
-         "      tl_spin += omp_get_wtime() - w0;"),
+        ("    if (packs > 0) wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);",
+         "    const double w0 = omp_get_wtime();\n"
+         "    if (packs > 0) wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);\n"
+         "    tl_spin += omp_get_wtime() - w0;"),
         ("    tile(b, h, i * Br, scratch);\n  };",
          "    const double t0 = omp_get_wtime();\n    tile(b, h, i * Br, scratch);\n    tl_tile += omp_get_wtime() - t0;\n  };"),
         ("    pack(kv / p.num_kv_heads, kv % p.num_kv_heads, u);",
@@ -49,8 +49,8 @@ inline thread_local double tl_pack = 0, tl_tile = 0, tl_spin = 0;
          "  const int64_t n_jobs = kv_heads * packs + n_tasks;\n  const double t_enter = omp_get_wtime();\n"
          "  double pack_sum = 0, tile_sum = 0, spin_sum = 0, busy_max = 0;\n"
          "#pragma omp parallel num_threads(p.num_threads)\n  {\n    tl_pack = tl_tile = tl_spin = 0;"),
-        ("        run_task(kv * tiles_per_kv_head + r - chunks_before, scratch);\n    }\n  }\n}",
-         "        run_task(kv * tiles_per_kv_head + r - chunks_before, scratch);\n    }\n"
+        ("        run_task(k * unit_tasks + r - chunks_before, scratch);\n    }\n  }\n}",
+         "        run_task(k * unit_tasks + r - chunks_before, scratch);\n    }\n"
          "#pragma omp critical\n    {\n      pack_sum += tl_pack, tile_sum += tl_tile, spin_sum += tl_spin;\n"
          "      busy_max = std::max(busy_max, tl_pack + tl_tile + tl_spin);\n    }\n  }\n"
          "  static JobTimes totals;\n  const double n = p.num_threads;\n  totals.calls += 1;\n"

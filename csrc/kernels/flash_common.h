@@ -554,32 +554,34 @@ inline void wait_for_count(const int32_t* counter, int64_t value) {
 //      into the shared workspace, once (none with packs = 0: flash.cpp's tasks that pack their own);
 //   tile(b, h, i0, scratch): a query tile, which reads its kv head's packed tiles; the tiles of a head costliest
 //      first (with the causal mask the last query tiles see the most keys), each thread on its own scratch.
-// No barrier stands between the two. The jobs come kv head by kv head: the first kv head's chunks, then each kv
-// head's query tiles with the next one's chunks spread evenly among them (the first at the start, the last well
-// before the next kv head's first tile), then the last one's tiles; a tile waits
-// only until its own kv head's chunks are all packed (`ready` counts them: release after a chunk, acquire before a
-// tile). The packing — bound by the caches and memory, not by the FMAs or tiles — so runs beside the products of
-// the kv head before, where behind a barrier it was a phase of its own on every thread: on the 16-core device host
-// 55–350 µs of 0.25–2.4 ms calls, however finely it was split (results/s18b_phases.txt). No wait can block
-// forever, whatever order the jobs are handed out in: every chunk of a kv head comes before its first tile in the
-// order, so the waiting tile of lowest index waits for chunks of lower index, each packed, being packed, or still to
-// be taken by a thread whose current job has a lower index still — a chunk, or a tile that does not wait.
-// With a batch-shared attn_mask the tasks take the batch innermost (below), so kv heads alternate task by task:
-// then every chunk comes first, and the tiles follow.
-// `ready` holds one counter per (batch, kv head), kCounterStride apart, in the workspace; zeroed here. PerThread is constructed by each
-// thread around its jobs (flash_bf16.cpp: AMX's tile configuration).
+// No barrier stands between the two. The jobs come kv head by kv head: the first kv head's chunks, then each kv head's
+// query tiles with the next one's chunks spread evenly among them (the first at the start, the last well before the
+// next kv head's first tile), then the last one's tiles; a tile waits only until its own kv head's chunks are all
+// packed (`ready` counts them: release after a chunk, acquire before a tile). The packing — bound by the caches and
+// memory, not by the FMAs or tiles — so runs beside the products of the kv head before, where behind a barrier it was a
+// phase of its own on every thread: on the 16-core device host 55–350 µs of 0.25–2.4 ms calls, however finely it was
+// split (results/s18b_phases.txt). No wait can block forever, whatever order the jobs are handed out in: every chunk of
+// a kv head comes before its first tile in the order, so the waiting tile of lowest index waits for chunks of lower
+// index, each packed, being packed, or still to be taken by a thread whose current job has a lower index still — a
+// chunk, or a tile that does not wait.
+// With a batch-shared attn_mask the tasks take the batch innermost (below): then the order's unit is a kv head index
+// over the whole batch (its chunks for every batch element, then its tiles), not one (batch, kv head).
+// `ready` holds one counter per (batch, kv head), kCounterStride apart, in the workspace; zeroed here. PerThread is
+// constructed by each thread around its jobs (flash_bf16.cpp: AMX's tile configuration).
 struct NoPerThreadSetup {};
 template <class PerThread = NoPerThreadSetup, class Pack, class Tile>
 void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t packs, int32_t* ready,
                        float* thread_scratch, int64_t per_thread, const Pack& pack, const Tile& tile) {
-  const int64_t kv_heads = p.batch * p.num_kv_heads;
-  const int64_t tiles_per_kv_head = (p.num_heads / p.num_kv_heads) * Tr, n_tasks = p.batch * p.num_heads * Tr;
+  const int64_t kv_heads = p.batch * p.num_kv_heads, n_tasks = p.batch * p.num_heads * Tr;
   // Tasks are (batch, head, query tile), kv head by kv head (the heads of a GQA group are adjacent). An attn_mask
   // shared by the batch (stride 0 over b: an ALiBi-style (1, H, N, N) bias) is read by every batch's tile i of head
   // h: then the batch is the innermost index, so those tasks run one after another and its rows come from cache
   // after the first, not from memory once per batch element.
   const bool batch_inner = p.mask != nullptr && p.batch > 1 && p.mask_strides[0] == 0;
-  const bool interleave = packs > 0 && !batch_inner;
+  // The order's units: (batch, kv head) pairs, or kv head indices with the batch innermost; each unit's chunks and
+  // tasks.
+  const int64_t units = batch_inner ? p.num_kv_heads : kv_heads;
+  const int64_t unit_packs = kv_heads * packs / units, unit_tasks = n_tasks / units;
   const auto run_task = [&](int64_t task, float* scratch) {
     int64_t b, h, i;
     if (batch_inner) {
@@ -587,12 +589,11 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
     } else {
       i = Tr - 1 - task % Tr, h = (task / Tr) % p.num_heads, b = task / (Tr * p.num_heads);
     }
-    if (packs > 0) {
-      wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);
-    }
+    if (packs > 0) wait_for_count(ready + (b * p.num_kv_heads + kv_head(p, h)) * kCounterStride, packs);
     tile(b, h, i * Br, scratch);
   };
-  const auto run_pack = [&](int64_t kv, int64_t u) {
+  const auto run_pack = [&](int64_t unit, int64_t c) {  // chunk c of a unit
+    const int64_t kv = batch_inner ? c / packs * p.num_kv_heads + unit : unit, u = c % packs;
     pack(kv / p.num_kv_heads, kv % p.num_kv_heads, u);
     __atomic_fetch_add(ready + kv * kCounterStride, 1, __ATOMIC_RELEASE);
   };
@@ -604,26 +605,20 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
     const PerThread setup;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < n_jobs; ++job) {
-      if (!interleave) {  // every chunk, then every tile
-        if (job < kv_heads * packs)
-          run_pack(job / packs, job % packs);
-        else
-          run_task(job - kv_heads * packs, scratch);
-        continue;
-      }
-      if (job < packs) {  // the first kv head's chunks
+      if (job < unit_packs) {  // the first unit's chunks
         run_pack(0, job);
         continue;
       }
-      // Block kv (of tiles_per_kv_head + packs jobs): kv head kv's tiles, and kv head kv + 1's chunks at the
-      // positions ⌊c · block / packs⌋, c < packs (evenly spread, from r = 0); the last block holds tiles only. Before
-      // position r lie ⌈r · packs / block⌉ chunks.
-      const int64_t block = tiles_per_kv_head + packs, kv = (job - packs) / block, r = (job - packs) % block;
-      const int64_t chunks_before = kv + 1 < kv_heads ? (r * packs + block - 1) / block : 0;
-      if (kv + 1 < kv_heads && ((r + 1) * packs + block - 1) / block > chunks_before)
-        run_pack(kv + 1, chunks_before);
+      // Block k (of unit_tasks + unit_packs jobs): unit k's tiles, and unit k + 1's chunks at the positions
+      // ⌊c · block / unit_packs⌋, c < unit_packs (evenly spread, from r = 0); the last block holds tiles only.
+      // Before position r lie ⌈r · unit_packs / block⌉ chunks.
+      const int64_t block = unit_tasks + unit_packs, k = (job - unit_packs) / block, r = (job - unit_packs) % block;
+      const bool chunks_follow = k + 1 < units && unit_packs > 0;
+      const int64_t chunks_before = chunks_follow ? (r * unit_packs + block - 1) / block : 0;
+      if (chunks_follow && ((r + 1) * unit_packs + block - 1) / block > chunks_before)
+        run_pack(k + 1, chunks_before);
       else
-        run_task(kv * tiles_per_kv_head + r - chunks_before, scratch);
+        run_task(k * unit_tasks + r - chunks_before, scratch);
     }
   }
 }
