@@ -15,7 +15,8 @@
 // How it is made fast on a CPU, without changing the algorithm above:
 // - Both products, S_ij = Q_i K_jᵀ and P_ij V_j, run through one register-blocked micro-kernel
 //   (micro_gemm in simd.h) whose right operand is read a row of vectors at a time. So K is packed once,
-//   transposed, tile by tile (K_jᵀ: d × Bc), before the main loop, by all threads together, in panels of
+//   transposed, tile by tile (K_jᵀ: d × Bc), by all threads together in chunks, each kv head's just before its
+//   query tiles (no barrier: run_forward_tiles, flash_common.h), in panels of
 //   as many keys as one micro-kernel call covers (d × 32 with AVX-512, contiguous): a call then streams
 //   through consecutive cache lines, where rows of the whole tile, 2 KB apart, would all fall into the same
 //   few L1 sets. V is read in place, or packed once too when it is not float32 or d is not a whole number
@@ -34,7 +35,7 @@
 // - attn_mask: each (row group, key tile) block is classified as it is read (mask_block, flash_common.h): a block
 //   it hides whole is skipped, one it leaves whole takes the unmasked path, only the rest add it to S (its
 //   offsets times log2 e: S is in base 2).
-// - Threads take (batch, head, query tile) tasks dynamically, costliest first.
+// - Threads take packing chunks and (batch, head, query tile) tasks dynamically, a head's tiles costliest first.
 // - The workspace comes from the caller; nothing is allocated here.
 // A query row that sees no key at all (bottom-right causal with q_len > kv_len) gets O = 0, lse = −inf.
 // Non-finite values follow the README's rules ("Non-finite values"): a NaN or +inf logit makes its row NaN,
