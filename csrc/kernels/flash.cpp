@@ -77,7 +77,7 @@ struct Layout {
   bool pack_v;                    // V is converted/padded once rather than read in place
   // Each packed key tile is read by one task only (one query tile a head, no GQA group: BERT's 128 tokens, ViT's
   // 197): the task packs its tiles itself, one at a time, into its thread's scratch, where the tile is then still in
-  // cache, instead of all tiles packed up front into a workspace as large as K (and V), behind a barrier.
+  // cache, instead of into a shared workspace as large as K (and V), by other threads.
   bool pack_in_task;
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad, to whole panels
   PackChunks pack;                // each tile packed in chunks of whole panels (flash_common.h)
