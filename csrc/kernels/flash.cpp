@@ -83,7 +83,7 @@ struct Layout {
   PackChunks pack;                // each tile packed in chunks of whole panels (flash_common.h)
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place or packed in the task)
   int64_t flags_size;             // attn_mask: one flag per chunk of V tile, 1 if it is all finite (else 0 floats)
-  int64_t ready_size;             // a counter of packed chunks per (batch, kv head), a cache line each (int32)
+  int64_t ready_size;             // a counter of packed chunks per (batch, kv head), a cache line each (int64)
   int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, row_max_off, bias_off, kt_off, v_off, per_thread;  // per thread
 
   explicit Layout(const AttentionParams& p) {
@@ -113,7 +113,7 @@ struct Layout {
     v_size = pack_v && !pack_in_task ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
     const bool masked = has_mask_or_window(p);
     flags_size = masked && !pack_in_task ? round_up(p.batch * p.num_kv_heads * Tc * pack.chunks, 16) : 0;
-    ready_size = pack_in_task ? 0 : p.batch * p.num_kv_heads * kCounterStride;
+    ready_size = pack_in_task ? 0 : p.batch * p.num_kv_heads * kCounterFloats;
     // Per thread: Q_i (Br_pad × d), S for one row group (G × s_ld), O_i (Br_pad × d_pad), m, l, α, the group's
     // running row maxima (G vectors), with attn_mask its offsets for one row group (G × Bc_pad), and when the task
     // packs its own tiles, K_jᵀ and V_j.
@@ -315,11 +315,11 @@ template <class T>
 void run(const AttentionParams& p, float* workspace) {
   const Layout L(p);
   PackedTiles packed;
-  packed.kt_all = workspace;
-  packed.v_all = workspace + L.kt_size;
+  int64_t* ready = reinterpret_cast<int64_t*>(workspace);  // first: the workspace's start is 64-byte aligned
+  packed.kt_all = workspace + L.ready_size;
+  packed.v_all = packed.kt_all + L.kt_size;
   packed.v_finite = packed.v_all + L.v_size;
-  int32_t* ready = reinterpret_cast<int32_t*>(packed.v_finite + L.flags_size);
-  float* thread_scratch = packed.v_finite + L.flags_size + L.ready_size;
+  float* thread_scratch = packed.v_finite + L.flags_size;
   // Every K tile (and V) packed once, chunk by chunk, by whichever threads come (unless each task packs its own),
   // beside the query tiles of the kv heads before; the query tiles costliest first (flash_common.h).
   run_forward_tiles(

@@ -38,7 +38,6 @@
 
 #include <algorithm>
 #include <numeric>
-#include <thread>
 #include <omp.h>
 
 namespace cs149gpt {
@@ -113,17 +112,9 @@ template <class Task>
 void take_in_order(float* ws, int64_t tasks, const Task& task) {
   for (int64_t t; (t = __atomic_fetch_add(task_counter(ws), 1, __ATOMIC_RELAXED)) < tasks;) task(t);
 }
-// Waiting for turn `turn` to reach `run` (whose go it is: a run, or a head part): a pause between looks, and the CPU
-// given up after a while (more threads than CPUs: the task waited for may be one that is not running).
-inline void wait_for_turn(float* ws, int64_t turn, int64_t run) {
-  const int64_t* count = merge_turn(ws, turn);
-  for (int64_t looks = 0; __atomic_load_n(count, __ATOMIC_ACQUIRE) != run; ++looks) {
-#if defined(__x86_64__) || defined(_M_X64)
-    _mm_pause();
-#endif
-    if (looks > 4096) std::this_thread::yield();
-  }
-}
+// Waiting for turn `turn` to reach `run` (whose go it is: a run, or a head part), flash_common.h's spin-wait: the
+// count never passes `run` before `run` itself ends its turn, so "at least run" is "run".
+inline void wait_for_turn(float* ws, int64_t turn, int64_t run) { wait_for_count(merge_turn(ws, turn), run); }
 inline void end_turn(float* ws, int64_t turn, int64_t run) {
   __atomic_store_n(merge_turn(ws, turn), run + 1, __ATOMIC_RELEASE);
 }

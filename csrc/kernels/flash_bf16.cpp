@@ -99,6 +99,7 @@ struct Layout {
   int64_t kt_tile, v_tile;  // bf16 per packed K_jᵀ (d_k × Bc_pad) and V_j (Bc_pad × d_n), per part
   int64_t kt_floats, v_floats, flags_floats;  // the shared, packed operands (in floats); V's flags, then K's
   int64_t ready_floats;                       // a counter of packed chunks per (batch, kv head), a line each
+                                              // (int64), first in the workspace
   PackChunks pack;                            // each tile packed in chunks of whole VNNI blocks (flash_common.h)
   int64_t q_off, s_off, p_off, o_off, m_off, l_off, alpha_off, bias_off, per_thread;  // per-thread scratch (floats)
 
@@ -124,7 +125,7 @@ struct Layout {
     v_floats = floats_for(tiles * v_tile * parts);
     pack = split_packing(p, Tc, Bc_pad, kDotK);
     flags_floats = round_up(tiles * pack.chunks * parts, 16);
-    ready_floats = p.batch * p.num_kv_heads * flash::kCounterStride;
+    ready_floats = p.batch * p.num_kv_heads * flash::kCounterFloats;
     q_off = 0;                                        // Q_i, bf16, Br × d_k (per part)
     s_off = q_off + parts * floats_for(Br * d_k);     // S/P of one group, float32, G × s_ld
     p_off = s_off + G * s_ld;                         // P of one group, bf16, G × p_ld (per part)
@@ -403,11 +404,12 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
 template <class T>
 void run(const AttentionParams& p, float* workspace) {
   const Layout L(p);
+  int64_t* ready = reinterpret_cast<int64_t*>(workspace);  // first: the workspace's start is 64-byte aligned
+  workspace += L.ready_floats;
   bf16_bits* kt_all = reinterpret_cast<bf16_bits*>(workspace);
   bf16_bits* v_all = reinterpret_cast<bf16_bits*>(workspace + L.kt_floats);
   float* finite = workspace + L.kt_floats + L.v_floats;
-  int32_t* ready = reinterpret_cast<int32_t*>(finite + L.flags_floats);
-  float* thread_scratch = finite + L.flags_floats + L.ready_floats;
+  float* thread_scratch = finite + L.flags_floats;
   // Every K and V tile packed once, chunk by chunk, beside the query tiles of the kv heads before (flash_common.h),
   // each thread under our AMX tile configuration (DotScope: the previous one restored after).
   run_forward_tiles<DotScope>(

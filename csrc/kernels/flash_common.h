@@ -534,13 +534,14 @@ inline bool all_chunks_finite(const float* flags, int64_t chunks) {
   return true;
 }
 
-// A packing counter per cache line (run_forward_tiles): a tile's polling of one never meets the increments of another.
-constexpr int64_t kCounterStride = 16;  // int32 counters, 64 bytes apart
+// Packing counters (run_forward_tiles): int64s a cache line apart, so that a tile's polling of one never meets the
+// increments of another; kCounterFloats floats of workspace each.
+constexpr int64_t kCounterStride = 8, kCounterFloats = 2 * kCounterStride;
 
 // Spins until *counter ≥ value (acquire: what was written before the increments that got it there is visible).
 // PAUSE between reads; after a while the thread yields its core instead, in case the thread it waits for is not
-// running (more threads than cores).
-inline void wait_for_count(const int32_t* counter, int64_t value) {
+// running (more threads than cores). The forward's packing counters and the one-pass backward's merge turns.
+inline void wait_for_count(const int64_t* counter, int64_t value) {
   for (int spins = 0; __atomic_load_n(counter, __ATOMIC_ACQUIRE) < value; ++spins) {
     if (spins < 4096)
       spin_pause();
@@ -570,7 +571,7 @@ inline void wait_for_count(const int32_t* counter, int64_t value) {
 // constructed by each thread around its jobs (flash_bf16.cpp: AMX's tile configuration).
 struct NoPerThreadSetup {};
 template <class PerThread = NoPerThreadSetup, class Pack, class Tile>
-void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t packs, int32_t* ready,
+void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t packs, int64_t* ready,
                        float* thread_scratch, int64_t per_thread, const Pack& pack, const Tile& tile) {
   const int64_t kv_heads = p.batch * p.num_kv_heads, n_tasks = p.batch * p.num_heads * Tr;
   // Tasks are (batch, head, query tile), kv head by kv head (the heads of a GQA group are adjacent). An attn_mask
@@ -597,7 +598,7 @@ void run_forward_tiles(const AttentionParams& p, int64_t Br, int64_t Tr, int64_t
     pack(kv / p.num_kv_heads, kv % p.num_kv_heads, u);
     __atomic_fetch_add(ready + kv * kCounterStride, 1, __ATOMIC_RELEASE);
   };
-  std::fill_n(ready, packs > 0 ? kv_heads * kCounterStride : 0, 0);
+  std::fill_n(ready, packs > 0 ? kv_heads * kCounterStride : 0, int64_t{0});
   const int64_t n_jobs = kv_heads * packs + n_tasks;
 #pragma omp parallel num_threads(p.num_threads)
   {
