@@ -40,6 +40,9 @@ def masks(b: int, h: int, n: int, dtype: torch.dtype) -> dict:
         "alibi f32, 128-key tiles": (alibi, False, None, 128, causal_pairs),
         "alibi f32, 256-key tiles": (alibi, False, None, 256, causal_pairs),
         "t5 f32 (1,H,N,N), no -inf": (t5, False, None, None, all_pairs),
+        # the same biases, one copy per batch element: what each costs when no batch element can reuse another's rows
+        "alibi f32 (B,H,N,N)": (alibi.expand(b, -1, -1, -1).contiguous(), False, None, None, causal_pairs),
+        "t5 f32 (B,H,N,N), no -inf": (t5.expand(b, -1, -1, -1).contiguous(), False, None, None, all_pairs),
     }
 
 

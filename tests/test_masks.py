@@ -70,6 +70,13 @@ def random_run_additive_mask(shape, g, dtype=torch.float32):
     return zero.masked_fill(~m, NEG_INF).to(dtype)
 
 
+def random_biased_run_mask(shape, g, dtype=torch.float32):
+    """random_run_mask's runs adding a bias (ALiBi's or T5's position bias under a causal or padding mask): the kernels
+    take the runs beside the mask and read it inside them only (module.cpp, key_ranges_of)."""
+    m = random_run_mask(shape, g)
+    return (2 * torch.randn(shape, generator=g)).masked_fill(~m, NEG_INF).to(dtype)
+
+
 def bias_of(mask, scores_shape):
     """The mask as float64 offsets of the logits, broadcast to the scores."""
     if mask.dtype == torch.bool:
@@ -151,10 +158,12 @@ def make_mask(kind, shape, g, dtype=torch.float32):
         return random_run_mask(shape, g)
     if kind == "additive runs":
         return random_run_additive_mask(shape, g, dtype)
+    if kind == "biased runs":
+        return random_biased_run_mask(shape, g, dtype)
     return random_additive_mask(shape, g, dtype)
 
 
-@pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs"])
+@pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs", "biased runs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_forward_every_mask_shape(isa, f32_products, dtype, kind):
     """out and lse for every broadcast shape of the mask, with each causal mode and tile size."""
@@ -197,20 +206,30 @@ def test_masks_of_one_run_per_row_become_key_ranges():
         zero = torch.where(torch.rand(shape, generator=g) < 0.5, 0.0, -0.0)
         for form in (mask, *(zero.masked_fill(~mask, NEG_INF).to(dt) for dt in (torch.float32, torch.bfloat16,
                                                                                  torch.float16))):
-            ranges = key_ranges_of(form, q, 13)
-            assert ranges is not None and torch.equal(ranges, want), (shape, form.dtype)
+            ranges, plain = key_ranges_of(form, q, 13)
+            assert plain and torch.equal(ranges, want), (shape, form.dtype)
+            # a bias inside the runs: the same runs, beside the mask (which the kernels then read inside them only)
+            if form.dtype != torch.bool:
+                biased = torch.where(torch.isinf(form), form, form + torch.rand(shape, generator=g).to(form.dtype) + 0.5)
+                ranges, plain = key_ranges_of(biased, q, 13)
+                assert not plain and torch.equal(ranges, want), (shape, form.dtype)
     two_runs = torch.ones(2, 1, 9, 13, dtype=torch.bool)
     two_runs[1, 0, 4, 5] = False
     assert key_ranges_of(two_runs, q, 13) is None
     assert key_ranges_of(two_runs[:, :, :, ::2], q, 7) is None  # keys strided: read in place
     one_run = torch.zeros(2, 1, 9, 13)
     one_run[..., 10:] = NEG_INF
-    assert key_ranges_of(one_run, q, 13) is not None
-    for other in (0.5, float("nan"), float("inf"), -1e30):  # a bias, not a hidden key
+    assert key_ranges_of(one_run, q, 13)[1]
+    for other in (0.5, float("nan"), float("inf"), -1e30):  # a bias (NaN and +inf too), not a hidden key
         biased = one_run.clone()
         biased[0, 0, 3, 2] = other
+        for form in (biased, biased.bfloat16()):
+            ranges, plain = key_ranges_of(form, q, 13)
+            assert not plain and torch.equal(ranges[0, 0, 3], torch.tensor([0, 10])), other
+        biased[0, 0, 3, 11] = other  # past the run: two runs
         assert key_ranges_of(biased, q, 13) is None, other
-        assert key_ranges_of(biased.bfloat16(), q, 13) is None, other
+    # A bias over every key (T5's encoder): its runs would skip nothing, so the mask is left to the kernels unscanned.
+    assert key_ranges_of(torch.randn(2, 1, 9, 13), q, 13) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -371,7 +390,7 @@ def grad_problems(q, k, v, dout, mask, *, tag, **kwargs):
     return found
 
 
-@pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs"])
+@pytest.mark.parametrize("kind", ["bool", "runs", "additive", "additive runs", "biased runs"])
 def test_gradients_every_mask_shape(isa, kind, backward_path):
     """dq, dk, dv (GQA: summed per group) against float64 autograd, for every broadcast shape of the mask, each
     causal mode and odd tiles; the mask gets no gradient. Runs (one run of keys a row) reach the kernels as key

@@ -299,6 +299,18 @@ MaskBlock mask_block_of(const AttentionParams& p, int64_t b, int64_t h, int64_t 
   return !any_shown ? MaskBlock::hidden : all_plain ? MaskBlock::visible : MaskBlock::partial;
 }
 
+// With key ranges or a window, the keys of a block past the last one any of its rows shows are hidden from all of
+// them: the block's key count n_j shrinks to that end before it is classified (and attn_mask, if any, is read only
+// up to it). A padded batch ends every row of a sequence at the same key, so its blocks then come out whole (visible:
+// the unmasked path, over fewer keys) rather than cut (partial: a bias row built and added for every row).
+inline int64_t window_keys_end(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
+                               int64_t n_j) {
+  if (!has_window(p)) return n_j;
+  int64_t last = -1;
+  for (int64_t i = i0; i < i0 + n_i; ++i) last = std::max(last, window_last(p, b, h, i));
+  return std::clamp<int64_t>(last - j0 + 1, 0, n_j);
+}
+
 // Asks for the attn_mask entries of a block the kernel will classify next (rows [i0, i0 + n_i), keys [j0, j0 + n_j)),
 // so that reading them overlaps the current block's products. A mask row of N ≥ 1024 keys spans a 4 KB page (float32)
 // or a quarter of one (bool): the block's rows are as many separate short runs, which the hardware prefetchers do not
@@ -326,8 +338,10 @@ inline void prefetch_next_mask_block(const AttentionParams& p, int64_t b, int64_
                                      int64_t g0, int64_t group, int64_t j0, int64_t Bc) {
   if (p.mask_kind == MaskKind::none) return;
   const int64_t next_g0 = g0 + group < rows ? g0 + group : 0, next_j0 = next_g0 > 0 ? j0 : j0 + Bc;
-  prefetch_mask_block(p, b, h, i0 + next_g0, std::min(group, rows - next_g0), next_j0,
-                      std::min(Bc, p.kv_len - next_j0));
+  const int64_t next_rows = std::min(group, rows - next_g0);
+  if (next_j0 >= p.kv_len) return;
+  prefetch_mask_block(p, b, h, i0 + next_g0, next_rows, next_j0,
+                      window_keys_end(p, b, h, i0 + next_g0, next_rows, next_j0, std::min(Bc, p.kv_len - next_j0)));
 }
 
 inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
@@ -357,18 +371,6 @@ inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int6
     case DType::f16: return mask_block_of<c10::Half>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
     default: return mask_block_of<float>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
   }
-}
-
-// With key ranges or a window and no attn_mask left to read, the keys of a block past the last one any of its rows
-// shows are hidden from all of them: the block's key count n_j shrinks to that end before it is classified. A
-// padded batch ends every row of a sequence at the same key, so its blocks then come out whole (visible: the
-// unmasked path, over fewer keys) rather than cut (partial: a bias row built and added for every row).
-inline int64_t window_keys_end(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
-                               int64_t n_j) {
-  if (!has_window(p) || p.mask_kind != MaskKind::none) return n_j;
-  int64_t last = -1;
-  for (int64_t i = i0; i < i0 + n_i; ++i) last = std::max(last, window_last(p, b, h, i));
-  return std::clamp<int64_t>(last - j0 + 1, 0, n_j);
 }
 
 // The keys of a partial block past the last one any of its rows shows need no scores: the block's key count
@@ -410,27 +412,44 @@ inline void zero_where_hidden(float* x, const float* bias, int64_t n) {
   for (int64_t t = 0; t < n; ++t) x[t] = bias[t] == kNegInf ? 0.0f : x[t];
 }
 
+// f(M{}) with M attn_mask's entry type (uint8_t for a boolean mask).
+template <class F>
+inline auto with_mask_type(const AttentionParams& p, const F& f) {
+  if (p.mask_kind == MaskKind::boolean) return f(uint8_t{});
+  switch (p.mask_dtype) {
+    case DType::bf16: return f(c10::BFloat16{});
+    case DType::f16: return f(c10::Half{});
+    default: return f(float{});
+  }
+}
+
 // A block attn_mask cuts, the quick way (the forward kernels, flash.cpp and flash_bf16.cpp): when nothing but the
 // causal mask hides keys besides attn_mask (no window) and a mask row's keys are adjacent, the block is only
 // classified (classify_mask_block: its first look, hidden / visible / partial) and a cut block's rows are added to S
 // straight from the mask (add_mask_row), with no offsets buffer written and read back in between. A T5-style
 // (1, H, N, N) bias cuts every block: on the device host one thread's bf16 call spent 55 % more time with it than
 // without, the buffer's round trip through L2 included (results/s15a_sweep_forward.txt).
+// Key ranges beside attn_mask (module.cpp: runs of keys that add a bias) take this path too: the mask itself is −inf
+// outside each row's run, so its rows are added as they are, and the runs only keep the reading inside them
+// (window_keys_end, classify_block's shown_keys). A sliding window is not in the mask: it takes mask_block.
 inline bool mask_rows_direct(const AttentionParams& p) {
-  return p.mask_kind != MaskKind::none && !has_window(p) && p.mask_strides[3] == 1;
+  return p.mask_kind != MaskKind::none && p.window_left < 0 && p.window_right < 0 && p.mask_strides[3] == 1;
 }
 inline MaskBlock classify_mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i,
                                      int64_t j0, int64_t n_j) {
-  switch (p.mask_kind) {
-    case MaskKind::none: return MaskBlock::visible;
-    case MaskKind::boolean: return classify_block<uint8_t>(p, b, h, i0, n_i, j0, n_j);
-    case MaskKind::additive: break;
-  }
-  switch (p.mask_dtype) {
-    case DType::bf16: return classify_block<c10::BFloat16>(p, b, h, i0, n_i, j0, n_j);
-    case DType::f16: return classify_block<c10::Half>(p, b, h, i0, n_i, j0, n_j);
-    default: return classify_block<float>(p, b, h, i0, n_i, j0, n_j);
-  }
+  if (p.mask_kind == MaskKind::none) return MaskBlock::visible;
+  const MaskBlock block = with_mask_type(p, [&](auto entry) {
+    return classify_block<decltype(entry)>(p, b, h, i0, n_i, j0, n_j);
+  });
+  // classify_block looks inside the runs only: where they add nothing the block is whole only if every row's run
+  // covers all the keys the causal mask shows it; else the −inf outside the runs is added (partial).
+  if (block == MaskBlock::visible && p.key_ranges != nullptr)
+    for (int64_t i = i0; i < i0 + n_i; ++i) {
+      int64_t lo, hi;
+      shown_keys(p, b, h, i, j0, n_j, &lo, &hi);
+      if (lo != 0 || hi != std::clamp<int64_t>(visible_keys(p, i) - j0, 0, n_j)) return MaskBlock::partial;
+    }
+  return block;
 }
 // shown_keys_end and add_mask on attn_mask's own rows (the direct path): the entries of rows [i0, i0 + n_i) (or row i)
 // of query head h in batch b from key j0 on, in the mask's type.
