@@ -427,11 +427,16 @@ bool one_run(const typename Entry::Bits* row, int64_t n, int64_t* first, int64_t
 // query head and key tile, and convert every tile that an edge of padding cuts.
 // `plain` says whether the runs add nothing (the kernels then take the runs instead of the mask) or add a bias inside
 // them (ALiBi's or T5's position bias under a causal or padding mask): then the kernels take the runs and still read
-// the mask, but only inside the runs — the keys a run hides are skipped unread, where the mask alone would have to be
-// read to its end in every row to find them: on the device host one thread's bf16 (1, 12, 1024, 64) call with a
-// causal ALiBi bias took 19.4 ms against 7.2 causal without a mask, and 18.0 with a T5-style bias over every key
-// (results/s19c_mask_reuse.txt). A mask whose first look hides no key at all (each of a few rows one run over every
-// key: a T5 encoder's bias) is left to the kernels unscanned, since its runs would skip nothing.
+// the mask, but only inside the runs, skipping the keys a run hides unread, where the mask alone has to be read to
+// each row's end to find them. That pays only where the kernels read each mask row several times (a bias shared by
+// the batch, or by the heads): this scan reads every row once more. On the device host (results/ab_s19d_masks.txt,
+// (B, 12, 1024, 64) with a causal ALiBi bias, two rounds) a (1, 12, N, N) bias over a batch of 4 went from 53.5 to
+// 37–50 ms in bf16 on one thread and 4.3–4.7 to 3.1–3.9 ms on 16 (float32 109–133 → 89–93 and 9.3–9.7 → 7.4–7.6);
+// read once a row (batch 1, or a bias per batch element) it lost, 1.2–1.4 → 1.8–2.0 ms on 16 threads. So a bias is
+// taken only where each row serves kMinBiasReuse (batch, head) pairs or more; a mask whose first look hides no key at
+// all (a few rows each one run over every key: a T5 encoder's bias) is left unscanned, since its runs would skip
+// nothing.
+constexpr int64_t kMinBiasReuse = 4;
 struct KeyRanges {
   at::Tensor ranges;
   bool plain = true;
@@ -450,6 +455,7 @@ KeyRanges key_ranges_of(const at::Tensor& mask4) {
     const int64_t i = r % extent[2], h = (r / extent[2]) % extent[1], b = r / (extent[2] * extent[1]);
     return base + b * stride[0] + h * stride[1] + i * stride[2];
   };
+  const bool bias_pays = mask4.size(0) * mask4.size(1) >= kMinBiasReuse * extent[0] * extent[1];
   if (!std::is_same_v<Entry, BoolEntry>) {  // the first look: the first, middle and last rows
     bool hides_any = false, plain_all = true;
     for (const int64_t r : {int64_t{0}, rows / 2, rows - 1}) {
@@ -459,7 +465,7 @@ KeyRanges key_ranges_of(const at::Tensor& mask4) {
       hides_any |= end - first < keys;
       plain_all &= plain;
     }
-    if (!hides_any && !plain_all) return {};
+    if (!plain_all && (!hides_any || !bias_pays)) return {};
   }
   at::Tensor ranges = at::empty({extent[0], extent[1], extent[2], 2}, at::TensorOptions().dtype(at::kLong));
   int64_t* out = ranges.data_ptr<int64_t>();
@@ -468,7 +474,7 @@ KeyRanges key_ranges_of(const at::Tensor& mask4) {
     bool plain_all = true;
     for (int64_t r = begin; r < end && one_run_each.load(std::memory_order_relaxed); ++r) {
       bool plain;
-      if (!one_run<Entry>(row_of(r), keys, out + 2 * r, out + 2 * r + 1, &plain))
+      if (!one_run<Entry>(row_of(r), keys, out + 2 * r, out + 2 * r + 1, &plain) || (!plain && !bias_pays))
         one_run_each.store(false, std::memory_order_relaxed);
       plain_all &= plain;
     }

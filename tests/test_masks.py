@@ -186,8 +186,9 @@ def test_forward_every_mask_shape(isa, f32_products, dtype, kind):
 def test_masks_of_one_run_per_row_become_key_ranges():
     """A mask whose every row shows one run of keys and hides the rest — boolean, or additive of only 0 and −inf in
     float32, bfloat16 or float16 — reaches the kernels as (first, end) per distinct row (the broadcast dims kept at
-    1), computed here from the definition; a row of two runs, a bias other than 0 and −inf, a NaN, or strided keys
-    leave the mask as it is."""
+    1), computed here from the definition; with a bias inside the runs (a value, NaN, +inf) the same runs come beside
+    the mask where each of its rows serves 4 (batch, head) pairs or more; a row of two runs, a bias over every key, or
+    strided keys leave the mask as it is."""
     from cs149gpt import _ext
 
     g = gen(1112)
@@ -208,11 +209,15 @@ def test_masks_of_one_run_per_row_become_key_ranges():
                                                                                  torch.float16))):
             ranges, plain = key_ranges_of(form, q, 13)
             assert plain and torch.equal(ranges, want), (shape, form.dtype)
-            # a bias inside the runs: the same runs, beside the mask (which the kernels then read inside them only)
+            # a bias inside the runs: the same runs, beside the mask (which the kernels then read inside them only),
+            # where each mask row serves 4 (batch, head) pairs or more; else the kernels read the mask alone
             if form.dtype != torch.bool:
                 biased = torch.where(torch.isinf(form), form, form + torch.rand(shape, generator=g).to(form.dtype) + 0.5)
-                ranges, plain = key_ranges_of(biased, q, 13)
-                assert not plain and torch.equal(ranges, want), (shape, form.dtype)
+                found = key_ranges_of(biased, q, 13)
+                if 2 * 4 >= 4 * rows.shape[0] * rows.shape[1]:
+                    assert found is not None and not found[1] and torch.equal(found[0], want), (shape, form.dtype)
+                else:
+                    assert found is None, (shape, form.dtype)
     two_runs = torch.ones(2, 1, 9, 13, dtype=torch.bool)
     two_runs[1, 0, 4, 5] = False
     assert key_ranges_of(two_runs, q, 13) is None
@@ -407,6 +412,36 @@ def test_gradients_every_mask_shape(isa, kind, backward_path):
                                               block_k=block_k, tag=f"{isa} {kind} {shape} causal={is_causal} "
                                                                    f"tiles=({block_q}, {block_k}) q {(b, hq, n_q, d)}")
     assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_alibi_bias_shared_by_the_batch(isa, f32_products, dtype):
+    """A causal ALiBi bias (1, H, N, N) shared by a batch of 4, and the same with left padding per batch element
+    (B, 1, N, N) shared by the heads: each row one run of keys adding a bias, which the kernels take as key ranges
+    beside the mask, over several key tiles and the default ones (module.cpp key_ranges_of, bias_pays). out and lse
+    against float64, and the gradients."""
+    from cs149gpt import _ext
+
+    g = gen(1131)
+    b, h, n, d = 4, 4, 160, 16
+    q, k, v, dout = inputs((b, h, n, d), (b, h, n, d), g, dtype)
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)])
+    distance = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).float()
+    alibi = (slopes[:, None, None] * distance[None]).masked_fill(distance[None] > 0, NEG_INF)[None]
+    pad = torch.tensor([0, 17, 90, 159])[:, None, None, None]  # left padding of each batch element
+    # the bias in the last rows only: the blocks above them add nothing inside the runs, yet their rows' runs differ
+    bias = 0.01 * distance.abs() * (torch.arange(n)[:, None] >= 130)
+    padded = bias.expand(b, 1, n, n).masked_fill((torch.arange(n) < pad) | (distance > 0), NEG_INF)
+    for mask in (alibi, padded.to(dtype)):
+        ranges = _ext.load().key_ranges_of(mask, q, n)
+        assert ranges is not None and not ranges[1]  # runs beside the mask
+        failures = []
+        for block_q, block_k in ((None, None), (32, 48)):
+            out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, block_q=block_q, block_k=block_k, return_lse=True)
+            failures += out_problems(out, lse, q, k, v, mask, tag=f"{isa} {tuple(mask.shape)} ({block_q}, {block_k})")
+        if dtype == torch.float32:
+            failures += grad_problems(q, k, v, dout, mask, tag=f"{isa} {tuple(mask.shape)} backward")
+        assert not failures, "\n".join(failures[:10])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
