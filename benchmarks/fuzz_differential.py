@@ -144,13 +144,13 @@ def draw_case(cs, mode, dtypes, api):
         m["noncontig"] = r.choice((False, False, "transpose", "slice"))
         c["mask"] = m
     if mode in ("nonfinite", "nonfinite_bwd"):
+        if mode == "nonfinite_bwd":  # (before the places are drawn: a dropped mask takes none)
+            c["mask"] = c["mask"] if r.random() < 0.5 else None
         places = []
         for _ in range(r.choice((1, 1, 2, 3, 5))):
             places.append((r.choice("qkv" + ("m" if c["mask"] and c["mask"]["kind"] != "bool" else "")),
                            r.random(), r.choice(("nan", "inf", "-inf"))))
         c["nonfinite"] = places
-        if mode == "nonfinite_bwd":
-            c["mask"] = c["mask"] if r.random() < 0.5 else None
     c["check_threads"] = r.random() < 0.15
     c["bwd_path"] = r.choice(("auto",) * 5 + ("one_pass", "two_pass", "one_pass_chunked")) if mode.endswith(
         "bwd") else "auto"
@@ -381,6 +381,12 @@ def maxerr(a, b):
     return (a[f] - b[f]).abs().max().item()
 
 
+def where_differ(where, got, want):
+    """The first three positions where `where` is true, with ours' and the reference's values there."""
+    w = where.nonzero()[:3].tolist()
+    return f"at {w} (ours {[got[tuple(x)].item() for x in w]}, ref {[want[tuple(x)].item() for x in w]})"
+
+
 def pattern_diff(got, want, skip=None):
     got = got.double()
     msgs = []
@@ -389,16 +395,13 @@ def pattern_diff(got, want, skip=None):
     if skip is not None:
         diff &= ~skip
     if diff.any():
-        w = diff.nonzero()[:3].tolist()
-        msgs.append(f"NaN pattern: ours NaN {int(gn.sum())} ref NaN {int(wn.sum())} differ at {w} "
-                    f"(ours {[got[tuple(x)].item() for x in w]}, ref {[want[tuple(x)].item() for x in w]})")
+        msgs.append(f"NaN pattern: ours NaN {int(gn.sum())} ref NaN {int(wn.sum())} differ "
+                    + where_differ(diff, got, want))
     gi = got.isinf() | want.isinf()
     if skip is not None:
         gi &= ~skip
     if gi.any() and not torch.equal(got[gi & ~gn & ~wn], want[gi & ~gn & ~wn]):
-        sel = (gi & ~gn & ~wn & (got != want)).nonzero()[:3].tolist()
-        msgs.append(f"inf pattern differs at {sel} (ours {[got[tuple(x)].item() for x in sel]}, "
-                    f"ref {[want[tuple(x)].item() for x in sel]})")
+        msgs.append("inf pattern differs " + where_differ(gi & ~gn & ~wn & (got != want), got, want))
     return msgs
 
 
@@ -652,9 +655,8 @@ def run_case(c, mode):
                 if gskip is not None:
                     badg &= ~gskip
                 if badg.any():
-                    w = badg.nonzero()[:3].tolist()
-                    fails.append(f"grad {name} non-finite where float64 autograd is finite at {w} "
-                                 f"(ours {[a[tuple(x)].item() for x in w]}, ref {[b[tuple(x)].item() for x in w]})")
+                    fails.append(f"grad {name} non-finite where float64 autograd is finite "
+                                 + where_differ(badg, a, b))
                 nonfin = ~torch.isfinite(b)
                 gskip = nonfin if gskip is None else (gskip | nonfin)
             else:

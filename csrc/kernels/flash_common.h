@@ -344,6 +344,17 @@ inline void prefetch_next_mask_block(const AttentionParams& p, int64_t b, int64_
                       window_keys_end(p, b, h, i0 + next_g0, next_rows, next_j0, std::min(Bc, p.kv_len - next_j0)));
 }
 
+// f(M{}) with M attn_mask's entry type (uint8_t for a boolean mask).
+template <class F>
+inline auto with_mask_type(const AttentionParams& p, const F& f) {
+  if (p.mask_kind == MaskKind::boolean) return f(uint8_t{});
+  switch (p.mask_dtype) {
+    case DType::bf16: return f(c10::BFloat16{});
+    case DType::f16: return f(c10::Half{});
+    default: return f(float{});
+  }
+}
+
 inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
                             int64_t n_j, float* bias, int64_t ld_i, int64_t ld_j) {
   if (!has_mask_or_window(p)) return MaskBlock::visible;
@@ -361,16 +372,10 @@ inline MaskBlock mask_block(const AttentionParams& p, int64_t b, int64_t h, int6
     if (none_meets) return MaskBlock::hidden;
     if (p.mask_kind == MaskKind::none && all_cover) return MaskBlock::visible;
   }
-  switch (p.mask_kind) {
-    case MaskKind::none: return mask_block_of<void>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
-    case MaskKind::boolean: return mask_block_of<uint8_t>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
-    case MaskKind::additive: break;
-  }
-  switch (p.mask_dtype) {
-    case DType::bf16: return mask_block_of<c10::BFloat16>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
-    case DType::f16: return mask_block_of<c10::Half>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
-    default: return mask_block_of<float>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
-  }
+  if (p.mask_kind == MaskKind::none) return mask_block_of<void>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+  return with_mask_type(p, [&](auto entry) {
+    return mask_block_of<decltype(entry)>(p, b, h, i0, n_i, j0, n_j, bias, ld_i, ld_j);
+  });
 }
 
 // The keys of a partial block past the last one any of its rows shows need no scores: the block's key count
@@ -412,17 +417,6 @@ inline void zero_where_hidden(float* x, const float* bias, int64_t n) {
   for (int64_t t = 0; t < n; ++t) x[t] = bias[t] == kNegInf ? 0.0f : x[t];
 }
 
-// f(M{}) with M attn_mask's entry type (uint8_t for a boolean mask).
-template <class F>
-inline auto with_mask_type(const AttentionParams& p, const F& f) {
-  if (p.mask_kind == MaskKind::boolean) return f(uint8_t{});
-  switch (p.mask_dtype) {
-    case DType::bf16: return f(c10::BFloat16{});
-    case DType::f16: return f(c10::Half{});
-    default: return f(float{});
-  }
-}
-
 // A block attn_mask cuts, the quick way (the forward kernels, flash.cpp and flash_bf16.cpp): when nothing but the
 // causal mask hides keys besides attn_mask (no window) and a mask row's keys are adjacent, the block is only
 // classified (classify_mask_block: its first look, hidden / visible / partial) and a cut block's rows are added to S
@@ -456,12 +450,7 @@ inline MaskBlock classify_mask_block(const AttentionParams& p, int64_t b, int64_
 template <class F>
 inline auto with_mask_rows(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t j0, const F& f) {
   const int64_t at = b * p.mask_strides[0] + h * p.mask_strides[1] + i0 * p.mask_strides[2] + j0;
-  if (p.mask_kind == MaskKind::boolean) return f(static_cast<const uint8_t*>(p.mask) + at);
-  switch (p.mask_dtype) {
-    case DType::bf16: return f(static_cast<const c10::BFloat16*>(p.mask) + at);
-    case DType::f16: return f(static_cast<const c10::Half*>(p.mask) + at);
-    default: return f(static_cast<const float*>(p.mask) + at);
-  }
+  return with_mask_type(p, [&](auto entry) { return f(static_cast<const decltype(entry)*>(p.mask) + at); });
 }
 // One past the last key any of the rows shows (a causal pattern passed as a bias then costs what is_causal costs here
 // too).
