@@ -23,7 +23,7 @@ SOURCES = [
 
 # No -march: one build must run on any x86-64. Wider ISAs are switched on per file (csrc/isa/).
 CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
-# libstdc++ named explicitly: on the device host (Ubuntu, GCC 13, torch 2.11) the default link left the module
+# libstdc++ named explicitly: on Ubuntu with GCC 13 and torch 2.11 the default link left the module
 # without a dependency on libstdc++.so.6 and with private copies of iostream templates (std::ostream::_M_insert<long>)
 # that crashed the first error message formatting an integer: every TORCH_CHECK with a number segfaulted.
 LD_FLAGS = ["-fopenmp"] + (["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else [])

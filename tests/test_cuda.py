@@ -1,5 +1,5 @@
 """The CUDA kernels (csrc/cuda/) behind the same operators: forward, lse, backward, GQA, masks, strides, errors,
-opcheck and torch.compile. Skipped where torch sees no GPU (the dev box, CI); run on the device host.
+opcheck and torch.compile. Skipped where torch sees no GPU.
 
 References are float64 on the GPU, from the definition. For bfloat16/float16 the bar is torch's own SDPA in the
 same dtype: our error against float64 may be at most a small multiple of SDPA's (both round P and the
@@ -199,7 +199,7 @@ def test_fast_backward(dtype, d, causal, shape):
             f"{name}: relative max error {e_ours:.3g} vs SDPA's {e_sdpa:.3g}"
 
 
-# The tile configurations benchmarks/bench_cuda.py --configs sweeps (csrc/cuda/flash_launch.cuh: kFwdConfigs,
+# The tile configurations the CUDA benchmark's tile sweep covers (csrc/cuda/flash_launch.cuh: kFwdConfigs,
 # kBwdConfigs), each chosen by CS149GPT_FWD_CONFIG / CS149GPT_BWD_CONFIG, on ragged GQA shapes (no tile multiple).
 FWD_CONFIGS, BWD_CONFIGS = 7, 4
 

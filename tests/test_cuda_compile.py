@@ -1,7 +1,7 @@
 """Compile-checks the CUDA kernels with a bare nvcc, no torch headers and no GPU: sm_80 and sm_90a.
 
-The .cu files under csrc/cuda/ include no torch header (flash_api.cpp alone touches Tensors), so the CPU-only
-dev box and CI can catch a compile error in them. Skipped where nvcc is not on PATH. Compile only, host and device
+The .cu files under csrc/cuda/ include no torch header (flash_api.cpp alone touches Tensors), so a machine
+without a GPU, and CI, can catch a compile error in them. Skipped where nvcc is not on PATH. Compile only, host and device
 code both (`-c`, as the JIT build compiles them; `-cubin` alone would miss host-side errors in the launchers):
 nothing runs.
 The default run compiles the shipped tile configuration of each kernel (-DCS149GPT_DEFAULT_CONFIG_ONLY, about
