@@ -164,7 +164,7 @@ def _transformers_mask(*args, **kwargs):
     """transformers' "sdpa" mask function (a bool mask, None where is_causal suffices), except under torch.compile,
     where the bool mask is handed over as an additive one of 0 and −inf in float32: inductor's CPU code writes a
     (B, 1, Nq, Nk) bool tensor several times slower than a floating one (a 4 × 512 × 512 mask: 2.9 vs 0.65 ms on
-    the dev box; 10 ms a layer inside a compiled Llama, more than our attention), and our kernel takes either as
+    a 2-core AMD EPYC; 10 ms a layer inside a compiled Llama, more than our attention), and our kernel takes either as
     the same key ranges (module.cpp, key_ranges_of), hiding exactly the same keys. Models that transformers does
     not run on "sdpa" get its "eager" mask function's float masks, which they are written for (our attention
     function takes those too)."""
@@ -181,11 +181,30 @@ def _transformers_mask(*args, **kwargs):
 
 
 def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
-    """Registers our kernel with transformers as attn_implementation=`name` ("cs149gpt"): its attention function
-    in AttentionInterface and, in AttentionMaskInterface, the "sdpa" mask function (boolean masks, None where
-    is_causal suffices; under torch.compile the same mask as 0/−inf floats: _transformers_mask), so models build
-    the masks our kernel reads best. Returns the name. Needs transformers (>= 5); raises ImportError naming it
-    otherwise. Calling it again is harmless."""
+    """Registers our kernel with Hugging Face transformers (>= 5) as attn_implementation=`name` ("cs149gpt") and
+    returns the name; then AutoModel*.from_config / from_pretrained(..., attn_implementation="cs149gpt").
+
+    It puts our attention function in AttentionInterface (GQA without repeating the kv heads, masked or not) and
+    transformers' "sdpa" mask function in AttentionMaskInterface (boolean masks, None where is_causal suffices;
+    under torch.compile the same mask as 0/−inf float32, which inductor's CPU code writes several times faster than
+    a bool one and our kernel reads as the same key ranges). Llama (GQA), GPT-2 and BERT built that way run every
+    attention call on our kernel, with torch's outputs: padded batches, padded and static-cache generate, training
+    with dropout, torch.compile (tests/test_real_models.py).
+
+    - Attention sinks (gpt-oss's s_aux: a learned logit per head in every softmax; or one per query row,
+      (B, H, Nq) or (B, H, Nq, 1)) only rescale our output, out = O · sigmoid(lse − sink), exactly, so padded
+      batches and generate run on our kernel with eager attention's results. A call that needs gradients (our lse
+      takes none) or dropout computes as eager attention does. A sink follows the non-finite rule as one more
+      logit (+inf or NaN: the row is NaN; −inf: no sink).
+    - Models that transformers does not run on "sdpa" (_supports_sdpa = False: bloom, mpt, xglm, longformer,
+      deepseek_v4, gpt-oss, ...) get its "eager" mask function's additive float masks, which they are written
+      for; our attention function takes those too (as additive masks, without a bool mask's tile skipping).
+    - Models that pick an attention class by name (falcon, gpt_neo, git) raise transformers' KeyError:
+      'cs149gpt'; for those use attn_implementation="sdpa" inside `with cs149gpt.sdpa_installed():`.
+    - softcap and output_attentions=True are a ValueError (use "eager").
+
+    Needs transformers, imported only here: ImportError naming it otherwise. Calling it again is harmless.
+    """
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface

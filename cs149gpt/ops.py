@@ -57,38 +57,86 @@ def attention(
     window: Optional[Tuple[int, int]] = None,
     dropout_p: float = 0.0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """softmax(scale · q kᵀ [+ attn_mask] [+ causal mask]) v, computed by one of the four kernels.
+    """softmax(scale · q kᵀ [+ attn_mask] [+ causal mask]) v, computed by one of the ladder's kernels.
 
     Args:
-        q: (..., Nq, d) queries, any strides (the last dim is read in place when contiguous).
-        k, v: (..., Nk, d) keys and values with q's leading dims; their head dim (-3) may divide q's (GQA:
-            query head h reads kv head h // (Hq // Hkv)), read without expanding.
-        impl: "naive" (N×N scores), "blocked" (tiled matmuls), "fused" (a row at a time) or "flash".
-        scale: multiplies q·k; None means 1/sqrt(d), as in torch's scaled_dot_product_attention.
+        q: (..., Nq, d) queries, 2-D or more. Every input is read in place through its strides (a GPT's
+            x.view(B, T, H, d).transpose(1, 2) included); the one copy ever made is of a tensor whose last dim is
+            not contiguous.
+        k, v: (..., Nk, d) keys and values with q's leading dims; Nk may differ from Nq. Their head dim (-3) may
+            divide q's (GQA/MQA): query head h reads kv head h // (Hq // Hkv), without expanding k and v.
+        impl: "naive" (N×N scores), "blocked" (tiled matmuls), "fused" (a row at a time), "flash_teaching"
+            (FlashAttention's Algorithm 1 in the paper's names, float32) or "flash" (the fast kernel).
+        scale: multiplies q·k; None means 1/sqrt(d), as in torch's scaled_dot_product_attention. It must be finite
+            as a float32 (else ValueError).
         is_causal: False; True or "top_left": query i sees keys j <= i (torch SDPA's is_causal);
             "bottom_right": query i sees keys j <= i + Nk - Nq (torch.nn.attention.bias.causal_lower_right,
-            what decoding with a KV cache needs). A query row that sees no key gets 0.
-        block_q, block_k: flash's Br × Bc tile (blocked: its one tile size); None picks measured defaults.
-        return_lse: also return lse, the float32 logsumexp of each query row's scaled logits, (..., Nq)
-            (flash only).
-        attn_mask: (flash only) torch SDPA's: bool (True = the key takes part) or additive (float32 or q's
-            dtype, added to the scaled logits; −inf hides a key), any shape broadcastable to (..., Nq, Nk), read
-            in place through its strides. Applied together with is_causal. It gets no gradient: a float mask
-            that requires grad is refused (torch's SDPA computes that one).
+            what decoding with a KV cache needs). A query row that sees no key gets 0 and lse −inf (as torch >= 2.5).
+        block_q, block_k: flash's Br × Bc tile (blocked: its one tile size), any >= 1, need not divide N; one
+            larger than N means all of it. None picks defaults from the shape, the thread count and the ISA.
+        return_lse: (flash only) also return lse, the float32 logsumexp of each query row's scaled, masked
+            logits, (..., Nq): what the backward uses.
+        attn_mask: (flash only) torch SDPA's: bool (True = the key takes part) or additive (float32 or q's dtype,
+            added to the scaled logits; −inf hides a key), any shape broadcastable to (..., Nq, Nk) — (Nq, Nk),
+            (B, 1, 1, Nk) key padding, (B, 1, Nq, Nk) transformers' padded causal masks, (1, H, Nq, Nk),
+            (B, H, Nq, Nk) — read in place through its strides (stride 0 along broadcast dims: never expanded).
+            Applied together with is_causal: a key must pass both, as in torch's CPU SDPA. A mask whose every row
+            shows one run of consecutive keys (padding on either side, padding under a causal pattern, a band;
+            bool, or additive of only 0 and −inf) is scanned once and reaches the kernels as a key range per row,
+            its entries never read again; a bias over such runs (ALiBi, T5 under a causal or padding mask) shared
+            by 4 or more (batch, head) pairs is read inside its runs only; a bias over every key is not scanned.
+            Otherwise each (row group × key tile) block is classified as it is reached: hidden whole → skipped,
+            shown whole → the unmasked code, partial → the mask added to S. Decoding calls (Nq <= 16) classify
+            blocks of 64 keys per query row the same way. The mask gets no gradient: a float mask that requires
+            grad is a ValueError (torch's scaled_dot_product_attention computes that one).
         window: (flash only) sliding-window (local) attention, FlashAttention's window_size (left, right):
             query i sees keys j with i + Nk - Nq - left <= j <= i + Nk - Nq + right; -1 leaves a side unbounded
-            (None = (-1, -1)), and so does a bound past Nq + Nk (sys.maxsize too). Applied together with
-            is_causal and attn_mask; key tiles outside the band are skipped, forward and backward.
+            (None = (-1, -1)), and so does any bound past Nq + Nk, up to 2**63 - 1 (sys.maxsize; larger is a
+            ValueError). Combines with is_causal and attn_mask; blocks outside the band are neither read nor
+            computed, forward and backward.
         dropout_p: (flash only) dropout on the attention weights, in [0, 1): each weight is zeroed with that
             probability, the others scaled by 1 / (1 - dropout_p); lse stays that of the undropped weights. The
-            mask comes from a counter-based generator keyed by a (seed, offset) drawn from torch's default
-            generator (torch.manual_seed reproduces it), which the backward regenerates. Equal to torch's dropout
-            in distribution, not in bits.
+            keep mask is counter-based (csrc/attention.h, dropout_keep: splitmix64's finalizer of a seed-keyed
+            Weyl counter over (batch, head, i, j), not Philox), its (seed, offset) drawn per call from torch's
+            default generator, so torch.manual_seed reproduces a call for any thread count; the backward
+            regenerates the mask instead of storing it. Equal to torch's dropout in distribution, not in bits.
+            cs149gpt._ext.load().dropout_keep_mask(seed, offset, shape, p) returns the mask (a test hook).
 
     Returns:
-        out: (..., Nq, d), laid out as torch's SDPA output (empty_like(q); README, "Shapes"), in q's dtype
-            (float32; also bfloat16/float16 with impl="flash");
-        or (out, lse) with return_lse=True. With impl="flash" out is differentiable in q, k and v.
+        out: (..., Nq, d) in q's dtype, laid out as torch's CPU SDPA lays it: dense in q's order of strides
+            (empty_like(q)), so a (B, N, H·d) projection viewed as (B, H, N, d) gets (B, N, H, d) memory back and
+            its out.transpose(1, 2).contiguous() is free; contiguous beyond 4 dims, when q's last dim is not its
+            innermost, and on CUDA. (After upgrading cs149gpt, clear torch.compile's on-disk cache,
+            /tmp/torchinductor_$USER, once: graphs cached with an older layout fail inductor's stride asserts.)
+        or (out, lse) with return_lse=True.
+
+    dtypes: float32 with every impl; bfloat16 and float16 with impl="flash" (arithmetic in float32, the output in
+    the input dtype; cs149gpt.isa() says which kernel takes them). Other dtypes, or mixed ones: TypeError.
+
+    Autograd: impl="flash" is differentiable in q, k and v (FlashAttention-2's backward from the saved lse; nothing
+    N×N is saved). The other impls raise on backward rather than return missing gradients. The operators behind
+    it, torch.ops.cs149gpt.attention, .flash_attention (→ out, lse) and .flash_attention_backward (→ dq, dk, dv),
+    have autograd and fake implementations: torch.compile(fullgraph=True) traces through them, forward and
+    backward, and torch.library.opcheck passes on each.
+
+    Errors: bad input raises before any kernel runs, naming the argument and what was expected: ValueError
+    (shapes, GQA, tiles, scale, tensors on different devices), TypeError (dtypes; sparse, nested or quantized
+    tensors), IndexError, NotImplementedError (forward-mode AD), torch.OutOfMemoryError naming the sizes when an
+    output, a copy or a workspace cannot fit in memory or its size would overflow int64 (e.g. expanded inputs).
+    One C++ check, on symbolic sizes, serves the kernels and the fake implementations: eager, meta,
+    FakeTensorMode and torch.compile refuse the same inputs with the same message.
+
+    Threads: torch.set_num_threads(n) sets ours too (one OpenMP runtime); results are bitwise identical for any
+    thread count.
+
+    Memory: a call's workspace (packed K and V, per-thread tiles) comes from torch's allocator, except one of
+    64 KB to 64 MB, kept from call to call in a mapping per calling thread (Linux), released when the thread ends
+    and reported to the profiler as allocated and freed within each call (from the heap, such a buffer made a
+    model's other tensors fault their pages in again every forward). A whole model still grows and trims
+    glibc's heap by its activations every forward, with either attention; MALLOC_MMAP_THRESHOLD_=134217728
+    MALLOC_TRIM_THRESHOLD_=1073741824 in the environment (or jemalloc, tcmalloc) keeps those pages.
+
+    Non-finite values follow one rule in every impl, path, ISA and dtype (the README's table).
     """
     if (attn_mask is None and window is None and dropout_p == 0.0 and not torch.compiler.is_compiling()
             and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and _registered
@@ -154,21 +202,38 @@ def attention_with_kvcache(
     """New queries against a KV cache (decoding, chunked prefill), the cache read in place, once per kv head.
 
     Args:
-        q: (B, Hq, Nq, d) the new tokens' queries (Nq = 1 when decoding); Hq a multiple of Hkv.
+        q: (B, Hq, Nq, d) the new tokens' queries (Nq = 1 when decoding, more for a chunked prefill); Hq a
+            multiple of Hkv.
         k_cache, v_cache: contiguous, (B, Hkv, max_len, d); or paged, (num_blocks, Hkv, block_size, d) with
-            block_table. Rows must be contiguous (stride 1 in the last dim); any other strides.
-        cache_seqlens: (B,) int32 or int64, the keys already cached for each sequence.
+            block_table. Rows must be contiguous (stride 1 in the last dim: the cache is written in place, no copy
+            can stand in for it); any other strides.
+        cache_seqlens: (B,) int32 or int64, the keys already cached for each sequence (not changed by the call).
         k_new, v_new: (B, Hkv, Nq, d), optional: written into the caches, in place, at rows
             [cache_seqlens[b], cache_seqlens[b] + Nq) before attending; the queries then see
-            L_b = cache_seqlens[b] + Nq keys (else cache_seqlens[b]). cache_seqlens itself is not changed.
+            L_b = cache_seqlens[b] + Nq keys (else cache_seqlens[b]). Keys past L_b are never read.
         block_table: (B, max_blocks) int32, a paged cache: logical block i of sequence b is physical block
-            block_table[b, i] of k_cache and v_cache.
+            block_table[b, i] of k_cache and v_cache. Tables may share blocks (a common prefix), but a row a call
+            appends must be seen by the appending sequence alone.
         scale: multiplies q·k; None means 1/sqrt(d).
         is_causal: query i of Nq sees keys j <= L_b − Nq + i (bottom-right aligned); False: all L_b keys.
 
     Returns:
-        out: (B, Hq, Nq, d), contiguous, in q's dtype (float32, bfloat16 or float16; k, v of the same dtype).
+        out: (B, Hq, Nq, d), contiguous, in q's dtype (float32, bfloat16 or float16; the caches of the same dtype).
         A query that sees no key (an empty cache) gets 0. Not differentiable.
+
+    torch.ops.cs149gpt.attention_with_kvcache declares the caches it writes (Tensor(a!) k_cache, Tensor(b!) v_cache)
+    and bumps their version counters; it has a fake implementation (opcheck passes, torch.compile traces a decode
+    step). Bad input raises before anything is read or written: a block id outside the cache (IndexError naming
+    the entry), a length past the capacity (ValueError), dtype, shape or device mismatches, and, when appending, a
+    cache whose elements share memory (an expanded view), one memory passed as both caches, or an appended row
+    that another entry of the block tables also sees (ValueError naming both entries).
+
+    The kernel (csrc/kernels/flash_decode.cpp, which attention() also uses for Nq <= 16 when no tiles are given)
+    reads each cached key and value once per call, for all query heads of a GQA group and all Nq rows together,
+    in their own dtype. The keys are split into tasks (batch, kv head, split) from the shape alone and the
+    splits' partial softmaxes merged exactly in a fixed order, so results are bitwise the same for any thread
+    count; calls that read less than 256 KB and do fewer than 2^19 multiply-adds run on the calling thread, larger
+    ones on all of torch's threads.
     """
     _load()
     return torch.ops.cs149gpt.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
@@ -233,17 +298,25 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention, with its signature and meaning, on our flash kernel.
 
-    Our kernel runs when it computes what torch would: an attn_mask torch takes (bool, float32 or q's
-    dtype, broadcastable to (..., Nq, Nk); CPU only, not requiring grad), 0 <= dropout_p < 1 (CPU: our dropout,
-    the same distribution as torch's, not the same bits; CUDA: 0 only), CPU tensors of
-    one dtype among float32/bfloat16/float16 and at least 3 dims, no empty dim, k and v with q's head dim,
-    equal head counts unless enable_gqa=True, a scale that is a finite float32, no forward-AD tangent; CUDA
-    tensors only in bfloat16/float16 with head dim 64 or 128 (float32 there is the teaching kernel, slower than
-    torch's). Any other
-    call goes to torch's own function (captured at import, so installing this one as
-    torch.nn.functional.scaled_dot_product_attention is safe): same results, same errors. Sparse and quantized
-    tensors raise a TypeError naming the argument (torch raises a RuntimeError for them).
-    `uses_our_kernel(...)` tells which path a call takes.
+    Our kernel runs when it computes what torch would: an attn_mask torch takes (bool, float32 or q's dtype,
+    broadcastable to (..., Nq, Nk); CPU only, not requiring grad), 0 <= dropout_p < 1 (CPU: our dropout, the same
+    distribution as torch's, not the same bits; CUDA: 0 only), CPU tensors of one dtype among
+    float32/bfloat16/float16 and at least 3 dims, no empty dim, k and v with q's head dim, equal head counts unless
+    enable_gqa=True, a scale that is a finite float32, no forward-AD tangent; CUDA tensors only in
+    bfloat16/float16 with head dim 64 or 128 (float32 there is the teaching kernel, slower than torch's).
+    Every other call goes to torch's own function, captured at import (so installing this one as
+    torch.nn.functional.scaled_dot_product_attention never recurses): for any input torch accepts it returns what
+    torch returns (zeros for no keys, an empty tensor for no heads, nested tensors, a learned mask's gradient,
+    dropout_p = 1, ...), for any other torch's error. Sparse and quantized tensors raise a TypeError naming the
+    argument (torch raises a RuntimeError for them). `uses_our_kernel(...)` tells which path a call takes.
+
+    Three calls that torch 2.13 refuses or gets wrong though they have one meaning are computed as the float64
+    reference does: an attn_mask with is_causal=True on 3-D or 5-D inputs (torch: "Explicit attn_mask should not
+    be set when is_causal=True"; on 4-D it applies both, as ours does everywhere), a 0-d or 1-d mask with
+    enable_gqa=True (torch: IndexError), and is_causal=True with a scale <= 0 (torch: NaN).
+
+    An eager call on plain tensors without dropout, masked or not, is decided and run in C++ (csrc's sdpa_fast,
+    under the same conditions), which keeps a masked decoding step to a few microseconds of overhead.
     """
     if (dropout_p == 0.0 and not torch.compiler.is_compiling() and type(query) is _Tensor and type(key) is _Tensor
             and type(value) is _Tensor and (attn_mask is None or (type(attn_mask) is _Tensor and not
@@ -318,24 +391,41 @@ def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 def isa() -> str:
     """The instruction set the kernels run with: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'scalar' (or
-    'amx_emulated', the amx kernels with the tiles done in software, when a test forces it).
+    'amx_emulated' when forced).
 
-    amx and avx512_bf16 are avx512 plus bf16 dot-product instructions (AMX tiles, vdpbf16ps), which the flash
-    kernel uses for bfloat16 inputs. On a CPU with AMX whose kernel refuses the tile permission, the reason is
-    in `cs149gpt._ext.load().amx_unavailable_reason()`.
+    One build carries every kernel five times — amx (AVX-512 + AMX-BF16 tiles), avx512_bf16 (AVX-512 +
+    vdpbf16ps), avx512, avx2 (AVX2 + FMA), scalar (portable C++) — and takes the widest this CPU runs when the
+    module loads (amx after asking Linux for the tile permission; if refused, avx512, and
+    `cs149gpt._ext.load().amx_unavailable_reason()` says why). The environment variable CS149GPT_ISA=<name> forces
+    one. The three AVX-512 tables differ only for bfloat16 (and, on amx, float16):
+
+    - bfloat16 on amx / avx512_bf16: both products on bf16 operands with float32 accumulation (AMX tiles or
+      vdpbf16ps), the online softmax in float32, P rounded to bf16 as torch does; the tests hold its error to at
+      most 1.5× torch's own bf16 SDPA error. On a Xeon with AMX vdpbf16ps is slow, so such a CPU never picks
+      avx512_bf16.
+    - float16 on amx: the same tile kernel with each operand split exactly into two bf16 parts (hi = bf16(x),
+      lo = bf16(x − hi)), since these CPUs have AMX-BF16 but no AMX-FP16; error at most 1.5× torch's float16 SDPA
+      error and one float16 ulp. avx512_bf16 keeps float16 on the float32 kernel.
+    - amx_emulated: the amx kernels with the tile instructions done in software (csrc/isa/amx_emulation.h), tens
+      of times slower; never chosen by itself, it runs wherever avx512_bf16 does, so that the tests check the AMX
+      code paths on CPUs without AMX.
     """
     _load()
     return _ext._module.isa()
 
 
 def set_float32_products(how: str) -> None:
-    """How the flash forward multiplies float32 where the CPU has AMX tiles: 'fma' or 'auto' (the default) in
-    float32 FMAs; 'bf16_tiles' on the bf16 tiles with every operand split into three bf16 parts, exactly, and the
-    six largest of the nine part products kept: float32-class results (in the tests at most 1.5× torch's float32
-    SDPA error), except that values below 2^-100 in magnitude keep bf16's 8 significant bits.
-    Measured on a 16-CPU Xeon with AMX (README, "float32 on the AMX tiles"): 'bf16_tiles' 1.1–1.25× faster on one
-    thread at head_dim ≥ 96, about even at 64, 0.7–0.97× on 8 and 16 threads.
-    Elsewhere it changes nothing. Process-wide."""
+    """How the flash forward multiplies float32 where the CPU has AMX tiles (isa() == 'amx'), process-wide.
+
+    'fma' or 'auto' (the default): float32 FMAs. 'bf16_tiles': the bf16 tile kernel, each operand split exactly
+    into three bf16 parts (24 significant bits = 8 + 8 + 8; values below 2^-100 in magnitude keep bf16's 8) and
+    the six largest of the nine part products kept (the three dropped lie below 2^-23 of Σ|q·k| together); its
+    error is at most 1.5× torch's float32 SDPA error, lse within float32's tolerance, and its workspace 3× the FMA
+    kernel's (K and V in three parts, 6 bytes a value). On a 16-core Xeon with AMX it is 1.1–1.25× faster than
+    the FMA kernel on one thread at head_dim >= 96, about even at 64, and 0.7–0.97× on 8 and 16 threads, hence
+    not the default (choosing by the call's thread count would make the results' bits depend on it).
+    Elsewhere it changes nothing.
+    """
     _load()
     _ext._module.set_float32_products(how)
 
