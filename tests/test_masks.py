@@ -765,7 +765,8 @@ def test_window_checks():
 
 def test_dropin_computes_what_torch_refuses():
     """Calls torch 2.13's SDPA refuses or turns NaN although they have one meaning: the drop-in runs our kernel and
-    matches float64 (README, API). If a torch release starts taking them, torch's result must agree too."""
+    matches float64 (cs149gpt.scaled_dot_product_attention's docstring). If a torch release starts taking them,
+    torch's result must agree too."""
     g = gen(1124)
     cases = []
     for shape in ((3, 5, 8), (2, 2, 3, 5, 8)):  # attn_mask with is_causal on 3-D and 5-D inputs
