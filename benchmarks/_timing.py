@@ -144,14 +144,20 @@ def interleave(fns: dict[str, Callable], rounds: int, seconds: float, *, sync: O
         if self_timed:
             calls[name] = 1
             continue
-        if sync:
-            sync()
-        start = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        once = max(time.perf_counter() - start, 1e-7)
-        calls[name] = int(max(1, min(10_000, seconds / rounds / once)))
+        n, elapsed = 1, 0.0
+        while True:  # 1, 2, 4, ... calls until they last 5 ms: a µs call is not judged by one preempted call
+            if sync:
+                sync()
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            if sync:
+                sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= 5e-3 or n >= 1024:
+                break
+            n *= 2
+        calls[name] = int(max(1, min(100_000, seconds / rounds / max(elapsed / n, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns)
     for _ in range(rounds):

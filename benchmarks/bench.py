@@ -57,7 +57,9 @@ def summary_cpu(args) -> list[Row]:
                 row.case = f"forward {row.case}"
                 rows.append(row)
     for dtype in ("float32", "bfloat16"):
-        rows += bench_cpu.backward_rows(shape, True, dtype, threads, args, phases=("bwd",))
+        for row in bench_cpu.backward_rows(shape, True, dtype, threads, args, phases=("bwd",)):
+            row.case = row.case.replace("bwd", "backward", 1)
+            rows.append(row)
     for dtype in ("float32", "bfloat16"):
         for row in bench_cpu.decode_rows(1, keys, dtype, threads, args, kvcache=False):
             row.case = f"decode {row.case}"

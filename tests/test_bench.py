@@ -20,7 +20,6 @@ def run_bench(tmp_path, *args):
 @pytest.mark.parametrize("args, bench, min_rows", [
     (("forward", "--shapes", "1,2,128,32"), "forward", 2),  # causal off and on
     (("decode", "--keys", "256", "--heads", "4,2", "--head-dim", "32"), "decode", 4),  # 2 dtypes x 2 entry points
-    (("masks", "--shapes", "2,2,64,32", "--dtype", "float32"), "masks", 3),
 ])
 def test_bench_quick_json(tmp_path, args, bench, min_rows):
     doc, stdout = run_bench(tmp_path, *args)
