@@ -137,7 +137,7 @@ def interleave(fns: dict[str, Callable], rounds: int, seconds: float, *, sync: O
     sync (e.g. torch.cuda.synchronize) is called before and after each block. With self_timed each callable
     returns the seconds it measured itself (a decode step after an untimed prefill), one call per sample."""
     if not self_timed:
-        for fn in fns.values():  # two warm-up calls: the probe call came before, the caches settle on the second
+        for fn in fns.values():  # a warm-up call (the probe call came before): caches and pages settle
             fn()
     calls = {}
     for name, fn in fns.items():
@@ -334,12 +334,13 @@ def write_json(path: Path, machine: dict, argv: Sequence[str], tables: dict[str,
 
 
 def write_plot(path: Path, machine: dict, tables: dict[str, list[Row]]) -> None:
-    """Horizontal bars of peer/ours per row (1 = as fast as the peer), one panel per table."""
+    """Horizontal bars of peer/ours per row (1 = as fast as the peer, log scale), one panel per table."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print(f"--plot: matplotlib is not installed (pip install matplotlib); {path} not written", file=sys.stderr)
         return
@@ -349,11 +350,16 @@ def write_plot(path: Path, machine: dict, tables: dict[str, list[Row]]) -> None:
         print(f"--plot: no timed rows; {path} not written", file=sys.stderr)
         return
     heights = [0.35 * len(rows) + 1.0 for rows in panels.values()]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, sum(heights)), squeeze=False,
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for ax, (name, rows) in zip(axes[:, 0], panels.items()):
         labels = [f"{r.case}, {r.dtype}, {r.ours} vs {r.peer}" for r in rows]
-        ax.barh(range(len(rows)), [r.ratio for r in rows], color=["C0" if r.ratio >= 1 else "C3" for r in rows])
+        # Bars from 1 (as fast as the peer) on a log scale: 2x faster and 2x slower are as long.
+        ax.barh(range(len(rows)), [r.ratio - 1 for r in rows], left=1,
+                color=["C0" if r.ratio >= 1 else "C3" for r in rows])
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+        ax.set_xlim(min(0.5, min(r.ratio for r in rows) / 1.2), max(2.0, max(r.ratio for r in rows) * 1.2))
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_yticks(range(len(rows)), labels, fontsize=7)
         ax.invert_yaxis()
@@ -362,7 +368,7 @@ def write_plot(path: Path, machine: dict, tables: dict[str, list[Row]]) -> None:
     device = "cuda" if any(r.bench == "cuda" for rows in panels.values() for r in rows) else "cpu"
     fig.suptitle(machine_line(machine, device), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
     print(f"plot written to {path}", file=sys.stderr)
 
