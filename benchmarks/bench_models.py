@@ -142,6 +142,9 @@ def run_generate(args) -> list[Row]:
     against "sdpa": prefill (an N-token prompt into an empty cache) and decode (the last D tokens one at a time)."""
     contexts = [128] if args.quick else args.contexts
     decode = 8 if args.quick else args.decode
+    unknown = [n for n in contexts if n not in (128, 256, 1024, 2048)]
+    if unknown and not args.llama:
+        raise SystemExit(f"generate: no shipped model for context {unknown}: choose among 128,256,1024,2048")
     rows = []
     for n in contexts:
         if args.llama:
