@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make demo   install what is missing, build, run the driver's part4 (flash) check
 #   make test   install what is missing, build, run the whole test suite
+#   make bench  the README's performance tables on this machine (benchmarks/bench.py summary)
 #   make sanitize   the suite against an AddressSanitizer + UBSan build (.ci/sanitize: ~4 min build, ~8 min run)
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
@@ -24,7 +25,7 @@ sanitize: deps
 	PYTHON=$(PYTHON) .ci/sanitize
 
 bench: build
-	$(PYTHON) benchmarks/bench_attention.py
+	$(PYTHON) benchmarks/bench.py summary
 
 clean:
 	rm -rf build cs149gpt/_C*.so *.egg-info

@@ -1,58 +1,50 @@
-#!/usr/bin/env python3
-"""Whole-model time of Hugging Face transformers models on our attention against torch's SDPA, same run.
+"""The whole-model subcommands of bench.py: models (Hugging Face transformers), generate, train.
 
-A Llama (GQA) built from a config (nothing downloaded, random weights) with attn_implementation="cs149gpt"
-(cs149gpt.register_transformers()) and the same weights with "sdpa": a padded batch's prefill (one forward pass),
-greedy generation (prefill + new tokens) with the dynamic cache and with a static one (a mask on every step), the
-prefill under torch.compile (where transformers always builds a mask; --compile, compiles take minutes), for
-GPT-2 a training step (forward + backward, attention dropout 0.1: ours runs it in the kernel, torch's in its SDPA),
-and a BERT encoder on a right-padded batch (a (B, 1, 1, N) key-padding mask), inference and a training step (dropout
-0.1).
-
-    python benchmarks/bench_models.py                       # 1 thread
-    python benchmarks/bench_models.py --threads 1,16 --batch 4 --seq 1024
-    python benchmarks/bench_models.py --models bert --batch 32 --seq 128   # sentence-embedding-sized batches
-
-×SDPA = SDPA's median / ours (> 1: ours faster); one model per architecture, switched between the two attentions
-(set_attn_implementation) in alternating rounds, so both run the same weights at the same addresses. Needs
-transformers.
+Ours and the peer run the same weights: one model switched between the two attentions, or two copies of one.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cs149gpt  # noqa: E402
+from _timing import Row, first_line, interleave, torch_threads
+
+import cs149gpt
+from cs149gpt.model import GPT, GPTConfig, load_pretrained
 
 
-def median_times(model, fns: dict, repeats: int) -> dict:
-    """Median seconds of each attention implementation on one model (the same weights in memory for both, switched
-    with set_attn_implementation), in rounds that alternate their order after a warm-up call of each."""
-    samples = {impl: [] for impl in fns}
-    order = list(fns)
-    for round_ in range(repeats + 1):
-        for impl in order:
-            model.set_attn_implementation(impl)
-            start = time.perf_counter()
-            fns[impl]()
-            if round_ > 0:
-                samples[impl].append(time.perf_counter() - start)
-        order.reverse()
-    return {impl: statistics.median(v) for impl, v in samples.items()}
+def progress(text: str) -> None:
+    print(f"  {text} ...", file=sys.stderr, flush=True)
 
 
+def pair_row(bench: str, case: str, dtype: str, threads: int, ours: tuple, peer: tuple, args, *, count=None,
+             unit="", self_timed=False, rounds=None) -> Row:
+    """ours, peer: (name, callable); both already run once (the caller checked their answers)."""
+    row = Row(bench, case, dtype, threads, ours[0], peer[0], unit=unit)
+    with torch_threads(threads):
+        t = interleave({ours[0]: ours[1], peer[0]: peer[1]}, rounds or args.rounds, args.seconds,
+                       self_timed=self_timed)
+    o, p = t[ours[0]], t[peer[0]]
+    row.ours_ms, row.peer_ms, row.ratio = o.median * 1e3, p.median * 1e3, p.median / o.median
+    if count:
+        row.rate = count / o.median
+    for who, tt in ((ours[0], o), (peer[0], p)):
+        if tt.noisy:
+            row.add_note(f"noisy: {who} IQR {100 * tt.iqr / tt.median:.0f}% of median")
+    return row
+
+
+# ------------------------------------------------------------------------------------------------- models
 def padded(batch: int, seq: int, vocab: int, g: torch.Generator, side: str = "left"):
     ids = torch.randint(1, vocab, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
     for i in range(batch):
-        pad = (i * seq) // (2 * batch)  # 0, 1/8, 2/8, ... of the sequence (batch 4)
+        pad = (i * seq) // (2 * batch)
         if side == "left":
             mask[i, :pad] = 0
         else:
@@ -60,94 +52,225 @@ def padded(batch: int, seq: int, vocab: int, g: torch.Generator, side: str = "le
     return ids, mask
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", default="1")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--compile", action="store_true", help="add Llama's prefill under torch.compile")
-    parser.add_argument("--models", default="llama,gpt2,bert",
-                        help="which of llama (prefill, generate with a dynamic and a static cache), gpt2 (train "
-                             "step), bert (encoder, and its training step)")
-    args = parser.parse_args()
-    import transformers
-
+def run_models(args) -> list[Row]:
+    """Random-weight Llama (GQA), GPT-2 and BERT built from configs (nothing downloaded), attention "cs149gpt"
+    (cs149gpt.register_transformers()) against "sdpa" on the same weights, switched between calls."""
+    try:
+        import transformers
+    except ImportError:
+        print("models: transformers is not installed (pip install transformers); skipped", file=sys.stderr)
+        return [Row("models", "all", "", None, "cs149gpt", "sdpa", status="skipped",
+                    note="transformers is not installed")]
     cs149gpt.register_transformers()
-    dtype = getattr(torch, args.dtype)
-    llama = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
-                 eos_token_id=None)
-    gpt2 = dict(vocab_size=1000, n_positions=4096, n_embd=512, n_layer=4, n_head=8, pad_token_id=0,
-                eos_token_id=None)
-    bert = dict(vocab_size=1000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1024,
-                max_position_embeddings=4096, pad_token_id=0)
-    # One model each, switched between the two attentions: the same weights, at the same addresses, for both.
-    torch.manual_seed(0)
-    models = {"llama": transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(**llama), attn_implementation="sdpa").to(dtype).eval()}
-    torch.manual_seed(0)
-    models["gpt2"] = transformers.AutoModelForCausalLM.from_config(
-        transformers.GPT2Config(**gpt2), attn_implementation="sdpa").to(dtype).train()
-    torch.manual_seed(0)
-    models["bert"] = transformers.AutoModel.from_config(
-        transformers.BertConfig(**bert), attn_implementation="sdpa").to(dtype).eval()
+    dtype = args.dtype[0] if args.dtype else "float32"
+    batch, seq, layers, new = (2, 128, 2, 4) if args.quick else (args.batch, args.seq, 4, args.new_tokens)
+    common = dict(vocab_size=1000, max_position_embeddings=4096, pad_token_id=0)
+    configs = {
+        "llama": transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
+                                          num_attention_heads=8, num_key_value_heads=2, eos_token_id=None, **common),
+        "gpt2": transformers.GPT2Config(vocab_size=1000, n_positions=4096, n_embd=512, n_layer=layers, n_head=8,
+                                        pad_token_id=0, eos_token_id=None),
+        "bert": transformers.BertConfig(hidden_size=512, num_hidden_layers=layers, num_attention_heads=8,
+                                        intermediate_size=1024, **common),
+    }
     g = torch.Generator().manual_seed(0)
-    ids, mask = padded(args.batch, args.seq, 1000, g)
-    right_mask = padded(args.batch, args.seq, 1000, g, side="right")[1]
-    print(f"# torch {torch.__version__}, transformers {transformers.__version__}, isa {cs149gpt.isa()}, "
-          f"{args.dtype}, batch {args.batch} x {args.seq} tokens (left-padded; BERT right-padded), 4 layers, "
-          f"hidden 512")
-    print("| model | phase | threads | SDPA ms | cs149gpt ms | ×SDPA |")
-    print("|---|---|---|---|---|---|")
-    for threads in (int(t) for t in args.threads.split(",")):
-        torch.set_num_threads(threads)
-        # Under torch.compile, one copy of the Llama per attention (the same weights), each compiled once and never
-        # switched: switching one compiled model's attention fails dynamo's guards and reloads a graph per call.
-        # Static shapes for both (dynamic=False): the second twin recompiles the frames the first compiled, and
-        # dynamo's automatic dynamic shapes would make only its graphs dynamic.
-        # Compiled afresh for each thread count (inductor's kernels take the thread count they are compiled with),
-        # in median_times' warm-up round (not timed).
-        compiled = {}
-        if args.compile:
-            torch._dynamo.reset()
-            for impl in ("sdpa", "cs149gpt"):
-                twin = copy.deepcopy(models["llama"])
-                twin.set_attn_implementation(impl)
-                compiled[impl] = torch.compile(twin, dynamic=False)
-        phases = {
-            ("llama", "prefill"): lambda m: m(input_ids=ids, attention_mask=mask),
-            ("llama", "prefill, torch.compile"): None,  # compiled[impl], below
-            ("llama", f"generate {args.new_tokens}"): lambda m: m.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                do_sample=False, pad_token_id=0),
-            ("llama", f"generate {args.new_tokens}, static cache"): lambda m: m.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                do_sample=False, pad_token_id=0, cache_implementation="static"),
-            ("gpt2", "train step (dropout 0.1)"): lambda m: m(input_ids=ids, attention_mask=mask,
-                                                              labels=ids).loss.backward(),
-            ("bert", "encode (right-padded)"): lambda m: m.eval()(input_ids=ids, attention_mask=right_mask),
-            # fine-tuning: dropout 0.1 on the attention weights and the padding mask, forward + backward
-            ("bert", "train step (right-padded, dropout 0.1)"): lambda m: m.train()(
-                input_ids=ids, attention_mask=right_mask).last_hidden_state.square().mean().backward(),
-        }
-        for (name, phase), fn in phases.items():
-            if name not in args.models.split(",") or (phase.endswith("compile") and not compiled):
+    ids, mask = padded(batch, seq, 1000, g)
+    right_mask = padded(batch, seq, 1000, g, side="right")[1]
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+               pad_token_id=0)
+    phases = {  # (model, phase): (call, train?)
+        ("llama", "prefill"): (lambda m: m(input_ids=ids, attention_mask=mask).logits, False),
+        ("llama", f"generate {new}"): (lambda m: m.generate(**gen), False),
+        ("llama", f"generate {new}, static cache"): (lambda m: m.generate(**gen, cache_implementation="static"), False),
+        ("gpt2", "train step (dropout 0.1)"): (lambda m: m(input_ids=ids, attention_mask=mask, labels=ids).loss
+                                               .backward(), True),
+        ("bert", "encode (right-padded)"): (lambda m: m(input_ids=ids, attention_mask=right_mask).last_hidden_state,
+                                            False),
+        ("bert", "train step (dropout 0.1)"): (lambda m: m(input_ids=ids, attention_mask=right_mask)
+                                               .last_hidden_state.square().mean().backward(), True),
+    }
+    rows = []
+    for name in args.models:
+        torch.manual_seed(0)
+        auto = transformers.AutoModel if name == "bert" else transformers.AutoModelForCausalLM
+        model = auto.from_config(configs[name], attn_implementation="sdpa").to(getattr(torch, dtype))
+        for (model_name, phase), (fn, train) in phases.items():
+            if model_name != name:
                 continue
-            model = models[name]
-            if fn is None:
-                fns = {impl: lambda impl=impl: compiled[impl](input_ids=ids, attention_mask=mask) for impl in compiled}
-            else:
-                fns = {impl: lambda: fn(model) for impl in ("sdpa", "cs149gpt")}
-            grad = torch.enable_grad() if phase.startswith("train") else torch.no_grad()
-            with grad:
-                times = median_times(model, fns, args.repeats)
-            print(f"| {name} | {phase} | {threads} | {times['sdpa'] * 1e3:.1f} | {times['cs149gpt'] * 1e3:.1f} | "
-                  f"{times['sdpa'] / times['cs149gpt']:.2f} |", flush=True)
-    return 0
+            model.train(train)
+            case = f"{name} {phase}, {batch}x{seq}"
+
+            def run(impl, fn=fn):
+                model.set_attn_implementation(impl)
+                return fn(model)
+
+            for threads in args.threads:
+                progress(f"models {case} threads={threads}")
+                try:
+                    with torch_threads(threads), (contextlib.nullcontext() if train else torch.no_grad()):
+                        outs = {impl: run(impl) for impl in ("cs149gpt", "sdpa")}
+                        err = None
+                        if isinstance(outs["sdpa"], torch.Tensor) and outs["sdpa"].is_floating_point():
+                            # padding positions left out: a row that sees no key is 0 in ours, torch's may differ
+                            keep = (right_mask if name == "bert" else mask).bool()
+                            err = (outs["cs149gpt"][keep].float() - outs["sdpa"][keep].float()).abs().max().item()
+                        elif isinstance(outs["sdpa"], torch.Tensor):  # generated tokens
+                            err = float((outs["cs149gpt"] != outs["sdpa"]).sum())
+                        row = pair_row("models", case, dtype, threads, ("cs149gpt", lambda: run("cs149gpt")),
+                                       ("sdpa", lambda: run("sdpa")), args)
+                except Exception as e:  # noqa: BLE001  (an API this transformers lacks: say so, go on)
+                    rows.append(Row("models", case, dtype, threads, "cs149gpt", "sdpa", status="error",
+                                    note=f"{type(e).__name__}: {first_line(e)}"))
+                    continue
+                row.err = err
+                tokens = isinstance(outs["sdpa"], torch.Tensor) and not outs["sdpa"].is_floating_point()
+                if tokens and err:
+                    row.add_note(f"{err:.0f} generated tokens differ (near-ties of random weights)")
+                elif err is not None and not err <= (1e-3 if dtype == "float32" else 0.1):
+                    row.status = "wrong"
+                    row.add_note(f"WRONG: max |ours - sdpa| = {err:.3g}")
+                rows.append(row)
+    return rows
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# ------------------------------------------------------------------------------------------------- generate
+LLAMA = dict(vocab_size=32000, n_head=32, n_kv_head=8, n_embd=4096, bias=False)  # Llama-3-8B's attention shape
+
+
+def run_generate(args) -> list[Row]:
+    """The shipped GPT (or, with --llama, a Llama-shaped bf16 GQA model of random weights) with attention "flash"
+    against "sdpa": prefill (an N-token prompt into an empty cache) and decode (the last D tokens one at a time)."""
+    contexts = [128] if args.quick else args.contexts
+    decode = 8 if args.quick else args.decode
+    unknown = [n for n in contexts if n not in (128, 256, 1024, 2048)]
+    if unknown and not args.llama:
+        raise SystemExit(f"generate: no shipped model for context {unknown}: choose among 128,256,1024,2048")
+    rows = []
+    for n in contexts:
+        if args.llama:
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(block_size=n, n_layer=args.llama_layers, **LLAMA)).eval().to(torch.bfloat16)
+            vocab_size, dtype, what = LLAMA["vocab_size"], "bfloat16", f"Llama-shaped {args.llama_layers}L"
+        else:
+            model, vocab = load_pretrained(f"shakes{n}")
+            vocab_size, dtype, what = len(vocab), "float32", f"shakes{n}"
+        tokens = torch.randint(vocab_size, (args.batch, n), generator=torch.Generator().manual_seed(0))
+
+        def prefill(impl):
+            model.set_attention(impl)
+            caches = model.new_kv_caches(args.batch)
+            start = time.perf_counter()
+            model(tokens, kv_caches=caches)
+            return time.perf_counter() - start
+
+        def decode_steps(impl):
+            model.set_attention(impl)
+            caches = model.new_kv_caches(args.batch)
+            model(tokens[:, :-decode], kv_caches=caches)  # untimed
+            start = time.perf_counter()
+            for t in range(n - decode, n):
+                model(tokens[:, t:t + 1], kv_caches=caches)
+            return time.perf_counter() - start
+
+        for threads in args.threads:
+            with torch.inference_mode():
+                with torch_threads(threads):
+                    model.set_attention("flash")
+                    ours_logits = model(tokens)[0]
+                    model.set_attention("sdpa")
+                    err = (ours_logits.float() - model(tokens)[0].float()).abs().max().item()
+                for phase, fn, count in (("prefill", prefill, args.batch * n), (f"decode {decode}", decode_steps,
+                                                                                  args.batch * decode)):
+                    case = f"{what} {phase}, context {n}, batch {args.batch}"
+                    progress(f"generate {case} threads={threads}")
+                    fn("flash"), fn("sdpa")  # warm-up: caches, pages, OpenMP's threads
+                    row = pair_row("generate", case, dtype, threads, ("flash", lambda: fn("flash")),
+                                   ("sdpa", lambda: fn("sdpa")), args, count=count, unit="tok/s", self_timed=True,
+                                   rounds=max(args.rounds, 3))
+                    row.err = err
+                    if not err <= (1e-3 if dtype == "float32" else 0.5):
+                        row.status = "wrong"
+                        row.add_note(f"WRONG: logits differ by {err:.3g}")
+                    rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- train
+CONFIGS = {  # (config, batch)
+    "shipped": (GPTConfig(), 16),  # cs149gpt/train.py's pretraining: 4 layers, 4 heads of 32, T = 256
+    "shipped2048": (GPTConfig(block_size=2048), 2),
+    "nano256": (GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384), 16),  # nanoGPT's Shakespeare-char
+    "nano512": (GPTConfig(block_size=512, n_layer=6, n_head=6, n_embd=384), 8),
+}
+
+
+def run_train(args) -> list[Row]:
+    """Training steps of cs149gpt/model.py (forward, cross-entropy, backward, clipping, AdamW: train.py's loop), two
+    copies of one model on the same batches, flash against sdpa, steps interleaved. float32, or bfloat16 as
+    torch.autocast (float32 weights, the Linear layers and attention in bf16)."""
+    rows = []
+    for name in (["shipped"] if args.quick else args.configs):
+        config, batch = CONFIGS[name]
+        batch = 4 if args.quick else batch
+        for dtype in args.dtype or ["float32"]:
+            autocast = dtype != "float32"
+            torch.manual_seed(0)
+            base = GPT(copy.deepcopy(config))
+            models = {}
+            for impl in ("flash", "sdpa"):
+                model = copy.deepcopy(base).set_attention(impl).train()
+                models[impl] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+            g = torch.Generator().manual_seed(1)
+            x, y = (torch.randint(config.vocab_size, (batch, config.block_size), generator=g) for _ in range(2))
+
+            def step(impl):
+                model, optimizer = models[impl]
+                ctx = torch.autocast("cpu", dtype=DTYPE[dtype]) if autocast else contextlib.nullcontext()
+                with ctx:
+                    _, loss = model(x, y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                return loss.item()
+
+            for threads in args.threads:
+                case = f"{name} ({config.n_layer}L {config.n_head}x{config.n_embd // config.n_head}, "\
+                       f"B={batch} T={config.block_size}){' autocast' if autocast else ''}"
+                progress(f"train {case} threads={threads}")
+                with torch_threads(threads):
+                    losses = {impl: step(impl) for impl in models}  # the first step: the losses must agree
+                row = pair_row("train", case, dtype, threads, ("flash", lambda: step("flash")),
+                               ("sdpa", lambda: step("sdpa")), args, count=batch * config.block_size, unit="tok/s")
+                row.err = abs(losses["flash"] - losses["sdpa"])
+                if not row.err <= (1e-4 if not autocast else 5e-2) * max(1.0, abs(losses["sdpa"])):
+                    row.status = "wrong"
+                    row.add_note(f"WRONG: first losses {losses['flash']:.5f} vs {losses['sdpa']:.5f}")
+                rows.append(row)
+    return rows
+
+
+DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ------------------------------------------------------------------------------------------------- command line
+def register(sub, common: argparse.ArgumentParser) -> None:
+    ints = lambda t: [int(x) for x in t.split(",")]  # noqa: E731
+    p = sub.add_parser("models", parents=[common], help="Hugging Face Llama, GPT-2, BERT (random weights) vs sdpa")
+    p.set_defaults(run=run_models)
+    p.add_argument("--models", type=lambda t: t.split(","), default=["llama", "gpt2", "bert"])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p = sub.add_parser("generate", parents=[common], help="the shipped GPT's prefill and decode, flash vs sdpa")
+    p.set_defaults(run=run_generate)
+    p.add_argument("--contexts", type=ints, default=[128, 1024, 2048], help="of 128,256,1024,2048 (any with --llama)")
+    p.add_argument("--decode", type=int, default=64, help="decoded tokens per measurement")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--llama", action="store_true", help="a Llama-shaped bf16 GQA model (32/8 heads of 128) instead")
+    p.add_argument("--llama-layers", type=int, default=2)
+    p = sub.add_parser("train", parents=[common], help="training steps of cs149gpt/model.py, flash vs sdpa")
+    p.set_defaults(run=run_train)
+    p.add_argument("--configs", type=lambda t: t.split(","), default=["shipped", "nano256"],
+                   help=f"of {','.join(CONFIGS)}")
+

@@ -199,7 +199,7 @@ def test_fast_backward(dtype, d, causal, shape):
             f"{name}: relative max error {e_ours:.3g} vs SDPA's {e_sdpa:.3g}"
 
 
-# The tile configurations the CUDA benchmark's tile sweep covers (csrc/cuda/flash_launch.cuh: kFwdConfigs,
+# The tile configurations `benchmarks/bench.py cuda --configs` sweeps (csrc/cuda/flash_launch.cuh: kFwdConfigs,
 # kBwdConfigs), each chosen by CS149GPT_FWD_CONFIG / CS149GPT_BWD_CONFIG, on ragged GQA shapes (no tile multiple).
 FWD_CONFIGS, BWD_CONFIGS = 7, 4
 

@@ -344,7 +344,7 @@ def _allocated_bytes(fn):
 def test_large_workspaces_are_seen_by_the_profiler():
     """A workspace of 64 KB or more lives in a mapping of its own (module.cpp, mapped_workspace), not in torch's
     allocator; the profiler still sees it allocated and freed within the call (memory events), as the benchmarks'
-    peak-memory figures need: here the packed Kᵀ alone is 12 MiB, beside the 12 MiB output."""
+    --memory figures need: here the packed Kᵀ alone is 12 MiB, beside the 12 MiB output."""
     from torch.profiler import ProfilerActivity, profile
 
     g = gen(106)

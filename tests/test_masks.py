@@ -448,7 +448,7 @@ def test_causal_alibi_bias_shared_by_the_batch(isa, f32_products, dtype):
                                        "an offset of 1e8 or more (README, Limitations); torch's CPU flash does too")
 def test_uniform_huge_offset_row_gradients():
     """A row whose visible keys all carry the offset −1e30: the forward averages them (weights 1/N, as float64 does),
-    and the gradient of v through that row must be 1/N per key, not 1 (a finding of the differential fuzzer)."""
+    and the gradient of v through that row must be 1/N per key, not 1 (found by tests/test_fuzz.py)."""
     g = gen(1132)
     n, d = 8, 4
     q, k, v = (randn(1, 1, n, d, gen=g).requires_grad_() for _ in range(3))

@@ -137,8 +137,8 @@ def test_generation_is_deterministic_for_a_seed(shakes128):
 
 def test_each_part_writes_sdpas_text(shakes128):
     """The parts agree with SDPA to float32 rounding, so a seed writes the same text through each. A sampled
-    token can flip only when the draw falls between two CDFs that differ by ~1e-7: the generation
-    benchmark counts it; a failure here means a part is wrong, or that one-in-a-million tie came up."""
+    token can flip only when the draw falls between two CDFs that differ by ~1e-7; a failure here means a part is
+    wrong, or that one-in-a-million tie came up."""
     model, vocab = shakes128
     prompt = torch.tensor([vocab.encode("\n")])
 

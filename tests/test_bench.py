@@ -1,0 +1,48 @@
+"""Smoke test of the benchmark suite: benchmarks/bench.py runs, checks its answers and records what it must."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+
+
+def run_bench(tmp_path, *args):
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, str(BENCH), *args, "--quick", "--threads", "1", "--rounds", "2",
+                           "--seconds", "0.05", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(out.read_text()), done.stdout
+
+
+@pytest.mark.parametrize("args, bench, min_rows", [
+    (("forward", "--shapes", "1,2,128,32"), "forward", 2),  # causal off and on
+    (("decode", "--keys", "256", "--heads", "4,2", "--head-dim", "32"), "decode", 4),  # 2 dtypes x 2 entry points
+])
+def test_bench_quick_json(tmp_path, args, bench, min_rows):
+    doc, stdout = run_bench(tmp_path, *args)
+    machine = doc["machine"]
+    assert machine["cpu_model"] and machine["torch"] and machine["date"] and machine["usable_cpus"] >= 1
+    assert doc["command"].startswith("python benchmarks/bench.py " + args[0])
+    rows = doc["tables"][bench]
+    assert len(rows) >= min_rows
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["ours_ms"] > 0 and row["peer_ms"] > 0 and row["rate"] > 0
+        assert row["ratio"] == pytest.approx(row["peer_ms"] / row["ours_ms"], rel=1e-6)
+        assert row["err"] is not None and row["err"] <= 6e-2
+    assert "peer/ours" in stdout and machine["cpu_model"] in stdout
+
+
+def test_bench_markdown_and_cuda_skip(tmp_path):
+    """--markdown heads its table with the machine and the command; without a GPU the cuda subcommand says it skips."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the skip path is not taken")
+    doc, stdout = run_bench(tmp_path, "cuda", "--markdown")
+    rows = doc["tables"]["cuda"]
+    assert [r["status"] for r in rows] == ["skipped"] and "no CUDA GPU" in rows[0]["note"]
+    assert "`python benchmarks/bench.py cuda --markdown" in stdout and "| peer/ours |" in stdout
