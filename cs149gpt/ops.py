@@ -4,6 +4,15 @@ The operators themselves are declared in C++ (csrc/module.cpp, `TORCH_LIBRARY(cs
 `torch.ops.cs149gpt.*`. This module adds what makes them first-class PyTorch: autograd for the flash kernel
 (`torch.library.register_autograd`, backward from the saved lse) and fake implementations
 (`torch.library.register_fake`) so `torch.compile(fullgraph=True)` traces through them.
+
+Under torch.autocast every operator follows torch's SDPA (floating inputs cast to autocast's dtype, the output in
+it; attention_with_kvcache casts to its caches' dtype instead): `attention` and `attention_with_kvcache` say how.
+scaled_dot_product_attention's docstring gives the rest of torch's contract it keeps (CausalBias, sdpa_kernel,
+TorchScript).
+
+AOTInductor: a package (torch._inductor.aoti_compile_and_package) of a model that calls our operators names them
+(cs149gpt::flash_attention, ...) without carrying them: the program that loads it (aoti_load_package) must
+`import cs149gpt` first, which registers them; otherwise loading or the first call fails on an unknown operator.
 """
 import contextlib
 import math
