@@ -44,6 +44,7 @@ _has_torch_function = torch._C._has_torch_function
 # stands in for is FLASH_ATTENTION: torch.nn.attention.sdpa_kernel turns it on and off with this flag.
 _flash_sdp_enabled = torch._C._get_flash_sdp_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
+_is_scripting = torch.jit.is_scripting  # (TorchScript reads the alias as torch.jit.is_scripting: a static branch)
 # A Python-side library for what this module defines itself: the autocast kernels of the C++ operators and the
 # drop-in's own operator (cs149gpt::scaled_dot_product_attention, which TorchScript calls).
 _lib = None
@@ -319,20 +320,21 @@ def scaled_dot_product_attention(
       implementation is this function: ours or torch's by the same rule, gradients included. A scripted module
       saved with torch.jit.save names that operator: the process that loads it must import cs149gpt first.
     """
-    if torch.jit.is_scripting():
+    if _is_scripting():
         return torch.ops.cs149gpt.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                                                scale, enable_gqa)
-    if _any_autocast():
-        query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
     if (dropout_p == 0.0 and not torch.compiler.is_compiling() and type(query) is _Tensor and type(key) is _Tensor
             and type(value) is _Tensor and (attn_mask is None or (type(attn_mask) is _Tensor and not
                                                                   _has_torch_function((attn_mask,))))
             and not _has_torch_function((query, key, value)) and _flash_sdp_enabled()):
         # The common call, decided and run in C++ (module.cpp, sdpa_fast: the conditions of uses_our_kernel); None
-        # when it is not ours to take there, or autograd must record it: then the path below decides.
+        # when it is not ours to take there, or autograd must record it: then the path below decides. Under
+        # autocast a call it takes is cast by the operator's autocast rule, as the path below would cast it.
         result = _ext._module.sdpa_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if result is not None:
             return result
+    if _any_autocast():
+        query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
     if isinstance(attn_mask, CausalBias):
         return _sdpa_causal_bias(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if all(isinstance(t, torch.Tensor) for t in (query, key, value)):
