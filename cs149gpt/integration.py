@@ -9,7 +9,12 @@
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cs149gpt")
 
 Either way a call our kernel cannot compute exactly as torch would (dropout, CUDA masks, float64, ...) goes to
-torch's own SDPA: `cs149gpt.uses_our_kernel(...)` says which. transformers is optional: imported only by
+torch's own SDPA: `cs149gpt.uses_our_kernel(...)` says which. The installed function keeps the rest of torch's
+contract (cs149gpt.scaled_dot_product_attention's docstring): CausalBias masks run our kernel's causal alignments;
+torch.nn.attention.sdpa_kernel is honoured, ours being the FLASH_ATTENTION backend (a selection without it gets
+torch's function); torch.autocast casts the inputs as for torch's SDPA, and ours runs on them; torch.jit.script
+of modules that call it (nn.MultiheadAttention, nn.TransformerEncoder...) runs ours through the operator
+torch.ops.cs149gpt.scaled_dot_product_attention. transformers is optional: imported only by
 register_transformers().
 """
 import contextlib
@@ -27,7 +32,10 @@ def install_sdpa() -> None:
     """Makes torch.nn.functional.scaled_dot_product_attention ours (cs149gpt.scaled_dot_product_attention) for
     every caller that looks it up there at call time (transformers' "sdpa" attention, nanoGPT, ...). Code that
     imported the function itself before (`from torch.nn.functional import scaled_dot_product_attention`) keeps
-    torch's. Our function falls back to torch's own, captured at import, so this never recurses."""
+    torch's. Our function falls back to torch's own, captured at import, so this never recurses. TorchScript
+    compiles torch's functions (F.multi_head_attention_forward, ...) once a process, with the SDPA found then:
+    modules first scripted before install_sdpa() run torch's SDPA in that process, those first scripted after it
+    ours (torch.ops.cs149gpt.scaled_dot_product_attention), restore_sdpa() notwithstanding."""
     F.scaled_dot_product_attention = ops.scaled_dot_product_attention
 
 
@@ -55,7 +63,8 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
     mask function (a bool (B or 1, 1, Nq, Nk), or None when is_causal says it all; eager's float mask for the
     models transformers does not run on "sdpa", _transformers_mask). GQA runs without repeating
     the kv heads, masked or not; a learned sink per head (s_aux / sinks) as _attention_with_sinks says. Returns
-    (out (B, Nq, H, d), None)."""
+    (out (B, Nq, H, d), None). Under torch.autocast, as torch's SDPA: the inputs in autocast's dtype (rotary
+    embeddings leave q and k in float32 beside a v in bfloat16), our kernel on them, out in that dtype."""
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='cs149gpt' does not support `softcap`; use 'eager'")
     if kwargs.get("output_attentions", False):

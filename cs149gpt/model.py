@@ -157,7 +157,9 @@ class CausalSelfAttention(nn.Module):
             k = k.transpose(1, 2)  # (B, n_kv, T, hs); q: (B, nh, T, hs)
             v = v.view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, n_kv, T, hs), strided
         # The kernels read all three in place, whatever their strides: no .contiguous() copies.
-        if kv_cache is not None and self.impl == "flash" and T <= DECODE_ROWS:
+        # attention_with_kvcache has no backward: a step that needs gradients takes the differentiable path below.
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if kv_cache is not None and self.impl == "flash" and T <= DECODE_ROWS and not needs_grad:
             y = kv_cache.append_and_attend(q, k, v)  # (B, nh, T, hs): one call writes the cache and attends
         else:
             if kv_cache is not None:

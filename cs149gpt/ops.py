@@ -4,6 +4,15 @@ The operators themselves are declared in C++ (csrc/module.cpp, `TORCH_LIBRARY(cs
 `torch.ops.cs149gpt.*`. This module adds what makes them first-class PyTorch: autograd for the flash kernel
 (`torch.library.register_autograd`, backward from the saved lse) and fake implementations
 (`torch.library.register_fake`) so `torch.compile(fullgraph=True)` traces through them.
+
+Under torch.autocast every operator follows torch's SDPA (floating inputs cast to autocast's dtype, the output in
+it; attention_with_kvcache casts to its caches' dtype instead): `attention` and `attention_with_kvcache` say how.
+scaled_dot_product_attention's docstring gives the rest of torch's contract it keeps (CausalBias, sdpa_kernel,
+TorchScript).
+
+AOTInductor: a package (torch._inductor.aoti_compile_and_package) of a model that calls our operators names them
+(cs149gpt::flash_attention, ...) without carrying them: the program that loads it (aoti_load_package) must
+`import cs149gpt` first, which registers them; otherwise loading or the first call fails on an unknown operator.
 """
 import contextlib
 import math
@@ -12,6 +21,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from cs149gpt import _ext
 
@@ -30,6 +40,14 @@ _torch_sdpa = F.scaled_dot_product_attention
 _registered = False
 _Tensor = torch.Tensor
 _has_torch_function = torch._C._has_torch_function
+# Read at call time (torch.compile: when traced, as it reads them for torch's own SDPA). The SDPBackend our kernel
+# stands in for is FLASH_ATTENTION: torch.nn.attention.sdpa_kernel turns it on and off with this flag.
+_flash_sdp_enabled = torch._C._get_flash_sdp_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+_is_scripting = torch.jit.is_scripting  # (TorchScript reads the alias as torch.jit.is_scripting: a static branch)
+# A Python-side library for what this module defines itself: the autocast kernels of the C++ operators and the
+# drop-in's own operator (cs149gpt::scaled_dot_product_attention, which TorchScript calls).
+_lib = None
 
 
 def _load() -> None:
@@ -111,7 +129,7 @@ def attention(
         or (out, lse) with return_lse=True.
 
     dtypes: float32 with every impl; bfloat16 and float16 with impl="flash" (arithmetic in float32, the output in
-    the input dtype; cs149gpt.isa() says which kernel takes them). Other dtypes, or mixed ones: TypeError.
+    the input dtype; cs149gpt.isa() says which kernel takes them). Other dtypes, or mixed ones: TypeError (under autocast, see below).
 
     Autograd: impl="flash" is differentiable in q, k and v (FlashAttention-2's backward from the saved lse; nothing
     N×N is saved). The other impls raise on backward rather than return missing gradients. The operators behind
@@ -137,6 +155,12 @@ def attention(
     MALLOC_TRIM_THRESHOLD_=1073741824 in the environment (or jemalloc, tcmalloc) keeps those pages.
 
     Non-finite values follow one rule in every impl, path, ISA and dtype (the README's table).
+
+    Under torch.autocast (the device type of q): torch's SDPA rule, for every impl and argument. q, k, v and a
+    floating attn_mask (float64 excepted, as autocast does) are cast to autocast's dtype and out is in it; lse
+    stays float32. impl="flash" computes on the cast inputs; the float32-only impls ("naive", "blocked",
+    "fused") compute in float32 from the cast values and return out in autocast's dtype. Mixed input dtypes are
+    fine there (autocast makes them one).
     """
     if (attn_mask is None and window is None and dropout_p == 0.0 and not torch.compiler.is_compiling()
             and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and _registered
@@ -163,7 +187,9 @@ def attention(
             raise ValueError("attn_mask requires grad, but the flash kernel computes no gradient for it; pass "
                              "attn_mask.detach() (or use torch's scaled_dot_product_attention for a learned mask)")
     window_left, window_right = _window(window)
+    _check_number("scale", scale, float)
     for name, tile in (("block_q", block_q), ("block_k", block_k)):
+        _check_number(name, tile, int)
         if isinstance(tile, int) and not isinstance(tile, bool) and not -_INT64_MAX - 1 <= tile <= _INT64_MAX:
             raise ValueError(f"{name} must be >= 1 and at most 2**63 - 1, got {tile}")  # (in int64: the op's check)
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
@@ -219,7 +245,7 @@ def attention_with_kvcache(
 
     Returns:
         out: (B, Hq, Nq, d), contiguous, in q's dtype (float32, bfloat16 or float16; the caches of the same dtype).
-        A query that sees no key (an empty cache) gets 0. Not differentiable.
+        A query that sees no key (an empty cache) gets 0.
 
     torch.ops.cs149gpt.attention_with_kvcache declares the caches it writes (Tensor(a!) k_cache, Tensor(b!) v_cache)
     and bumps their version counters; it has a fake implementation (opcheck passes, torch.compile traces a decode
@@ -234,16 +260,46 @@ def attention_with_kvcache(
     splits' partial softmaxes merged exactly in a fixed order, so results are bitwise the same for any thread
     count; calls that read less than 256 KB and do fewer than 2^19 multiply-adds run on the calling thread, larger
     ones on all of torch's threads.
+
+    Not differentiable: it has no backward, so a q, k_new or v_new (or cache) that requires grad, with grad mode
+    on, is refused with a ValueError naming it (call it under torch.no_grad(), or pass .detach()).
+    Under torch.autocast the caches keep their dtype, since they are written in place: q, k_new and v_new are
+    cast to it (torch's SDPA would cast all of them to autocast's dtype; a cache cannot be), and out is in it.
     """
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(f"{name} requires grad, but attention_with_kvcache has no backward (its gradient "
+                                 f"would silently be None); call it under torch.no_grad() or pass {name}.detach()")
     _load()
-    return torch.ops.cs149gpt.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                                      block_table, scale, is_causal)
+    try:
+        return torch.ops.cs149gpt.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                                          block_table, scale, is_causal)
+    except RuntimeError:
+        # The dispatcher's schema error for an argument of the wrong type: checked here only once it failed (nothing
+        # on the decoding path), to raise a TypeError naming the argument instead.
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None
+        for name, t in (("k_new", k_new), ("v_new", v_new), ("block_table", block_table)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}") from None
+        _check_number("scale", scale, float)
+        raise
 
 
 def _dropout_seed() -> torch.Tensor:
     """(seed, offset) for one call's dropout, drawn from torch's default CPU generator (torch.manual_seed
     reproduces them; a traced graph draws them afresh on every run)."""
     return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
+
+
+def _check_number(name: str, value, kind: type) -> None:
+    """A TypeError naming the argument for a value the operator's schema (int? or float?) would refuse with its
+    schema dump: what it takes converts by __index__ (int) or __float__ (float)."""
+    if value is not None and not hasattr(type(value), "__index__" if kind is int else "__float__"):
+        raise TypeError(f"{name} must be {'an int' if kind is int else 'a float'} or None, got "
+                        f"{type(value).__name__} {value!r}")
 
 
 def _window(window) -> Tuple[int, int]:
@@ -317,23 +373,106 @@ def scaled_dot_product_attention(
 
     An eager call on plain tensors without dropout, masked or not, is decided and run in C++ (csrc's sdpa_fast,
     under the same conditions), which keeps a masked decoding step to a few microseconds of overhead.
+
+    The rest of torch's contract:
+
+    - CausalBias (torch.nn.attention.bias.causal_upper_left / causal_lower_right) as attn_mask: it is read as what
+      it means, never as a tensor. Upper-left (or square) is is_causal=True; lower-right with sizes (Nq, Nk) runs
+      our kernel's bottom-right alignment; both take the rule above (gradients and torch.compile included).
+      is_causal=True beside one raises CausalBias's own ValueError; any other CausalBias (lower-right of other
+      sizes, or a call ours does not take) goes to torch's own CausalBias handling.
+    - torch.nn.attention.sdpa_kernel: ours stands in for SDPBackend.FLASH_ATTENTION. A selection without it (MATH
+      only, EFFICIENT_ATTENTION, ...) hands every call to torch's function, with that selection's results and
+      errors; one with it runs ours where the rule above says so, torch's (within the selection) otherwise.
+      Under torch.compile the selection is read when the graph is traced, as torch reads it for its own SDPA: a
+      `with sdpa_kernel(...)` inside the compiled function counts; one around a call of an already compiled
+      graph does not.
+    - torch.autocast (the device type of query): as torch's SDPA, query, key, value and a floating attn_mask
+      (float64 excepted) are cast to autocast's dtype first, so the output is in it; then the rule above (mixed
+      input dtypes under autocast run ours too).
+    - TorchScript (torch.jit.script of nn.MultiheadAttention, nn.TransformerEncoderLayer, ... with ours
+      installed): scripted code calls the operator torch.ops.cs149gpt.scaled_dot_product_attention, whose
+      implementation is this function: ours or torch's by the same rule, gradients included. A scripted module
+      saved with torch.jit.save names that operator: the process that loads it must import cs149gpt first.
     """
+    if _is_scripting():
+        return torch.ops.cs149gpt.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                               scale, enable_gqa)
     if (dropout_p == 0.0 and not torch.compiler.is_compiling() and type(query) is _Tensor and type(key) is _Tensor
             and type(value) is _Tensor and (attn_mask is None or (type(attn_mask) is _Tensor and not
                                                                   _has_torch_function((attn_mask,))))
-            and not _has_torch_function((query, key, value))):
+            and not _has_torch_function((query, key, value)) and _flash_sdp_enabled()):
         # The common call, decided and run in C++ (module.cpp, sdpa_fast: the conditions of uses_our_kernel); None
-        # when it is not ours to take there, or autograd must record it: then the path below decides.
+        # when it is not ours to take there, or autograd must record it: then the path below decides. Under
+        # autocast a call it takes is cast by the operator's autocast rule, as the path below would cast it.
         result = _ext._module.sdpa_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if result is not None:
             return result
+    if _any_autocast():
+        query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
+    if isinstance(attn_mask, CausalBias):
+        return _sdpa_causal_bias(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         _refuse_sparse_and_quantized(query, key, value)
-    if not uses_our_kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    if not _ours(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
     return attention(query, key, value, impl="flash", scale=scale, is_causal=is_causal, attn_mask=attn_mask,
                      dropout_p=float(dropout_p))
+
+
+def _autocast_inputs(query, key, value, attn_mask):
+    """(query, key, value, attn_mask) as torch's autocast hands them to its SDPA (a lower-precision op): under
+    torch.autocast for query's device type, each floating tensor (float64 excepted) cast to autocast's dtype; a
+    CausalBias and bool or integer tensors unchanged. Unchanged outside autocast."""
+    if not isinstance(query, torch.Tensor):
+        return query, key, value, attn_mask
+    device_type = query.device.type
+    if not (torch._C._is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return query, key, value, attn_mask
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        if (isinstance(t, torch.Tensor) and not isinstance(t, CausalBias) and t.is_floating_point()
+                and t.dtype != torch.float64 and t.device.type == device_type):
+            return t.to(dtype)
+        return t
+
+    return cast(query), cast(key), cast(value), cast(attn_mask)
+
+
+def _causal_bias_mode(bias: CausalBias, query, key) -> Optional[str]:
+    """The causal alignment a CausalBias means for these inputs, as torch's CausalBias handling reads it: "top_left"
+    (upper-left, or any square one: torch's is_causal=True), "bottom_right" (lower-right of sizes (Nq, Nk)); None
+    for anything else (lower-right of other sizes, which torch materialises and broadcasts; a bad variant)."""
+    if bias.variant == CausalVariant.UPPER_LEFT or bias.seq_len_q == bias.seq_len_kv:
+        return "top_left"
+    if (bias.variant == CausalVariant.LOWER_RIGHT and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+            and query.dim() >= 2 and key.dim() >= 2
+            and (bias.seq_len_q, bias.seq_len_kv) == (query.shape[-2], key.shape[-2])):
+        return "bottom_right"
+    return None
+
+
+def _sdpa_causal_bias(query, key, value, bias, dropout_p, is_causal, scale, enable_gqa):
+    """scaled_dot_product_attention with a CausalBias attn_mask: the causal alignment it means on our kernel, or
+    torch's own CausalBias handling. torch dispatches a CausalBias only when it is called as
+    torch.nn.functional.scaled_dot_product_attention, which ours is once installed; calling torch's function with
+    one then would read the bias object's (uninitialised) storage as an additive mask."""
+    if is_causal:
+        raise ValueError("CausalBias should not be used with causal=True")  # torch's words (CausalBias._dispatch)
+    mode = _causal_bias_mode(bias, query, key)
+    if mode == "top_left":
+        return scaled_dot_product_attention(query, key, value, None, dropout_p, True, scale, enable_gqa)
+    if mode == "bottom_right" and _ours(query, key, value, None, dropout_p, False, scale, enable_gqa):
+        return attention(query, key, value, impl="flash", scale=scale, is_causal="bottom_right",
+                         dropout_p=float(dropout_p))
+    if query.device.type == "cpu" and bias.variant == CausalVariant.LOWER_RIGHT:
+        # torch's handling on the CPU (no fused kernel takes it there): the materialised mask, to torch's function
+        # itself (CausalBias._dispatch would call torch.nn.functional's, ours once installed).
+        return _torch_sdpa(query, key, value, attn_mask=bias._materialize(query.device), dropout_p=dropout_p,
+                           is_causal=False, scale=scale, enable_gqa=enable_gqa)
+    return type(bias)._dispatch(query, key, value, bias, dropout_p, False, scale, enable_gqa)
 
 
 def _mask_is_ours(attn_mask, query, key) -> bool:
@@ -354,7 +493,23 @@ def _mask_is_ours(attn_mask, query, key) -> bool:
 
 def uses_our_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False) -> bool:
-    """Whether scaled_dot_product_attention(...) with these arguments runs our kernel (else torch's)."""
+    """Whether scaled_dot_product_attention(...) with these arguments runs our kernel (else torch's), here and now:
+    under the current torch.autocast (inputs as it casts them) and torch.nn.attention.sdpa_kernel selection (ours
+    is FLASH_ATTENTION), with a CausalBias read as the causal alignment it means."""
+    if _any_autocast():
+        query, key, value, attn_mask = _autocast_inputs(query, key, value, attn_mask)
+    if isinstance(attn_mask, CausalBias):
+        if is_causal:
+            return False  # a ValueError, as torch's
+        mode = _causal_bias_mode(attn_mask, query, key)
+        return mode is not None and _ours(query, key, value, None, dropout_p, mode == "top_left", scale, enable_gqa)
+    return _ours(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _ours(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
+    """uses_our_kernel's rule for inputs as our kernel sees them: after autocast, attn_mask a tensor or None."""
+    if not _flash_sdp_enabled():
+        return False  # sdpa_kernel(...) without FLASH_ATTENTION, the backend ours stands in for: torch's
     tensors = (query, key, value)
     if not isinstance(is_causal, bool):
         return False
@@ -492,6 +647,60 @@ def _not_differentiable(what: str):
     return backward
 
 
+def _autocast_cast(t, device_type: str, dtype: torch.dtype):
+    """t cast to dtype if autocast casts it: a floating tensor of that device type, not float64."""
+    if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+            and t.device.type == device_type):
+        return t.to(dtype)
+    return t
+
+
+def _autocast_flash_attention(op, device_type, dtype, *args):
+    """flash_attention under autocast: q, k, v and a floating attn_mask in autocast's dtype."""
+    return op(*(_autocast_cast(a, device_type, dtype) for a in args))
+
+
+def _autocast_attention(op, device_type, dtype, q, k, v, impl, *rest):
+    """attention under autocast: q, k, v in autocast's dtype; the float32-only impls compute in float32 from
+    those values and return out in autocast's dtype, as the flash one does."""
+    q, k, v = (_autocast_cast(t, device_type, dtype) for t in (q, k, v))
+    if impl == "flash" or q.dtype != dtype:  # (float64 inputs: not autocast's to cast; the kernels refuse them)
+        return op(q, k, v, impl, *rest)
+    return op(q.float(), k.float(), v.float(), impl, *rest).to(dtype)
+
+
+def _autocast_attention_with_kvcache(op, device_type, dtype, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                     *rest):
+    """attention_with_kvcache under autocast: the caches are written in place, so they keep their dtype, and q,
+    k_new, v_new are cast to it instead of autocast's."""
+    if isinstance(k_cache, torch.Tensor) and k_cache.is_floating_point():
+        q, k_new, v_new = (_autocast_cast(t, device_type, k_cache.dtype) for t in (q, k_new, v_new))
+    return op(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *rest)
+
+
+def _register_autocast(name: str, rule) -> None:
+    """rule(op, device_type, dtype, *args) as the operator's kernel under torch.autocast, for each device type
+    with autocast (what torch.library.register_autocast does, with autocast's dtype read at the call rather than
+    fixed). The operator runs below autocast inside."""
+    op = getattr(torch.ops.cs149gpt, name).default
+    for device_type in ("cpu", "cuda"):
+        if not torch._C._is_autocast_available(device_type):
+            continue
+        key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        key = getattr(torch._C.DispatchKey, key_name)
+
+        def kernel(*args, _device_type=device_type, _key=key, **kwargs):
+            # The dispatcher leaves out trailing arguments at their defaults: the rule gets every one.
+            args = (*args, *(kwargs.get(a.name, a.default_value) for a in op._schema.arguments[len(args):]))
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
+                return rule(op, _device_type, torch.get_autocast_dtype(_device_type), *args)
+
+        if op.has_kernel_for_dispatch_key(key):  # (the Python dispatcher's copy, used while tracing)
+            op.py_kernels.pop(key)
+        op.py_impl(key)(kernel)
+        _lib.impl(name, kernel, key_name)
+
+
 def _register_python_parts() -> None:
     lib = "cs149gpt::"
 
@@ -501,9 +710,19 @@ def _register_python_parts() -> None:
     # drift from the C++ one; C++ Meta kernels would have to compute the output shapes a second time, in C++.
     checks = _ext._module
 
-    # Under torch.autocast("cpu") the flash op runs in bfloat16, as torch's SDPA does there: its inputs may arrive
-    # in mixed dtypes (a GPT's q and k out of float32 rotary tables, v straight from a bf16 Linear).
-    torch.library.register_autocast(lib + "flash_attention", "cpu", torch.bfloat16)
+    global _lib
+    _lib = torch.library.Library("cs149gpt", "FRAGMENT")
+    # Under torch.autocast the operators follow torch's SDPA (a lower-precision op there): inputs in autocast's
+    # dtype, whatever it is, and mixed input dtypes made one (a GPT's q and k out of float32 rotary tables, v
+    # straight from a bf16 Linear).
+    _register_autocast("flash_attention", _autocast_flash_attention)
+    _register_autocast("attention", _autocast_attention)
+    _register_autocast("attention_with_kvcache", _autocast_attention_with_kvcache)
+    # The drop-in as an operator, for TorchScript (scaled_dot_product_attention's scripted branch): a Python
+    # decomposition, so autograd records what it runs (ours or torch's), as in eager mode.
+    _lib.define("scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+                "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False) -> Tensor")
+    _lib.impl("scaled_dot_product_attention", scaled_dot_product_attention, "CompositeImplicitAutograd")
 
     @torch.library.register_fake(lib + "attention")
     def _(q, k, v, impl="flash", scale=None, causal="none", block_q=None, block_k=None):

@@ -1146,7 +1146,9 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK_VALUE(cached <= (capacity < 0 ? INT64_MAX : capacity) - added, "cache_seqlens[", b, "] = ", cached,
                       append ? " plus the Nq = " + std::to_string(Nq) + " new keys" : std::string(),
                       " exceed the cache's capacity of ", capacity, " keys",
-                      paged ? " (max_blocks x block_size)" : " (k_cache dim 2)");
+                      paged ? " (max_blocks x block_size): block_table's row " + std::to_string(b) +
+                                  " maps too few blocks for them"
+                            : std::string(" (k_cache dim 2)"));
     const int64_t length = cached + added;
     max_len = std::max(max_len, length);
     lengths[b] = length;

@@ -4,6 +4,7 @@ Each check runs for every impl (the checks come before any kernel), and the modu
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +105,18 @@ def test_nonpositive_blocks(impl, bad):
     if impl == "flash":
         with pytest.raises(ValueError, match=f"block_k must be >= 1, got {bad}"):
             cs149gpt.attention(q, k, v, impl=impl, block_q=4, block_k=bad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_arguments_of_the_wrong_type_are_named(impl):
+    """A float tile or a string scale: a TypeError naming the argument, not the operator's schema dump. Whatever
+    the operator converts (ints for the tiles, numbers for scale, numpy scalars) is still taken."""
+    q, k, v = qkv((1, 2, 5, 8))
+    for name, bad in (("block_q", 16.0), ("block_k", "4"), ("scale", "0.5"), ("scale", [0.5])):
+        with pytest.raises(TypeError, match=f"{name} must be an? (int|float) or None, got"):
+            cs149gpt.attention(q, k, v, impl=impl, **{name: bad})
+    want = cs149gpt.attention(q, k, v, impl=impl, block_q=4, scale=0.5)
+    assert torch.equal(cs149gpt.attention(q, k, v, impl=impl, block_q=np.int64(4), scale=np.float32(0.5)), want)
 
 
 def test_blocked_checks_block_k_even_with_block_q():

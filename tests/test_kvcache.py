@@ -459,3 +459,45 @@ def test_shared_blocks_that_appends_do_not_touch():
     for b in range(3):
         n = seqlens[b] + 2
         assert torch.equal(after_k[b, :, :n], k_exp[b, :, :n]) and torch.equal(after_v[b, :, :n], v_exp[b, :, :n])
+
+
+def test_inputs_that_require_grad_are_refused():
+    """attention_with_kvcache has no backward: a q (or k_new, v_new, cache) that requires grad would get a None
+    gradient, so it is refused, naming it; under torch.no_grad(), or detached, it runs."""
+    q, k, v, seqlens, k_new, v_new, _ = small_case()
+    for name in ("q", "k_new", "v_new"):
+        args = {"q": q, "k_new": k_new, "v_new": v_new}
+        args[name] = args[name].clone().requires_grad_()
+        with pytest.raises(ValueError, match=f"{name} requires grad, but attention_with_kvcache has no backward"):
+            cs149gpt.attention_with_kvcache(args["q"], k.clone(), v.clone(), seqlens, k_new=args["k_new"],
+                                            v_new=args["v_new"])
+        with torch.no_grad():
+            out = cs149gpt.attention_with_kvcache(args["q"], k.clone(), v.clone(), seqlens, k_new=args["k_new"],
+                                                  v_new=args["v_new"])
+        assert torch.equal(out, cs149gpt.attention_with_kvcache(q, k.clone(), v.clone(), seqlens, k_new=k_new,
+                                                                v_new=v_new))
+
+
+def test_arguments_of_the_wrong_type_are_named():
+    """A list for cache_seqlens, a float scale given as a string: a TypeError naming the argument, not the
+    operator's schema dump."""
+    q, k, v, seqlens, k_new, v_new, table = small_case(paged=True)
+    cases = [("cache_seqlens", dict(cache_seqlens=[3, 10]), "cache_seqlens must be a torch.Tensor, got list"),
+             ("k_cache", dict(k_cache=k.numpy()), "k_cache must be a torch.Tensor, got ndarray"),
+             ("block_table", dict(block_table=[[5, 0, 2], [1, 3, 4]]), "block_table must be a torch.Tensor or None"),
+             ("k_new", dict(k_new=1.0), "k_new must be a torch.Tensor or None, got float"),
+             ("scale", dict(scale="0.5"), "scale must be a float or None, got str")]
+    for _, change, message in cases:
+        args = dict(q=q, k_cache=k, v_cache=v, cache_seqlens=seqlens, k_new=k_new, v_new=v_new, block_table=table)
+        args.update(change)
+        with pytest.raises(TypeError, match=message):
+            cs149gpt.attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
+                                            args.pop("cache_seqlens"), **args)
+
+
+def test_lengths_past_the_block_table_name_it():
+    """A paged cache whose block table has too few blocks for a sequence's length: the message names
+    block_table (the table points past the cache it maps), not only cache_seqlens."""
+    q, k, v, _, _, _, table = small_case(paged=True, append=False)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 13 exceed .* block_table's row 1 maps too few blocks"):
+        cs149gpt.attention_with_kvcache(q, k, v, torch.tensor([3, 13], dtype=torch.int32), block_table=table)

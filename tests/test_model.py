@@ -70,7 +70,8 @@ def test_cached_decoding_matches_full_recomputation(impl):
     model.set_attention(impl)
     caches = model.new_kv_caches(2)
     cuts = [0, 10, 11, 12, 13, 18] + list(range(19, TINY.block_size + 1))
-    got = torch.cat([model(x[:, a:b], kv_caches=caches)[0] for a, b in zip(cuts, cuts[1:])], dim=1)
+    with torch.no_grad():  # (decoding: "flash" runs attention_with_kvcache, which has no backward)
+        got = torch.cat([model(x[:, a:b], kv_caches=caches)[0] for a, b in zip(cuts, cuts[1:])], dim=1)
     torch.testing.assert_close(got, want, **TOL)
     assert caches[0].length == TINY.block_size
     with pytest.raises(ValueError, match="exceed the model's context"):
@@ -93,7 +94,8 @@ def test_gqa_model_cached_decoding_matches_sdpa(impl):
     caches = model.new_kv_caches(2)
     assert caches[0].k.shape == (2, 2, config.block_size, 12)
     cuts = [0, 20, 21, 26, 27] + list(range(28, config.block_size + 1))
-    got = torch.cat([model(x[:, a:b], kv_caches=caches)[0] for a, b in zip(cuts, cuts[1:])], dim=1)
+    with torch.no_grad():
+        got = torch.cat([model(x[:, a:b], kv_caches=caches)[0] for a, b in zip(cuts, cuts[1:])], dim=1)
     torch.testing.assert_close(got, want, **TOL)
     assert caches[0].length == config.block_size and caches[0].seqlens.tolist() == [config.block_size] * 2
 
@@ -225,3 +227,21 @@ def test_shipped_vocab_is_the_corpus_alphabet():
     text = train_script.shakespeare_text()
     assert text.startswith("A Midsummer Night's Dream\n\nACT I\n\nSCENE I. Athens.")
     assert load_pretrained("shakes256")[1].chars == CharVocab.from_text(text).chars
+
+
+def test_cached_decoding_with_gradients_takes_the_differentiable_path():
+    """attention_with_kvcache has no backward: a cached step that needs gradients runs the differentiable attention
+    over the cache's views instead: its output and gradients are those of torch's SDPA on the same cache."""
+    model = tiny_model()
+    x = tokens(2, 12, TINY.vocab_size)
+    weight = model.transformer.h[0].attn.c_attn.weight  # before the attention: its gradient flows through it
+    results = {}
+    for impl in ("sdpa", "flash"):
+        model.set_attention(impl)
+        caches = model.new_kv_caches(2)
+        with torch.no_grad():
+            model(x[:, :11], kv_caches=caches)
+        out, _ = model(x[:, 11:], kv_caches=caches)  # one token: flash would decode on attention_with_kvcache
+        results[impl] = out, torch.autograd.grad(out.sum(), weight)[0]
+    torch.testing.assert_close(results["flash"][0], results["sdpa"][0], **TOL)
+    torch.testing.assert_close(results["flash"][1], results["sdpa"][1], **TOL)

@@ -7,6 +7,8 @@ per layer and forward pass) and none runs torch's SDPA; outputs match torch's wi
 generation gives identical tokens. Padded batches (left and right) pass boolean masks (float 0/−inf ones under
 torch.compile), which our kernel takes.
 """
+import contextlib
+
 import pytest
 import torch
 from torch.profiler import profile
@@ -178,6 +180,38 @@ def test_compiled_llama_padded_batch():
     torch._dynamo.reset()
     assert_all_ours(counts, expected=2)
     assert (out - want)[mask.bool()].abs().max().item() <= TOL
+
+
+def calls_under_autocast(fn):
+    """(fn(), calls of our kernel, calls of torch's SDPA): under autocast our operators' autocast rule calls the
+    operator again below itself, so an event nested in one of ours is not another call."""
+    names = ("cs149gpt::attention", OURS)
+    with profile() as prof:
+        result = fn()
+    ours = sum(e.name in names and (e.cpu_parent is None or e.cpu_parent.name not in names) for e in prof.events())
+    theirs = sum(e.name in TORCH_SDPA[:1] for e in prof.events())
+    return result, ours, theirs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("how", ["cs149gpt", "sdpa_installed"])
+def test_llama_under_autocast_runs_ours(how, dtype):
+    """torch.autocast("cpu") over a float32 Llama (GQA; q and k leave the rotary embedding in float32, v a Linear
+    in the autocast dtype): every attention call runs ours, in autocast's dtype as torch's SDPA does, and the logits
+    are torch's within that dtype's rounding; a padded batch (a bool mask) too."""
+    ours, theirs = twins(llama_config, transformers.AutoModelForCausalLM)
+    model = ours if how == "cs149gpt" else theirs
+    ids, mask = padded_batch(96, [11, 6], 11, "left", seed=8)
+    for attention_mask in (None, mask):
+        scope = cs149gpt.sdpa_installed() if how == "sdpa_installed" else contextlib.nullcontext()
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype), scope:
+            out, n_ours, n_theirs = calls_under_autocast(
+                lambda: model(input_ids=ids, attention_mask=attention_mask).logits)
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            want = theirs(input_ids=ids, attention_mask=attention_mask).logits
+        assert (n_ours, n_theirs) == (2, 0) and out.dtype == want.dtype
+        rows = mask.bool() if attention_mask is not None else torch.ones_like(mask, dtype=torch.bool)
+        assert (out.float() - want.float())[rows].abs().max().item() <= 0.02 * want.float().abs().max().item()
 
 
 def test_mask_function_hands_compiled_models_a_float_mask(monkeypatch):
