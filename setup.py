@@ -12,8 +12,10 @@ try:
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 except ImportError:
-    sys.exit("cs149gpt compiles against the torch already installed: install torch first (pip install torch==2.13.0), "
-             "then build without isolation: pip install . --no-build-isolation")
+    sys.exit("cs149gpt compiles its kernels against the torch already installed, and pip's isolated build "
+             "environment has none. Install torch first, then build without isolation:\n"
+             "    pip install torch==2.13.0 setuptools wheel ninja    (requirements.txt's torch; or the one you use)\n"
+             "    pip install . --no-build-isolation")
 
 build = runpy.run_path("cs149gpt/_build.py")
 
