@@ -28,7 +28,7 @@ sanitize: deps
 # torch is the one already installed (requirements.txt's pin): the wheel requires exactly that release.
 wheel: deps
 	$(PIP) install -q "setuptools>=64" wheel
-	MAX_JOBS=$${MAX_JOBS:-2} $(PIP) wheel . --no-build-isolation --no-deps -w dist
+	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(PIP) wheel . --no-build-isolation --no-deps -w dist
 
 wheel-check:
 	PYTHON=$(PYTHON) .ci/wheel_check
