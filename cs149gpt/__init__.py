@@ -7,6 +7,8 @@ The entry points of Stanford CS149's assignment 4 (myNaiveAttention, myUnfusedAt
 myFusedAttention, myFlashAttention, twoDimRead, fourDimRead) are re-exported here from the compiled module,
 which is loaded when the package is imported (and, from a fresh checkout, compiled then, once).
 """
+__version__ = "0.1.0"  # the one version number: pyproject.toml reads it from here
+
 from cs149gpt.ops import (IMPLS, attention, attention_with_kvcache, isa, scaled_dot_product_attention,
                           set_float32_products, uses_our_kernel)
 from cs149gpt.integration import install_sdpa, register_transformers, restore_sdpa, sdpa_installed

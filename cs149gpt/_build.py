@@ -27,6 +27,22 @@ CXX_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 # without a dependency on libstdc++.so.6 and with private copies of iostream templates (std::ostream::_M_insert<long>)
 # that crashed the first error message formatting an integer: every TORCH_CHECK with a number segfaulted.
 LD_FLAGS = ["-fopenmp"] + (["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else [])
+# pip's build (setup.py) links stripped: the module a wheel ships carries no symbol table it does not need to load.
+RELEASE_LD_FLAGS = ["-s"] if sys.platform.startswith("linux") else []
+
+
+def without_interpreter_cflags(compiler_so: list) -> list:
+    """setuptools' compile command less the CFLAGS of Python's own build (-g, -fwrapv, -DNDEBUG, -O*, warnings):
+    what is left (the compiler, -fPIC, -pthread) plus CXX_FLAGS is the JIT build's command, so both builds agree."""
+    dropped = ("-g", "-O", "-W", "-DNDEBUG", "-fwrapv", "-fno-strict-overflow")
+    return [compiler_so[0]] + [f for f in compiler_so[1:] if not f.startswith(dropped)]
+
+
+def torch_requirement(torch_version: str) -> str:
+    """The wheel's torch requirement: the release it was built against ("2.13.0+cpu" -> "torch==2.13.0", which any
+    2.13.0 build, CPU or CUDA, satisfies)."""
+    return "torch==" + torch_version.split("+")[0]
+
 
 # CS149GPT_SANITIZE=1 (make sanitize): AddressSanitizer and UBSan, into a build directory of its own (_ext.py).
 # -O1 -g keeps the reports' stacks readable; the kernels' SIMD paths are still the ones that run.

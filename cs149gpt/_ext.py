@@ -1,4 +1,5 @@
-"""Loads the compiled kernels: the module pip built (cs149gpt/_C), or else a JIT build with ninja."""
+"""Loads the compiled kernels: the module pip built (cs149gpt/_C), or else, in a source checkout, a JIT build with
+ninja."""
 import importlib
 import os
 import sys
@@ -20,6 +21,11 @@ def _with_cuda() -> bool:
 
 def _sources() -> list:
     return _build.SOURCES + (_build.CUDA_SOURCES if _with_cuda() else [])
+
+
+def _in_checkout() -> bool:
+    """Whether the package runs from a source checkout (csrc/ beside it), not from an installed copy (site-packages)."""
+    return (_build.ROOT / "csrc").is_dir()
 
 
 def _newest_source_mtime() -> float:
@@ -54,16 +60,22 @@ def _jit_build():
 
 
 def load():
-    """The compiled module (also registers torch.ops.cs149gpt.*). Builds it on first use if pip did not."""
+    """The compiled module (also registers torch.ops.cs149gpt.*). In a checkout, builds it on first use if pip did not."""
     global _module
     if _module is None:
-        try:
-            if _build.SANITIZE:  # the pip-built module has no sanitizers: always the JIT build then
-                raise ImportError("CS149GPT_SANITIZE=1")
-            _module = importlib.import_module("cs149gpt._C")
-            if Path(_module.__file__).stat().st_mtime < _newest_source_mtime():
-                print("cs149gpt: warning: cs149gpt/_C is older than csrc/; rebuild with `pip install -e .`",
-                      file=sys.stderr)
-        except ImportError:
+        if _build.SANITIZE:  # the pip-built module has no sanitizers: always the JIT build then
             _module = _jit_build()
+            return _module
+        try:
+            _module = importlib.import_module("cs149gpt._C")
+        except ImportError as error:
+            if not _in_checkout():  # installed: no sources to build from, so say what failed
+                raise ImportError(f"cs149gpt's compiled module did not load with torch {torch.__version__} (it loads "
+                                  "with the torch it was built against: see `pip show cs149gpt`): "
+                                  f"{error}") from error
+            _module = _jit_build()
+        else:
+            if _in_checkout() and Path(_module.__file__).stat().st_mtime < _newest_source_mtime():
+                print("cs149gpt: warning: cs149gpt/_C is older than csrc/; rebuild with `pip install -e . "
+                      "--no-build-isolation`", file=sys.stderr)
     return _module
