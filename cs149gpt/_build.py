@@ -10,6 +10,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SOURCES = [
     "csrc/module.cpp",
+    "csrc/checks.cpp",
+    "csrc/mask_ranges.cpp",
+    "csrc/workspace.cpp",
+    "csrc/testing.cpp",
     "csrc/dispatch.cpp",
     # Every kernel, compiled once per instruction set; dispatch.cpp picks one when the module loads.
     "csrc/isa/kernels_amx.cpp",
