@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from cs149gpt import _ext
 
-IMPLS = ("naive", "blocked", "fused", "flash")
+IMPLS = ("naive", "blocked", "fused", "flash", "flash_teaching")
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A scale from here up (FLT_MAX + half an ulp) rounds to inf as a float32, which is what the kernels take it as.
 _FLOAT32_OVERFLOW = float.fromhex("0x1.ffffffp+127")
@@ -63,7 +63,8 @@ def attention(
         q: (..., Nq, d) queries, any strides (the last dim is read in place when contiguous).
         k, v: (..., Nk, d) keys and values with q's leading dims; their head dim (-3) may divide q's (GQA:
             query head h reads kv head h // (Hq // Hkv)), read without expanding.
-        impl: "naive" (N×N scores), "blocked" (tiled matmuls), "fused" (a row at a time) or "flash".
+        impl: "naive" (N×N scores), "blocked" (tiled matmuls), "fused" (a row at a time), "flash", or
+            "flash_teaching" (the readable flash forward, float32, no mask, window, dropout, lse or gradient).
         scale: multiplies q·k; None means 1/sqrt(d), as in torch's scaled_dot_product_attention.
         is_causal: False; True or "top_left": query i sees keys j <= i (torch SDPA's is_causal);
             "bottom_right": query i sees keys j <= i + Nk - Nq (torch.nn.attention.bias.causal_lower_right,

@@ -239,6 +239,10 @@ struct KernelTable {
   void (*exp2_row)(float* x, int64_t n);
 };
 
+// The readable flash forward (csrc/kernels/flash_teaching.cpp): float32, scalar, compiled once (no ISA dispatch).
+int64_t flash_teaching_workspace_floats(const AttentionParams& p);
+void flash_teaching_attention(const AttentionParams& p, float* workspace);
+
 namespace amx { extern const KernelTable kernel_table; }          // AVX-512 + AMX-BF16 tiles for bf16
 namespace amx_emulated {  // the same, tiles in software (tests only)
 extern const KernelTable kernel_table;

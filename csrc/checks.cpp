@@ -24,7 +24,9 @@ Impl parse_impl(const std::string& impl) {
   if (impl == "blocked") return Impl::blocked;
   if (impl == "fused") return Impl::fused;
   if (impl == "flash") return Impl::flash;
-  TORCH_CHECK_VALUE(false, "impl must be one of 'naive', 'blocked', 'fused', 'flash'; got '", impl, "'");
+  if (impl == "flash_teaching") return Impl::flash_teaching;
+  TORCH_CHECK_VALUE(false, "impl must be one of 'naive', 'blocked', 'fused', 'flash', 'flash_teaching'; got '", impl,
+                    "'");
 }
 
 const char* impl_name(Impl impl) {
@@ -33,6 +35,7 @@ const char* impl_name(Impl impl) {
     case Impl::blocked: return "blocked";
     case Impl::fused: return "fused";
     case Impl::flash: return "flash";
+    case Impl::flash_teaching: return "flash_teaching";
   }
   return "?";
 }
@@ -411,6 +414,10 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       // clamps it too; the backward's round_up(block_q, ...) would overflow near INT64_MAX).
       p.block_q = block_q ? std::min(*block_q, q_len) : 0;
       p.block_k = block_k ? std::min(*block_k, kv_len) : 0;
+      break;
+    case Impl::flash_teaching:  // Br x Bc, clamped to the sequences
+      p.block_q = std::min(block_q.value_or(heuristics::kTeachingBlockQ), q_len);
+      p.block_k = std::min(block_k.value_or(heuristics::kTeachingBlockK), kv_len);
       break;
   }
   return prep;

@@ -16,7 +16,7 @@
 
 namespace cs149gpt {
 
-enum class Impl { naive, blocked, fused, flash };
+enum class Impl { naive, blocked, fused, flash, flash_teaching };
 
 Impl parse_impl(const std::string& impl);
 const char* impl_name(Impl impl);

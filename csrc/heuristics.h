@@ -20,6 +20,8 @@ namespace heuristics {
 
 // blocked (part 2): one tile for both matrix multiplies. 32 and 64 level on a 2-core EPYC, ahead of 16, 128 and 256.
 constexpr int64_t kBlockedTile = 64;
+// flash_teaching (the readable part 4): the CUDA teaching kernel's Br x Bc, so the two twins tile alike (not tuned).
+constexpr int64_t kTeachingBlockQ = 64, kTeachingBlockK = 32;
 
 // ---- flash-decoding (flash_decode.cpp) ----
 // attention() calls with at most this many query rows (the tokens being generated against a cache), attn_mask and

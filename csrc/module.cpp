@@ -67,6 +67,8 @@ at::Tensor empty_out_like(const at::Tensor& q) {
   return at::empty(q.sizes(), q.options());
 }
 
+const Kernel kTeachingKernel = {flash_teaching_workspace_floats, flash_teaching_attention};
+
 // Runs one forward kernel. Returns (out, lse); lse is defined only when asked for (flash only).
 std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  Impl impl, std::optional<double> scale, const std::string& causal,
@@ -95,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
     // A few query rows (decoding) go to flash-decoding, which splits the keys instead (attention.h), attn_mask and
     // window included; the tiled kernels take the rest.
     case Impl::flash: kernel = heuristics::decode_kernel_takes(p) ? &kernels.decode : &kernels.flash; break;
+    case Impl::flash_teaching: kernel = &kTeachingKernel; break;
   }
   const at::Tensor out = empty_out_like(q), out4 = as_4d(out, "out");
   p.out = out4.data_ptr();
@@ -515,7 +518,8 @@ py::object attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Te
     return py::none();
   if (!PyUnicode_Check(impl_arg.ptr())) return py::none();
   const std::string impl = impl_arg.cast<std::string>();
-  if (!(impl == "flash" || impl == "naive" || impl == "blocked" || impl == "fused")) return py::none();
+  if (!(impl == "flash" || impl == "naive" || impl == "blocked" || impl == "fused" || impl == "flash_teaching"))
+    return py::none();
   if (return_lse_arg.ptr() != Py_True && return_lse_arg.ptr() != Py_False) return py::none();
   const bool return_lse = return_lse_arg.ptr() == Py_True;
   if (return_lse && impl != "flash") return py::none();
@@ -631,7 +635,7 @@ TORCH_LIBRARY_IMPL(cs149gpt, ADInplaceOrView, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace cs149gpt;
   namespace py = pybind11;
-  m.doc() = "cs149gpt: CPU attention kernels (naive, blocked, fused, flash)";
+  m.doc() = "cs149gpt: CPU attention kernels (naive, blocked, fused, flash, flash_teaching)";
   m.def("myNaiveAttention", &myNaiveAttention, py::call_guard<py::gil_scoped_release>());
   m.def("myUnfusedAttentionBlocked", &myUnfusedAttentionBlocked, py::call_guard<py::gil_scoped_release>());
   m.def("myFusedAttention", &myFusedAttention, py::call_guard<py::gil_scoped_release>());

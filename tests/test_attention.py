@@ -26,6 +26,7 @@ BLOCKS = {
     "fused": [(None, None), (17, 3)],
     "blocked": [(None, None), (1, None), (3, None), (17, None), (1000, None), (None, 5)],
     "flash": [(None, None), (1, 1), (1, 3), (3, 17), (17, 3), (17, 1000), (1000, 17), (1000, 1000)],
+    "flash_teaching": [(None, None), (1, 1), (3, 17), (17, 3), (1000, 1000)],
 }
 
 # (B, H, Nq, Nk, d): N and d mostly not multiples of any tile or SIMD width; Nq != Nk both ways.
