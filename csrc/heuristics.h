@@ -20,7 +20,7 @@ namespace heuristics {
 
 // blocked (part 2): one tile for both matrix multiplies. 32 and 64 level on a 2-core EPYC, ahead of 16, 128 and 256.
 constexpr int64_t kBlockedTile = 64;
-// flash_teaching (the readable part 4): the CUDA teaching kernel's Br x Bc, so the two twins tile alike (not tuned).
+// flash_teaching, the readable part 4, and its CUDA twin (cuda/flash_api.cpp): Br x Bc, for reading, not tuned.
 constexpr int64_t kTeachingBlockQ = 64, kTeachingBlockK = 32;
 
 // ---- flash-decoding (flash_decode.cpp) ----

@@ -22,13 +22,15 @@
 
 #include "../attention.h"
 #include "../checks.h"
+#include "../heuristics.h"
 #include "flash_cuda.h"
 
 namespace cs149gpt {
 namespace cuda {
 namespace {
 
-constexpr int64_t kTeachingBlockQ = 64, kTeachingBlockK = 32;  // Br (threads per block) x Bc
+// Br (threads per block) x Bc: the CPU teaching kernel's defaults (heuristics.h).
+constexpr int64_t kTeachingBlockQ = heuristics::kTeachingBlockQ, kTeachingBlockK = heuristics::kTeachingBlockK;
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "cs149gpt: launching the CUDA ", what, " failed: ", cudaGetErrorString(err));
