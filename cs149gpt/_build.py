@@ -10,7 +10,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SOURCES = [
     "csrc/module.cpp",
+    "csrc/checks.cpp",
+    "csrc/mask_ranges.cpp",
+    "csrc/workspace.cpp",
+    "csrc/testing.cpp",
     "csrc/dispatch.cpp",
+    # The readable flash forward, plain scalar C++: compiled once, not per instruction set.
+    "csrc/kernels/flash_teaching.cpp",
     # Every kernel, compiled once per instruction set; dispatch.cpp picks one when the module loads.
     "csrc/isa/kernels_amx.cpp",
     "csrc/isa/kernels_avx512_bf16.cpp",

@@ -4,6 +4,8 @@
     python cs149gpt/gpt149.py part0                   the PyTorch reference alone, profiled
     python cs149gpt/gpt149.py part1 | part2 | part3   naive, blocked, fused: checked against PyTorch, profiled
     python cs149gpt/gpt149.py part4 -br 64 -bc 128    flash, with a Br x Bc tile (default: the kernel's own)
+    python cs149gpt/gpt149.py part4 --teaching        the readable flash kernel (csrc/kernels/flash_teaching.cpp,
+                                                      the paper's Algorithm 1 in ~100 lines) instead of the fast one
     python cs149gpt/gpt149.py 4Daccess                fourDimRead / twoDimRead against tensor indexing
     python cs149gpt/gpt149.py all                     part0..part4, then one summary table
     python cs149gpt/gpt149.py part4 --device cuda     flash on the GPU (float32: the teaching kernel; --dtype bfloat16
@@ -24,7 +26,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -146,18 +148,18 @@ def kernel_call(part: Part, cfg: Config, Q, K, V) -> KernelCall:
     B, H, N, d = cfg.B, cfg.H, cfg.N, cfg.d
     # The entry points keep upstream's scratch arguments but our kernels allocate their own: any tensor will do.
     unused = torch.empty(0)
-    if cfg.assignment_math and part.impl != "flash":
+    if cfg.assignment_math and part.impl not in ("flash", "flash_teaching"):
         fn = getattr(cs149gpt, part.entry_point)
         return KernelCall(lambda: fn(Q, K, V, unused, B, H, N, d), part.entry_point,
                           f"cs149gpt.{part.entry_point}")
-    if cfg.assignment_math and cfg.br is not None and cfg.bc is not None:
+    if cfg.assignment_math and cfg.br is not None and cfg.bc is not None and part.impl == "flash":
         fn = cs149gpt.myFlashAttention
         scratch = [unused] * 11  # Qi, Kj, Vj, Sij, Pij, PV, Oi, L, Li, Lij, Lnew
         return KernelCall(lambda: fn(Q, K, V, *scratch, cfg.bc, cfg.br, B, H, N, d), "myFlashAttention",
                           f"cs149gpt.myFlashAttention with Br={cfg.br}, Bc={cfg.bc}")
     blocks = {}
-    if part.impl == "flash":
-        blocks = {"block_q": cfg.br, "block_k": cfg.bc}  # None keeps the kernel's measured default
+    if part.impl in ("flash", "flash_teaching"):
+        blocks = {"block_q": cfg.br, "block_k": cfg.bc}  # None keeps the kernel's default
     arguments = f"impl={part.impl!r}, scale={cfg.scale:g}, is_causal={cfg.causal}" + \
         "".join(f", {name}={'default' if size is None else size}" for name, size in blocks.items())
     return KernelCall(lambda: cs149gpt.attention(Q, K, V, impl=part.impl, scale=cfg.scale, is_causal=cfg.causal,
@@ -493,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="multiplies Q·K before the softmax (default 1, the assignment's math)")
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="unprofiled calls after the profiled one, whose median time is reported (default 5)")
+    parser.add_argument("--teaching", action="store_true",
+                        help="part4: run the readable flash kernel (impl='flash_teaching') instead of the fast one")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="part4 only: where to run flash (default cpu; cuda needs a GPU and a CUDA build)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
@@ -521,6 +525,8 @@ def physical_memory_bytes() -> Optional[int]:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.teaching and (args.command != "part4" or args.device != "cpu" or args.inference):
+        parser.error("--teaching runs part4 on the CPU (the readable flash kernel beside PyTorch)")
     if args.inference:
         if args.model == "list":
             list_models()
@@ -569,6 +575,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "4Daccess":
             return 0 if run_4d_access(cfg) else 1
         parts = list(PARTS.values()) if args.command == "all" else [PARTS[args.command]]
+        if args.teaching:
+            parts = [replace(PARTS["part4"], title="Flash Attention (teaching kernel)", impl="flash_teaching")]
         results = [run_part(part, cfg, args.repeats) for part in parts]
     except (RuntimeError, ValueError) as e:
         # Out of memory, a failed build, or a kernel's argument check: the message names the cause and the

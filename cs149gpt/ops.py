@@ -25,7 +25,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from cs149gpt import _ext
 
-IMPLS = ("naive", "blocked", "fused", "flash")
+IMPLS = ("naive", "blocked", "fused", "flash", "flash_teaching")
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A scale from here up (FLT_MAX + half an ulp) rounds to inf as a float32, which is what the kernels take it as.
 _FLOAT32_OVERFLOW = float.fromhex("0x1.ffffffp+127")

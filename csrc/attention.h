@@ -1,4 +1,4 @@
-// The one contract between the checks in module.cpp and every attention kernel.
+// The one contract between the checks (checks.cpp) and every attention kernel.
 //
 // A kernel reads q, k, v in place through element strides and writes `out` the same way: no tensor is
 // copied, transposed or made contiguous on the way in. Any layout torch can describe with strides works,
@@ -19,7 +19,7 @@ enum class MaskKind { none, boolean, additive };
 enum class F32Products { automatic, fma, bf16_tiles };
 
 // Strides are in elements, in the order [batch, head, row]. Within a row the head_dim columns are
-// contiguous (module.cpp guarantees it; SIMD loads need it).
+// contiguous (checks.cpp guarantees it; SIMD loads need it).
 struct AttentionParams {
   const void* q = nullptr;  // (batch, num_heads,    q_len,  head_dim)
   const void* k = nullptr;  // (batch, num_kv_heads, kv_len, head_dim)
@@ -62,7 +62,7 @@ struct AttentionParams {
   int64_t window_offset = 0;
 
   // A boolean attn_mask whose every row shows one run of consecutive keys (padding, left or right; padding and a
-  // causal pattern; a band) arrives as that run instead (module.cpp, key_ranges_of): row i of query head h in batch
+  // causal pattern; a band) arrives as that run instead (mask_ranges.cpp, key_ranges_of): row i of query head h in batch
   // b sees keys [key_ranges[o], key_ranges[o + 1]) with o = b·key_range_strides[0] + h·key_range_strides[1] +
   // i·key_range_strides[2] (0 along the dims the mask is broadcast over); an empty run, [0, 0), for a row it hides
   // whole. It narrows the window, so the kernels treat it as one: no mask entry is read again, and only the tiles
@@ -166,14 +166,6 @@ inline bool has_window(const AttentionParams& p) {
 // Whether anything beyond the causal mask hides keys (attn_mask, a window): the kernels then classify their blocks.
 inline bool has_mask_or_window(const AttentionParams& p) { return p.mask_kind != MaskKind::none || has_window(p); }
 
-// Whether an attention() call goes to flash-decoding (flash_decode.cpp, the kernel table's `decode`) rather than the
-// tiled flash kernels: a handful of query rows (the tokens being generated against a cache), with or without
-// attn_mask and window, and tiles left to the kernel. Dropout stays on the tiled kernels (inference never uses it).
-// module.cpp decides with this; flash.cpp hands the calls of this shape without a mask over too.
-constexpr int64_t kDecodeMaxRows = 16;
-inline bool decode_kernel_takes(const AttentionParams& p) {
-  return p.q_len <= kDecodeMaxRows && p.block_q <= 0 && p.block_k <= 0 && p.dropout_p == 0.0f;
-}
 // The keys of row i's window (query head h, batch b): [window_first, window_last] (unclamped; INT64 extremes when
 // unbounded), the sliding window's band within attn_mask's key range.
 inline const int64_t* key_range(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
@@ -190,7 +182,7 @@ inline int64_t window_last(const AttentionParams& p, int64_t b, int64_t h, int64
 
 // The backward pass: reads the forward's inputs, its output and lse (fwd.out, fwd.lse) and dL/dout; writes
 // dL/dq, dL/dk, dL/dv (dk and dv have the kv heads' shape: the query heads of a group are summed).
-// The backward's algorithm (module.cpp decides, from the shape): two passes (flash_backward.cpp: dK, dV per key
+// The backward's algorithm (heuristics.h decides, from the shape): two passes (flash_backward.cpp: dK, dV per key
 // tile, then dQ per query tile) or one (flash_backward_onepass.cpp: a task per (batch, kv head)). Both take every
 // call the forward takes (masks, windows, dropout).
 enum class BackwardPath { two_pass, one_pass };
@@ -199,10 +191,10 @@ struct AttentionBackwardParams {
   AttentionParams fwd;  // q, k, v, out, lse (all read), sizes, scale, mask, tiles, threads
   BackwardPath path = BackwardPath::two_pass;
   // one_pass: each (batch, kv head) is split into this many runs of key tiles, tasks of their own whose partial dQ
-  // are summed in order afterwards (module.cpp asks for more than one when there are too few kv heads for the CPUs).
+  // are summed in order afterwards (heuristics.h asks for more than one when there are too few kv heads for the CPUs).
   int64_t key_chunks = 1;
   // one_pass, float32: each (batch, kv head, run) is split further into this many parts of its query heads (a
-  // divisor of the group size; module.cpp asks for more than one for MQA-like groups on few kv heads).
+  // divisor of the group size; heuristics.h asks for more than one for MQA-like groups on few kv heads).
   int64_t head_parts = 1;
   const void* dout = nullptr;  // (batch, num_heads, q_len, head_dim)
   void* dq = nullptr;          // like q
@@ -233,7 +225,7 @@ struct KernelTable {
   const char* isa;  // "amx", "avx512_bf16", "avx512", "avx2", "scalar", "amx_emulated"
   Kernel naive, blocked, fused, flash;
   Kernel decode;  // flash-decoding over a KV cache (flash_decode.cpp): any q_len, paged or not, appends k_new/v_new;
-                  // attention()'s calls that decode_kernel_takes, attn_mask and window included
+                  // attention()'s calls that heuristics::decode_kernel_takes, attn_mask and window included
   BackwardKernel flash_backward;
   // FMA throughput probe: runs `iterations` rounds of independent vector FMAs on each of num_threads
   // threads and returns the floating-point operations done (time it to get the peak).
@@ -246,6 +238,10 @@ struct KernelTable {
   void (*exp_row)(float* x, int64_t n);
   void (*exp2_row)(float* x, int64_t n);
 };
+
+// The readable flash forward (csrc/kernels/flash_teaching.cpp): float32, scalar, compiled once (no ISA dispatch).
+int64_t flash_teaching_workspace_floats(const AttentionParams& p);
+void flash_teaching_attention(const AttentionParams& p, float* workspace);
 
 namespace amx { extern const KernelTable kernel_table; }          // AVX-512 + AMX-BF16 tiles for bf16
 namespace amx_emulated {  // the same, tiles in software (tests only)

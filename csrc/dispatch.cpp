@@ -75,7 +75,7 @@ const KernelTable* checked_table(const std::string& isa, const char* origin) {
 const KernelTable* best_table() {
   if (const char* forced = std::getenv("CS149GPT_ISA"); forced && *forced)
     return checked_table(forced, "CS149GPT_ISA");
-  // On a CPU with AMX hardware, vdpbf16ps is no fast path (measured on the device host's Xeon: the avx512_bf16
+  // On a CPU with AMX hardware, vdpbf16ps is no fast path (on a 16-core Xeon with AMX the avx512_bf16
   // kernels ran bf16 at a quarter of torch's speed, slower than converting to float32): if AMX itself cannot be
   // used there, avx512 is the better choice.
   const bool amx_hardware = cpu_supports("avx512_bf16") && cpu_has_amx_tiles();

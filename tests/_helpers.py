@@ -87,15 +87,15 @@ def isa(request):
     original choice afterwards."""
     m = module()
     name = request.param
-    if not m.cpu_supports(name):
+    if not m._testing.cpu_supports(name):
         pytest.skip(f"this CPU does not run the {name} kernels")
     original = m.isa()
-    m.set_isa(name)
+    m._testing.set_isa(name)
     try:
         assert m.isa() == name and cs149gpt.isa() == name
         yield name
     finally:
-        m.set_isa(original)
+        m._testing.set_isa(original)
 
 
 @pytest.fixture(params=["auto", "bf16_tiles"])
@@ -121,18 +121,18 @@ def backward_path(request):
     and avx512_bf16, flash_backward_bf16.cpp: a task per (batch, kv head)), the same with each kv head's keys split
     into 3 tasks whose partial dq join the kv head's sum in turn and, float32 with an even GQA group, its query heads
     in 2 parts whose dk, dv shares are added in turn, or two passes (flash_backward.cpp); "auto" leaves the choice,
-    runs and parts to module.cpp, which picks by shape and CPU count, so on any one machine some shapes would only
+    runs and parts to heuristics.h, which picks by shape and CPU count, so on any one machine some shapes would only
     ever meet one of them."""
     m = module()
-    m.set_backward_path(request.param if request.param in ("auto", "two_pass") else "one_pass")
-    m.set_backward_key_chunks(3 if request.param == "one_pass_chunked" else 0)
-    m.set_backward_head_parts({"one_pass_chunked": 2, "auto": 0}.get(request.param, 1))
+    m._testing.set_backward_path(request.param if request.param in ("auto", "two_pass") else "one_pass")
+    m._testing.set_backward_key_chunks(3 if request.param == "one_pass_chunked" else 0)
+    m._testing.set_backward_head_parts({"one_pass_chunked": 2, "auto": 0}.get(request.param, 1))
     try:
         yield request.param
     finally:
-        m.set_backward_path("auto")
-        m.set_backward_key_chunks(0)
-        m.set_backward_head_parts(0)
+        m._testing.set_backward_path("auto")
+        m._testing.set_backward_key_chunks(0)
+        m._testing.set_backward_head_parts(0)
 
 
 def visible_mask(n_q, n_k, is_causal):

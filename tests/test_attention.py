@@ -26,6 +26,7 @@ BLOCKS = {
     "fused": [(None, None), (17, 3)],
     "blocked": [(None, None), (1, None), (3, None), (17, None), (1000, None), (None, 5)],
     "flash": [(None, None), (1, 1), (1, 3), (3, 17), (17, 3), (17, 1000), (1000, 17), (1000, 1000)],
+    "flash_teaching": [(None, None), (1, 1), (3, 17), (17, 3), (1000, 1000)],
 }
 
 # (B, H, Nq, Nk, d): N and d mostly not multiples of any tile or SIMD width; Nq != Nk both ways.
@@ -404,28 +405,28 @@ def test_isa_api():
     m = module()
     assert m.isa() in ALL_ISAS
     assert cs149gpt.isa() == m.isa()
-    assert m.cpu_supports(m.isa())
-    assert m.cpu_supports("scalar")
-    assert not m.cpu_supports("neon") and not m.cpu_supports("")
-    if m.cpu_supports("avx512"):
-        assert m.cpu_supports("avx2"), "an AVX-512 CPU with our feature set also runs the AVX2 kernels"
+    assert m._testing.cpu_supports(m.isa())
+    assert m._testing.cpu_supports("scalar")
+    assert not m._testing.cpu_supports("neon") and not m._testing.cpu_supports("")
+    if m._testing.cpu_supports("avx512"):
+        assert m._testing.cpu_supports("avx2"), "an AVX-512 CPU with our feature set also runs the AVX2 kernels"
     for wider, narrower in (("amx", "avx512_bf16"), ("amx_emulated", "avx512_bf16"), ("avx512_bf16", "amx_emulated"),
                             ("avx512_bf16", "avx512")):
-        if m.cpu_supports(wider):
-            assert m.cpu_supports(narrower), f"{wider} implies {narrower}"
+        if m._testing.cpu_supports(wider):
+            assert m._testing.cpu_supports(narrower), f"{wider} implies {narrower}"
     with pytest.raises(ValueError, match="unknown ISA 'sse9'"):
-        m.set_isa("sse9")
+        m._testing.set_isa("sse9")
     assert m.isa() in ALL_ISAS
 
 
 def test_set_isa_unsupported_raises():
     m = module()
-    unsupported = [n for n in ALL_ISAS if not m.cpu_supports(n)]
+    unsupported = [n for n in ALL_ISAS if not m._testing.cpu_supports(n)]
     if not unsupported:
         pytest.skip("this CPU runs every ISA")
     original = m.isa()
     with pytest.raises(ValueError, match="does not support"):
-        m.set_isa(unsupported[0])
+        m._testing.set_isa(unsupported[0])
     assert m.isa() == original
 
 
@@ -433,7 +434,7 @@ def test_default_isa_is_widest_supported():
     m = module()
     if os.environ.get("CS149GPT_ISA"):
         pytest.skip("CS149GPT_ISA forces the ISA")
-    widest = next(n for n in ALL_ISAS if m.cpu_supports(n))
+    widest = next(n for n in ALL_ISAS if m._testing.cpu_supports(n))
     script = "import cs149gpt; print(cs149gpt.isa())"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -481,7 +482,7 @@ def test_torch_ops_registration_matches_python_api():
 def test_isas_agree(restore_threads):
     """Every supported ISA gives the same answer up to rounding (each is also checked against float64)."""
     m = module()
-    names = [n for n in ALL_ISAS if m.cpu_supports(n)]
+    names = [n for n in ALL_ISAS if m._testing.cpu_supports(n)]
     if len(names) < 2:
         pytest.skip("only one ISA here")
     g = gen(13)
@@ -491,12 +492,12 @@ def test_isas_agree(restore_threads):
         for impl in cs149gpt.IMPLS:
             outs = []
             for n in names:
-                m.set_isa(n)
+                m._testing.set_isa(n)
                 outs.append(cs149gpt.attention(q, k, v, impl=impl, is_causal=True, block_q=3, block_k=17))
             for o in outs[1:]:
                 torch.testing.assert_close(o, outs[0], rtol=0, atol=1e-5)
     finally:
-        m.set_isa(original)
+        m._testing.set_isa(original)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -466,7 +466,7 @@ def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backw
     """dq, dk, dv are torch.equal for 1, 2, 3 threads and more threads than CPUs (including GQA, where dk/dv sum over
     a group of query heads, tiles that give several tasks per thread, and key runs that wait for each other's merge
     on threads the OS may not be running), and for two runs on the same thread count: for each backward algorithm,
-    and for the one module.cpp picks (which must not depend on the thread count); float32, and bf16 (its own
+    and for the one heuristics.h picks (which must not depend on the thread count); float32, and bf16 (its own
     one-pass kernel on amx and avx512_bf16, whose key runs add their dQ to a shared sum in turn)."""
     g = gen(710)
     failures = []
@@ -494,7 +494,7 @@ def test_backward_bits_do_not_depend_on_thread_count(isa, restore_threads, backw
 
 
 def test_float32_head_parts(isa, restore_threads):
-    """float32 one pass with a kv head's query heads split into parts (MQA/GQA on few kv heads, module.cpp's
+    """float32 one pass with a kv head's query heads split into parts (MQA/GQA on few kv heads, heuristics.h's
     head_parts): each part's dk, dv shares are added into dk, dv in part order, key tile by key tile, and with key runs
     too each (kv head, part)'s dq sum takes its runs in order. Against float64 for 1, 2, 4 and 8 parts (8 query heads
     on 1 kv head; 6 on 2, where 4 parts become gcd(4, 3) = 1 and 2 parts none: 3 is odd), with and without 3 key runs,
@@ -503,7 +503,7 @@ def test_float32_head_parts(isa, restore_threads):
     m = module()
     g = gen(731)
     failures = []
-    m.set_backward_path("one_pass")
+    m._testing.set_backward_path("one_pass")
     try:
         for q_shape, kv_shape in [((1, 8, 70, 16), (1, 1, 90, 16)), ((2, 6, 50, 24), (2, 2, 61, 24))]:
             q, k, v, dout = inputs(q_shape, kv_shape, g)
@@ -511,8 +511,8 @@ def test_float32_head_parts(isa, restore_threads):
                 want = ref_grads(q, k, v, dout, is_causal=mode)
                 for parts in (1, 2, 4, 8):
                     for chunks in (1, 3):
-                        m.set_backward_head_parts(parts)
-                        m.set_backward_key_chunks(chunks)
+                        m._testing.set_backward_head_parts(parts)
+                        m._testing.set_backward_key_chunks(chunks)
                         runs = []
                         for threads in (1, 3, 2 * (os.cpu_count() or 1) + 1):
                             torch.set_num_threads(threads)
@@ -523,9 +523,9 @@ def test_float32_head_parts(isa, restore_threads):
                                 failures.append(f"{label}: bits depend on the thread count")
                         failures += grad_problems(runs[0], want, (q, k, v), label)
     finally:
-        m.set_backward_path("auto")
-        m.set_backward_head_parts(0)
-        m.set_backward_key_chunks(0)
+        m._testing.set_backward_path("auto")
+        m._testing.set_backward_head_parts(0)
+        m._testing.set_backward_key_chunks(0)
     assert not failures, "\n".join(failures)
 
 
@@ -542,15 +542,15 @@ def test_bf16_key_runs_on_one_thread_share_one_dq_sum(isa, restore_threads, ops)
     out, lse = ops.flash_attention(q, k, v, None, "none", None, None)
     m = module()
     torch.set_num_threads(1)
-    m.set_backward_path("one_pass")
-    m.set_backward_key_chunks(4)
+    m._testing.set_backward_path("one_pass")
+    m._testing.set_backward_key_chunks(4)
     try:
         ops.flash_attention_backward(dout, q, k, v, out, lse, None, "none", None, None)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             grads = ops.flash_attention_backward(dout, q, k, v, out, lse, None, "none", None, None)
     finally:
-        m.set_backward_path("auto")
-        m.set_backward_key_chunks(0)
+        m._testing.set_backward_path("auto")
+        m._testing.set_backward_key_chunks(0)
     allocated = sum(e.nbytes() for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU and e.nbytes() > 0)
     extra = allocated - sum(t.numel() * t.element_size() for t in grads)

@@ -121,11 +121,11 @@ RISKY = [
     ("twoDimRead index beyond int64", "cs149gpt.twoDimRead([1.0], 2**64, 0, 1)", "TypeError",
      r"incompatible function arguments"),
     # The FMA probe: threads handed to OpenMP as an int; its doubling loop must end.
-    ("fma_peak_gflops threads 2^32 + 1", "from cs149gpt import _ext\n_ext.load().fma_peak_gflops(2**32 + 1, 0.01)",
+    ("fma_peak_gflops threads 2^32 + 1", "from cs149gpt import _ext\n_ext.load()._testing.fma_peak_gflops(2**32 + 1, 0.01)",
      "ValueError", r"num_threads must be >= 1 and <= 4096, got 4294967297"),
-    ("fma_peak_gflops seconds 1e300", "from cs149gpt import _ext\n_ext.load().fma_peak_gflops(1, 1e300)",
+    ("fma_peak_gflops seconds 1e300", "from cs149gpt import _ext\n_ext.load()._testing.fma_peak_gflops(1, 1e300)",
      "ValueError", r"seconds must be in \(0, 60\], got 1e\+300"),
-    ("fma_peak_gflops seconds NaN", "from cs149gpt import _ext\n_ext.load().fma_peak_gflops(1, float('nan'))",
+    ("fma_peak_gflops seconds NaN", "from cs149gpt import _ext\n_ext.load()._testing.fma_peak_gflops(1, float('nan'))",
      "ValueError", r"seconds must be in \(0, 60\], got nan"),
 ]
 

@@ -118,6 +118,21 @@ def test_causal_goes_through_the_general_operator(part, capsys):
     assert CHECK_PASSED in out
 
 
+def test_part4_teaching_checks_the_readable_kernel(capsys):
+    """--teaching runs impl='flash_teaching' beside PyTorch (ragged tiles, causal); plain part4 times the fast one."""
+    assert gpt149.main(["part4", "-N", "61", "-d", "17", "-B", "2", "-H", "3", "--repeats", "1", "--causal",
+                        "-br", "7", "-bc", "5", "--teaching"]) == 0
+    out = capsys.readouterr().out
+    assert "Flash Attention (teaching kernel)" in out and CHECK_PASSED in out
+    assert "calling cs149gpt.attention(impl='flash_teaching', scale=1, is_causal=True, block_q=7, block_k=5)" in out
+    assert gpt149.main(["part4", *SMALL, "--teaching"]) == 0  # the assignment's math: still the teaching kernel
+    out = capsys.readouterr().out
+    assert "impl='flash_teaching'" in out and CHECK_PASSED in out
+    assert gpt149.main(["part4", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "impl='flash'" in out and "flash_teaching" not in out and CHECK_PASSED in out
+
+
 def test_scale_goes_through_the_general_operator(capsys):
     assert gpt149.main(["part3", *SMALL, "--scale", "0.125", "--threads", "1"]) == 0
     out = capsys.readouterr().out
@@ -145,6 +160,7 @@ def test_a_wrong_kernel_fails_with_the_error_and_exit_code_1(monkeypatch, capsys
     (["part1", "-N", "100000000"], "more than this machine's"),
     (["all", "--inference"], "--inference runs one part"),
     (["part4", "--inference", "--tokens", "0"], "argument --tokens: expected a positive integer, got 0"),
+    (["part3", "--teaching"], "--teaching runs part4 on the CPU"),
 ])
 def test_usage_errors_are_argparse_messages(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

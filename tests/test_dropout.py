@@ -1,7 +1,7 @@
 """Dropout in the flash kernels (forward and backward), against float64 references given the same keep mask.
 
 The kernels draw their keep mask from a counter-based generator keyed by (seed, offset) (csrc/attention.h,
-dropout_keep); `_ext.load().dropout_keep_mask(seed, offset, shape, p)` returns that mask, so the tests can build
+dropout_keep); `_ext.load()._testing.dropout_keep_mask(seed, offset, shape, p)` returns that mask, so the tests can build
 the reference out = (softmax(scale · q kᵀ + masks) ∘ keep / (1 − p)) v and its float64 gradients. Covered: the drop
 rate and the counter/offset layout of the generator, the output and lse given the mask (with attn_mask, causal,
 GQA, odd tiles, bf16), the gradients given the mask (the backward regenerates it), the expectation over seeds
@@ -23,7 +23,7 @@ GRAD_TOL = 5e-5  # float32 gradients against float64 (kept weights are scaled by
 
 
 def keep_mask(seed, offset, shape, p):
-    return module().dropout_keep_mask(int(seed), int(offset), list(shape), float(p))
+    return module()._testing.dropout_keep_mask(int(seed), int(offset), list(shape), float(p))
 
 
 def ref_dropout(q, k, v, keep, p, *, attn_mask=None, is_causal=False, scale=None):

@@ -332,7 +332,7 @@ def test_gqa_and_mqa(isa, f32_products, dtype):
 
 def _allocated_bytes(fn):
     """Bytes allocated on the CPU while fn() ran, as the profiler's memory events tell them: torch's allocator and the
-    kept mapping of a larger workspace (module.cpp, mapped_workspace), which reports itself the same way."""
+    kept mapping of a larger workspace (workspace.cpp, mapped_workspace), which reports itself the same way."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -342,7 +342,7 @@ def _allocated_bytes(fn):
 
 
 def test_large_workspaces_are_seen_by_the_profiler():
-    """A workspace of 64 KB or more lives in a mapping of its own (module.cpp, mapped_workspace), not in torch's
+    """A workspace of 64 KB or more lives in a mapping of its own (workspace.cpp, mapped_workspace), not in torch's
     allocator; the profiler still sees it allocated and freed within the call (memory events), as the benchmarks'
     --memory figures need: here the packed Kᵀ alone is 12 MiB, beside the 12 MiB output."""
     from torch.profiler import ProfilerActivity, profile
@@ -510,9 +510,9 @@ def test_set_float32_products():
     original = m.isa()
     try:
         for name in ("avx512", "amx_emulated"):
-            if not m.cpu_supports(name):
+            if not m._testing.cpu_supports(name):
                 continue
-            m.set_isa(name)
+            m._testing.set_isa(name)
             cs149gpt.set_float32_products("fma")
             fma = cs149gpt.attention(q, k, v)
             cs149gpt.set_float32_products("bf16_tiles")
@@ -530,7 +530,7 @@ def test_set_float32_products():
             torch.testing.assert_close(tiles, fma, rtol=2e-6, atol=2e-6)
     finally:
         cs149gpt.set_float32_products("auto")
-        m.set_isa(original)
+        m._testing.set_isa(original)
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")])
@@ -734,7 +734,7 @@ _FORCED_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 2, 37, 40), torch.randn(3, 2, 50, 40), torch.randn(3, 2, 50, 40)
     out = cs149gpt.attention(q, k, v, is_causal="bottom_right", block_q=5, block_k=9)
-    exp = _ext.load().vector_exp(torch.linspace(-104.0, 89.0, 100_003))
+    exp = _ext.load()._testing.vector_exp(torch.linspace(-104.0, 89.0, 100_003))
     torch.save((out, exp), sys.argv[1])
     print(cs149gpt.isa())
 """)
@@ -749,7 +749,7 @@ def test_environment_variable_forces_the_isa(tmp_path):
     (an attention and the vectorised exp, which rounds differently on each ISA) is bitwise what
     set_isa(<name>) computes in this process."""
     m = module()
-    names = [n for n in ALL_ISAS if m.cpu_supports(n)]
+    names = [n for n in ALL_ISAS if m._testing.cpu_supports(n)]
     procs = {}
     for name in names:
         procs[name] = subprocess.Popen([sys.executable, "-c", _FORCED_SCRIPT, str(tmp_path / f"{name}.pt")],
@@ -762,11 +762,11 @@ def test_environment_variable_forces_the_isa(tmp_path):
     original = m.isa()
     try:
         for name in names:
-            m.set_isa(name)
+            m._testing.set_isa(name)
             here[name] = (cs149gpt.attention(q, k, v, is_causal="bottom_right", block_q=5, block_k=9),
-                          m.vector_exp(x))
+                          m._testing.vector_exp(x))
     finally:
-        m.set_isa(original)
+        m._testing.set_isa(original)
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"CS149GPT_ISA={name}: {stderr}"
@@ -787,7 +787,7 @@ _BAD_SCRIPT = textwrap.dedent("""
         except Exception as e:
             print(what, type(e).__name__, "|", e)
     m = _ext.load()
-    m.set_isa("scalar")  # an explicit choice still works after the bad variable
+    m._testing.set_isa("scalar")  # an explicit choice still works after the bad variable
     print("after set_isa", cs149gpt.isa(), float(cs149gpt.attention(q, q, q).sum()))
 """)
 
@@ -855,7 +855,7 @@ def test_vector_exp(isa):
     m = module()
     failures = []
     dense = torch.linspace(-104.0, 89.0, 1_000_003, dtype=torch.float32)
-    y = m.vector_exp(dense)
+    y = m._testing.vector_exp(dense)
     assert y.dtype == torch.float32 and y.shape == dense.shape
     failures += [f"dense: {p}" for p in _exp_problems(dense, y)]
     # Around the edges: ln(FLT_MAX), ln(FLT_MIN) = -87.3365, the flush point -87, the clamps, huge magnitudes.
@@ -864,11 +864,11 @@ def test_vector_exp(isa):
                        torch.tensor([88.0, 88.5, 88.7, 88.8, 89.0, 89.5, 100.0, 1e10, 1e30, 3.4e38, -87.33654, -87.0, -86.99999,
                                      -87.3366, -87.4, -88.0, -100.0, -103.97, -104.0, -150.0, -200.0, -1e10, -1e30,
                                      -3.4e38, 1e-30, -1e-30, 1e-45, -1e-45, 0.5, -0.5, 0.34657359, -0.34657359])])
-    failures += [f"edges: {p}" for p in _exp_problems(edges, m.vector_exp(edges))]
+    failures += [f"edges: {p}" for p in _exp_problems(edges, m._testing.vector_exp(edges))]
     # Exact special values.
     special = torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0, -0.0, -1e30, 1e30, 89.0],
                            dtype=torch.float32)
-    ys = m.vector_exp(special)
+    ys = m._testing.vector_exp(special)
     want = [0.0, math.inf, None, 1.0, 1.0, 0.0, math.inf, math.inf]
     for x, got, w in zip(special.tolist(), ys.tolist(), want):
         ok = math.isnan(got) if w is None else got == w
@@ -877,7 +877,7 @@ def test_vector_exp(isa):
     # Every length modulo the vector widths (the masked tail of a row), on a non-contiguous input.
     for n in list(range(1, 40)) + [63, 64, 65, 1000]:
         x = (20 * randn(2 * n, gen=gen(n)))[::2]
-        failures += [f"n={n}: {p}" for p in _exp_problems(x, m.vector_exp(x))]
+        failures += [f"n={n}: {p}" for p in _exp_problems(x, m._testing.vector_exp(x))]
         if not torch.equal(x, (20 * randn(2 * n, gen=gen(n)))[::2]):
             failures.append(f"n={n}: vector_exp modified its input")
     assert not failures, "\n".join(failures)
@@ -891,7 +891,7 @@ def test_vector_exp2(isa):
     x = torch.cat([torch.linspace(-130.0, 130.0, 1_000_003, dtype=torch.float32),
                    torch.tensor([-125.0, -124.99999, -125.00001, -126.0, -149.0, -150.0, -1e30, -3.4e38, 127.0,
                                  127.99999, 128.0, 1e30, 0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 1.0, -1.0])])
-    y = m.vector_exp2(x).double()
+    y = m._testing.vector_exp2(x).double()
     ref = torch.exp2(x.double())
     normal = (ref >= 2.0**-125) & (ref <= FLT_MAX)
     rel = ((y - ref).abs() / ref)[normal]
@@ -901,23 +901,23 @@ def test_vector_exp2(isa):
     tiny = ref < 2.0**-125
     assert ((y[tiny] >= 0) & (y[tiny] <= 2.0**-125)).all(), y[tiny][(y[tiny] < 0) | (y[tiny] > 2.0**-125)][:4]
     assert torch.isposinf(y[ref > FLT_MAX]).all()
-    special = m.vector_exp2(torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0], dtype=torch.float32))
+    special = m._testing.vector_exp2(torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0], dtype=torch.float32))
     assert special[0].item() == 0.0 and special[1].item() == math.inf and math.isnan(special[2].item())
     assert special[3].item() == 1.0 or abs(special[3].item() - 1.0) <= 2 * 2.0**-24
 
 
 def test_vector_exp_rejects_other_dtypes():
     with pytest.raises(TypeError, match="x must be float32"):
-        module().vector_exp(torch.zeros(4, dtype=torch.float64))
+        module()._testing.vector_exp(torch.zeros(4, dtype=torch.float64))
 
 
 def test_fma_peak_gflops(isa):
     m = module()
     for threads in (1, 2):
-        gflops = m.fma_peak_gflops(num_threads=threads, seconds=0.05)
+        gflops = m._testing.fma_peak_gflops(num_threads=threads, seconds=0.05)
         assert isinstance(gflops, float) and math.isfinite(gflops) and gflops > 0, (threads, gflops)
     with pytest.raises(ValueError, match="num_threads must be >= 1"):
-        m.fma_peak_gflops(num_threads=0, seconds=0.05)
+        m._testing.fma_peak_gflops(num_threads=0, seconds=0.05)
 
 
 def test_tile_configuration_restored_on_emulated_tiles():
@@ -925,11 +925,11 @@ def test_tile_configuration_restored_on_emulated_tiles():
     own bf16 kernels believe still loaded) and releases the tiles where there was none: checked on the emulated tiles
     (csrc/isa/amx_emulation.h), so on any AVX512-BF16 CPU; on AMX hardware the test below checks it against oneDNN."""
     m = module()
-    if not m.cpu_supports("amx_emulated"):
+    if not m._testing.cpu_supports("amx_emulated"):
         with pytest.raises(NotImplementedError, match="amx_emulated"):
-            m.amx_emulation_restores_tile_config()
+            m._testing.amx_emulation_restores_tile_config()
         pytest.skip("this CPU does not run the amx_emulated kernels")
-    assert m.amx_emulation_restores_tile_config()
+    assert m._testing.amx_emulation_restores_tile_config()
 
 
 def test_bf16_interleaved_with_torchs_own_bf16_kernels(restore_threads):

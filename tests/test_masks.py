@@ -43,7 +43,7 @@ def random_bool_mask(shape, g, *, p_keep=0.7, dead_rows=True):
 
 def random_run_mask(shape, g):
     """Each row shows one run of consecutive keys [lo, hi) at a random place (a padded batch's rows, with or without
-    a causal pattern, are such runs): the kernels take these as key ranges (module.cpp, key_ranges_of); every third
+    a causal pattern, are such runs): the kernels take these as key ranges (mask_ranges.cpp, key_ranges_of); every third
     row (where there is one) shows none, every fifth all."""
     n_k = shape[-1]
     lo = torch.randint(0, n_k, shape[:-1], generator=g)
@@ -72,7 +72,7 @@ def random_run_additive_mask(shape, g, dtype=torch.float32):
 
 def random_biased_run_mask(shape, g, dtype=torch.float32):
     """random_run_mask's runs adding a bias (ALiBi's or T5's position bias under a causal or padding mask): the kernels
-    take the runs beside the mask and read it inside them only (module.cpp, key_ranges_of)."""
+    take the runs beside the mask and read it inside them only (mask_ranges.cpp, key_ranges_of)."""
     m = random_run_mask(shape, g)
     return (2 * torch.randn(shape, generator=g)).masked_fill(~m, NEG_INF).to(dtype)
 
@@ -193,7 +193,7 @@ def test_masks_of_one_run_per_row_become_key_ranges():
 
     g = gen(1112)
     q = torch.zeros(2, 4, 9, 8)
-    key_ranges_of = _ext.load().key_ranges_of
+    key_ranges_of = _ext.load()._testing.key_ranges_of
     for shape in mask_shapes(2, 4, 9, 13):
         mask = random_run_mask(shape, g)
         m4 = mask.expand(2, 4, 9, 13)
@@ -418,7 +418,7 @@ def test_gradients_every_mask_shape(isa, kind, backward_path):
 def test_causal_alibi_bias_shared_by_the_batch(isa, f32_products, dtype):
     """A causal ALiBi bias (1, H, N, N) shared by a batch of 4, and the same with left padding per batch element
     (B, 1, N, N) shared by the heads: each row one run of keys adding a bias, which the kernels take as key ranges
-    beside the mask, over several key tiles and the default ones (module.cpp key_ranges_of, bias_pays). out and lse
+    beside the mask, over several key tiles and the default ones (mask_ranges.cpp key_ranges_of, bias_pays). out and lse
     against float64, and the gradients."""
     from cs149gpt import _ext
 
@@ -433,7 +433,7 @@ def test_causal_alibi_bias_shared_by_the_batch(isa, f32_products, dtype):
     bias = 0.01 * distance.abs() * (torch.arange(n)[:, None] >= 130)
     padded = bias.expand(b, 1, n, n).masked_fill((torch.arange(n) < pad) | (distance > 0), NEG_INF)
     for mask in (alibi, padded.to(dtype)):
-        ranges = _ext.load().key_ranges_of(mask, q, n)
+        ranges = _ext.load()._testing.key_ranges_of(mask, q, n)
         assert ranges is not None and not ranges[1]  # runs beside the mask
         failures = []
         for block_q, block_k in ((None, None), (32, 48)):

@@ -95,7 +95,7 @@ def cases(draw, impls=cs149gpt.IMPLS):
     planted = {name: draw(st.lists(place, max_size=2)) for name in "qkv"}
     return dict(impl=impl, dtype=dtype, shapes=((b, h_kv * group, n_q, d), (b, h_kv, n_k, d)), causal=causal,
                 tiles=tiles, planted=planted, transposed=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
-                isa=draw(st.sampled_from([n for n in ALL_ISAS if module().cpu_supports(n)])))  # no example wasted
+                isa=draw(st.sampled_from([n for n in ALL_ISAS if module()._testing.cpu_supports(n)])))  # no example wasted
 
 
 def inputs(case):
@@ -109,10 +109,10 @@ def inputs(case):
 def use_isa(name):
     """Switches to the ISA if this CPU runs it; returns the one to restore, or None to skip."""
     m = module()
-    if not m.cpu_supports(name):
+    if not m._testing.cpu_supports(name):
         return None
     original = m.isa()
-    m.set_isa(name)
+    m._testing.set_isa(name)
     return original
 
 
@@ -132,7 +132,7 @@ def test_forward_follows_the_nonfinite_rule(case):
         else:
             out, lse = cs149gpt.attention(q, k, v, **kwargs), None
     finally:
-        module().set_isa(original)
+        module()._testing.set_isa(original)
     want, want_lse = reference(q, k, v, scale, case["causal"])
     found = same_class(out, want, TOL[case["dtype"]])
     if lse is not None:
@@ -149,7 +149,7 @@ def each_isa(request):
     if original is None:
         pytest.skip(f"this CPU does not run the {request.param} kernels")
     yield request.param
-    module().set_isa(original)
+    module()._testing.set_isa(original)
 
 
 def run_all(q, k, v, is_causal=False):
@@ -353,18 +353,18 @@ def test_backward_agrees_with_the_forward(case):
         return
     q, k, v = (t.detach().requires_grad_() for t in inputs(case))
     block_q, block_k = case["tiles"]
-    # Every backward algorithm (module.cpp picks one by shape and CPU count), by the seed: one pass, one pass with
+    # Every backward algorithm (heuristics.h picks one by shape and CPU count), by the seed: one pass, one pass with
     # each kv head's keys split into 2 tasks, two passes.
-    module().set_backward_path(("one_pass", "one_pass", "two_pass")[case["seed"] % 3])
-    module().set_backward_key_chunks(2 if case["seed"] % 3 == 1 else 0)
+    module()._testing.set_backward_path(("one_pass", "one_pass", "two_pass")[case["seed"] % 3])
+    module()._testing.set_backward_key_chunks(2 if case["seed"] % 3 == 1 else 0)
     try:
         out = cs149gpt.attention(q, k, v, is_causal=case["causal"], block_q=block_q, block_k=block_k)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(case["seed"] + 1))
         grads = torch.autograd.grad(out, (q, k, v), dout)
     finally:
-        module().set_isa(original)
-        module().set_backward_path("auto")
-        module().set_backward_key_chunks(0)
+        module()._testing.set_isa(original)
+        module()._testing.set_backward_path("auto")
+        module()._testing.set_backward_key_chunks(0)
     # 1. every NaN row of the forward has a NaN in its dq row
     nan_rows = out.isnan().any(-1)
     assert grads[0].isnan().any(-1)[nan_rows].all(), "a NaN output row with a finite dq row"

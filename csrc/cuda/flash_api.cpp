@@ -7,7 +7,8 @@
 //       float32           -> the teaching kernel, one thread per query row (flash_teaching.cu), any head_dim
 //                            whose tiles fit in shared memory; block_q x block_k is its Br x Bc.
 //   flash_attention_backward        bfloat16, float16 (flash_bwd.cuh).
-// The argument checks say the same things, in the same words, as module.cpp's.
+// The argument checks are the CPU ops' own (checks.h: the same function, so the same words); this file adds only
+// the GPU's limits.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,13 +21,16 @@
 #include <tuple>
 
 #include "../attention.h"
+#include "../checks.h"
+#include "../heuristics.h"
 #include "flash_cuda.h"
 
 namespace cs149gpt {
 namespace cuda {
 namespace {
 
-constexpr int64_t kTeachingBlockQ = 64, kTeachingBlockK = 32;  // Br (threads per block) x Bc
+// Br (threads per block) x Bc: the CPU teaching kernel's defaults (heuristics.h).
+constexpr int64_t kTeachingBlockQ = heuristics::kTeachingBlockQ, kTeachingBlockK = heuristics::kTeachingBlockK;
 
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "cs149gpt: launching the CUDA ", what, " failed: ", cudaGetErrorString(err));
@@ -45,17 +49,10 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   return value;
 }
 
-void check_input(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
-  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be on q's device (the GPU), got a tensor on ", t.device());
-  TORCH_CHECK_VALUE(t.device() == q.device(), name, " must be on q's device, ", q.device(), "; got ", t.device());
-  TORCH_CHECK_VALUE(t.dim() >= 2, name, " must have shape (..., N, d), at least 2 dims; got shape ", t.sizes());
-}
-
 // (..., N, d) as (batch, heads, N, d), a view where strides allow. The tensor-core kernels copy rows with
 // 16-byte loads: a last dim that is not contiguous, or rows, heads or batches not 16-byte aligned, are the
 // cases where a copy is made.
-at::Tensor as_4d(const at::Tensor& t, bool aligned_rows) {
+at::Tensor as_4d_aligned(const at::Tensor& t, bool aligned_rows) {
   at::Tensor t4;
   switch (t.dim()) {
     case 2: t4 = t.unsqueeze(0).unsqueeze(0); break;
@@ -73,59 +70,28 @@ at::Tensor as_4d(const at::Tensor& t, bool aligned_rows) {
   return t4;
 }
 
-void fill_strides(int64_t (&strides)[3], const at::Tensor& t4) {
-  for (int i = 0; i < 3; ++i) strides[i] = t4.stride(i);
-}
-
 struct Prepared {
   at::Tensor q4, k4, v4;
   AttentionParams p;
   bool fast;  // tensor cores (bf16/f16) rather than the teaching kernel (f32)
 };
 
-Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
+// What the shared checks pass but only the CPU kernels run: the other rungs, attn_mask, window, dropout.
+void refuse_cpu_only(Impl impl, const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
+                     double dropout_p) {
+  TORCH_CHECK_VALUE(impl == Impl::flash, "impl='", impl_name(impl), "' runs on the CPU only; on CUDA tensors use "
+                    "impl='flash' (float32: the one-thread-per-row teaching kernel; bfloat16/float16: FlashAttention-2)");
+  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
+  TORCH_CHECK_NOT_IMPLEMENTED(!is_given(attn_mask), "attn_mask is not supported on CUDA yet (CPU only)");
+  TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1, "window is not supported on CUDA yet (CPU only)");
+}
+
+// The params of a call whose arguments the shared checks passed (they returned dtype), after the GPU's own limits.
+Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                  std::optional<int64_t> block_k) {
-  TORCH_CHECK_VALUE(impl == "naive" || impl == "blocked" || impl == "fused" || impl == "flash",
-                    "impl must be one of 'naive', 'blocked', 'fused', 'flash'; got '", impl, "'");
-  TORCH_CHECK_VALUE(impl == "flash", "impl='", impl, "' runs on the CPU only; on CUDA tensors use impl='flash' "
-                    "(float32: the one-thread-per-row teaching kernel; bfloat16/float16: FlashAttention-2)");
-  check_input(q, "q", q);
-  check_input(k, "k", q);
-  check_input(v, "v", q);
   const at::ScalarType st = q.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
-                   "q must be float32, bfloat16 or float16, got ", c10::toString(st));
-  TORCH_CHECK_TYPE(k.scalar_type() == st && v.scalar_type() == st, "q, k and v must share one dtype, got q ",
-                   c10::toString(st), ", k ", c10::toString(k.scalar_type()), ", v ", c10::toString(v.scalar_type()));
-  TORCH_CHECK_VALUE(k.dim() == q.dim() && v.dim() == q.dim(), "q, k and v must have the same number of dims, got q ",
-                    q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
-  const int64_t rank = q.dim();
   const int64_t d = q.size(-1), q_len = q.size(-2), kv_len = k.size(-2);
-  TORCH_CHECK_VALUE(d >= 1, "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sizes());
-  TORCH_CHECK_VALUE(q_len >= 1, "q must have at least one query row (dim -2), got shape ", q.sizes());
-  TORCH_CHECK_VALUE(kv_len >= 1, "k must have at least one key row (dim -2), got shape ", k.sizes());
-  TORCH_CHECK_VALUE(k.size(-1) == d && v.size(-1) == d, "k and v must have head dim d = ", d,
-                    " (the last dim of q), got k ", k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK_VALUE(v.size(-2) == kv_len, "k and v must have the same length (dim -2), got k ", k.sizes(), ", v ",
-                    v.sizes());
-  for (int64_t i = 0; i + 3 < rank; ++i)
-    TORCH_CHECK_VALUE(k.size(i) == q.size(i) && v.size(i) == q.size(i), "q, k and v must have the same leading dims, "
-                      "got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
-  if (rank >= 3) {
-    const int64_t hq = q.size(-3), hkv = k.size(-3);
-    TORCH_CHECK_VALUE(v.size(-3) == hkv, "k and v must have the same number of heads (dim -3), got k ", k.sizes(),
-                      ", v ", v.sizes());
-    TORCH_CHECK_VALUE(hkv >= 1, "k and v must have at least one head (dim -3), got k ", k.sizes(), ", v ", v.sizes());
-    TORCH_CHECK_VALUE(hq % hkv == 0, "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
-                      q.sizes(), ", k ", k.sizes());
-  }
-  const double scale_value = scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
-  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale_value)), "scale must be a finite float32, got ",
-                    scale_value);
-  if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
-  if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
-
   const bool fast = st != at::kFloat;
   const int device = q.device().index();
   if (fast) {
@@ -138,26 +104,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                 "(tensor-core mma.sync, cp.async); this one is ", major, ".x");
   }
 
-  Prepared prep{as_4d(q, fast), as_4d(k, fast), as_4d(v, fast), {}, fast};
+  Prepared prep{as_4d_aligned(q, fast), as_4d_aligned(k, fast), as_4d_aligned(v, fast), {}, fast};
   AttentionParams& p = prep.p;
-  p.q = prep.q4.data_ptr();
-  p.k = prep.k4.data_ptr();
-  p.v = prep.v4.data_ptr();
-  p.dtype = st == at::kFloat ? DType::f32 : st == at::kBFloat16 ? DType::bf16 : DType::f16;
-  fill_strides(p.q_strides, prep.q4);
-  fill_strides(p.k_strides, prep.k4);
-  fill_strides(p.v_strides, prep.v4);
-  p.batch = prep.q4.size(0);
-  p.num_heads = prep.q4.size(1);
-  p.num_kv_heads = prep.k4.size(1);
-  p.q_len = q_len;
-  p.kv_len = kv_len;
-  p.head_dim = d;
-  p.scale = static_cast<float>(scale_value);
-  p.is_causal = causal != "none";
-  if (causal == "none" || causal == "top_left") p.causal_offset = 0;
-  else if (causal == "bottom_right") p.causal_offset = kv_len - q_len;
-  else TORCH_CHECK_VALUE(false, "causal must be 'none', 'top_left' or 'bottom_right'; got '", causal, "'");
+  fill_params(p, prep.q4, prep.k4, prep.v4, dtype, scale, causal);
   TORCH_CHECK_VALUE(p.batch * p.num_heads <= 65535, "CUDA flash attention takes at most 65535 (batch x heads), got ",
                     p.batch * p.num_heads);
   if (!fast) {
@@ -179,9 +128,16 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::string& impl, std::optional<double> scale,
                                                const std::string& causal, std::optional<int64_t> block_q,
-                                               std::optional<int64_t> block_k, bool want_lse) {
+                                               std::optional<int64_t> block_k, bool want_lse,
+                                               const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
+                                               int64_t window_right = -1, double dropout_p = 0.0,
+                                               const OptionalTensor& dropout_seed = {}) {
+  const Impl which = parse_impl(impl);
+  const DType dtype = check_attention(q, k, v, which, scale, causal, block_q, block_k, attn_mask, window_left,
+                                      window_right, dropout_p, dropout_seed);
+  refuse_cpu_only(which, attn_mask, window_left, window_right, dropout_p);
   const c10::cuda::CUDAGuard guard(q.device());
-  Prepared prep = prepare(q, k, v, impl, scale, causal, block_q, block_k);
+  Prepared prep = prepare(q, k, v, dtype, scale, causal, block_q, block_k);
   AttentionParams& p = prep.p;
   at::Tensor out = at::empty({p.batch, p.num_heads, p.q_len, p.head_dim}, q.options());
   p.out = out.data_ptr();
@@ -202,15 +158,6 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
   return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};
 }
 
-void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
-  TORCH_CHECK_VALUE(t.defined() && t.is_cuda() && t.device() == like.device(), name, " must be a tensor on ",
-                    like_name, "'s device, ", like.device());
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", like_name, ", ", like.sizes(),
-                    "; got ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", like_name, ", ",
-                   c10::toString(like.scalar_type()), "; got ", c10::toString(t.scalar_type()));
-}
-
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
@@ -224,36 +171,27 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
                                                    std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                                    const std::optional<at::Tensor>& attn_mask, int64_t window_left,
                                                    int64_t window_right, double dropout_p,
-                                                   const std::optional<at::Tensor>& /*dropout_seed*/) {
-  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
-  TORCH_CHECK_NOT_IMPLEMENTED(!attn_mask || !attn_mask->defined(), "attn_mask is not supported on CUDA yet (CPU only)");
-  TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1, "window is not supported on CUDA yet (CPU only)");
-  return run_forward(q, k, v, "flash", scale, causal, block_q, block_k, true);
+                                                   const std::optional<at::Tensor>& dropout_seed) {
+  return run_forward(q, k, v, "flash", scale, causal, block_q, block_k, true, attn_mask, window_left, window_right,
+                     dropout_p, dropout_seed);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
     std::optional<int64_t> block_k, const std::optional<at::Tensor>& attn_mask, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& /*dropout_seed*/) {
-  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
-  TORCH_CHECK_NOT_IMPLEMENTED(!attn_mask || !attn_mask->defined(), "attn_mask is not supported on CUDA yet (CPU only)");
-  TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1, "window is not supported on CUDA yet (CPU only)");
+    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
+  const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
+                                               window_left, window_right, dropout_p, dropout_seed);
+  refuse_cpu_only(Impl::flash, attn_mask, window_left, window_right, dropout_p);
   const c10::cuda::CUDAGuard guard(q.device());
-  Prepared prep = prepare(q, k, v, "flash", scale, causal, block_q, block_k);
+  Prepared prep = prepare(q, k, v, dtype, scale, causal, block_q, block_k);
   TORCH_CHECK_TYPE(prep.fast, "the CUDA flash backward takes bfloat16 or float16; float32 on CUDA has the "
                    "teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
-  check_like(dout, "dout", q, "q");
-  check_like(out, "out", q, "q");
-  TORCH_CHECK_VALUE(lse.defined() && lse.sizes() == q.sizes().slice(0, q.dim() - 1), "lse must have shape ",
-                    q.sizes().slice(0, q.dim() - 1), " (q's without the last dim); got ",
-                    lse.defined() ? lse.sizes() : at::IntArrayRef{});
-  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", c10::toString(lse.scalar_type()));
-  TORCH_CHECK_VALUE(lse.device() == q.device(), "lse must be on q's device, ", q.device(), "; got ", lse.device());
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
-  const at::Tensor dout4 = as_4d(dout, true), out4 = as_4d(out, true);
+  const at::Tensor dout4 = as_4d_aligned(dout, true), out4 = as_4d_aligned(out, true);
   const at::Tensor lse3 = lse.reshape({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len}).contiguous();
   bp.fwd.out = out4.data_ptr();
   fill_strides(bp.fwd.out_strides, out4);

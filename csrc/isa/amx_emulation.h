@@ -1,8 +1,8 @@
 // AMX tiles in software: the tile intrinsics the amx kernels use, done with plain loops over a per-thread copy of
 // the tile registers, so that the same kernel sources (kernels_amx_emulated.cpp) run — slowly — on a CPU without
-// AMX. It exists for testing: the dev box and CI have no AMX, and without it the AMX code paths (tile blocking,
+// AMX. It exists for testing: most development machines and CI have no AMX, and without it the AMX code paths (tile blocking,
 // VNNI layouts, the configuration saved, loaded and released around each use — and put back when another library,
-// oneDNN, had one: amx_emulated::restores_tile_config, tests/test_flash.py) would be checked only on the device host.
+// oneDNN, had one: amx_emulated::restores_tile_config, tests/test_flash.py) would be checked only on AMX hardware.
 // Never chosen automatically; CS149GPT_ISA=amx_emulated or set_isa("amx_emulated") asks for it.
 //
 // What it follows, from Intel's description of the instructions (SDM, "Intel AMX"):
@@ -14,8 +14,8 @@
 //                          bf16 inputs that are subnormal read as zero, a subnormal result flushed to zero.
 // Misuse the hardware would fault on (no configuration, shapes that do not agree) aborts with a message; not checked:
 // the configuration's reserved bytes, its start row, colsb a multiple of 4 for tdpbf16ps (our TileConfig zeroes the
-// first two and uses 64-byte rows). The tile products are not the hardware's bit for bit: on the device host 0.03–1 %
-// of the outputs differ (benchmarks/probe_amx_emulation.py), so tests compare with tolerances, as they do anyway.
+// first two and uses 64-byte rows). The tile products are not the hardware's bit for bit: against a 16-core Xeon's AMX,
+// 0.03–1 % of the outputs differ, so tests compare with tolerances, as they do anyway.
 // Every AMX intrinsic this file does not replace is undefined at its end: GCC's tile macros expand to inline asm,
 // which the compiler would emit whatever the target, so a kernel that used one would fault on a CPU without AMX —
 // with the macro undefined it does not compile instead.

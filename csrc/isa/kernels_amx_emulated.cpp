@@ -1,7 +1,7 @@
 // The amx kernels (kernels_amx.cpp) with the AMX tile instructions done in software (amx_emulation.h), for testing
 // the AMX code paths on CPUs without AMX: AVX-512 with AVX512-BF16 is all it needs. Never chosen automatically
 // (dispatch.cpp); CS149GPT_ISA=amx_emulated or set_isa("amx_emulated") asks for it. Its tile products are plain
-// loops (bf16 attention 10–40× slower than the avx512_bf16 kernels on the dev box): for tests at small shapes, not
+// loops (bf16 attention 10–40× slower than the avx512_bf16 kernels on a 2-core EPYC): for tests at small shapes, not
 // for timing — its bf16 dot-product probe measures the emulation.
 //
 // Standard and intrinsic headers come first, under the default target, so that inline code from them
@@ -40,7 +40,7 @@
 namespace cs149gpt {
 namespace amx_emulated {
 
-// For tests (module.cpp, amx_emulation_restores_tile_config): the configuration a thread had before our tiles
+// For tests (testing.cpp, amx_emulation_restores_tile_config): the configuration a thread had before our tiles
 // — here a foreign one, as oneDNN leaves its own — is back after a bf16 product under DotScope, and a thread that
 // had none has none again. Needs a CPU that runs this file's kernels (cpu_supports("amx_emulated")).
 bool restores_tile_config() {

@@ -120,7 +120,7 @@ inline float dot_bf16(const bf16_bits* a, const bf16_bits* b, int64_t n) {
 // bf16's largest finite value (|x| ≥ 0x1.FFp127 rounds to bf16 inf) takes that largest value, ±0x1.FEp127, as x_0:
 // x − x_0 is then exact and the parts still sum to x. Only x_0 is kept where it is ±inf or NaN (x − x_0 would be
 // NaN: inf − inf), so the sum is still x, and where |x_0| < 2^-100: there the remainders could be float32
-// subnormals, and on the device host's Xeon an instruction whose result underflows costs a microcode assist
+// subnormals, and on a Xeon with AMX an instruction whose result underflows costs a microcode assist
 // (simd.h, exp); AMX reads bf16 subnormals as 0 anyway. Below 2^-100 a value keeps bf16's 8 bits (an absolute error
 // under 2^-108); only weights P get there in practice. The parts of one operand lie one after another, `part` bf16
 // apart, each in the operand's layout. Returns the lanes whose x_0 is finite, i.e. whose x is.
@@ -520,8 +520,7 @@ inline void products_2xNB(const bf16_bits* Bk) {
 
 // C[0:32, n0:n0+16·NB] (+)= A[0:32, :K] · B[:K, n0:...], NB = 1 or 2 column tiles: a 2 × 2 block of C tiles,
 // each A and B tile feeding two products. (A 64 × 16 column block, one B tile feeding four products with A and
-// B alternating between tile pairs, measured 5–40 % slower inside the kernel on the device host's Xeon:
-// benchmarks/amx_phases.cpp, results/cpu_amx_phases_run4.txt.)
+// B alternating between tile pairs, ran 5–40 % slower inside the kernel on a 16-core Xeon with AMX.)
 template <int NB>
 inline void amx_block(int64_t K, const bf16_bits* A, int64_t lda, const bf16_bits* B, int64_t ldb, float* C,
                       int64_t ldc, bool accumulate) {
@@ -557,7 +556,7 @@ inline void bf16_gemm(int64_t M, int64_t N, int64_t K, const bf16_bits* A, int64
 // - kSmallFirst (float32): the small products, k step by k step, into zeroed tiles, then A_0·B_0 over all of K; C
 //   itself (P V's O) added to at the end, in float32. Added into the large sum step by step, each small product is
 //   rounded to the large sum's precision: with float32's six products, twice the error of float32 FMAs (measured
-//   under amx_emulated on the dev box; fine for float16's 11 bits); summed among themselves first they round at
+//   under amx_emulated; fine for float16's 11 bits); summed among themselves first they round at
 //   their own size, and the large sum takes as many roundings as the float32 FMA kernel's.
 template <int NB, int kParts, int kMaxOrder, bool kSkipLargest>
 inline void k_step_products(const bf16_bits* A, int64_t a_part, int64_t lda, const bf16_bits* B, int64_t b_part,

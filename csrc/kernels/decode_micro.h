@@ -29,6 +29,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "../heuristics.h"
 #include "simd.h"
 
 namespace cs149gpt {
@@ -37,18 +38,8 @@ namespace decode {
 
 constexpr int W = Vec::width;
 
-// Keys by vdpbf16ps or by FMAs on converted keys. On the device host's Xeon (Emerald Rapids, the AMX build) the
-// bf16 dot-product probe runs vdpbf16ps at 82 GFLOP/s on one thread against 154 GFLOP/s of float32 FMAs
-// (benchmarks/results/cpu_amx_bf16_isa_avx512_bf16.txt): 32 products per instruction at a quarter of the FMA's
-// rate, slower than converting each key once (2 instructions per 32 columns) and multiplying 16 columns per FMA
-// for all R rows: in one run there (results/decode_session4_decode.txt, --extra-isa avx512_bf16) the vdpbf16ps keys
-// were slower at 19 of 20 bf16 shapes, by up to 26 %. AMX CPUs therefore take the FMAs; other bf16 dot-product CPUs
-// (AMD Zen 4/5, not measured against each other here) vdpbf16ps.
-#if defined(CS149_ISA_BF16_DOT) && !defined(CS149_ISA_AMX)
-constexpr bool kKeysByBf16Dot = true;
-#else
-constexpr bool kKeysByBf16Dot = false;
-#endif
+// Keys by vdpbf16ps or by FMAs on converted keys (heuristics.h).
+constexpr bool kKeysByBf16Dot = tiles::kDecodeKeysByBf16Dot;
 
 // The accumulators of a block live in registers only if the helpers that update them are inlined into one loop.
 #define CS149_DECODE_INLINE inline __attribute__((always_inline))

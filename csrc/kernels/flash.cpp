@@ -51,22 +51,9 @@ namespace cs149gpt {
 namespace CS149_ISA {
 namespace flash {
 
-// Defaults, from tile sweeps (benchmarks/tile_sweep.py). AVX-512: a query tile of 4 row groups (96 rows) and key tiles
-// of 512 keys (on the device host's Xeon, one thread, 8–15 % faster than 128 at d = 64 and 128:
-// results/cpu_16core_tile_sweep_f32.txt); without a causal mask or window, 8 row groups (192 rows) × 1024 keys: a
-// query tile's groups reuse K_jᵀ and V_j from L2, and each key tile rescales O_i once. Session 15's A/B of 192 × 1024
-// everywhere against 96 × 512, three rounds, issue 9's shapes (results/ab_s15k_f32.txt), median ×SDPA: non-causal
-// one thread 1.22 → 1.22, 1.11 → 1.18, 1.19 → 1.15, 1.04 → 1.16 and 16 threads 1.50 → 1.52, 1.50 → 1.56,
-// 1.46 → 1.58, 1.45 → 1.54; but causal 16 threads (1,12,1024,64) 2.15 → 1.84 and one thread 0.95–1.05× (coarser
-// tasks of unequal cost, larger diagonal tiles), so causal calls keep 96 × 512. Elsewhere (AVX2, scalar) 4 row groups
-// and 128 keys (the 2-core dev box's sweep put 64–512 within ~10 % of each other).
-#if defined(CS149_ISA_AVX512)
-constexpr int64_t kDefaultBlockQ = 4 * kRowGroup, kDefaultBlockK = 512;
-constexpr int64_t kWideBlockQ = 8 * kRowGroup, kWideBlockK = 1024;  // no causal mask, no window
-#else
-constexpr int64_t kDefaultBlockQ = 4 * kRowGroup, kDefaultBlockK = 128;
-constexpr int64_t kWideBlockQ = kDefaultBlockQ, kWideBlockK = kDefaultBlockK;
-#endif
+// Default tiles (heuristics.h, which has the measurements); without a causal mask or window, wider ones.
+constexpr int64_t kDefaultBlockQ = tiles::kFlashRowGroups * kRowGroup, kDefaultBlockK = tiles::kFlashBlockK;
+constexpr int64_t kWideBlockQ = tiles::kFlashWideRowGroups * kRowGroup, kWideBlockK = tiles::kFlashWideBlockK;
 
 // Tile sizes and where each piece of the workspace lives. All sizes in floats.
 struct Layout {

@@ -33,8 +33,8 @@ namespace flash_backward {
 using namespace flash;
 
 // Key tiles: multiples of kKeyAlign (flash_common.h).
-constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;
-constexpr int64_t kDefaultBlockK = 4 * kRowGroup;
+constexpr int64_t kDefaultBlockQ = tiles::kBackwardRowGroups * kRowGroup;  // heuristics.h
+constexpr int64_t kDefaultBlockK = tiles::kBackwardRowGroups * kRowGroup;
 constexpr int64_t kQueryChunk = 2 * kKeyAlign;  // query rows per step of pass 1
 
 struct Layout {

@@ -40,30 +40,16 @@ using flash_backward_onepass::KeyRange;
 using flash_backward_onepass::visible_key_range;  // the one definition of which keys a query row sees
 namespace key_runs = flash_backward_onepass::key_runs;  // the order of key runs' dQ merges, shared
 
-// Tiles, both whole dot-product steps (32) and at most kMaxTile:
-//   head_dim <= 64: 128 query rows x 128 keys (the better of 32-128 x 64-256 on the dev box, avx512_bf16), and 256
-//     keys on AMX: device host, issue 12's d <= 64 shapes, causal both, two interleaved rounds (results/s10d_bwd_tiles_*):
-//     backward x SDPA 0.97-1.49x that of 128 keys on 1 thread (causal: 1.41-1.49), 0.95-1.14x on 16 (against the
-//     default column and the same 128 x 128 tile named explicitly, which differed by up to 10 % themselves);
-//   head_dim > 64: 64 query rows (less scratch per thread), and 256 keys on AMX: device host, 16 threads,
-//     (1,16,4096,128) backward x SDPA 1.57 against 1.14 with 128 keys, causal 1.54 against 1.38
-//     (benchmarks/results/backward_session4_backward_tiles.txt; 64x512 was faster causal but not otherwise and takes
-//     ~6 MiB more scratch there); session 5, 64x256 1.74 / causal 1.78 against 64x128 1.45 / 1.51
-//     (s5_backward_tiles.txt). 128 keys where the products are vdpbf16ps (avx512_bf16): 64x256 within the dev box's
-//     noise of 64x128 there (s5_backward_devbox_tiles_avx512bf16.txt).
-// The 256-key tile fits the memory target (peak <= torch SDPA's backward) because the scores are handled in strips
-// of 32 keys (tile_pair) and whole strips of K and V are read in place (Layout): (1,16,4096,128), 16 threads,
-// 87.9 MiB against SDPA's 89.1 (s5_backward_memory.txt); 92.3 MiB with whole-tile scratch.
+// Tiles, both whole dot-product steps (32) and at most kMaxTile; defaults by head_dim and ISA (heuristics.h). The
+// 256-key tile keeps peak memory under torch SDPA's backward because the scores are handled in strips of 32 keys
+// (tile_pair) and whole strips of K and V are read in place (Layout): (1,16,4096,128), 16 threads, 87.9 MiB against
+// SDPA's 89.1; 92.3 MiB with whole-tile scratch.
 constexpr int64_t kStep = 32;  // kDotK, and AMX's 32-row blocks of C: the strips of keys of tile_pair
 constexpr int64_t kMaxTile = 512;
-inline int64_t default_block_q(int64_t head_dim) { return head_dim > 64 ? 64 : 128; }
-#if defined(CS149_ISA_AMX)
-constexpr int64_t kDefaultBlockK = 256;  // every head_dim
-#else
-constexpr int64_t kDefaultBlockK = 128;
-#endif
-// A task packs Qᵀ and dOᵀ of its query rows once (instead of once per tile pair: a third of the pair's time on the
-// dev box) when they take at most this many bf16 each. Beyond, the cache would make the backward's memory exceed
+inline int64_t default_block_q(int64_t head_dim) { return tiles::bf16_backward_block_q(head_dim); }
+constexpr int64_t kDefaultBlockK = tiles::kBf16BackwardBlockK;
+// A task packs Qᵀ and dOᵀ of its query rows once (instead of once per tile pair: a third of the pair's time on a
+// 2-core EPYC) when they take at most this many bf16 each. Beyond, the cache would make the backward's memory exceed
 // torch's, which keeps a float32 dQ per thread as we do (1,16,4096,128: 89 MiB for torch, 121 with the cache).
 constexpr int64_t kMaxCachedQuery = int64_t{1} << 18;
 constexpr float kLog2e = 1.44269504088896341f;
@@ -86,7 +72,7 @@ struct Layout {
   // shared, with key chunks: flash_backward_onepass.cpp's key_runs header, then each kv head's dQᵀ sum, float32
   // (sum_slots × dq_size): a run adds its own dQᵀ to it in the order of the runs and the last run writes dq. One sum
   // per kv head, not one partial per run: (1,12,1024,64) in 4 runs, one thread, the partials took 12.8 MB (peak
-  // backward 17.3 MiB against torch's 7.7; results/s13d_backward_bf16.txt). On one thread the runs go kv head by kv
+  // backward 17.3 MiB against torch's 7.7). On one thread the runs go kv head by kv
   // head (pair_major) and one sum serves them all, in turn: that call's peak is then under torch's (its float32 dQ
   // is a whole call's); on several threads the runs go key chunk by key chunk (key_runs::take_in_order) and every
   // kv head's sum is live at once. The sums' order of additions, hence the bits, is the same either way.
@@ -437,7 +423,7 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   }
 }
 
-// bf16 inputs on the one-pass path (module.cpp's choice): windows, key ranges (visible_key_range), attn_mask (a strip
+// bf16 inputs on the one-pass path (heuristics.h's choice): windows, key ranges (visible_key_range), attn_mask (a strip
 // at a time) and dropout included.
 inline bool applies(const AttentionBackwardParams& bp) {
   return bp.path == BackwardPath::one_pass && bp.fwd.dtype == DType::bf16;

@@ -17,14 +17,14 @@
 // No two threads ever write the same gradient row, without atomics: one task per (batch, kv head) owns the dQ
 // rows of every query head of its group (accumulated in float32 in the thread's scratch, in the fixed order of
 // the key tiles) and the dK, dV rows of its kv head (the group's heads summed in a fixed order). Where there are
-// too few kv heads for the CPUs (or too few for the dynamic schedule to even out the CPUs' speeds), module.cpp splits
+// too few kv heads for the CPUs (or too few for the dynamic schedule to even out the CPUs' speeds), heuristics.h splits
 // each one's key tiles into key_chunks runs: a task per run, its partial dQ accumulated in its thread's scratch as
 // without runs, then merged into the kv head's dQ sum in the order of the runs — a task waits for the previous run's
 // merge (taken earlier: tasks are handed out in order, chunk by chunk) — and the sum scaled once all are in.
 // float32 with many query heads on few kv heads (MQA: Gemma's 8 on 1) splits the group's query heads too, into
 // head_parts: a task per (run, part) owns the dQ rows of its part's heads, and the parts' shares of each key tile's
 // dK_j, dV_j are added into dk, dv in part order, a task waiting for the previous part's share of that tile.
-// Either way the bits of the result do not depend on the number of threads. module.cpp picks this kernel when its
+// Either way the bits of the result do not depend on the number of threads. heuristics.h picks this kernel when its
 // tasks keep the machine's CPUs busy (BackwardPath::one_pass); the two-pass kernel otherwise.
 //
 // Memory: per thread, one task's dQ accumulator, D and lse (its group's query rows) and the tiles; nothing is
@@ -46,30 +46,14 @@ namespace flash_backward_onepass {
 
 using namespace flash;
 
-// Key tiles: multiples of kKeyAlign (flash_common.h).
-constexpr int64_t kDefaultBlockQ = 4 * kRowGroup;  // 96 rows with AVX-512, 48 with AVX2
-// Key tiles, from the device host's sweep at 16 threads, float32, backward x SDPA (benchmarks/results/
-// backward_session4_backward_tiles.txt, best of 2 calls on a noisy day: one tile size measured 25% apart in two):
-//   head_dim > 64, 96 keys: (1,16,4096,128) 96x96 1.22 / causal 1.27, ahead of 96x192 (1.18 / 1.22), 192x96 and
-//     192x192; 96x288 fastest causal (1.33) but slowest not (0.84).
-//   32 < head_dim <= 64, 192 keys with AVX-512: (4,12,2048,64) 96x192 1.64 / causal 1.63 against 96x96 1.47 / 1.48
-//     (48x192 and 192x192 slower); session 5 (s5_backward_tiles.txt, also noisy: the same tiles measured 102 and
-//     128 ms there) (1,12,1024,64) 96x192 1.34-1.37 against 96x96 1.24, causal 1.92-1.97 against 1.97.
-//   head_dim <= 32, 96 keys: (1,4,1024,32) 96x96 3.41 / causal 3.35 against 96x192 3.03-3.08 / 2.92-3.01
-//     (s5_backward_tiles.txt).
-//   AVX2 keeps 96 keys everywhere: not measured.
-inline int64_t default_block_k(int64_t head_dim) {
-#if defined(CS149_ISA_AVX512)
-  if (head_dim > 32 && head_dim <= 64) return round_up(192, kKeyAlign);
-#endif
-  (void)head_dim;
-  return round_up(96, kKeyAlign);
-}
+constexpr int64_t kDefaultBlockQ = tiles::kOnePassRowGroups * kRowGroup;  // 96 rows with AVX-512, 48 with AVX2
+// Key tiles: multiples of kKeyAlign (flash_common.h); by head_dim (heuristics.h).
+inline int64_t default_block_k(int64_t head_dim) { return round_up(tiles::one_pass_block_k(head_dim), kKeyAlign); }
 constexpr int64_t kMaxTile = 512;
 constexpr int64_t kMaxRows = (kMaxTile + kRowGroup - 1) / kRowGroup * kRowGroup;  // Br ≤ this
 
 // Keys [begin, end) of query row i of query head h in batch b: the causal prefix, within the sliding window and
-// attn_mask's key ranges (a padded batch's mask, one run of keys a row: module.cpp's key_ranges_of) where there are
+// attn_mask's key ranges (a padded batch's mask, one run of keys a row: mask_ranges.cpp's key_ranges_of) where there are
 // any; none for the padding rows past q_len. The rows of a padded sequence end early, those of a window start late:
 // a key outside the range is never read for the row, exactly as one past the causal diagonal.
 struct KeyRange {
@@ -90,7 +74,7 @@ inline KeyRange visible_in_tile(const AttentionParams& p, int64_t b, int64_t h, 
   return {begin, std::max(begin, end)};
 }
 
-// Key runs (module.cpp's key_chunks), in this kernel and in flash_backward_bf16.cpp. Run r of a kv head adds its
+// Key runs (heuristics.h's key_chunks), in this kernel and in flash_backward_bf16.cpp. Run r of a kv head adds its
 // partial dQ to the kv head's sum once runs 0 .. r − 1 have added theirs, so that every sum is
 // ((dQ_0 + dQ_1) + dQ_2) + ..., whatever thread ran which run and when. What orders them heads the shared workspace:
 // the task counter on a cache line of its own (threads waiting for a turn do not slow the others taking tasks), then
@@ -140,7 +124,7 @@ struct Layout {
 
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
-    // A caller's tile is clamped to the sequence (module.cpp) before it is rounded up.
+    // A caller's tile is clamped to the sequence (checks.cpp) before it is rounded up.
     Br = p.block_q > 0 ? round_up(std::min(p.block_q, p.q_len), kRowGroup) : kDefaultBlockQ;
     Bc = p.block_k > 0 ? round_up(std::min(p.block_k, p.kv_len), kKeyAlign) : default_block_k(p.head_dim);
     // At most kMaxTile: the tiles' scratch (Br × Bc) stays small whatever a caller asks.
@@ -439,7 +423,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
                      dQ + g * L.q_pad * d_pad, scratch);
     T* dk_out = static_cast<T*>(bp.dk) + b * bp.dk_strides[0] + kvh * bp.dk_strides[1] + j0 * bp.dk_strides[2];
     T* dv_out = static_cast<T*>(bp.dv) + b * bp.dv_strides[0] + kvh * bp.dv_strides[1] + j0 * bp.dv_strides[2];
-    // dk = Σ over the parts, in part order, of scale · (the part's dK_j); dv likewise (float32: module.cpp splits
+    // dk = Σ over the parts, in part order, of scale · (the part's dK_j); dv likewise (float32: heuristics.h splits
     // heads for float32 only, so every partial sum is a float).
     const int64_t turn = L.pairs * L.head_parts + pair * L.Tc + j;
     const bool first = part == 0;
@@ -500,7 +484,7 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   }
 }
 
-// Whether this kernel runs these params: module.cpp asked for it (windows and key ranges are its rows' key ranges,
+// Whether this kernel runs these params: heuristics.h asked for it (windows and key ranges are its rows' key ranges,
 // visible_key_range; attn_mask is read a tile pair at a time; dropout is Z above).
 inline bool applies(const AttentionBackwardParams& bp) { return bp.path == BackwardPath::one_pass; }
 

@@ -46,23 +46,11 @@ using flash::run_forward_tiles;
 using flash::shown_keys_end;
 using flash::split_packing;
 constexpr int64_t G = kDotRows;  // query rows that go through QKᵀ → softmax → PV together
-// Defaults (fewer query rows when the threads need more tasks: Layout). vdpbf16ps: query tiles of 128 rows (4
-// groups), key tiles of 128 keys. AMX: 256 query rows (4 groups), 1024 keys. With AMX the products are cheap and each
-// key tile loads and stores a group's O_i through tile registers, and each query tile reads every K_j, V_j from the
-// shared packing: longer key tiles amortise the first, taller query tiles the second (a query tile's groups reuse
-// K_j, V_j from L2; at 16 threads the packed K and V come from L3 half as often). Session 10 had taken 512 keys over
-// 256 (results/s10c_sweep_*); session 15's sweep on today's kernel, bf16, issue 9's four shapes, 1 and 16 threads,
-// causal both, four interleaved rounds (results/s15g_tiles_*): 256 × 1024 against 128 × 512, 1.02–1.26× the GFLOP/s
-// in 13 of 16 cells; the three others are (1,4,1024,32)'s: 0.96 on one thread causal, and 0.98 / 0.82 on 16 threads
-// with 256 rows forced, where Layout shrinks the tile to 64 rows (64 × 1024 against 64 × 512 there: 1.09 / 1.05×,
-// results/s15f_sweep_bk_t16*); (1,12,1024,64) on 16 threads shrinks to 192 rows (192 × 1024: 1.05 / 1.04×).
-#if defined(CS149_ISA_AMX)
-constexpr int64_t kDefaultBlockQ = 256;
-constexpr int64_t kDefaultBlockK = 1024;
-#else
-constexpr int64_t kDefaultBlockQ = 128;
-constexpr int64_t kDefaultBlockK = 128;
-#endif
+// Default tiles (heuristics.h; fewer query rows when the threads need more tasks: Layout). With AMX the products are
+// cheap: longer key tiles amortise loading and storing a group's O_i through tile registers, taller query tiles the
+// reads of K_j, V_j from the shared packing (a query tile's groups reuse them from L2).
+constexpr int64_t kDefaultBlockQ = tiles::kBf16BlockQ;
+constexpr int64_t kDefaultBlockK = tiles::kBf16BlockK;
 
 inline int64_t floats_for(int64_t bf16_count) { return round_up((bf16_count + 1) / 2, 16); }
 
@@ -81,10 +69,9 @@ inline int64_t parts_of(const AttentionParams& p) {
 }
 
 // float32 takes the tiles only when asked (module.cpp's set_float32_products("bf16_tiles")); by default flash.cpp's
-// float32 FMAs. On the device host (results/s14g_probe_f32_tiles.txt) the tiles ran one thread 1.10–1.24× the FMAs
-// non-causal at head_dim 64–128 (0.95–1.13× causal), but all 16 threads 0.72–0.86× at every head_dim, and 8 threads
-// 0.87–0.97× (s14i; whether AMX units shared by hyperthreads or the 3× larger packed K and V is the cause is not
-// established). Choosing by the call's thread count would make the bits depend on it (tests/test_flash.py asserts
+// float32 FMAs. On a 16-core Xeon with AMX the tiles ran one thread 1.10–1.24× the FMAs' speed non-causal at head_dim
+// 64–128 (0.95–1.13× causal), but all 16 threads 0.72–0.86× at every head_dim, and 8 threads 0.87–0.97× (whether AMX
+// units shared by hyperthreads or the 3× larger packed K and V is the cause is not established). Choosing by the call's thread count would make the bits depend on it (tests/test_flash.py asserts
 // they do not).
 inline bool takes_float32(const AttentionParams& p) {
   return p.dtype == DType::f32 && p.f32_products == F32Products::bf16_tiles;
@@ -277,7 +264,7 @@ struct PToBf16Parts {
 //   q·k = qh·kh + qh·kl + ql·kh + ql·kl,
 // each product of two bf16 exact in float32 and the tiles accumulating in float32: S is what float32 arithmetic
 // gives. (Without the last product, up to 2^-16·Σ|q_c·k_c|, lse missed float32's accuracy: off by 1.5e-5 in
-// tests/test_flash.py's Nq ≠ Nk test on the dev box.) For P·V, P (float32, in [0, 1]) is split the same way,
+// tests/test_flash.py's Nq ≠ Nk test.) For P·V, P (float32, in [0, 1]) is split the same way,
 // P ≈ Ph + Pl to 2^-17 relative, and V = Vh + Vl exactly:
 //   P·V ≈ Ph·Vh + Ph·Vl + Pl·Vh,   off by at most (2^-16 + 2^-17)·Σ P·|V|,
 // far below float16's rounding of the output (2^-11 relative). The tile products run at ~13× the float32 FMA

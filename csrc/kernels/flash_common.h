@@ -4,6 +4,7 @@
 #pragma once
 
 #include "../attention.h"
+#include "../heuristics.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -38,7 +39,7 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // The row stride of a scratch matrix whose rows are n elements of `bytes` each: one cache line (64 B) more. Rows a
 // multiple of 1–4 KB apart fall into the same few of L1's 64 sets, and a 16-row tile load or store (AMX) or a
 // micro-kernel's rows would then evict each other (2 KB apart: a 2 × 2 block of S tiles put 16 lines into 12-way
-// sets; measured in results/ab_s12c_forward.txt); one line more spreads consecutive rows over the sets.
+// sets, a measurable slowdown of the forward); one line more spreads consecutive rows over the sets.
 inline int64_t line_past(int64_t n, int64_t bytes) { return n + 64 / bytes; }
 
 template <class T>
@@ -314,7 +315,7 @@ inline int64_t window_keys_end(const AttentionParams& p, int64_t b, int64_t h, i
 // Asks for the attn_mask entries of a block the kernel will classify next (rows [i0, i0 + n_i), keys [j0, j0 + n_j)),
 // so that reading them overlaps the current block's products. A mask row of N ≥ 1024 keys spans a 4 KB page (float32)
 // or a quarter of one (bool): the block's rows are as many separate short runs, which the hardware prefetchers do not
-// follow across pages. On the dev box (f32, one thread, (4,12,1024,64) with a (1, H, N, N) float mask) the mask pass
+// follow across pages. On a 2-core EPYC (f32, one thread, (4,12,1024,64) with a (1, H, N, N) float mask) the mask pass
 // sat on these loads, ~20 % of the kernel; asking a block ahead made the call 3–4 % faster.
 inline void prefetch_mask_block(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t n_i, int64_t j0,
                                 int64_t n_j) {
@@ -421,9 +422,9 @@ inline void zero_where_hidden(float* x, const float* bias, int64_t n) {
 // causal mask hides keys besides attn_mask (no window) and a mask row's keys are adjacent, the block is only
 // classified (classify_mask_block: its first look, hidden / visible / partial) and a cut block's rows are added to S
 // straight from the mask (add_mask_row), with no offsets buffer written and read back in between. A T5-style
-// (1, H, N, N) bias cuts every block: on the device host one thread's bf16 call spent 55 % more time with it than
-// without, the buffer's round trip through L2 included (results/s15a_sweep_forward.txt).
-// Key ranges beside attn_mask (module.cpp: runs of keys that add a bias) take this path too: the mask itself is −inf
+// (1, H, N, N) bias cuts every block: on a 16-core Xeon one thread's bf16 call spent 55 % more time with it than
+// without, the buffer's round trip through L2 included.
+// Key ranges beside attn_mask (mask_ranges.cpp: runs of keys that add a bias) take this path too: the mask itself is −inf
 // outside each row's run, so its rows are added as they are, and the runs only keep the reading inside them
 // (window_keys_end, classify_block's shown_keys). A sliding window is not in the mask: it takes mask_block.
 inline bool mask_rows_direct(const AttentionParams& p) {
@@ -568,8 +569,8 @@ inline void wait_for_count(const int64_t* counter, int64_t value) {
 // next kv head's first tile), then the last one's tiles; a tile waits only until its own kv head's chunks are all
 // packed (`ready` counts them: release after a chunk, acquire before a tile). The packing — bound by the caches and
 // memory, not by the FMAs or tiles — so runs beside the products of the kv head before, where behind a barrier it was a
-// phase of its own on every thread: on the 16-core device host 55–350 µs of 0.25–2.4 ms calls, however finely it was
-// split (results/s18b_phases.txt). No wait can block forever, whatever order the jobs are handed out in: every chunk of
+// phase of its own on every thread: on a 16-core Xeon 55–350 µs of 0.25–2.4 ms calls, however finely it was
+// split. No wait can block forever, whatever order the jobs are handed out in: every chunk of
 // a kv head comes before its first tile in the order, so the waiting tile of lowest index waits for chunks of lower
 // index, each packed, being packed, or still to be taken by a thread whose current job has a lower index still — a
 // chunk, or a tile that does not wait.

@@ -48,30 +48,24 @@ namespace flash_decode {
 using flash::online_softmax;
 using flash::round_up;
 
-constexpr int64_t kMaxRows = kDecodeMaxRows;  // attention() hands calls with q_len up to this here (attention.h)
+constexpr int64_t kMaxRows = heuristics::kDecodeMaxRows;  // attention() hands calls of up to this many rows here
 constexpr int64_t kBlockKeys = 64;    // keys per online-softmax step: K and V blocks stay in L1/L2
 constexpr int64_t kMaxTaskRows = 64;  // query rows per task: more (MQA with long chunks) are cut into tasks
-// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys (~5 µs of work for a
-// GQA group of 4 at d = 128, against a task's fixed cost of a few tenths of a µs: its rows of q and O converted,
-// its partials written and merged); a whole number of key blocks each.
-constexpr int64_t kMinTasks = 64;
-constexpr int64_t kMinSplitKeys = 256;
-// Below this many bytes of K and V read (all tasks together), the call runs on the calling thread, with no parallel
-// region at all; from there on, on all the caller's threads (never a team of another size: libgomp then rebuilds
-// its pool, and torch's parallel_for never passes num_threads, "bugs in GOMP's thread pool", pytorch#32008 — asking
-// for 8 of 16 threads made the shipped GPT's matrix products around our call 9× slower, results/decode_session4_*).
-// Inside the shipped GPT at context 1024 (bench_generate.py, 4 layers, ~1 MB of cache per call, 16 threads, the
-// device host; results/s13a_profile_*.txt, torch.profiler) a call took 55 µs on the calling thread and 16 µs on
-// all 16 (SDPA's: 31–34 µs): the pool is awake between a model's operators, so threads pay from a few hundred KB.
-// Bytes alone undercount GQA: each key is multiplied by all G query heads of its group, and a bf16 cache is half the
-// bytes for the same arithmetic. One thread took 28 µs for 2^20 multiply-adds (128 bf16 Llama keys, 32 query heads,
-// results/session4_recheck_decode_128.txt) where SDPA's 16 threads took 23–25: from kParallelMacs on, threads too.
-constexpr int64_t kSerialBytes = 256 * 1024;
-constexpr int64_t kParallelMacs = 512 * 1024;
+// Splits: enough tasks for up to kMinTasks threads, none shorter than kMinSplitKeys keys; a whole number of key blocks
+// each (heuristics.h).
+constexpr int64_t kMinTasks = heuristics::kDecodeMinTasks;
+constexpr int64_t kMinSplitKeys = heuristics::kDecodeMinSplitKeys;
+// Below kSerialBytes of K and V read (all tasks together), and kParallelMacs multiply-adds (bytes alone undercount
+// GQA, whose keys each serve G query heads, and bf16, half the bytes for the same arithmetic), the call runs on the
+// calling thread, with no parallel region at all (heuristics.h); from there on, on all the caller's threads, never a
+// team of another size: libgomp then rebuilds its pool (pytorch#32008), and asking for 8 of 16 threads made a GPT's
+// matrix products around our call 9× slower.
+constexpr int64_t kSerialBytes = heuristics::kDecodeSerialBytes;
+constexpr int64_t kParallelMacs = heuristics::kDecodeParallelMacs;
 
 // The flash kernel (flash.cpp) hands a call of decode_kernel_takes's shape to this path when it has no attn_mask and
 // no window (module.cpp sends every call of that shape to the kernel table's `decode` directly, masked ones too).
-inline bool applies(const AttentionParams& p) { return decode_kernel_takes(p) && !has_mask_or_window(p); }
+inline bool applies(const AttentionParams& p) { return heuristics::decode_kernel_takes(p) && !has_mask_or_window(p); }
 
 inline int64_t pad16(int64_t n) { return round_up(n, 16); }
 

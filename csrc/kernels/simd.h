@@ -148,7 +148,7 @@ inline float max_nan(float a, float b) { return a > b || a != a ? a : b; }
 // subnormal or nearly one — on every ISA; NaN stays NaN.
 // Why never a subnormal, not even on the way to 0: on Intel cores an instruction whose result underflows with
 // MXCSR's flush-to-zero off takes a microcode assist of ~100+ cycles, and the masked (causal) lanes of every
-// diagonal tile are −inf logits, so each such row would pay it (benchmarks/denormal_probe.cpp measures it).
+// diagonal tile are −inf logits, so each such row would pay it.
 // So no lane is ever computed below 2^-125: arguments are clamped above the subnormal range first and the
 // lanes below it set to 0 by a mask.
 // ---------------------------------------------------------------------------------------------------
@@ -238,8 +238,8 @@ inline Vec exp(Vec x) {
 // as exp needs. Degree 6: relative error 8.4e-8 in float32 arithmetic, as accurate as exp. Degree 4: 2.7e-6, for
 // a value that is then rounded to bfloat16 (step 2^-8; bf16_gemm.h). t < −125 (−inf too) gives exactly 0
 // without computing a subnormal (see exp): t is clamped to −125 first and those lanes are masked off; t ≥ 128
-// gives +inf, NaN stays NaN. (Measured on the device host's Xeon: 20–25 % faster than rounding t to nearest,
-// subtracting, and clamping both sides; results/cpu_amx_denormal_probe2_softmax_forms.txt.)
+// gives +inf, NaN stays NaN. (On a 16-core Xeon: 20–25 % faster than rounding t to nearest, subtracting, and
+// clamping both sides.)
 // ---------------------------------------------------------------------------------------------------
 #if defined(CS149_ISA_AVX512)
 template <int kDegree>
@@ -532,7 +532,7 @@ inline void store_scaled_bf16(const float* x, float scale, int64_t n, uint16_t* 
 // dst[c · ld_dst + r] = scale · src[r · ld_src + c] for r < rows, c < cols: a block transposed, as the flash
 // kernel's packing of K_jᵀ (keys become columns) and of Q's column-major row groups need it. Element by element
 // that is a strided store or load per value, as much work as the products themselves for short sequences (BERT's
-// 128 tokens: ~25 % of a call on the dev box); with AVX-512, blocks of 16 × 16 go through registers.
+// 128 tokens: ~25 % of a call on a 2-core EPYC); with AVX-512, blocks of 16 × 16 go through registers.
 #if defined(CS149_ISA_AVX512)
 // r[i] = column i of the 16 × 16 block whose rows are r[0..15] (unpack pairs, then 64-bit pairs, then 128-bit
 // lanes twice).

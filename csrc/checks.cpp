@@ -1,0 +1,593 @@
+// The argument checks of every operator and the filling of the params struct (checks.h says who calls them).
+#include "checks.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/TensorUtils.h>
+#include <ATen/Parallel.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <iomanip>
+#include <sstream>
+#include <tuple>
+
+#include "heuristics.h"
+#include "mask_ranges.h"
+
+namespace cs149gpt {
+
+Impl parse_impl(const std::string& impl) {
+  if (impl == "naive") return Impl::naive;
+  if (impl == "blocked") return Impl::blocked;
+  if (impl == "fused") return Impl::fused;
+  if (impl == "flash") return Impl::flash;
+  if (impl == "flash_teaching") return Impl::flash_teaching;
+  TORCH_CHECK_VALUE(false, "impl must be one of 'naive', 'blocked', 'fused', 'flash', 'flash_teaching'; got '", impl,
+                    "'");
+}
+
+const char* impl_name(Impl impl) {
+  switch (impl) {
+    case Impl::naive: return "naive";
+    case Impl::blocked: return "blocked";
+    case Impl::fused: return "fused";
+    case Impl::flash: return "flash";
+    case Impl::flash_teaching: return "flash_teaching";
+  }
+  return "?";
+}
+
+// is_causal=True is torch SDPA's top-left alignment; "bottom_right" is causal_lower_right's.
+int64_t parse_causal(const std::string& causal, int64_t q_len, int64_t kv_len, bool* is_causal) {
+  *is_causal = causal != "none";
+  if (causal == "none" || causal == "top_left") return 0;
+  if (causal == "bottom_right") return kv_len - q_len;
+  TORCH_CHECK_VALUE(false, "causal must be 'none', 'top_left' or 'bottom_right'; got '", causal, "'");
+}
+
+DType parse_dtype(const at::Tensor& q, Impl impl) {
+  switch (q.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kBFloat16:
+    case at::kHalf:
+      TORCH_CHECK_TYPE(impl == Impl::flash, "impl='", impl_name(impl),
+                       "' supports float32 only, got ", q.scalar_type(), "; impl='flash' takes bfloat16 and float16");
+      return q.scalar_type() == at::kBFloat16 ? DType::bf16 : DType::f16;
+    default:
+      TORCH_CHECK_TYPE(false, "q must be float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+}
+
+// A plain dense tensor of at least 2 dims. Sparse, nested and quantized tensors are refused here, by name, rather
+// than left to the dispatcher's "Could not run ... with arguments from the 'SparseCPU' backend".
+void check_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_TYPE(!t.is_nested(), name, " must be a dense (strided) tensor, not a nested tensor");
+  TORCH_CHECK_TYPE(!t.is_quantized(), name, " must be a float tensor, not quantized; got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() >= 2, name, " must have shape (..., N, d), at least 2 dims; got shape ", t.sym_sizes());
+}
+
+// All tensors of one call on one device: the CPU, or meta (shapes only, for tracing). A CPU q with meta k would
+// otherwise dispatch to the meta implementation and hand back an uninitialised CPU tensor. CUDA too: the fake
+// implementations check CUDA calls here (their kernels, csrc/cuda/flash_api.cpp, add the GPU's own limits).
+void check_devices(std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  const auto& [first_name, first] = *tensors.begin();
+  const at::Device device = first->device();
+  TORCH_CHECK_VALUE(device.is_cpu() || device.is_meta() || device.is_cuda(), first_name,
+                    " must be on the CPU (or a CUDA GPU), got a tensor on ", device);
+  bool same = true;
+  for (const auto& [name, t] : tensors) same = same && t->device() == device;
+  if (same) return;
+  std::ostringstream names, devices;
+  size_t i = 0;
+  for (const auto& [name, t] : tensors) {
+    names << (i == 0 ? "" : i + 1 == tensors.size() ? " and " : ", ") << name;
+    devices << (i == 0 ? "" : ", ") << name << " on " << t->device();
+    ++i;
+  }
+  TORCH_CHECK_VALUE(false, names.str(), " must be on one device, got ", devices.str());
+}
+
+c10::SymBool equal_sizes(c10::SymIntArrayRef a, c10::SymIntArrayRef b) {
+  if (a.size() != b.size()) return false;
+  c10::SymBool equal = true;
+  for (size_t i = 0; i < a.size(); ++i) equal = equal.sym_and(a[i].sym_eq(b[i]));
+  return equal;
+}
+
+// attn_mask (torch SDPA's): a dense tensor, bool (True = the key takes part) or additive (float32 or q's dtype), on
+// q's device, broadcastable to the scores' shape (..., Nq, Nk) — q's leading dims and heads, Nq, k's Nk.
+void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
+  TORCH_CHECK_TYPE(mask.layout() == at::kStrided && !mask.is_nested(),
+                   "attn_mask must be a dense (strided) tensor, got layout ", mask.layout());
+  TORCH_CHECK_TYPE(!mask.is_quantized(), "attn_mask must not be quantized, got ", mask.scalar_type());
+  const at::ScalarType mt = mask.scalar_type();
+  TORCH_CHECK_TYPE(mt == at::kBool || mt == at::kFloat || mt == q.scalar_type(),
+                   "attn_mask must be bool (True = the key takes part), float32 or q's dtype (", q.scalar_type(),
+                   ") to add to the logits; got ", mt);
+  std::vector<c10::SymInt> scores(q.sym_sizes().begin(), q.sym_sizes().end());
+  scores.back() = k.sym_size(-2);
+  std::ostringstream expected;
+  expected << "attn_mask of shape " << mask.sym_sizes() << " must be broadcastable to the scores' shape "
+           << c10::SymIntArrayRef(scores) << " (q's dims but the last, then k's length)";
+  TORCH_CHECK_VALUE(mask.dim() <= static_cast<int64_t>(scores.size()), expected.str());
+  for (int64_t i = 1; i <= mask.dim(); ++i) {
+    const c10::SymInt m = mask.sym_size(-i);
+    CHECK_SIZES(m.sym_eq(1).sym_or(m.sym_eq(scores[scores.size() - i])), expected.str());
+  }
+  check_devices({{"q", &q}, {"attn_mask", &mask}});
+}
+
+// Every check of an attention call that needs no data: dtypes, devices, ranks, shapes (GQA divisibility included),
+// scale, causal mode, tiles. Written on symbolic sizes, so one function serves the CPU kernels (run_attention) and
+// the fake/meta implementations in ops.py (the module's check_attention, called with FakeTensors whose sizes are
+// SymInts under torch.compile): eager, meta, FakeTensorMode and torch.compile refuse the same inputs with the same
+// message. Returns the dtype of the call.
+DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
+                      std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                      std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
+                      int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed) {
+  check_tensor(q, "q");
+  check_tensor(k, "k");
+  check_tensor(v, "v");
+  check_devices({{"q", &q}, {"k", &k}, {"v", &v}});
+  const DType dtype = parse_dtype(q, impl);
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "q, k and v must share one dtype, got q ", q.scalar_type(), ", k ", k.scalar_type(), ", v ",
+                   v.scalar_type());
+  TORCH_CHECK_VALUE(k.dim() == q.dim() && v.dim() == q.dim(), "q, k and v must have the same number of dims, got q ",
+                    q.sym_sizes(), ", k ", k.sym_sizes(), ", v ", v.sym_sizes());
+  const int64_t rank = q.dim();
+  const c10::SymInt d = q.sym_size(-1), q_len = q.sym_size(-2), kv_len = k.sym_size(-2);
+  CHECK_SIZES(d.sym_ge(1), "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
+  CHECK_SIZES(q_len.sym_ge(1), "q must have at least one query row (dim -2), got shape ", q.sym_sizes());
+  CHECK_SIZES(kv_len.sym_ge(1), "k must have at least one key row (dim -2), got shape ", k.sym_sizes());
+  CHECK_SIZES(k.sym_size(-1).sym_eq(d).sym_and(v.sym_size(-1).sym_eq(d)), "k and v must have head dim d = ", d,
+              " (the last dim of q), got k ", k.sym_sizes(), ", v ", v.sym_sizes());
+  CHECK_SIZES(v.sym_size(-2).sym_eq(kv_len), "k and v must have the same length (dim -2), got k ", k.sym_sizes(),
+              ", v ", v.sym_sizes());
+  const auto lead = q.sym_sizes().slice(0, std::max<int64_t>(rank - 3, 0));
+  CHECK_SIZES(equal_sizes(k.sym_sizes().slice(0, lead.size()), lead)
+                  .sym_and(equal_sizes(v.sym_sizes().slice(0, lead.size()), lead)),
+              "q, k and v must have the same leading dims, got q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ",
+              v.sym_sizes());
+  if (rank >= 3) {
+    const c10::SymInt hq = q.sym_size(-3), hkv = k.sym_size(-3);
+    CHECK_SIZES(v.sym_size(-3).sym_eq(hkv), "k and v must have the same number of heads (dim -3), got k ",
+                k.sym_sizes(), ", v ", v.sym_sizes());
+    // First: hq % 0 must never be evaluated.
+    CHECK_SIZES(hkv.sym_ge(1), "k and v must have at least one head (dim -3), got k ", k.sym_sizes(), ", v ",
+                v.sym_sizes());
+    CHECK_SIZES((hq % hkv).sym_eq(0), "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
+                q.sym_sizes(), ", k ", k.sym_sizes());
+  }
+  if (scale)
+    TORCH_CHECK_VALUE(std::isfinite(*scale) && std::fabs(*scale) < kFloat32Overflow,
+                      "scale must be a finite float32, got ", *scale);
+  TORCH_CHECK_VALUE(causal == "none" || causal == "top_left" || causal == "bottom_right",
+                    "causal must be 'none', 'top_left' or 'bottom_right'; got '", causal, "'");
+  // Tile sizes are checked whatever the impl, so a typo is never silently ignored.
+  if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
+  if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
+  if (is_given(attn_mask)) {
+    TORCH_CHECK_VALUE(impl == Impl::flash, "attn_mask needs impl='flash', got impl='", impl_name(impl), "'");
+    check_mask(*attn_mask, q, k);
+  }
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "window must be (left, right) with each >= 0, or -1 "
+                    "for no bound on that side; got (", window_left, ", ", window_right, ")");
+  TORCH_CHECK_VALUE(impl == Impl::flash || (window_left == -1 && window_right == -1), "window needs impl='flash', "
+                    "got impl='", impl_name(impl), "'");
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK_VALUE(impl == Impl::flash, "dropout_p needs impl='flash', got impl='", impl_name(impl), "'");
+    TORCH_CHECK_VALUE(is_given(dropout_seed), "dropout_p > 0 needs dropout_seed, an int64 tensor (seed, offset)");
+    TORCH_CHECK_VALUE(dropout_seed->scalar_type() == at::kLong && dropout_seed->dim() == 1 &&
+                          dropout_seed->sym_size(0) == 2,
+                      "dropout_seed must be an int64 tensor of 2 elements (seed, offset), got ",
+                      dropout_seed->scalar_type(), " of shape ", dropout_seed->sym_sizes());
+    TORCH_CHECK_VALUE(dropout_seed->device().is_cpu() || dropout_seed->device().is_meta(),
+                      "dropout_seed must be on the CPU, got ", dropout_seed->device());
+  }
+  return dtype;
+}
+
+// t is dense with like's shape and dtype (the backward's dout and out have q's; devices: check_devices).
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
+  check_tensor(t, name);
+  CHECK_SIZES(equal_sizes(t.sym_sizes(), like.sym_sizes()), name, " must have the shape of ", like_name, ", ",
+              like.sym_sizes(), "; got ", t.sym_sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", like_name, ", ",
+                   like.scalar_type(), "; got ", t.scalar_type());
+}
+
+// The backward's arguments: the forward's checks on q, k, v, then dout and out shaped like q, lse like q without
+// its last dim, float32; all six on one device.
+DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& out, const at::Tensor& lse, std::optional<double> scale,
+                               const std::string& causal, std::optional<int64_t> block_q,
+                               std::optional<int64_t> block_k, const OptionalTensor& attn_mask,
+                               int64_t window_left, int64_t window_right, double dropout_p,
+                               const OptionalTensor& dropout_seed) {
+  const DType dtype = check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask, window_left,
+                                      window_right, dropout_p, dropout_seed);
+  check_like(dout, "dout", q, "q");
+  check_like(out, "out", q, "q");
+  TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
+  TORCH_CHECK_TYPE(lse.layout() == at::kStrided, "lse must be a dense (strided) tensor, got layout ", lse.layout());
+  const auto lead = q.sym_sizes().slice(0, q.dim() - 1);
+  CHECK_SIZES(equal_sizes(lse.sym_sizes(), lead), "lse must have shape ", lead, " (q's without the last dim); got ",
+              lse.sym_sizes());
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+  check_devices({{"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
+  return dtype;
+}
+
+// Asked once: sysconf(_SC_PHYS_PAGES) is a system call (sysinfo), a few µs that every call would otherwise pay
+// for each output and workspace it checks.
+int64_t physical_memory_bytes() {
+  static const int64_t bytes = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : INT64_MAX;
+  }();
+  return bytes;
+}
+
+// Sizes arithmetic that says when it leaves int64: -1 then (sizes are never negative, so -1 propagates).
+int64_t checked_product(at::IntArrayRef factors) {
+  int64_t product = 1;
+  for (const int64_t f : factors)
+    if (f < 0 || __builtin_mul_overflow(product, f, &product)) return -1;
+  return product;
+}
+int64_t checked_sum(at::IntArrayRef terms) {
+  int64_t sum = 0;
+  for (const int64_t t : terms)
+    if (t < 0 || __builtin_add_overflow(sum, t, &sum)) return -1;
+  return sum;
+}
+
+std::string gib(double bytes) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(1) << bytes / (1 << 30);
+  return s.str();
+}
+
+std::string shape_of(const char* name, at::IntArrayRef sizes) {
+  std::ostringstream s;
+  s << name << " of shape " << sizes;
+  return s.str();
+}
+
+// (..., N, d) as (batch, heads, N, d): a view for 2-, 3- and 4-D; leading dims beyond two are flattened
+// into the batch, which is a view too whenever their strides allow it. A copy (the rare case) is checked first:
+// a stride-0 expanded input of astronomically many elements takes no memory until it is copied.
+at::Tensor as_4d(const at::Tensor& t, const char* name) {
+  const auto copy_fits = [&] {
+    check_fits(t.numel(), t.element_size(), [&] { return std::string("a copy of ") + shape_of(name, t.sizes()); });
+  };
+  at::Tensor t4;
+  switch (t.dim()) {
+    case 2: t4 = t.unsqueeze(0).unsqueeze(0); break;
+    case 3: t4 = t.unsqueeze(0); break;
+    case 4: t4 = t; break;
+    default: {
+      const auto sizes = t.sizes();
+      const int64_t batch = c10::multiply_integers(sizes.begin(), sizes.end() - 3);
+      const std::array<int64_t, 4> shape{batch, sizes[t.dim() - 3], sizes[t.dim() - 2], sizes[t.dim() - 1]};
+      if (!at::detail::computeStride(sizes, t.strides(), shape)) copy_fits();
+      t4 = t.flatten(0, t.dim() - 4);
+    }
+  }
+  // The one copy we ever make: SIMD loads need the head_dim columns contiguous.
+  if (t4.size(3) > 1 && t4.stride(3) != 1) {
+    copy_fits();
+    t4 = t4.contiguous();
+  }
+  return t4;
+}
+
+// attn_mask as (batch, heads, Nq, Nk) like q's as_4d: expanded (a view: stride 0 along the broadcast dims, never
+// a copy), leading dims beyond two flattened into the batch (a view whenever the strides allow; else a copy,
+// checked first, as for q).
+at::Tensor mask_as_4d(const at::Tensor& mask, const at::Tensor& q, int64_t kv_len) {
+  std::vector<int64_t> scores(q.sizes().begin(), q.sizes().end());
+  scores.back() = kv_len;
+  const at::Tensor m = mask.expand(scores);
+  switch (m.dim()) {
+    case 2: return m.unsqueeze(0).unsqueeze(0);
+    case 3: return m.unsqueeze(0);
+    case 4: return m;
+    default: {
+      const auto sizes = m.sizes();
+      const int64_t batch = c10::multiply_integers(sizes.begin(), sizes.end() - 3);
+      const std::array<int64_t, 4> shape{batch, sizes[m.dim() - 3], sizes[m.dim() - 2], sizes[m.dim() - 1]};
+      if (!at::detail::computeStride(sizes, m.strides(), shape))
+        check_fits(m.numel(), m.element_size(), [&] { return "a copy of " + shape_of("attn_mask", sizes); });
+      return m.reshape(shape);
+    }
+  }
+}
+
+void fill_strides(int64_t (&strides)[3], const at::Tensor& t4) {
+  for (int i = 0; i < 3; ++i) strides[i] = t4.stride(i);
+}
+
+// naive and blocked materialise the q_len × kv_len score matrix: refuse up front when it cannot fit.
+void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
+  int64_t elems = 0;
+  const bool overflow = __builtin_mul_overflow(q_len, kv_len, &elems);
+  TORCH_CHECK_WITH(OutOfMemoryError, !overflow && elems * static_cast<double>(sizeof(float)) <= physical_memory_bytes(),
+                   "impl='", impl, "' materialises the q_len x kv_len score matrix (", q_len, " x ", kv_len,
+                   " floats = ", gib(static_cast<double>(q_len) * static_cast<double>(kv_len) * sizeof(float)),
+                   " GiB), more than this machine's memory; use impl='fused' or 'flash', which need O(N) memory");
+}
+
+// float32's products on AMX (AttentionParams::f32_products): set_float32_products() chooses; automatic is float32
+// FMAs (flash_bf16.cpp, takes_float32, has the measurements).
+F32Products g_float32_products = F32Products::automatic;
+
+void fill_params(AttentionParams& p, const at::Tensor& q4, const at::Tensor& k4, const at::Tensor& v4, DType dtype,
+                 std::optional<double> scale, const std::string& causal) {
+  const int64_t d = q4.size(3), q_len = q4.size(2), kv_len = k4.size(2);
+  p.q = q4.data_ptr();
+  p.k = k4.data_ptr();
+  p.v = v4.data_ptr();
+  p.dtype = dtype;
+  fill_strides(p.q_strides, q4);
+  fill_strides(p.k_strides, k4);
+  fill_strides(p.v_strides, v4);
+  p.batch = q4.size(0);
+  p.num_heads = q4.size(1);
+  p.num_kv_heads = k4.size(1);
+  p.q_len = q_len;
+  p.kv_len = kv_len;
+  p.head_dim = d;
+  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d))));
+  p.causal_offset = parse_causal(causal, q_len, kv_len, &p.is_causal);
+}
+
+// Fills the params of a call whose arguments check_attention has passed (it returned dtype).
+Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
+                 std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                 std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
+                 int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed) {
+  // Meta tensors pass check_attention (the fake implementations share it); the kernels need memory.
+  TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
+  const int64_t d = q.size(-1), q_len = q.size(-2), kv_len = k.size(-2);
+
+  Prepared prep{as_4d(q, "q"), as_4d(k, "k"), as_4d(v, "v"), {}, {}};
+  AttentionParams& p = prep.p;
+  fill_params(p, prep.q4, prep.k4, prep.v4, dtype, scale, causal);
+  p.num_threads = std::max(1, at::get_num_threads());
+  p.f32_products = g_float32_products;
+  if (is_given(attn_mask)) {
+    prep.mask4 = mask_as_4d(*attn_mask, q, kv_len);
+    p.mask = prep.mask4.data_ptr();
+    const at::ScalarType mt = attn_mask->scalar_type();
+    p.mask_kind = mt == at::kBool ? MaskKind::boolean : MaskKind::additive;
+    p.mask_dtype = mt == at::kBFloat16 ? DType::bf16 : mt == at::kHalf ? DType::f16 : DType::f32;
+    for (int i = 0; i < 4; ++i) p.mask_strides[i] = prep.mask4.stride(i);
+    // One run of shown keys per row (the masks of padded batches, boolean or 0/−inf; or a bias under them): the
+    // kernels take the runs instead of the mask, or beside it where the runs add a bias.
+    KeyRanges runs;
+    if (impl == Impl::flash && prep.mask4.numel() > 0) runs = key_ranges_of(prep.mask4);
+    if (runs.ranges.defined()) {
+      prep.key_ranges = runs.ranges;
+      p.key_ranges = prep.key_ranges.data_ptr<int64_t>();
+      for (int d = 0; d < 3; ++d) p.key_range_strides[d] = prep.key_ranges.size(d) == 1 ? 0 : prep.key_ranges.stride(d);
+      if (runs.plain) {
+        p.mask = nullptr;
+        p.mask_kind = MaskKind::none;
+      }
+    }
+  }
+  // A bound that reaches past every key leaves its side unbounded (−1): row i's band is i + offset ± bound in int64
+  // (attention.h), which a bound near INT64_MAX — sys.maxsize meaning "no bound" — would overflow. Exact: with
+  // |offset| < q_len + kv_len, a bound beyond q_len + kv_len hides no key.
+  const auto bound_or_none = [&](int64_t bound) { return bound > q_len + kv_len ? int64_t{-1} : bound; };
+  p.window_left = bound_or_none(window_left);
+  p.window_right = bound_or_none(window_right);
+  p.window_offset = kv_len - q_len;
+  if (dropout_p > 0.0) {
+    p.dropout_p = static_cast<float>(dropout_p);
+    const at::Tensor seed = dropout_seed->contiguous();
+    p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
+    p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
+  }
+  switch (impl) {
+    case Impl::naive:
+    case Impl::fused:
+      break;
+    case Impl::blocked:
+      // blocked has one tile size, for both matrix multiplies: block_q, or else block_k. A tile larger than
+      // every dimension is the whole matrix.
+      p.block_q = p.block_k = std::min(block_q.value_or(block_k.value_or(heuristics::kBlockedTile)),
+                                       std::max({q_len, kv_len, d}));
+      break;
+    case Impl::flash:
+      // 0 lets the kernel choose its tiles (flash.cpp). Given tiles are clamped to the sequence lengths here,
+      // before any kernel rounds them up to row groups or vectors: a tile beyond N is all of N (the forward
+      // clamps it too; the backward's round_up(block_q, ...) would overflow near INT64_MAX).
+      p.block_q = block_q ? std::min(*block_q, q_len) : 0;
+      p.block_k = block_k ? std::min(*block_k, kv_len) : 0;
+      break;
+    case Impl::flash_teaching:  // Br x Bc, clamped to the sequences
+      p.block_q = std::min(block_q.value_or(heuristics::kTeachingBlockQ), q_len);
+      p.block_k = std::min(block_k.value_or(heuristics::kTeachingBlockK), kv_len);
+      break;
+  }
+  return prep;
+}
+
+// An output of these sizes (the kernels write every element), checked before it is allocated.
+at::Tensor checked_empty(at::IntArrayRef sizes, const at::TensorOptions& options, const char* name) {
+  check_fits(checked_product(sizes),
+             static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(options.dtype()))),
+             [&] { return shape_of(name, sizes); });
+  return at::empty(sizes, options);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// attention_with_kvcache: new queries against a KV cache, contiguous or paged, with optional new keys/values
+// appended in place first. The checks on sizes (symbolic: the fake implementation calls this too), then the
+// checks on the data (lengths, block ids: read here, before the kernel, so no index can leave the cache).
+// ---------------------------------------------------------------------------------------------------
+static void check_dense(const at::Tensor& t, const char* name, int64_t dims, const char* shape) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided && !t.is_nested(), name, " must be a dense (strided) tensor");
+  TORCH_CHECK_TYPE(!t.is_quantized(), name, " must not be quantized; got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == dims, name, " must have shape ", shape, "; got ", t.sym_sizes());
+}
+
+// Returns the dtype of the call.
+DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                    const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
+                    std::optional<double> scale) {
+  const bool paged = block_table.has_value() && block_table->defined();
+  const char* cache_shape = paged ? "(num_blocks, Hkv, block_size, d) (a paged cache: block_table is given)"
+                                  : "(B, Hkv, max_len, d)";
+  check_dense(q, "q", 4, "(B, Hq, Nq, d)");
+  check_dense(k_cache, "k_cache", 4, cache_shape);
+  check_dense(v_cache, "v_cache", 4, cache_shape);
+  check_dense(cache_seqlens, "cache_seqlens", 1, "(B,)");
+  const bool has_k_new = k_new.has_value() && k_new->defined(), has_v_new = v_new.has_value() && v_new->defined();
+  TORCH_CHECK_VALUE(has_k_new == has_v_new, "k_new and v_new must be given together, got ",
+                    has_k_new ? "k_new without v_new" : "v_new without k_new");
+  if (has_k_new) {
+    check_dense(*k_new, "k_new", 4, "(B, Hkv, Nq, d)");
+    check_dense(*v_new, "v_new", 4, "(B, Hkv, Nq, d)");
+  }
+  if (paged) check_dense(*block_table, "block_table", 2, "(B, max_blocks)");
+
+  // One device: the CPU (or meta, for tracing).
+  std::vector<std::pair<const char*, const at::Tensor*>> all = {
+      {"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"cache_seqlens", &cache_seqlens}};
+  if (has_k_new) {
+    all.push_back({"k_new", &*k_new});
+    all.push_back({"v_new", &*v_new});
+  }
+  if (paged) all.push_back({"block_table", &*block_table});
+  for (const auto& [name, t] : all) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() || t->device().is_meta(), "attention_with_kvcache runs on the CPU: ", name,
+                      " is on ", t->device());
+    TORCH_CHECK_VALUE(t->device() == q.device(), "q and ", name, " must be on one device, got q on ", q.device(), ", ",
+                      name, " on ", t->device());
+  }
+
+  const DType dtype = parse_dtype(q, Impl::flash);
+  for (const auto& [name, t] : all) {
+    if (t == &cache_seqlens || (paged && t == &*block_table)) continue;
+    TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, " must have q's dtype, ", q.scalar_type(), "; got ",
+                     t->scalar_type());
+  }
+  TORCH_CHECK_TYPE(cache_seqlens.scalar_type() == at::kInt || cache_seqlens.scalar_type() == at::kLong,
+                   "cache_seqlens must be int32 or int64, got ", cache_seqlens.scalar_type());
+  if (paged)
+    TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt, "block_table must be int32, got ",
+                     block_table->scalar_type());
+
+  const c10::SymInt B = q.sym_size(0), Hq = q.sym_size(1), Nq = q.sym_size(2), d = q.sym_size(3);
+  const c10::SymInt Hkv = k_cache.sym_size(1);
+  CHECK_SIZES(d.sym_ge(1), "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
+  CHECK_SIZES(Nq.sym_ge(1), "q must have at least one query row (dim 2), got shape ", q.sym_sizes());
+  CHECK_SIZES(equal_sizes(v_cache.sym_sizes(), k_cache.sym_sizes()), "v_cache must have k_cache's shape ",
+              k_cache.sym_sizes(), "; got ", v_cache.sym_sizes());
+  CHECK_SIZES(k_cache.sym_size(3).sym_eq(d), "k_cache and v_cache must have head dim d = ", d,
+              " (the last dim of q), got k_cache of shape ", k_cache.sym_sizes());
+  CHECK_SIZES(Hkv.sym_ge(1), "k_cache must have at least one kv head (dim 1), got k_cache of shape ",
+              k_cache.sym_sizes());
+  CHECK_SIZES((Hq % Hkv).sym_eq(0),
+              "the heads of q (dim 1) must be a multiple of the kv heads of k_cache (dim 1), got q ", q.sym_sizes(),
+              ", k_cache ", k_cache.sym_sizes());
+  CHECK_SIZES(k_cache.sym_size(2).sym_ge(1), "k_cache must have room for at least one key (dim 2), got shape ",
+              k_cache.sym_sizes());
+  CHECK_SIZES(cache_seqlens.sym_size(0).sym_eq(B), "cache_seqlens must have shape (B,) = (", B,
+              ",) (one length per sequence of q), got ", cache_seqlens.sym_sizes());
+  if (paged) {
+    CHECK_SIZES(block_table->sym_size(0).sym_eq(B), "block_table must have shape (B, max_blocks) with B = ", B,
+                " (q's batch), got ", block_table->sym_sizes());
+  } else {
+    CHECK_SIZES(k_cache.sym_size(0).sym_eq(B), "k_cache must have shape (B, Hkv, max_len, d) with B = ", B,
+                " (q's batch), got ", k_cache.sym_sizes(), " (a paged cache needs block_table)");
+  }
+  if (has_k_new) {
+    const std::vector<c10::SymInt> expected = {B, Hkv, Nq, d};
+    for (const auto& [name, t] : {std::pair{"k_new", &*k_new}, std::pair{"v_new", &*v_new}})
+      CHECK_SIZES(equal_sizes(t->sym_sizes(), expected), name, " must have shape (B, Hkv, Nq, d) = ",
+                  c10::SymIntArrayRef(expected), ", got ", t->sym_sizes());
+  }
+  // The cache is written in place and read through its strides: its rows must be contiguous (no copy can stand
+  // in for it); written into, no two of its elements may share memory (an expanded cache: one head's new row would
+  // overwrite another's), as torch refuses for its in-place ops.
+  for (const auto& [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
+    CHECK_SIZES(t->sym_size(3).sym_eq(1).sym_or(t->sym_stride(3).sym_eq(1)), name,
+                " must have a contiguous last dim (stride 1), got strides ", t->sym_strides());
+    if (has_k_new)
+      TORCH_CHECK_VALUE(at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
+                        " has elements that share memory (an expanded view: strides ", t->sym_strides(),
+                        "), so k_new and v_new cannot be written into it; pass a cache of its own (.contiguous())");
+  }
+  if (scale)
+    TORCH_CHECK_VALUE(std::isfinite(*scale) && std::fabs(*scale) < kFloat32Overflow,
+                      "scale must be a finite float32, got ", *scale);
+  return dtype;
+}
+
+// Appending into a paged cache: each row that k_new and v_new are written to must be seen by the sequence that writes
+// it, and by no other. Block tables may share a block (a common prefix), but a row that one sequence appends and
+// another sees (or appends too) would give that other sequence a key that is not its own; so would a table naming
+// one block twice, the appended row then seen at a second position. lengths[b] counts the new rows too. One more pass
+// over the block ids the call reads (as the bounds check does), with a mark per cache block (kept from call to call,
+// cleared after each): with the bounds check, 0.4 % of a 64-sequence paged decode's time (2-core EPYC, perf).
+void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, const std::vector<int64_t>& lengths,
+                                  int64_t added, int64_t page_size, int64_t num_pages) {
+  thread_local std::vector<uint8_t> marks;
+  if (static_cast<int64_t>(marks.size()) < num_pages) marks.resize(num_pages, 0);
+  uint8_t* written = marks.data();  // written[block]: some sequence appends into it (one thread-local lookup)
+  const int64_t B = static_cast<int64_t>(lengths.size());
+  std::vector<int32_t> blocks;  // the blocks marked, to clear
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = (lengths[b] - added) / page_size; i * page_size < lengths[b]; ++i) {
+      const int32_t block = table[b * max_blocks + i];
+      if (!written[block]) blocks.push_back(block);
+      written[block] = 1;
+    }
+  // Every (sequence, position in its table) that names a block written into: the rows of it the sequence sees,
+  // [0, seen), and those it writes, [first_new, seen) (first_new = seen when it writes none there).
+  struct Use {
+    int32_t block;
+    int64_t b, i, seen, first_new;
+  };
+  std::vector<Use> uses;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i * page_size < lengths[b]; ++i) {
+      const int32_t block = table[b * max_blocks + i];
+      if (!written[block]) continue;
+      const int64_t seen = std::min(page_size, lengths[b] - i * page_size);
+      const int64_t first_new = std::clamp(lengths[b] - added - i * page_size, int64_t{0}, seen);
+      uses.push_back({block, b, i, seen, first_new});
+    }
+  for (const int32_t block : blocks) written[block] = 0;
+  std::sort(uses.begin(), uses.end(), [](const Use& x, const Use& y) {  // by block, then in table order
+    return std::tie(x.block, x.b, x.i) < std::tie(y.block, y.b, y.i);
+  });
+  for (size_t first = 0, last; first < uses.size(); first = last) {  // the uses of one block: [first, last)
+    for (last = first; last < uses.size() && uses[last].block == uses[first].block;) ++last;
+    for (size_t w = first; w < last; ++w)
+      for (size_t u = first; u < last; ++u) {
+        const Use &writer = uses[w], &other = uses[u];
+        if (u == w || writer.first_new == writer.seen || other.seen <= writer.first_new) continue;
+        TORCH_CHECK_VALUE(false, "block_table: sequence ", writer.b, " writes k_new and v_new into rows ",
+                          writer.first_new, "..", writer.seen - 1, " of block ", writer.block, ", which block_table[",
+                          other.b, ", ", other.i, "] names too, its rows 0..", other.seen - 1, " read by sequence ",
+                          other.b, "; a row a call appends may be seen by the sequence that appends it alone");
+      }
+  }
+}
+
+}  // namespace cs149gpt

@@ -1,0 +1,124 @@
+// Every argument check of the operators, and the filling of the params struct: the one check path of the CPU ops
+// (module.cpp), their fake (meta) implementations (ops.py, through the module's check_* bindings) and the CUDA ops
+// (cuda/flash_api.cpp). A wrong input gets the same message on each. Checks on sizes are written on symbolic sizes
+// (SymInt), so FakeTensors under torch.compile go through the same code as real tensors.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attention.h"
+
+namespace cs149gpt {
+
+enum class Impl { naive, blocked, fused, flash, flash_teaching };
+
+Impl parse_impl(const std::string& impl);
+const char* impl_name(Impl impl);
+// causal ("none", "top_left", "bottom_right") as params: sets *is_causal, returns causal_offset.
+int64_t parse_causal(const std::string& causal, int64_t q_len, int64_t kv_len, bool* is_causal);
+DType parse_dtype(const at::Tensor& q, Impl impl);
+
+// A condition on sizes that may be symbolic (torch.compile): decided now when it can be (concrete sizes; backed
+// symbols, with a guard), else asserted when the compiled graph runs (unbacked sizes, from data-dependent ops such
+// as nonzero, where a guard would fail the trace).
+#define CHECK_SIZES(cond, ...) TORCH_CHECK_VALUE((cond).expect_true(__FILE__, __LINE__), __VA_ARGS__)
+c10::SymBool equal_sizes(c10::SymIntArrayRef a, c10::SymIntArrayRef b);
+
+// Python floats are doubles; the kernels take scale as a float32. Doubles from this bound up round to ±inf
+// (it is FLT_MAX + half an ulp), so the comparison is made in double, without an out-of-range conversion.
+constexpr double kFloat32Overflow = 0x1.ffffffp+127;
+
+using OptionalTensor = std::optional<at::Tensor>;
+inline bool is_given(const OptionalTensor& t) { return t.has_value() && t->defined(); }
+
+// A plain dense tensor of at least 2 dims (sparse, nested and quantized ones refused by name).
+void check_tensor(const at::Tensor& t, const char* name);
+// All tensors of one call on one device: the CPU, meta (shapes only, for tracing) or one CUDA GPU.
+void check_devices(std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors);
+// attn_mask (torch SDPA's): dense, bool or additive (float32 or q's dtype), broadcastable to (..., Nq, Nk).
+void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k);
+
+// Every check of an attention call that needs no data: dtypes, devices, ranks, shapes (GQA divisibility included),
+// scale, causal mode, tiles, and the options each impl takes. Returns the dtype of the call.
+DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
+                      std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                      std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
+                      int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {});
+// t is dense with like's shape and dtype.
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name);
+// The backward's: the forward's checks on q, k, v, then dout and out shaped like q, lse like q without its last dim,
+// float32; all six on one device.
+DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& out, const at::Tensor& lse, std::optional<double> scale,
+                               const std::string& causal, std::optional<int64_t> block_q,
+                               std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {},
+                               int64_t window_left = -1, int64_t window_right = -1, double dropout_p = 0.0,
+                               const OptionalTensor& dropout_seed = {});
+// attention_with_kvcache's checks on sizes (symbolic: the fake calls it too). Returns the dtype of the call.
+DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& cache_seqlens, const OptionalTensor& k_new, const OptionalTensor& v_new,
+                    const OptionalTensor& block_table, std::optional<double> scale);
+// A paged cache appended to: no appended row may be seen by another sequence (or twice by its own).
+void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, const std::vector<int64_t>& lengths,
+                                  int64_t added, int64_t page_size, int64_t num_pages);
+
+// ---- memory: sizes that overflow int64 or exceed the machine are refused before anything is allocated ----
+int64_t physical_memory_bytes();
+// Sizes arithmetic that says when it leaves int64: -1 then (sizes are never negative, so -1 propagates).
+int64_t checked_product(at::IntArrayRef factors);
+int64_t checked_sum(at::IntArrayRef terms);
+std::string gib(double bytes);
+std::string shape_of(const char* name, at::IntArrayRef sizes);
+
+// Refuses, with torch.OutOfMemoryError naming what is allocated and its sizes, `count` elements of `elem_size`
+// bytes that overflow int64 (count -1: the count itself did) or exceed this machine's memory. torch's allocator
+// would raise a RuntimeError at best; a size that wrapped around would be allocated, too small, and overrun.
+// `what()` says what is allocated; it is called only to word the error (formatting it costs more than the check).
+template <class Describe>
+void check_fits(int64_t count, int64_t elem_size, const Describe& what) {
+  const int64_t bytes = checked_product({count, elem_size});
+  if (bytes >= 0 && bytes <= physical_memory_bytes()) return;
+  TORCH_CHECK_WITH(OutOfMemoryError, bytes >= 0, what(), " is beyond any machine's memory: its size overflows int64");
+  TORCH_CHECK_WITH(OutOfMemoryError, false, what(), " needs ", gib(bytes), " GiB, more than this machine's memory (",
+                   gib(physical_memory_bytes()), " GiB)");
+}
+// naive and blocked materialise the q_len × kv_len score matrix: refused up front when it cannot fit.
+void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl);
+// An output of these sizes (the kernels write every element), checked before it is allocated.
+at::Tensor checked_empty(at::IntArrayRef sizes, const at::TensorOptions& options, const char* name);
+
+// ---- the params struct ----
+// (..., N, d) as (batch, heads, N, d): a view where the strides allow, a checked copy otherwise (and where the last
+// dim is strided: SIMD loads need the head_dim columns contiguous).
+at::Tensor as_4d(const at::Tensor& t, const char* name);
+// attn_mask as (batch, heads, Nq, Nk): expanded (stride 0 along the broadcast dims), leading dims flattened.
+at::Tensor mask_as_4d(const at::Tensor& mask, const at::Tensor& q, int64_t kv_len);
+void fill_strides(int64_t (&strides)[3], const at::Tensor& t4);
+// The params every forward shares, from (batch, heads, N, d) views of q, k, v: pointers, strides, sizes, scale
+// (1/√d unless given) and the causal mask. The CPU's prepare and the CUDA one both start here.
+void fill_params(AttentionParams& p, const at::Tensor& q4, const at::Tensor& k4, const at::Tensor& v4, DType dtype,
+                 std::optional<double> scale, const std::string& causal);
+
+// How the CPU forward multiplies float32 on AMX (the module's set_float32_products).
+extern F32Products g_float32_products;
+
+// q, k, v checked and seen as (batch, heads, N, d), with the params of a CPU call on them (all but out and lse).
+struct Prepared {
+  at::Tensor q4, k4, v4;  // views (or, for a strided last dim, copies) that the params point into
+  at::Tensor mask4;       // attn_mask expanded to (batch, heads, Nq, Nk): a view, stride 0 where broadcast
+  at::Tensor key_ranges;  // attn_mask's runs of shown keys, when each row has one (mask_ranges.cpp)
+  AttentionParams p;
+};
+// Fills the params of a CPU call whose arguments check_attention has passed (it returned dtype).
+Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
+                 std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                 std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
+                 int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {});
+
+}  // namespace cs149gpt
