@@ -49,7 +49,7 @@ best = cs149gpt.isa()
 checked = []
 for isa in ("amx", "avx512_bf16", "avx512", "avx2", "scalar", "amx_emulated"):
     try:
-        m.set_isa(isa)
+        m._testing.set_isa(isa)
     except (RuntimeError, ValueError):  # not on this CPU
         continue
     for is_causal in (False, True):
@@ -59,7 +59,7 @@ for isa in ("amx", "avx512_bf16", "avx512", "avx2", "scalar", "amx_emulated"):
             err = (out.double() - ref).abs().max().item()
             assert err < 1e-4, f"{isa} {impl} causal={is_causal}: max error {err:.2e} against torch"
     checked.append(isa)
-m.set_isa(best)
+m._testing.set_isa(best)
 qg, kg, vg = (t.float().requires_grad_() for t in (q, k, v))
 cs149gpt.attention(qg, kg, vg, is_causal=True).sum().backward()
 q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))

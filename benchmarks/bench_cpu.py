@@ -170,7 +170,7 @@ def decode_rows(batch: int, keys: int, dtype: str, threads: int, args, heads=(32
                              args, work=nbytes / 1e9, unit="GB/s")
         if getattr(args, "bandwidth", False):
             # What reading those bytes costs at best: a float32 buffer of the same size summed with vector loads.
-            buffer, probe = torch.ones(nbytes // 4), _ext.load().read_probe
+            buffer, probe = torch.ones(nbytes // 4), _ext.load()._testing.read_probe
             rows_probe = measured_rows("decode", case, dtype, threads, {"read probe": lambda: probe(buffer, threads)},
                                        (SDPA, ours["attention"]), args, work=nbytes / 1e9, unit="GB/s",
                                        check=lambda a, b: 0.0)

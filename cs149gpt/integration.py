@@ -174,7 +174,7 @@ def _transformers_mask(*args, **kwargs):
     where the bool mask is handed over as an additive one of 0 and −inf in float32: inductor's CPU code writes a
     (B, 1, Nq, Nk) bool tensor several times slower than a floating one (a 4 × 512 × 512 mask: 2.9 vs 0.65 ms on
     a 2-core AMD EPYC; 10 ms a layer inside a compiled Llama, more than our attention), and our kernel takes either as
-    the same key ranges (module.cpp, key_ranges_of), hiding exactly the same keys. Models that transformers does
+    the same key ranges (csrc/mask_ranges.cpp), hiding exactly the same keys. Models that transformers does
     not run on "sdpa" get its "eager" mask function's float masks, which they are written for (our attention
     function takes those too)."""
     from transformers.masking_utils import eager_mask, sdpa_mask

@@ -118,7 +118,7 @@ def attention(
             Weyl counter over (batch, head, i, j), not Philox), its (seed, offset) drawn per call from torch's
             default generator, so torch.manual_seed reproduces a call for any thread count; the backward
             regenerates the mask instead of storing it. Equal to torch's dropout in distribution, not in bits.
-            cs149gpt._ext.load().dropout_keep_mask(seed, offset, shape, p) returns the mask (a test hook).
+            cs149gpt._ext.load()._testing.dropout_keep_mask(seed, offset, shape, p) returns the mask (a test hook).
 
     Returns:
         out: (..., Nq, d) in q's dtype, laid out as torch's CPU SDPA lays it: dense in q's order of strides

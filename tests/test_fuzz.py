@@ -667,9 +667,9 @@ def rebuild_view(t, leaf=None):
 
 
 def set_backward_path(m, path):
-    m.set_backward_path(path if path in ("auto", "two_pass") else "one_pass")
-    m.set_backward_key_chunks(3 if path == "one_pass_chunked" else 0)
-    m.set_backward_head_parts({"one_pass_chunked": 2, "auto": 0}.get(path, 1))
+    m._testing.set_backward_path(path if path in ("auto", "two_pass") else "one_pass")
+    m._testing.set_backward_key_chunks(3 if path == "one_pass_chunked" else 0)
+    m._testing.set_backward_head_parts({"one_pass_chunked": 2, "auto": 0}.get(path, 1))
 
 
 @pytest.mark.slow
