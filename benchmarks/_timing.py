@@ -68,8 +68,9 @@ def machine_info() -> dict:
     cpus = _cpuinfo()
     flags = set(cpus[0].get("flags", "").split()) if cpus else set()
     cores = {(c.get("physical id"), c.get("core id")) for c in cpus if "core id" in c}
-    commit = _git("rev-parse", "--short", "HEAD")
-    if commit and _git("status", "--porcelain", "--untracked-files=no"):
+    # BENCH_COMMIT names the commit of a copy of the tree that carries no (or another) git history.
+    commit = os.environ.get("BENCH_COMMIT") or _git("rev-parse", "--short", "HEAD")
+    if commit and not os.environ.get("BENCH_COMMIT") and _git("status", "--porcelain", "--untracked-files=no"):
         commit += "-dirty"
     gpu = None
     if torch.cuda.is_available():

@@ -421,6 +421,10 @@ def scaled_dot_product_attention(
                      dropout_p=float(dropout_p))
 
 
+# Read once: torch.compile in torch 2.11 cannot trace torch._C._is_autocast_available (a graph break).
+_AUTOCAST_DEVICE_TYPES = tuple(d for d in ("cpu", "cuda") if torch._C._is_autocast_available(d))
+
+
 def _autocast_inputs(query, key, value, attn_mask):
     """(query, key, value, attn_mask) as torch's autocast hands them to its SDPA (a lower-precision op): under
     torch.autocast for query's device type, each floating tensor (float64 excepted) cast to autocast's dtype; a
@@ -428,7 +432,7 @@ def _autocast_inputs(query, key, value, attn_mask):
     if not isinstance(query, torch.Tensor):
         return query, key, value, attn_mask
     device_type = query.device.type
-    if not (torch._C._is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    if device_type not in _AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
         return query, key, value, attn_mask
     dtype = torch.get_autocast_dtype(device_type)
 
