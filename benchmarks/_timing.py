@@ -130,6 +130,18 @@ class Timing:
         return self.iqr > NOISY_IQR * self.median
 
 
+def _time_calls(fn: Callable, n: int, sync: Optional[Callable]) -> float:
+    """Seconds for n back-to-back calls of fn, the device synchronised before and after."""
+    if sync:
+        sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if sync:
+        sync()
+    return time.perf_counter() - start
+
+
 def interleave(fns: dict[str, Callable], rounds: int, seconds: float, *, sync: Optional[Callable] = None,
                self_timed: bool = False) -> dict[str, Timing]:
     """Seconds per call of each callable: `rounds` rounds, each of them in the reverse order of the one before, each
@@ -145,16 +157,9 @@ def interleave(fns: dict[str, Callable], rounds: int, seconds: float, *, sync: O
         if self_timed:
             calls[name] = 1
             continue
-        n, elapsed = 1, 0.0
+        n = 1
         while True:  # 1, 2, 4, ... calls until they last 5 ms: a µs call is not judged by one preempted call
-            if sync:
-                sync()
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            if sync:
-                sync()
-            elapsed = time.perf_counter() - start
+            elapsed = _time_calls(fn, n, sync)
             if elapsed >= 5e-3 or n >= 1024:
                 break
             n *= 2
@@ -167,14 +172,7 @@ def interleave(fns: dict[str, Callable], rounds: int, seconds: float, *, sync: O
             if self_timed:
                 samples[name].append(float(fn()))
                 continue
-            if sync:
-                sync()
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            if sync:
-                sync()
-            samples[name].append((time.perf_counter() - start) / n)
+            samples[name].append(_time_calls(fn, n, sync) / n)
         order.reverse()
     result = {}
     for name, s in samples.items():

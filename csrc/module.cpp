@@ -253,20 +253,10 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   const at::Tensor q4 = q.size(3) > 1 && q.stride(3) != 1 ? q.contiguous() : q;
   at::Tensor k_new4, v_new4;
   AttentionParams p;
-  p.q = q4.data_ptr();
-  p.k = k_cache.data_ptr();
-  p.v = v_cache.data_ptr();
-  p.dtype = dtype;
-  fill_strides(p.q_strides, q4);
-  fill_strides(p.k_strides, k_cache);
-  fill_strides(p.v_strides, v_cache);
-  p.batch = B;
-  p.num_heads = q.size(1);
-  p.num_kv_heads = k_cache.size(1);
-  p.q_len = Nq;
+  fill_params(p, q4, k_cache, v_cache, dtype, scale, "none");
+  // The keys and the causal rule are the call's, not the cache's dims (a paged cache is (num_blocks, Hkv,
+  // block_size, d)): each sequence's keys end at its own length, bottom-right aligned (the kernel reads cache_seqlens).
   p.kv_len = max_len;
-  p.head_dim = d;
-  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d))));
   p.is_causal = is_causal;
   p.num_threads = std::max(1, at::get_num_threads());
   p.cache_seqlens = seqlens.data_ptr();
