@@ -9,7 +9,7 @@
 Subcommands:
     summary   the README's rows: CPU forward (float32, bfloat16; causal or not), backward, decode vs torch SDPA;
               with a GPU, the CUDA forward and backward vs each of torch SDPA's backends (at most 8 rows each)
-    ladder    the four rungs (naive, blocked, fused, flash) vs torch SDPA
+    ladder    every rung (naive, blocked, fused, flash_teaching, flash) vs torch SDPA
     forward   the flash forward vs torch SDPA (--peer manual: the textbook softmax(q kᵀ) v)
     backward  the flash backward alone and forward + backward vs torch SDPA's
     decode    one new query against a KV cache, GQA (attention() and attention_with_kvcache()) vs torch SDPA
@@ -120,7 +120,7 @@ def parser() -> argparse.ArgumentParser:
                       help=f"comma list of {','.join(DTYPES)} (default: the subcommand's)")
     what.add_argument("--shapes", nargs="+", type=parse_shape, metavar="B,H,N,d", help="instead of the presets")
     what.add_argument("--causal", choices=("off", "on", "both"), default=None, help="(default: the subcommand's)")
-    what.add_argument("--quick", action="store_true", help="few shapes, few rounds: a smoke run (CI, a 2-core box)")
+    what.add_argument("--quick", action="store_true", help="few shapes, few rounds: a smoke run (CI, a 2-core machine)")
     timing = common.add_argument_group("timing")
     timing.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 3)")
     timing.add_argument("--seconds", type=float, default=None,

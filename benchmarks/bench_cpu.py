@@ -91,7 +91,7 @@ def run_forward(args) -> list[Row]:
 
 
 def run_ladder(args) -> list[Row]:
-    """The four rungs, naive (N×N scores), blocked (tiled products), fused (a row at a time), flash, against SDPA."""
+    """Every rung, naive (N×N scores), blocked (tiled products), fused (a row at a time), flash_teaching, flash, vs SDPA."""
     rows = []
     for shape in shapes_for(args, LADDER_SHAPES):
         for dtype in dtypes_for(args):
@@ -288,7 +288,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
         p.set_defaults(run=fn)
         return p
 
-    for name, fn, text in (("ladder", run_ladder, "the four rungs (naive, blocked, fused, flash) vs torch"),
+    for name, fn, text in (("ladder", run_ladder, "every rung (naive, blocked, fused, flash_teaching, flash) vs torch"),
                            ("forward", run_forward, "the flash forward vs torch SDPA")):
         p = add(name, fn, text)
         p.add_argument("--peer", choices=("sdpa", "manual"), default="sdpa",

@@ -38,9 +38,10 @@ RELEASE_LD_FLAGS = ["-s"] if sys.platform.startswith("linux") else []
 
 
 def without_interpreter_cflags(compiler_so: list) -> list:
-    """setuptools' compile command less the CFLAGS of Python's own build (-g, -fwrapv, -DNDEBUG, -O*, warnings):
-    what is left (the compiler, -fPIC, -pthread) plus CXX_FLAGS is the JIT build's command, so both builds agree."""
-    dropped = ("-g", "-O", "-W", "-DNDEBUG", "-fwrapv", "-fno-strict-overflow")
+    """setuptools' compile command less the CFLAGS of Python's own build (-g, -fwrapv, -DNDEBUG, -O*, warnings, and
+    -march/-mtune, which would lift the baseline every ISA file builds on): what is left (the compiler, -fPIC,
+    -pthread) plus CXX_FLAGS is the JIT build's command, so both builds agree."""
+    dropped = ("-g", "-O", "-W", "-DNDEBUG", "-fwrapv", "-fno-strict-overflow", "-march", "-mtune")
     return [compiler_so[0]] + [f for f in compiler_so[1:] if not f.startswith(dropped)]
 
 

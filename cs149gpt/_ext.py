@@ -25,7 +25,7 @@ def _sources() -> list:
 
 def _in_checkout() -> bool:
     """Whether the package runs from a source checkout (csrc/ beside it), not from an installed copy (site-packages)."""
-    return (_build.ROOT / "csrc").is_dir()
+    return (_build.ROOT / "csrc" / "module.cpp").is_file()
 
 
 def _newest_source_mtime() -> float:

@@ -159,7 +159,7 @@ def attention(
     Under torch.autocast (the device type of q): torch's SDPA rule, for every impl and argument. q, k, v and a
     floating attn_mask (float64 excepted, as autocast does) are cast to autocast's dtype and out is in it; lse
     stays float32. impl="flash" computes on the cast inputs; the float32-only impls ("naive", "blocked",
-    "fused") compute in float32 from the cast values and return out in autocast's dtype. Mixed input dtypes are
+    "fused", "flash_teaching") compute in float32 from the cast values and return out in autocast's dtype. Mixed input dtypes are
     fine there (autocast makes them one).
     """
     if (attn_mask is None and window is None and dropout_p == 0.0 and not torch.compiler.is_compiling()

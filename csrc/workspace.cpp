@@ -17,8 +17,8 @@ namespace cs149gpt {
 // T = threads·(Nq+Nk+128)·(d+64), flash_backward.cpp's formula is below 6·Q + 8·K + 6·T; the one-pass backward
 // kernels' below 9·Q + 32·T (up to 8 key chunks' partial dQ, tiles of at most 512 × 512); flash.cpp's
 // below 19·K + 27·T (Bc = 1 pads every key to a vector); flash_decode.cpp's below 64·Q + 2·T (at most 64 splits of
-// a row); fused.cpp's below T; naive and blocked's is Nq·Nk. So while 64·(Q + K + T) + Nq·Nk fits, none of the
-// kernels' formulas overflows.
+// a row); fused.cpp's below T; naive and blocked's is Nq·Nk; flash_teaching.cpp's is S = threads·(Br·Bc + 2·Br)
+// (tiles clamped to the sequences). So while 64·(Q + K + T) + Nq·Nk + S fits, none of the kernels' formulas overflows.
 int64_t workspace_bound_floats(const AttentionParams& p) {
   constexpr int64_t kPad = 64, kSlack = 64;
   const int64_t heads_d = checked_product({p.batch, p.num_heads, checked_sum({p.head_dim, kPad})});  // Hkv ≤ H
@@ -27,7 +27,9 @@ int64_t workspace_bound_floats(const AttentionParams& p) {
   const int64_t per_thread = checked_product(
       {p.num_threads, checked_sum({p.q_len, p.kv_len, 2 * kPad}), checked_sum({p.head_dim, kPad})});
   const int64_t scores = checked_product({p.q_len, p.kv_len});
-  return checked_sum({checked_product({kSlack, checked_sum({queries, keys, per_thread})}), scores});
+  const int64_t tile = checked_product(
+      {p.num_threads, checked_sum({checked_product({p.block_q, p.block_k}), checked_product({2, p.block_q})})});
+  return checked_sum({checked_product({kSlack, checked_sum({queries, keys, per_thread})}), scores, tile});
 }
 
 std::string sizes_of(const AttentionParams& p) {

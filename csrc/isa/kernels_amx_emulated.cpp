@@ -25,6 +25,7 @@
 #endif
 
 #include "../attention.h"
+#include "../heuristics.h"  // before the pragma: its shared functions stay baseline x86-64
 
 // No amx-tile / amx-bf16 here, and amx_emulation.h undefines every tile intrinsic it does not replace: a kernel that
 // used one would not compile (GCC's tile macros are inline asm, which it would otherwise emit for any target).

@@ -19,6 +19,7 @@
 #endif
 
 #include "../attention.h"
+#include "../heuristics.h"  // before the pragma: its shared functions stay baseline x86-64
 
 #pragma GCC target("avx2,fma,bmi2,f16c")
 #define CS149_ISA avx2

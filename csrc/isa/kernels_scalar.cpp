@@ -19,6 +19,7 @@
 #endif
 
 #include "../attention.h"
+#include "../heuristics.h"  // before the pragma: its shared functions stay baseline x86-64
 
 // No target pragma: the baseline x86-64 (or any other CPU) the module is built for.
 #define CS149_ISA scalar

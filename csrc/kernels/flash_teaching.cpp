@@ -115,7 +115,7 @@ void flash_teaching_attention(const AttentionParams& p, float* workspace) {
           if (l[r] != 0.0f)
             for (int64_t x = 0; x < d; ++x) o[x] /= l[r];
         }
-        if (p.lse != nullptr)
+        if (p.lse != nullptr)  // what a backward starts from (the CUDA twin returns it; the CPU face does not ask)
           for (int64_t r = 0; r < rows; ++r)
             p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + first_row + r] =
                 l[r] == 0.0f ? kNegInf : m[r] + std::log(l[r]);
