@@ -192,6 +192,21 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     TORCH_CHECK_VALUE(dropout_seed->device().is_cpu() || dropout_seed->device().is_meta(),
                       "dropout_seed must be on the CPU, got ", dropout_seed->device());
   }
+  // What only the CPU kernels run, refused here for CUDA tensors (fake ones too), so that eager mode,
+  // FakeTensorMode and torch.compile refuse a call alike, before anything is traced or launched.
+  if (q.device().is_cuda()) {
+    TORCH_CHECK_VALUE(impl == Impl::flash, "impl='", impl_name(impl), "' runs on the CPU only; on CUDA tensors use "
+                      "impl='flash' (float32: the one-thread-per-row teaching kernel; bfloat16/float16: "
+                      "FlashAttention-2)");
+    TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
+    TORCH_CHECK_NOT_IMPLEMENTED(!is_given(attn_mask), "attn_mask is not supported on CUDA yet (CPU only)");
+    TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1,
+                                "window is not supported on CUDA yet (CPU only)");
+    // The tensor-core kernels are instantiated for these head dims (csrc/cuda/flash_launch.cuh).
+    if (dtype != DType::f32)
+      CHECK_SIZES(d.sym_eq(64).sym_or(d.sym_eq(128)), "CUDA flash attention in ", q.scalar_type(),
+                  " supports head dim d = 64 or 128, got d = ", d, " (float32 runs the teaching kernel, for any d)");
+  }
   return dtype;
 }
 
@@ -214,6 +229,8 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
                                const OptionalTensor& dropout_seed) {
   const DType dtype = check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask, window_left,
                                       window_right, dropout_p, dropout_seed);
+  TORCH_CHECK_TYPE(!q.device().is_cuda() || dtype != DType::f32, "the CUDA flash backward takes bfloat16 or float16; "
+                   "float32 on CUDA has the teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
   check_like(dout, "dout", q, "q");
   check_like(out, "out", q, "q");
   TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");

@@ -296,6 +296,37 @@ def test_compile_fullgraph_forward_backward():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_cpu_only_arguments_refused_alike_in_eager_fake_and_compile():
+    """What runs on the CPU only (attn_mask, window, dropout, other rungs, bf16 head dims but 64/128, the float32
+    backward) is refused by the one shared check: the same error in eager mode and in FakeTensorMode, so
+    torch.compile refuses it while tracing, before any kernel is launched."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, torch.bfloat16)
+    mask = torch.ones(16, 16, dtype=torch.bool, device=q.device)
+    d96 = make_qkv(1, 2, 2, 16, 16, 96, torch.bfloat16)
+    f32 = [t.float().requires_grad_() for t in (q, k, v)]
+    cases = [
+        (lambda q, k, v, m: cs149gpt.attention(q, k, v, attn_mask=m), (q, k, v, mask), NotImplementedError,
+         "attn_mask is not supported on CUDA"),
+        (lambda q, k, v: cs149gpt.attention(q, k, v, window=(4, 0)), (q, k, v), NotImplementedError,
+         "window is not supported on CUDA"),
+        (lambda q, k, v: cs149gpt.attention(q, k, v, dropout_p=0.1), (q, k, v), NotImplementedError,
+         "dropout_p is not supported on CUDA"),
+        (lambda q, k, v: cs149gpt.attention(q, k, v, impl="flash_teaching"), [t.float() for t in (q, k, v)],
+         ValueError, "runs on the CPU only"),
+        (lambda q, k, v: cs149gpt.attention(q, k, v), d96, ValueError, "d = 64 or 128"),
+        (lambda q, k, v: cs149gpt.attention(q, k, v).sum().backward(), f32, TypeError, "CUDA flash backward"),
+    ]
+    for fn, args, error, match in cases:
+        with pytest.raises(error, match=match):
+            fn(*args)
+        with FakeTensorMode() as mode:
+            fake = [mode.from_tensor(t) for t in args]
+            with pytest.raises(error, match=match):
+                fn(*fake)
+
+
 def test_errors():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 96, torch.bfloat16)
     with pytest.raises(ValueError, match="d = 64 or 128"):

@@ -76,16 +76,6 @@ struct Prepared {
   bool fast;  // tensor cores (bf16/f16) rather than the teaching kernel (f32)
 };
 
-// What the shared checks pass but only the CPU kernels run: the other rungs, attn_mask, window, dropout.
-void refuse_cpu_only(Impl impl, const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
-                     double dropout_p) {
-  TORCH_CHECK_VALUE(impl == Impl::flash, "impl='", impl_name(impl), "' runs on the CPU only; on CUDA tensors use "
-                    "impl='flash' (float32: the one-thread-per-row teaching kernel; bfloat16/float16: FlashAttention-2)");
-  TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
-  TORCH_CHECK_NOT_IMPLEMENTED(!is_given(attn_mask), "attn_mask is not supported on CUDA yet (CPU only)");
-  TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1, "window is not supported on CUDA yet (CPU only)");
-}
-
 // The params of a call whose arguments the shared checks passed (they returned dtype), after the GPU's own limits.
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
@@ -96,9 +86,6 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int device = q.device().index();
   if (fast) {
     const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
-    TORCH_CHECK_VALUE(fast_path_supports(d), "CUDA flash attention in ", c10::toString(st),
-                      " supports head dim d = 64 or 128, "
-                      "got d = ", d, " (float32 runs the teaching kernel, for any d)");
     TORCH_CHECK(major >= 8, "CUDA flash attention in ", c10::toString(st),
                 " needs a GPU of compute capability 8.0 or newer "
                 "(tensor-core mma.sync, cp.async); this one is ", major, ".x");
@@ -135,7 +122,6 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
   const Impl which = parse_impl(impl);
   const DType dtype = check_attention(q, k, v, which, scale, causal, block_q, block_k, attn_mask, window_left,
                                       window_right, dropout_p, dropout_seed);
-  refuse_cpu_only(which, attn_mask, window_left, window_right, dropout_p);
   const c10::cuda::CUDAGuard guard(q.device());
   Prepared prep = prepare(q, k, v, dtype, scale, causal, block_q, block_k);
   AttentionParams& p = prep.p;
@@ -183,11 +169,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     int64_t window_right, double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
   const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
                                                window_left, window_right, dropout_p, dropout_seed);
-  refuse_cpu_only(Impl::flash, attn_mask, window_left, window_right, dropout_p);
   const c10::cuda::CUDAGuard guard(q.device());
   Prepared prep = prepare(q, k, v, dtype, scale, causal, block_q, block_k);
-  TORCH_CHECK_TYPE(prep.fast, "the CUDA flash backward takes bfloat16 or float16; float32 on CUDA has the "
-                   "teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
