@@ -75,6 +75,23 @@ struct AttentionParams {
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0, dropout_offset = 0;
 
+  // softcap > 0: each scaled logit s becomes softcap · tanh(s / softcap) (FlashAttention's and Gemma 2's definition),
+  // before attn_mask and ALiBi are added; 0 leaves the logits as they are.
+  float softcap = 0.0f;
+  // ALiBi: float32 slopes, that of query head h in batch b at alibi_slopes[b·alibi_strides[0] + h·alibi_strides[1]]
+  // (stride 0 over b for (H,) slopes); adds −slope · |i + kv_len − q_len − j| to row i's scaled logit of key j
+  // (FlashAttention's definition, whatever the causal alignment), computed where it is used, never stored.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_strides[2] = {0, 0};
+
+  // Packed variable-length sequences (FlashAttention's varlen layout): with cu_seqlens_q set, batch counts sequences,
+  // sequence b's queries are rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and out and its keys rows
+  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (strides[0] unused: rows are strides[2] apart), and q_len, kv_len
+  // are the longest sequence's. Causal masks and windows align bottom-right per sequence. Kernels take one sequence at
+  // a time through sequence_view (below). lse is (num_heads, total_q): lse_strides[1] apart, rows at cu_seqlens_q[b].
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+
   // Tile sizes: Br x Bc for flash; the cache tile of the matrix multiplies for blocked. Always >= 1.
   int64_t block_q = 1;
   int64_t block_k = 1;
