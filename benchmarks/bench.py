@@ -13,6 +13,7 @@ Subcommands:
     forward   the flash forward vs torch SDPA (--peer manual: the textbook softmax(q kᵀ) v)
     backward  the flash backward alone and forward + backward vs torch SDPA's
     decode    one new query against a KV cache, GQA (attention() and attention_with_kvcache()) vs torch SDPA
+    varlen    packed sequences of mixed lengths (16 of 64..2048) vs the batch padded with a mask: torch SDPA, ours
     masks     the masks real models pass vs torch SDPA with the same mask
     models    Hugging Face Llama, GPT-2, BERT of random weights, attention "cs149gpt" vs "sdpa" (needs transformers)
     generate  the shipped GPT's prefill and decode in tokens/s, flash vs sdpa (--llama: a Llama-shaped model)

@@ -1,4 +1,4 @@
-"""The CPU subcommands of bench.py: ladder, forward, backward, decode, masks, tiles.
+"""The CPU subcommands of bench.py: ladder, forward, backward, decode, varlen, masks, tiles.
 
 GFLOP/s count the two matrix products, 4·B·H·(visible query-key pairs)·d (all N² pairs, or N(N+1)/2 under the
 causal mask); the backward does 2.5× the forward's work (five products against two), as in the FlashAttention
@@ -7,6 +7,7 @@ papers. Softmax is not counted; ours and the peer are charged the same work, so 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -236,6 +237,63 @@ def run_masks(args) -> list[Row]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------------- varlen
+def varlen_lengths(count: int, shortest: int, longest: int) -> list[int]:
+    """count lengths spread geometrically from shortest to longest, in a shuffled but fixed order."""
+    ratio = (longest / shortest) ** (1.0 / max(count - 1, 1))
+    lengths = [round(shortest * ratio ** i) for i in range(count)]
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(0)).tolist()
+    return [lengths[i] for i in order]
+
+
+def varlen_rows(lengths, heads: int, head_dim: int, dtype: str, threads: int, args, backward: bool) -> list[Row]:
+    """Packed sequences (cs149gpt.varlen_attention, causal) vs the same batch padded to the longest with a padding and
+    causal mask: torch SDPA on it (what a CPU user does today) and our own padded call."""
+    g = torch.Generator().manual_seed(0)
+    total, longest, b = sum(lengths), max(lengths), len(lengths)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+    q, k, v = (torch.randn(total, heads, head_dim, generator=g).to(DTYPES[dtype]).requires_grad_(backward)
+               for _ in range(3))
+    index = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])  # packed row -> padded row
+
+    def padded(t):  # (B, H, N, d), zeros past each sequence
+        out = t.new_zeros(b * longest, heads, head_dim)
+        out = out.index_copy(0, index, t)
+        return out.view(b, longest, heads, head_dim).transpose(1, 2)
+
+    keep = torch.zeros(b, longest, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        keep[i, :n] = True
+    mask = (torch.ones(longest, longest, dtype=torch.bool).tril()[None] & keep[:, None, :])[:, None]
+    qp, kp, vp = (padded(t.detach()).requires_grad_(backward) for t in (q, k, v))
+    unpad = lambda o: o.transpose(1, 2).reshape(b * longest, heads, head_dim)[index]  # noqa: E731
+    calls = {
+        "varlen": lambda: cs149gpt.varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True),
+        "flash padded": lambda: unpad(cs149gpt.attention(qp, kp, vp, attn_mask=mask)),
+        SDPA + " padded": lambda: unpad(F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)),
+    }
+    if backward:  # forward and backward; the probe compares dv, on the sequences' rows
+        dout = torch.randn(total, heads, head_dim, generator=g).to(DTYPES[dtype])
+        calls = {name: (lambda f=f, xs=(q, k, v) if name == "varlen" else (qp, kp, vp):
+                        torch.autograd.grad(f(), xs, dout)[2]) for name, f in calls.items()}
+        calls = {name: (f if name == "varlen" else lambda f=f: unpad(f())) for name, f in calls.items()}
+    phase = "fwd+bwd" if backward else "fwd"
+    case = f"{phase} {b} seqs {min(lengths)}..{longest} (H{heads}, d{head_dim}) causal"
+    progress(f"varlen {case} {dtype} threads={threads}")
+    visible = sum(n * (n + 1) // 2 for n in lengths) * heads
+    work = 4 * visible * head_dim * (3.5 if backward else 1.0) / 1e9
+    tol = 4 * MATCH_TOLERANCE[DTYPES[dtype]] if backward else None
+    peer = SDPA + " padded"
+    return measured_rows("varlen", case, dtype, threads, {n: calls[n] for n in ("varlen", "flash padded")},
+                         (peer, calls[peer]), args, work=work, unit="GFLOP/s", tolerance=tol)
+
+
+def run_varlen(args) -> list[Row]:
+    lengths = varlen_lengths(8, 32, 512) if args.quick else varlen_lengths(16, 64, 2048)
+    return [row for backward in (False, True) for dtype in dtypes_for(args, ("float32", "bfloat16"))
+            for threads in args.threads for row in varlen_rows(lengths, 16, 64, dtype, threads, args, backward)]
+
+
 # ------------------------------------------------------------------------------------------------- tiles
 def run_tiles(args) -> list[Row]:
     """The flash kernel's forward (or backward) under each block_q × block_k, and its default, against SDPA: how the
@@ -305,6 +363,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--mask", choices=("none", "bool", "additive"), default="none",
                    help="a (B,1,1,N) key-padding mask for ours and SDPA")
     p.add_argument("--bandwidth", action="store_true", help="also a read-bandwidth probe over the same bytes")
+    add("varlen", run_varlen, "packed sequences of mixed lengths vs the batch padded with a mask (torch SDPA, ours)")
     add("masks", run_masks, "the masks real models pass (padded causal, key padding, additive bias) vs torch SDPA")
     p = add("tiles", run_tiles, "the flash kernel under each block_q x block_k, and its default, vs torch SDPA")
     p.add_argument("--block-q", type=parse_ints, default=None)

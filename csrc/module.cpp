@@ -227,6 +227,7 @@ VarlenCall prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Te
   p.cu_seqlens_q = c.cu_q.data_ptr<int32_t>();
   p.cu_seqlens_k = c.cu_k.data_ptr<int32_t>();
   p.is_causal = causal;  // bottom-right in each sequence (sequence_view sets the offsets)
+  p.block_q = p.block_k = 0;  // the kernels' tiles (heuristics.h)
   const auto bound_or_none = [&](int64_t bound) { return bound > longest_q + longest_k ? int64_t{-1} : bound; };
   p.window_left = bound_or_none(window_left);
   p.window_right = bound_or_none(window_right);
