@@ -20,21 +20,18 @@ Supported:
 - flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func: forward and backward (autograd) in
   float32, bfloat16 and float16, with causal, window_size, dropout_p, GQA/MQA, any seqlen_q and seqlen_k.
   return_attn_probs=True returns (out, softmax_lse, S_dmask), S_dmask the (batch, heads, seqlen_q, seqlen_k)
-  attention probabilities (float32, materialised: for testing), only with dropout_p == 0.
-- flash_attn_with_kvcache: contiguous caches (batch, seqlen_cache, heads_kv, d) and paged ones
-  (num_blocks, page_block_size, heads_kv, d) with block_table; cache_seqlens an int or a (batch,) int32/int64
-  tensor (None: the whole cache); k and v (batch, seqlen_new, heads_kv, d) written into the caches in place at
-  rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new) before attending (cache_seqlens itself is not changed);
-  causal or not; forward only (no gradients).
+  attention probabilities before dropout (float32, materialised: for testing), negative where dropout dropped the
+  weight (FlashAttention's convention: S_dmask >= 0 is the keep mask, abs(S_dmask) the probabilities).
+- flash_attn_with_kvcache: contiguous caches (batch_cache, seqlen_cache, heads_kv, d), rows chosen by
+  cache_batch_idx, and paged ones (num_blocks, page_block_size, heads_kv, d) with block_table; cache_seqlens and
+  cache_leftpad; k and v of any seqlen_new appended in place; rotary embedding of q and k (interleaved or not);
+  causal, window_size, return_softmax_lse; forward only (no gradients). Its docstring gives each meaning.
 - flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func: sequences of different
   lengths packed into (total_tokens, heads, head_dim) with cu_seqlens offsets, forward and backward, with everything
   flash_attn_func takes; one kernel call over all sequences (cs149gpt.varlen_attention).
 
 Raises NotImplementedError, naming the argument, rather than return a different result:
-- softcap != 0 and alibi_slopes (every function);
-- return_attn_probs with dropout_p > 0 (the dropout pattern is not returned);
-- in flash_attn_with_kvcache: rotary_cos/rotary_sin, cache_batch_idx, cache_leftpad, window_size other than
-  (-1, -1), return_softmax_lse, and k/v whose seqlen differs from q's;
+- softcap != 0 and alibi_slopes (every function: the kernels do not apply them yet);
 - block_table in flash_attn_varlen_func (a paged KV cache there).
 deterministic is accepted (every result is bitwise the same for any thread count) and num_splits is ignored.
 """
@@ -43,6 +40,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from cs149gpt import _ext
 from cs149gpt.ops import attention, attention_with_kvcache, varlen_attention
 
 __all__ = [
@@ -85,13 +83,14 @@ def _attention_probs(q, k, scale, causal, window_size, lse):
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     """q (B, Nq, Hq, d), k and v (B, Nk, Hkv, d), any strides with the last dim contiguous."""
     _refuse_unsupported(softcap, alibi_slopes)
-    if return_attn_probs and dropout_p > 0.0:
-        raise NotImplementedError("return_attn_probs with dropout_p > 0: the dropout pattern is not returned")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, N, d) views
     window = tuple(max(int(w), -1) for w in window_size)  # FlashAttention: any negative side is unbounded
+    # The call's dropout (seed, offset) is the next draw of torch's default generator (ops._dropout_seed): a copy of
+    # its state draws it again, for the keep mask.
+    rng = torch.Generator().set_state(torch.get_rng_state()) if return_attn_probs and dropout_p > 0.0 else None
     out, lse = attention(qt, kt, vt, scale=softmax_scale, is_causal="bottom_right" if causal else False,
                          window=window if window != (-1, -1) else None, dropout_p=dropout_p, return_lse=True)
     out = out.transpose(1, 2)  # (B, Nq, Hq, d)
@@ -99,6 +98,10 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
         return out
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     probs = _attention_probs(qt, kt, scale, causal, window, lse.detach())
+    if rng is not None:
+        seed, offset = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=rng).tolist()
+        keep = _ext._module._testing.dropout_keep_mask(seed, offset, list(probs.shape), float(dropout_p))
+        probs = torch.where(keep, probs, -probs)  # FlashAttention's S_dmask: negative where dropped
     lse = torch.where(lse == float("-inf"), float("inf"), lse)  # FlashAttention's value for a row with no key
     return out, lse, probs
 
@@ -112,8 +115,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             heads_kv (MQA/GQA).
         dropout_p, softmax_scale, causal (bottom-right), window_size: as in the module docstring.
         softcap, alibi_slopes: only their defaults (else NotImplementedError). deterministic: accepted.
-        return_attn_probs: also return softmax_lse (batch, heads, seqlen_q) float32 and the attention
-            probabilities (batch, heads, seqlen_q, seqlen_k); dropout_p must then be 0.
+        return_attn_probs: also return softmax_lse (batch, heads, seqlen_q) float32 and S_dmask, the attention
+            probabilities (batch, heads, seqlen_q, seqlen_k) before dropout, negated where dropout dropped them
+            (for testing: materialised).
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, differentiable in q, k and v;
@@ -147,13 +151,12 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if block_table is not None:
         raise NotImplementedError("block_table: a paged KV cache in flash_attn_varlen_func is not supported yet; "
                                   "use flash_attn_with_kvcache")
-    if return_attn_probs and dropout_p > 0.0:
-        raise NotImplementedError("return_attn_probs with dropout_p > 0: the dropout pattern is not returned")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name}: expected (total_tokens, heads, head_dim), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     window = tuple(max(int(w), -1) for w in window_size)  # FlashAttention: any negative side is unbounded
+    rng = torch.Generator().set_state(torch.get_rng_state()) if return_attn_probs and dropout_p > 0.0 else None
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                 scale=softmax_scale, is_causal=bool(causal),
                                 window=window if window != (-1, -1) else None, dropout_p=dropout_p, return_lse=True)
@@ -167,6 +170,14 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         p = _attention_probs(qs.unsqueeze(0), ks.unsqueeze(0), scale, causal, window,
                              lse[:, cu_q[b]:cu_q[b + 1]].detach().unsqueeze(0))
         probs[b, :, :qs.shape[1], :ks.shape[1]] = p[0]
+    if rng is not None:  # sequence b's keep mask: the dense one at offset + cu_seqlens_q[b]·H·(longest key sequence)
+        seed, offset = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=rng).tolist()
+        longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+        for b in range(len(cu_q) - 1):
+            shift = (offset + cu_q[b] * q.shape[1] * longest_k + 2**63) % 2**64 - 2**63  # the kernel's uint64 sum
+            n_q, n_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+            keep = _ext._module._testing.dropout_keep_mask(seed, shift, [1, q.shape[1], n_q, n_k], float(dropout_p))
+            probs[b, :, :n_q, :n_k] = torch.where(keep[0], probs[b, :, :n_q, :n_k], -probs[b, :, :n_q, :n_k])
     lse = torch.where(lse == float("-inf"), float("inf"), lse)  # FlashAttention's value for a row with no key
     return out, lse, probs
 
@@ -182,8 +193,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets. max_seqlen_q, max_seqlen_k: at least the longest
             sequence's length (ValueError otherwise).
         dropout_p, softmax_scale, causal (bottom-right in each sequence), window_size: as in the module docstring.
-        return_attn_probs: also return softmax_lse (heads, total_q) float32 and the attention probabilities
-            (batch, heads, max_seqlen_q, max_seqlen_k), zero past each sequence; dropout_p must then be 0.
+        return_attn_probs: also return softmax_lse (heads, total_q) float32 and S_dmask, the attention probabilities
+            (batch, heads, max_seqlen_q, max_seqlen_k) before dropout, zero past each sequence, negated where dropout
+            dropped them (for testing: materialised).
         block_table: a paged KV cache (NotImplementedError). deterministic: accepted.
 
     Returns:
@@ -214,6 +226,36 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                    softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
+def _rotary(x, cos, sin, positions, interleaved):
+    """x (B, S, H, d) with its first rotary_dim = 2 · cos.shape[1] columns rotated by the angles of rows
+    positions (B, S) of cos and sin, computed in float32 and rounded to x's dtype (the rest of x as it is).
+    interleaved: pairs (0, 1), (2, 3), ...; else (0, rotary_dim / 2), (1, rotary_dim / 2 + 1), ... (GPT-NeoX)."""
+    half = cos.shape[1]
+    c = cos[positions].float().unsqueeze(2)  # (B, S, 1, rotary_dim / 2)
+    s = sin[positions].float().unsqueeze(2)
+    xr = x[..., :2 * half].float()
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
+    y1, y2 = x1 * c - x2 * s, x1 * s + x2 * c
+    rotated = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _check_rotary(rotary_cos, rotary_sin, k, head_dim):
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin: pass both, or neither")
+    if k is None:
+        raise ValueError("rotary_cos: the rotary embedding is applied to the new keys k (and q); pass k and v")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating (seqlen_ro, rotary_dim / 2) tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_sin: expected rotary_cos's shape {tuple(rotary_cos.shape)}, got "
+                         f"{tuple(rotary_sin.shape)}")
+    if not 0 < 2 * rotary_cos.shape[1] <= head_dim:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 · {rotary_cos.shape[1]} must be in [2, head_dim = {head_dim}]")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
                             cache_batch_idx: Optional[torch.Tensor] = None,
@@ -223,48 +265,82 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """New queries against a KV cache, FlashAttention's flash_attn_with_kvcache (cs149gpt.attention_with_kvcache).
 
+    Sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of its cache: the cached ones, then
+    k's, written in place at rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new) before attending. Its
+    L_b = cache_seqlens[b] − cache_leftpad[b] + seqlen_new keys are counted from cache_leftpad[b], and the causal
+    mask and window align to their end: query i sees key j (so counted) if j <= i + L_b − seqlen_q (causal) and
+    i + L_b − seqlen_q − window_size[0] <= j <= i + L_b − seqlen_q + window_size[1] (-1: that side unbounded).
+    The cache is read in place, by address (cache_batch_idx, cache_leftpad and block_table included): never
+    gathered or copied.
+
     Args:
         q: (batch, seqlen_q, heads, head_dim).
-        k_cache, v_cache: (batch, seqlen_cache, heads_kv, head_dim); or, with block_table (batch, max_blocks)
+        k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv, head_dim); or, with block_table (batch, max_blocks)
             int32, paged: (num_blocks, page_block_size, heads_kv, head_dim). Written in place when k, v are given.
-        k, v: None, or (batch, seqlen_q, heads_kv, head_dim): appended to the caches at cache_seqlens[b] before
-            attending (another seqlen: NotImplementedError naming k).
-        cache_seqlens: int or (batch,) int32/int64, the keys already cached; None: the whole cache (then k, v
-            cannot be appended).
-        softmax_scale, causal (bottom-right against cache_seqlens[b] + seqlen_new keys): as in the module
-            docstring. num_splits: ignored. rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, window_size,
-            softcap, alibi_slopes, return_softmax_lse: only their defaults (else NotImplementedError).
+        k, v: None, or (batch, seqlen_new, heads_kv, head_dim), any seqlen_new: appended as above.
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2), rotary_dim <= head_dim (k and v must then be
+            given): q and k are rotated before attending, k at positions cache_seqlens[b] + i, q at
+            cache_seqlens[b] + i when causal or windowed, else every row of q at cache_seqlens[b]; the cache receives
+            the rotated k. Positions are cache rows (cache_leftpad does not shift them), computed in float32.
+            rotary_interleaved: rotate the pairs (0, 1), (2, 3), ...; False: (0, rotary_dim / 2), ... (GPT-NeoX).
+        cache_seqlens: int or (batch,) int32/int64, where each sequence's cache ends before the append; None: the
+            whole cache (then k, v cannot be appended).
+        cache_batch_idx: None, or (batch,) int32: sequence b's cache is row cache_batch_idx[b] of k_cache and
+            v_cache (contiguous caches only; rows appended to must be distinct).
+        cache_leftpad: None, or (batch,) int32, 0 <= cache_leftpad[b] <= cache_seqlens[b]: where sequence b's keys
+            start (left padding before it is never read). Paged caches too.
+        softmax_scale, causal: as in the module docstring. window_size: (left, right) as above.
+        return_softmax_lse: also return softmax_lse (batch, heads, seqlen_q) float32, the logsumexp of each row's
+            scaled logits (+inf for a row that sees no key).
+        softcap, alibi_slopes: FlashAttention's meaning, handed to the operator, which refuses them
+            (NotImplementedError) until the KV-cache kernel applies them. num_splits: ignored (the kernel splits the
+            keys itself, deterministically).
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype (a transposed view of the kernel's contiguous
-        (batch, heads, seqlen_q, head_dim) output).
+        (batch, heads, seqlen_q, head_dim) output); (out, softmax_lse) with return_softmax_lse.
+        Not differentiable (FlashAttention's has no backward either).
     """
-    _refuse_unsupported(softcap, alibi_slopes)
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad)):
-        if value is not None:
-            raise NotImplementedError(f"{name}: not supported by cs149gpt's KV-cache kernel yet")
-    if any(int(w) >= 0 for w in window_size):
-        raise NotImplementedError(f"window_size={tuple(window_size)}: the KV-cache kernel has no sliding window yet")
-    if return_softmax_lse:
-        raise NotImplementedError("return_softmax_lse: the KV-cache kernel does not return the logsumexp yet")
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new keys and new values, or neither")
     if q.dim() != 4:
         raise ValueError(f"q: expected (batch, seqlen_q, heads, head_dim), got shape {tuple(q.shape)}")
-    if k is not None and (k.dim() != 4 or k.shape[1] != q.shape[1] or v.dim() != 4 or v.shape[1] != q.shape[1]):
-        raise NotImplementedError(f"k: appending {tuple(k.shape)} keys to queries {tuple(q.shape)}: the new "
-                                  "keys' seqlen must equal q's (dim 1) for now")
-    batch = q.shape[0]
+    for name, t in (("k_cache", k_cache), ("k", k), ("v", v)):
+        if t is not None and t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor, got shape {tuple(t.shape)}")
+    batch, seqlen_q = q.shape[:2]
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("cache_seqlens: required when k and v are appended")
-        capacity = (block_table.shape[1] * k_cache.shape[1]) if block_table is not None else k_cache.shape[1]
         cache_seqlens = capacity
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    # FlashAttention: a negative side is unbounded, and so is one at least as long as the cache.
+    window = tuple(-1 if int(w) < 0 or int(w) >= capacity else int(w) for w in window_size)
+    if rotary_cos is not None or rotary_sin is not None:
+        _check_rotary(rotary_cos, rotary_sin, k, q.shape[-1])
+        if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
+            raise ValueError(f"cache_seqlens: expected shape ({batch},), got {tuple(cache_seqlens.shape)}")
+        start = cache_seqlens.long().unsqueeze(1)  # (B, 1)
+        per_row = causal or window != (-1, -1)
+        q_pos = start + torch.arange(seqlen_q, device=q.device) if per_row else start.expand(batch, seqlen_q)
+        k_pos = start + torch.arange(k.shape[1], device=q.device)
+        last = max(int(q_pos.max()), int(k_pos.max()), 0) if batch else 0
+        if last >= rotary_cos.shape[0] or int(start.min() if batch else 0) < 0:
+            raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} positions, but position {last} is needed "
+                             "(cache_seqlens + the new tokens)")
+        q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+    lse = (torch.empty(batch, q.shape[2], seqlen_q, dtype=torch.float32, device=q.device)
+           if return_softmax_lse else None)
     out = attention_with_kvcache(
         q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens,
         k_new=None if k is None else k.transpose(1, 2), v_new=None if v is None else v.transpose(1, 2),
-        block_table=block_table, scale=softmax_scale, is_causal=bool(causal))
-    return out.transpose(1, 2)  # (B, Nq, Hq, d)
+        block_table=block_table, scale=softmax_scale, is_causal=bool(causal), cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, window=window if window != (-1, -1) else None, softcap=softcap,
+        alibi_slopes=alibi_slopes, lse=lse)
+    out = out.transpose(1, 2)  # (B, Nq, Hq, d)
+    if not return_softmax_lse:
+        return out
+    return out, torch.where(lse == float("-inf"), float("inf"), lse)  # FlashAttention's value for a row with no key

@@ -224,6 +224,12 @@ def attention_with_kvcache(
     block_table: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     is_causal: bool = True,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    window: Optional[Tuple[int, int]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """New queries against a KV cache (decoding, chunked prefill), the cache read in place, once per kv head.
 
@@ -233,26 +239,41 @@ def attention_with_kvcache(
         k_cache, v_cache: contiguous, (B, Hkv, max_len, d); or paged, (num_blocks, Hkv, block_size, d) with
             block_table. Rows must be contiguous (stride 1 in the last dim: the cache is written in place, no copy
             can stand in for it); any other strides.
-        cache_seqlens: (B,) int32 or int64, the keys already cached for each sequence (not changed by the call).
-        k_new, v_new: (B, Hkv, Nq, d), optional: written into the caches, in place, at rows
-            [cache_seqlens[b], cache_seqlens[b] + Nq) before attending; the queries then see
-            L_b = cache_seqlens[b] + Nq keys (else cache_seqlens[b]). Keys past L_b are never read.
+        cache_seqlens: (B,) int32 or int64: sequence b's cache ends at row cache_seqlens[b] (not changed by the
+            call).
+        k_new, v_new: (B, Hkv, N_new, d), optional, any N_new: written into the caches, in place, at rows
+            [cache_seqlens[b], cache_seqlens[b] + N_new) before attending, and seen too.
         block_table: (B, max_blocks) int32, a paged cache: logical block i of sequence b is physical block
             block_table[b, i] of k_cache and v_cache. Tables may share blocks (a common prefix), but a row a call
             appends must be seen by the appending sequence alone.
         scale: multiplies q·k; None means 1/sqrt(d).
-        is_causal: query i of Nq sees keys j <= L_b − Nq + i (bottom-right aligned); False: all L_b keys.
+        is_causal: query i of Nq sees keys j <= L_b − Nq + i (bottom-right aligned, j counted from
+            cache_leftpad[b]); False: all L_b keys.
+        cache_batch_idx: (B,) int32, contiguous caches only: sequence b reads (and appends to) row
+            cache_batch_idx[b] of k_cache and v_cache (of any batch size), by address, never gathered; None: row b.
+            Appending sequences need distinct rows.
+        cache_leftpad: (B,) int32: sequence b's keys start at cache row cache_leftpad[b] (<= cache_seqlens[b]); the
+            rows before it are never read. Keys are counted from there: sequence b sees
+            L_b = cache_seqlens[b] − cache_leftpad[b] (+ N_new) keys. None: 0. Paged caches too.
+        window: (left, right), a sliding window aligned as the causal mask: query i sees keys j with
+            L_b − Nq + i − left <= j <= L_b − Nq + i + right; −1 leaves a side unbounded. None: no window.
+        softcap, alibi_slopes: FlashAttention's meaning (csrc/attention.h); refused with NotImplementedError until
+            the KV-cache kernel applies them.
+        lse: optional (B, Hq, Nq) float32 contiguous tensor the logsumexp of each row's scaled logits is written to
+            (−inf for a row that sees no key).
 
     Returns:
         out: (B, Hq, Nq, d), contiguous, in q's dtype (float32, bfloat16 or float16; the caches of the same dtype).
-        A query that sees no key (an empty cache) gets 0.
+        A query that sees no key (an empty cache, or one its causal mask or window hides whole) gets 0.
 
     torch.ops.cs149gpt.attention_with_kvcache declares the caches it writes (Tensor(a!) k_cache, Tensor(b!) v_cache)
     and bumps their version counters; it has a fake implementation (opcheck passes, torch.compile traces a decode
-    step). Bad input raises before anything is read or written: a block id outside the cache (IndexError naming
-    the entry), a length past the capacity (ValueError), dtype, shape or device mismatches, and, when appending, a
-    cache whose elements share memory (an expanded view), one memory passed as both caches, or an appended row
-    that another entry of the block tables also sees (ValueError naming both entries).
+    step). Bad input raises before anything is read or written: a block id or cache_batch_idx outside the cache
+    (IndexError naming the entry), a length past the capacity (ValueError naming block_table for a paged cache,
+    cache_seqlens else), a cache_leftpad past its sequence's length, dtype, shape or device mismatches, and, when
+    appending, a cache whose elements share memory (an expanded view), one memory passed as both caches, two
+    sequences appending into one cache row, or an appended row that another entry of the block tables also sees
+    (ValueError naming both entries).
 
     The kernel (csrc/kernels/flash_decode.cpp, which attention() also uses for Nq <= 16 when no tiles are given)
     reads each cached key and value once per call, for all query heads of a GQA group and all Nq rows together,
@@ -272,16 +293,21 @@ def attention_with_kvcache(
                 raise ValueError(f"{name} requires grad, but attention_with_kvcache has no backward (its gradient "
                                  f"would silently be None); call it under torch.no_grad() or pass {name}.detach()")
     _load()
+    window_left, window_right = _window(window)
     try:
         return torch.ops.cs149gpt.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                                          block_table, scale, is_causal)
+                                                          block_table, scale, is_causal, cache_batch_idx,
+                                                          cache_leftpad, window_left, window_right, float(softcap),
+                                                          alibi_slopes, lse)
     except RuntimeError:
         # The dispatcher's schema error for an argument of the wrong type: checked here only once it failed (nothing
         # on the decoding path), to raise a TypeError naming the argument instead.
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}") from None
-        for name, t in (("k_new", k_new), ("v_new", v_new), ("block_table", block_table)):
+        for name, t in (("k_new", k_new), ("v_new", v_new), ("block_table", block_table),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("alibi_slopes", alibi_slopes), ("lse", lse)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}") from None
         _check_number("scale", scale, float)
@@ -813,8 +839,12 @@ def _register_python_parts() -> None:
         return _grad_like(q), _grad_like(k), _grad_like(v)
 
     @torch.library.register_fake(lib + "attention_with_kvcache")
-    def _(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None, scale=None, is_causal=True):
-        checks.check_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale)
+    def _(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None, scale=None, is_causal=True,
+          cache_batch_idx=None, cache_leftpad=None, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+          lse=None):
+        checks.check_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale,
+                                            cache_batch_idx, cache_leftpad, window_left, window_right, softcap,
+                                            alibi_slopes, lse)
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "varlen_attention")

@@ -104,20 +104,26 @@ struct AttentionParams {
   F32Products f32_products = F32Products::automatic;
 
   // A KV cache (attention_with_kvcache; read by flash_decode.cpp only, null/0 everywhere else).
-  // Per-sequence lengths: sequence b holds cache_seqlens[b] keys (int32 or int64), plus q_len more when k_new is
-  // set; it sees that many keys, kv_len being their maximum, and causal_offset is then its length − q_len.
+  // Per-sequence lengths: sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b]) of its cache (int32 or int64
+  // lengths; leftpad 0 when null), plus new_len more when k_new is set. Keys are counted from cache_leftpad[b]: key t
+  // of sequence b is cache row cache_leftpad[b] + t. It sees seq_kv_len(p, b) keys, kv_len being their maximum, and
+  // its causal mask and window are aligned bottom-right to its own length (offset seq_kv_len − q_len).
   const void* cache_seqlens = nullptr;
   bool cache_seqlens_int64 = false;
-  // Paged cache: k and v are (num_pages, num_kv_heads, page_size, head_dim), k_strides[0] apart; key t of
-  // sequence b is row t % page_size of page block_table[b · block_table_stride + t / page_size].
+  const int32_t* cache_leftpad = nullptr;
+  // Contiguous cache: sequence b reads (and appends to) cache row cache_batch_idx[b] (k_strides[0] apart); null: b.
+  const int32_t* cache_batch_idx = nullptr;
+  // Paged cache: k and v are (num_pages, num_kv_heads, page_size, head_dim), k_strides[0] apart; cache row r of
+  // sequence b is row r % page_size of page block_table[b · block_table_stride + r / page_size].
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0;
   int64_t page_size = 0;
   int64_t num_pages = 0;
-  // New keys and values, (batch, num_kv_heads, q_len, head_dim): written into the cache at rows
-  // [cache_seqlens[b], cache_seqlens[b] + q_len) before attending (k and v are then written, not only read).
+  // New keys and values, (batch, num_kv_heads, new_len, head_dim): written into the cache at rows
+  // [cache_seqlens[b], cache_seqlens[b] + new_len) before attending (k and v are then written, not only read).
   const void* k_new = nullptr;
   const void* v_new = nullptr;
+  int64_t new_len = 0;
   int64_t k_new_strides[3] = {0, 0, 0};
   int64_t v_new_strides[3] = {0, 0, 0};
 };
@@ -127,7 +133,7 @@ inline int64_t seq_kv_len(const AttentionParams& p, int64_t b) {
   if (!p.cache_seqlens) return p.kv_len;
   const int64_t cached = p.cache_seqlens_int64 ? static_cast<const int64_t*>(p.cache_seqlens)[b]
                                                : static_cast<const int32_t*>(p.cache_seqlens)[b];
-  return cached + (p.k_new ? p.q_len : 0);
+  return cached - (p.cache_leftpad ? p.cache_leftpad[b] : 0) + (p.k_new ? p.new_len : 0);
 }
 
 // Sequence b of a packed variable-length call (cu_seqlens_q set) as a dense call of that one sequence, for a kernel's

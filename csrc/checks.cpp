@@ -518,7 +518,9 @@ static void check_dense(const at::Tensor& t, const char* name, int64_t dims, con
 DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                     const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
-                    std::optional<double> scale) {
+                    std::optional<double> scale, const OptionalTensor& cache_batch_idx,
+                    const OptionalTensor& cache_leftpad, int64_t window_left, int64_t window_right, double softcap,
+                    const OptionalTensor& alibi_slopes, const OptionalTensor& lse) {
   const bool paged = block_table.has_value() && block_table->defined();
   const char* cache_shape = paged ? "(num_blocks, Hkv, block_size, d) (a paged cache: block_table is given)"
                                   : "(B, Hkv, max_len, d)";
@@ -530,10 +532,20 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   TORCH_CHECK_VALUE(has_k_new == has_v_new, "k_new and v_new must be given together, got ",
                     has_k_new ? "k_new without v_new" : "v_new without k_new");
   if (has_k_new) {
-    check_dense(*k_new, "k_new", 4, "(B, Hkv, Nq, d)");
-    check_dense(*v_new, "v_new", 4, "(B, Hkv, Nq, d)");
+    check_dense(*k_new, "k_new", 4, "(B, Hkv, N_new, d)");
+    check_dense(*v_new, "v_new", 4, "(B, Hkv, N_new, d)");
   }
   if (paged) check_dense(*block_table, "block_table", 2, "(B, max_blocks)");
+  if (is_given(cache_batch_idx)) {
+    TORCH_CHECK_VALUE(!paged, "cache_batch_idx indexes the rows of a contiguous cache; a paged cache (block_table) "
+                      "names each sequence's blocks instead, so pass one or the other");
+    check_dense(*cache_batch_idx, "cache_batch_idx", 1, "(B,)");
+  }
+  if (is_given(cache_leftpad)) check_dense(*cache_leftpad, "cache_leftpad", 1, "(B,)");
+  if (is_given(alibi_slopes))
+    TORCH_CHECK_VALUE(alibi_slopes->dim() == 1 || alibi_slopes->dim() == 2,
+                      "alibi_slopes must have shape (Hq,) or (B, Hq); got ", alibi_slopes->sym_sizes());
+  if (is_given(lse)) check_dense(*lse, "lse", 3, "(B, Hq, Nq)");
 
   // One device: the CPU (or meta, for tracing).
   std::vector<std::pair<const char*, const at::Tensor*>> all = {
@@ -543,6 +555,11 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     all.push_back({"v_new", &*v_new});
   }
   if (paged) all.push_back({"block_table", &*block_table});
+  if (is_given(cache_batch_idx)) all.push_back({"cache_batch_idx", &*cache_batch_idx});
+  if (is_given(cache_leftpad)) all.push_back({"cache_leftpad", &*cache_leftpad});
+  if (is_given(alibi_slopes)) all.push_back({"alibi_slopes", &*alibi_slopes});
+  if (is_given(lse)) all.push_back({"lse", &*lse});
+  const size_t tensors_of_q_dtype = has_k_new ? 6 : 4;  // q, k_cache, v_cache, cache_seqlens (skipped), k_new, v_new
   for (const auto& [name, t] : all) {
     TORCH_CHECK_VALUE(t->device().is_cpu() || t->device().is_meta(), "attention_with_kvcache runs on the CPU: ", name,
                       " is on ", t->device());
@@ -551,8 +568,9 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   }
 
   const DType dtype = parse_dtype(q, Impl::flash);
-  for (const auto& [name, t] : all) {
-    if (t == &cache_seqlens || (paged && t == &*block_table)) continue;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const auto& [name, t] = all[i];
+    if (t == &cache_seqlens || i >= tensors_of_q_dtype) continue;
     TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, " must have q's dtype, ", q.scalar_type(), "; got ",
                      t->scalar_type());
   }
@@ -561,6 +579,14 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   if (paged)
     TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt, "block_table must be int32, got ",
                      block_table->scalar_type());
+  for (const auto& [name, t] : {std::pair{"cache_batch_idx", &cache_batch_idx}, std::pair{"cache_leftpad", &cache_leftpad}})
+    if (is_given(*t))
+      TORCH_CHECK_TYPE((*t)->scalar_type() == at::kInt, name, " must be int32, got ", (*t)->scalar_type());
+  if (is_given(alibi_slopes))
+    TORCH_CHECK_TYPE(alibi_slopes->scalar_type() == at::kFloat, "alibi_slopes must be float32, got ",
+                     alibi_slopes->scalar_type());
+  if (is_given(lse))
+    TORCH_CHECK_TYPE(lse->scalar_type() == at::kFloat, "lse must be float32, got ", lse->scalar_type());
 
   const c10::SymInt B = q.sym_size(0), Hq = q.sym_size(1), Nq = q.sym_size(2), d = q.sym_size(3);
   const c10::SymInt Hkv = k_cache.sym_size(1);
@@ -582,15 +608,36 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   if (paged) {
     CHECK_SIZES(block_table->sym_size(0).sym_eq(B), "block_table must have shape (B, max_blocks) with B = ", B,
                 " (q's batch), got ", block_table->sym_sizes());
+  } else if (is_given(cache_batch_idx)) {
+    CHECK_SIZES(cache_batch_idx->sym_size(0).sym_eq(B), "cache_batch_idx must have shape (B,) = (", B,
+                ",) (a cache row per sequence of q), got ", cache_batch_idx->sym_sizes());
   } else {
     CHECK_SIZES(k_cache.sym_size(0).sym_eq(B), "k_cache must have shape (B, Hkv, max_len, d) with B = ", B,
-                " (q's batch), got ", k_cache.sym_sizes(), " (a paged cache needs block_table)");
+                " (q's batch), got ", k_cache.sym_sizes(), " (a paged cache needs block_table; other rows, cache_batch_idx)");
   }
+  if (is_given(cache_leftpad))
+    CHECK_SIZES(cache_leftpad->sym_size(0).sym_eq(B), "cache_leftpad must have shape (B,) = (", B,
+                ",) (one start per sequence of q), got ", cache_leftpad->sym_sizes());
   if (has_k_new) {
-    const std::vector<c10::SymInt> expected = {B, Hkv, Nq, d};
+    const c10::SymInt N_new = k_new->sym_size(2);
+    const std::vector<c10::SymInt> expected = {B, Hkv, N_new, d};
     for (const auto& [name, t] : {std::pair{"k_new", &*k_new}, std::pair{"v_new", &*v_new}})
-      CHECK_SIZES(equal_sizes(t->sym_sizes(), expected), name, " must have shape (B, Hkv, Nq, d) = ",
-                  c10::SymIntArrayRef(expected), ", got ", t->sym_sizes());
+      CHECK_SIZES(equal_sizes(t->sym_sizes(), expected), name, " must have shape (B, Hkv, N_new, d) = ",
+                  c10::SymIntArrayRef(expected), " (N_new from k_new), got ", t->sym_sizes());
+  }
+  if (is_given(alibi_slopes)) {
+    const bool per_batch = alibi_slopes->dim() == 2;
+    CHECK_SIZES(per_batch ? alibi_slopes->sym_size(0).sym_eq(B).sym_and(alibi_slopes->sym_size(1).sym_eq(Hq))
+                          : alibi_slopes->sym_size(0).sym_eq(Hq),
+                "alibi_slopes must have shape (Hq,) = (", Hq, ",) or (B, Hq) = (", B, ", ", Hq, "); got ",
+                alibi_slopes->sym_sizes());
+  }
+  if (is_given(lse)) {
+    const std::vector<c10::SymInt> expected = {B, Hq, Nq};
+    CHECK_SIZES(equal_sizes(lse->sym_sizes(), expected), "lse must have shape (B, Hq, Nq) = ",
+                c10::SymIntArrayRef(expected), ", got ", lse->sym_sizes());
+    CHECK_SIZES(lse->sym_is_contiguous(), "lse must be contiguous (it is written in place), got strides ",
+                lse->sym_strides());
   }
   // The cache is written in place and read through its strides: its rows must be contiguous (no copy can stand
   // in for it); written into, no two of its elements may share memory (an expanded cache: one head's new row would
@@ -606,6 +653,14 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   if (scale)
     TORCH_CHECK_VALUE(std::isfinite(*scale) && std::fabs(*scale) < kFloat32Overflow,
                       "scale must be a finite float32, got ", *scale);
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "window must be (left, right) with each >= 0, or -1 "
+                    "for no bound on that side; got (", window_left, ", ", window_right, ")");
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0 && softcap < kFloat32Overflow,
+                    "softcap must be a finite float32 >= 0 (0: none), got ", softcap);
+  // flash_decode.cpp does not apply these yet: refused rather than ignored (the params carry them for when it does).
+  TORCH_CHECK_NOT_IMPLEMENTED(softcap == 0.0, "softcap=", softcap,
+                              ": the KV-cache kernel does not compute softcapped logits yet");
+  TORCH_CHECK_NOT_IMPLEMENTED(!is_given(alibi_slopes), "alibi_slopes: the KV-cache kernel does not add ALiBi biases yet");
   return dtype;
 }
 

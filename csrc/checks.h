@@ -78,7 +78,10 @@ std::pair<int64_t, int64_t> varlen_lengths(const at::Tensor& cu_seqlens_q, const
 // attention_with_kvcache's checks on sizes (symbolic: the fake calls it too). Returns the dtype of the call.
 DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& cache_seqlens, const OptionalTensor& k_new, const OptionalTensor& v_new,
-                    const OptionalTensor& block_table, std::optional<double> scale);
+                    const OptionalTensor& block_table, std::optional<double> scale,
+                    const OptionalTensor& cache_batch_idx = {}, const OptionalTensor& cache_leftpad = {},
+                    int64_t window_left = -1, int64_t window_right = -1, double softcap = 0.0,
+                    const OptionalTensor& alibi_slopes = {}, const OptionalTensor& lse = {});
 // A paged cache appended to: no appended row may be seen by another sequence (or twice by its own).
 void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, const std::vector<int64_t>& lengths,
                                   int64_t added, int64_t page_size, int64_t num_pages);

@@ -332,15 +332,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
   return {dq, dk, dv};
 }
 
-// attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, is_causal) -> out
-//   Sequence b holds cache_seqlens[b] keys; k_new, v_new (B, Hkv, Nq, d), when given, are written at rows
-//   [cache_seqlens[b], cache_seqlens[b] + Nq) first, and then seen too. Causal: bottom-right (query i of Nq sees
-//   keys j <= L_b − Nq + i). out: (B, Hq, Nq, d), contiguous, q's dtype.
+// attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, is_causal,
+//                        cache_batch_idx, cache_leftpad, window_left, window_right, softcap, alibi_slopes, lse) -> out
+//   Sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b]) of its cache (row cache_batch_idx[b] of a contiguous
+//   one, the blocks of block_table's row b of a paged one); k_new, v_new (B, Hkv, N_new, d), when given, are written at
+//   rows [cache_seqlens[b], cache_seqlens[b] + N_new) first, and then seen too: L_b keys in all. Causal and the window
+//   are bottom-right aligned to L_b (query i of Nq sees keys j <= L_b − Nq + i, counted from cache_leftpad[b]).
+//   out: (B, Hq, Nq, d), contiguous, q's dtype; lse, when given, (B, Hq, Nq) float32, written in place.
 at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                                   const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
-                                  std::optional<double> scale, bool is_causal) {
-  const DType dtype = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale);
+                                  std::optional<double> scale, bool is_causal, const OptionalTensor& cache_batch_idx,
+                                  const OptionalTensor& cache_leftpad, int64_t window_left, int64_t window_right,
+                                  double softcap, const OptionalTensor& alibi_slopes, const OptionalTensor& lse) {
+  const DType dtype = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale,
+                                    cache_batch_idx, cache_leftpad, window_left, window_right, softcap, alibi_slopes,
+                                    lse);
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
   const bool paged = block_table.has_value() && block_table->defined();
   const bool append = k_new.has_value() && k_new->defined();
@@ -354,31 +361,52 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   }
   const int64_t B = q.size(0), Nq = q.size(2), d = q.size(3);
 
-  // The lengths and the block ids, read before any kernel: nothing past the cache is ever touched.
+  // The lengths, starts, cache rows and block ids, read before any kernel: nothing past the cache is ever touched.
   const at::Tensor seqlens = cache_seqlens.contiguous();
   const at::Tensor table = paged ? block_table->contiguous() : at::Tensor();
+  const at::Tensor batch_idx = is_given(cache_batch_idx) ? cache_batch_idx->contiguous() : at::Tensor();
+  const at::Tensor leftpad = is_given(cache_leftpad) ? cache_leftpad->contiguous() : at::Tensor();
   const int64_t page_size = k_cache.size(2), num_pages = k_cache.size(0);
   const int64_t max_blocks = paged ? table.size(1) : 0;
   const int64_t capacity = paged ? checked_product({max_blocks, page_size}) : k_cache.size(2);
-  const int64_t added = append ? Nq : 0;
+  const int64_t added = append ? k_new->size(2) : 0;
   int64_t max_len = 0;
-  std::vector<int64_t> lengths(B);
+  std::vector<int64_t> lengths(B);  // paged: the cache rows each sequence reads up to (its appended rows included)
+  std::vector<int32_t> appender(batch_idx.defined() && append ? k_cache.size(0) : 0, -1);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t cached = seqlens.scalar_type() == at::kLong ? seqlens.data_ptr<int64_t>()[b]
                                                               : seqlens.data_ptr<int32_t>()[b];
     TORCH_CHECK_VALUE(cached >= 0, "cache_seqlens[", b, "] must be >= 0, got ", cached);
-    TORCH_CHECK_VALUE(cached <= (capacity < 0 ? INT64_MAX : capacity) - added, "cache_seqlens[", b, "] = ", cached,
-                      append ? " plus the Nq = " + std::to_string(Nq) + " new keys" : std::string(),
-                      " exceed the cache's capacity of ", capacity, " keys",
-                      paged ? " (max_blocks x block_size): block_table's row " + std::to_string(b) +
-                                  " maps too few blocks for them"
-                            : std::string(" (k_cache dim 2)"));
+    if (paged) {
+      TORCH_CHECK_VALUE(cached <= (capacity < 0 ? INT64_MAX : capacity) - added, "block_table: row ", b, " maps ",
+                        max_blocks, " blocks of ", page_size, " keys, ", capacity, " keys in all, too few for "
+                        "cache_seqlens[", b, "] = ", cached, append ? " plus the " + std::to_string(added) +
+                        " new keys of k_new" : std::string());
+    } else {
+      TORCH_CHECK_VALUE(cached <= capacity - added, "cache_seqlens[", b, "] = ", cached,
+                        append ? " plus the " + std::to_string(added) + " new keys of k_new" : std::string(),
+                        " exceed the cache's capacity of ", capacity, " keys (k_cache dim 2)");
+    }
+    const int64_t start = leftpad.defined() ? leftpad.data_ptr<int32_t>()[b] : 0;
+    TORCH_CHECK_VALUE(start >= 0 && start <= cached, "cache_leftpad[", b, "] = ", start, " must be in [0, "
+                      "cache_seqlens[", b, "] = ", cached, "]: sequence ", b, "'s keys start there and end at its length");
+    if (batch_idx.defined()) {
+      const int32_t row = batch_idx.data_ptr<int32_t>()[b];
+      TORCH_CHECK_INDEX(row >= 0 && row < k_cache.size(0), "cache_batch_idx[", b, "] = ", row,
+                        " is not a row of the cache (k_cache has ", k_cache.size(0), " rows, dim 0)");
+      if (append) {  // two sequences appending into one cache row: one would see the other's keys
+        TORCH_CHECK_VALUE(appender[row] < 0, "cache_batch_idx[", appender[row], "] and cache_batch_idx[", b,
+                          "] both name cache row ", row, ", and k_new and v_new are appended: each sequence that "
+                          "appends needs a cache row of its own");
+        appender[row] = static_cast<int32_t>(b);
+      }
+    }
     const int64_t length = cached + added;
-    max_len = std::max(max_len, length);
+    max_len = std::max(max_len, length - start);
     lengths[b] = length;
     if (paged) {
       const int32_t* row = table.data_ptr<int32_t>() + b * max_blocks;
-      for (int64_t i = 0; i < (length + page_size - 1) / page_size; ++i)
+      for (int64_t i = start / page_size; i < (length + page_size - 1) / page_size; ++i)
         TORCH_CHECK_INDEX(row[i] >= 0 && row[i] < num_pages, "block_table[", b, ", ", i, "] = ", row[i],
                           " is not a block of the cache (k_cache has ", num_pages, " blocks)");
     }
@@ -393,9 +421,19 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   // block_size, d)): each sequence's keys end at its own length, bottom-right aligned (the kernel reads cache_seqlens).
   p.kv_len = max_len;
   p.is_causal = is_causal;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.softcap = static_cast<float>(softcap);
+  if (is_given(alibi_slopes)) {
+    p.alibi_slopes = alibi_slopes->data_ptr<float>();
+    p.alibi_strides[0] = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
+    p.alibi_strides[1] = alibi_slopes->stride(alibi_slopes->dim() - 1);
+  }
   p.num_threads = std::max(1, at::get_num_threads());
   p.cache_seqlens = seqlens.data_ptr();
   p.cache_seqlens_int64 = seqlens.scalar_type() == at::kLong;
+  if (leftpad.defined()) p.cache_leftpad = leftpad.data_ptr<int32_t>();
+  if (batch_idx.defined()) p.cache_batch_idx = batch_idx.data_ptr<int32_t>();
   if (paged) {
     p.block_table = table.data_ptr<int32_t>();
     p.block_table_stride = max_blocks;
@@ -407,12 +445,18 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
     v_new4 = v_new->size(3) > 1 && v_new->stride(3) != 1 ? v_new->contiguous() : *v_new;
     p.k_new = k_new4.data_ptr();
     p.v_new = v_new4.data_ptr();
+    p.new_len = added;
     fill_strides(p.k_new_strides, k_new4);
     fill_strides(p.v_new_strides, v_new4);
   }
   at::Tensor out = checked_empty({B, p.num_heads, Nq, d}, q.options(), "out");
   p.out = out.data_ptr();
   fill_strides(p.out_strides, out);
+  if (is_given(lse)) {
+    p.lse = lse->data_ptr<float>();
+    p.lse_strides[0] = lse->stride(0);
+    p.lse_strides[1] = lse->stride(1);
+  }
   if (B * p.num_heads > 0) {
     const Kernel& kernel = kernels().decode;
     run_decode_kernel(p, workspace(kernel, p, p, "the workspace of attention_with_kvcache").data_ptr<float>());
@@ -735,8 +779,9 @@ TORCH_LIBRARY(cs149gpt, m) {
         "bool causal=False, int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) "
         "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
-        "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True) "
-        "-> Tensor");
+        "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True, "
+        "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, int window_left=-1, int window_right=-1, "
+        "float softcap=0.0, Tensor? alibi_slopes=None, Tensor(c!)? lse=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
@@ -808,11 +853,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed);
   });
   m.def("check_attention_with_kvcache", [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                           const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
-                                           const std::optional<at::Tensor>& v_new,
-                                           const std::optional<at::Tensor>& block_table, std::optional<double> scale) {
-    check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale);
-  }, "raises what torch.ops.cs149gpt.attention_with_kvcache would for these arguments, on sizes alone");
+                                           const at::Tensor& cache_seqlens, const OptionalTensor& k_new,
+                                           const OptionalTensor& v_new, const OptionalTensor& block_table,
+                                           std::optional<double> scale, const OptionalTensor& cache_batch_idx,
+                                           const OptionalTensor& cache_leftpad, int64_t window_left,
+                                           int64_t window_right, double softcap, const OptionalTensor& alibi_slopes,
+                                           const OptionalTensor& lse) {
+    check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, cache_batch_idx, cache_leftpad,
+                  window_left, window_right, softcap, alibi_slopes, lse);
+  }, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_seqlens"), py::arg("k_new") = py::none(),
+     py::arg("v_new") = py::none(), py::arg("block_table") = py::none(), py::arg("scale") = py::none(),
+     py::arg("cache_batch_idx") = py::none(), py::arg("cache_leftpad") = py::none(), py::arg("window_left") = -1,
+     py::arg("window_right") = -1, py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
+     py::arg("lse") = py::none(),
+     "raises what torch.ops.cs149gpt.attention_with_kvcache would for these arguments, on sizes alone");
   m.def("attention_fast", &attention_fast, "cs149gpt.attention's eager path for plain tensors (None: not taken)");
   m.def("sdpa_fast", &sdpa_fast,
         "cs149gpt.scaled_dot_product_attention's eager path without dropout (None: not taken)");

@@ -4,8 +4,9 @@ Covered: FlashAttention's (batch, seqlen, heads, d) layout in and out, bottom-ri
 FlashAttention defines them (seqlen_q != seqlen_k both ways), MHA/GQA/MQA, float32 and bfloat16, the qkv- and
 kv-packed variants (gradients reaching the packed tensor), softmax_lse's shape and values (+inf for a row that sees
 no key), the attention probabilities of return_attn_probs, gradients of flash_attn_func against float64 autograd,
-flash_attn_with_kvcache on contiguous and paged caches with appends (the caches' contents checked after), and
-every option that is not served raising NotImplementedError naming its argument.
+flash_attn_with_kvcache on contiguous and paged caches with appends (the caches' contents checked after; its other
+options in test_flash_attn_kvcache.py), and every option that is not served raising NotImplementedError naming its
+argument.
 """
 import math
 
@@ -211,7 +212,6 @@ def test_kvcache_with_appends(paged, s_q, causal, dtype):
 @pytest.mark.parametrize("kwargs,name", [
     (dict(softcap=30.0), "softcap"),
     (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
-    (dict(dropout_p=0.1, return_attn_probs=True), "return_attn_probs"),
 ])
 def test_dense_refusals(kwargs, name):
     q, k, v = inputs(1, 8, 8, 2, 2, 16, torch.float32)
@@ -225,13 +225,6 @@ def test_dense_refusals(kwargs, name):
 @pytest.mark.parametrize("kwargs,name", [
     (dict(softcap=30.0), "softcap"),
     (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
-    (dict(rotary_cos=torch.ones(8, 8), rotary_sin=torch.zeros(8, 8)), "rotary_cos"),
-    (dict(rotary_sin=torch.zeros(8, 8)), "rotary_sin"),
-    (dict(cache_batch_idx=torch.zeros(1, dtype=torch.int32)), "cache_batch_idx"),
-    (dict(cache_leftpad=torch.zeros(1, dtype=torch.int32)), "cache_leftpad"),
-    (dict(window_size=(4, 0)), "window_size"),
-    (dict(return_softmax_lse=True), "return_softmax_lse"),
-    (dict(k=torch.randn(1, 3, 2, 16), v=torch.randn(1, 3, 2, 16)), "k"),
 ])
 def test_kvcache_refusals(kwargs, name):
     q = torch.randn(1, 2, 2, 16)

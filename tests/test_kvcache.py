@@ -367,9 +367,9 @@ def bad_cases():
         ("negative block id", (q, pk, pv, seqlens, k_new, v_new, torch.tensor([[5, 0, 2], [-1, 3, 4]], dtype=i32)),
          IndexError, r"block_table\[1, 0\] = -1"),
         ("length past capacity", (q, k, v, torch.tensor([3, 11], dtype=i32), k_new, v_new, None),
-         ValueError, r"cache_seqlens\[1\] = 11 plus the Nq = 2 new keys exceed the cache's capacity of 12"),
+         ValueError, r"cache_seqlens\[1\] = 11 plus the 2 new keys of k_new exceed the cache's capacity of 12"),
         ("paged length past capacity", (q, pk, pv, torch.tensor([11, 3], dtype=i32), k_new, v_new, table),
-         ValueError, r"capacity of 12 keys \(max_blocks x block_size\)"),
+         ValueError, r"^block_table: row 0 maps 3 blocks of 4 keys, 12 keys in all, too few for cache_seqlens\[0\] = 11 plus"),
         ("negative length", (q, k, v, torch.tensor([-1, 3], dtype=i32), None, None, None),
          ValueError, r"cache_seqlens\[0\] must be >= 0"),
         ("huge length", (q, k, v, torch.tensor([2**62, 3]), k_new, v_new, None), ValueError, "capacity"),
@@ -386,7 +386,8 @@ def bad_cases():
         ("GQA", (q[:, :3], k, v, seqlens, None, None, None), ValueError, "multiple of the kv heads"),
         ("no kv heads", (q, k[:, :0], v[:, :0], seqlens, None, None, None), ValueError,
          r"k_cache must have at least one kv head \(dim 1\), got k_cache of shape \[2, 0, 12, 8\]"),
-        ("k_new shape", (q, k, v, seqlens, k_new[:, :, :1], v_new, None), ValueError, "k_new must have shape"),
+        ("k_new shape", (q, k, v, seqlens, k_new[..., :1], v_new, None), ValueError, "k_new must have shape"),
+        ("v_new length", (q, k, v, seqlens, k_new, v_new[:, :, :1], None), ValueError, "v_new must have shape"),
         ("k_new alone", (q, k, v, seqlens, k_new, None, None), ValueError, "k_new and v_new must be given together"),
         ("q rank", (q[0], k, v, seqlens, None, None, None), ValueError, r"q must have shape \(B, Hq, Nq, d\)"),
         ("table rank", (q, pk, pv, seqlens, None, None, table[0]), ValueError, "block_table must have shape"),
@@ -499,5 +500,6 @@ def test_lengths_past_the_block_table_name_it():
     """A paged cache whose block table has too few blocks for a sequence's length: the message names
     block_table (the table points past the cache it maps), not only cache_seqlens."""
     q, k, v, _, _, _, table = small_case(paged=True, append=False)
-    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 13 exceed .* block_table's row 1 maps too few blocks"):
+    with pytest.raises(ValueError, match=r"^block_table: row 1 maps 3 blocks of 4 keys, 12 keys in all, too few for "
+                                         r"cache_seqlens\[1\] = 13$"):
         cs149gpt.attention_with_kvcache(q, k, v, torch.tensor([3, 13], dtype=torch.int32), block_table=table)

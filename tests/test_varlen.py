@@ -248,3 +248,18 @@ def test_bad_arguments_are_refused():
         cs149gpt.varlen_attention(q, q, q, cu, cu, 10, 10, window=(-2, 0))
     with pytest.raises(NotImplementedError, match="block_table"):
         flash_attn_varlen_func(q, q, q, cu, cu, 10, 10, block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_attn_probs_carry_the_dropout_pattern():
+    """return_attn_probs with dropout: S_dmask negative where dropped, and out = (kept S_dmask / (1 − p)) v."""
+    q, k, v, cu_q, cu_k = packed([(12, 20), (30, 30), (5, 9)], 2, 1, 16, torch.float32, seed=7)
+    t = lambda cu: torch.tensor(cu, dtype=torch.int32)  # noqa: E731
+    torch.manual_seed(11)
+    out, _, s = flash_attn_varlen_func(q, k, v, t(cu_q), t(cu_k), 30, 30, dropout_p=0.25, causal=True,
+                                       return_attn_probs=True)
+    assert (s < 0).any() and (s > 0).any()
+    for b in range(3):
+        n_q, n_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        kept = s[b, :, :n_q, :n_k].clamp(min=0).double() / 0.75
+        vs = v[cu_k[b]:cu_k[b + 1]].double().transpose(0, 1).repeat_interleave(2, 0)
+        torch.testing.assert_close((kept @ vs).transpose(0, 1), out[cu_q[b]:cu_q[b + 1]].double(), atol=2e-5, rtol=0)

@@ -20,12 +20,14 @@
 // calling thread, with no parallel region at all. The workspace (the splits' partials, per-thread scratch) comes
 // from the caller.
 //
-// The same kernel serves attention_with_kvcache: sequences of their own lengths (cache_seqlens), a paged cache
-// (block_table), and new keys/values appended to the cache before attending (attention.h).
+// The same kernel serves attention_with_kvcache: sequences of their own lengths (cache_seqlens), starting at their own
+// row (cache_leftpad), in cache rows of their own (cache_batch_idx) or a paged cache (block_table), new keys/values of
+// any count appended to the cache before attending, and a sliding window aligned to each sequence's end (attention.h).
+// Every one of these is an address (cache_row): the cache is read in place, never gathered.
 // Non-finite values follow the README's rule: a NaN or +inf logit makes its row NaN, −inf logits weigh 0, and a
 // key the causal mask hides from a row is never read for it (neither its k nor its v).
 //
-// attn_mask and the sliding window (attention()'s decoding calls; a KV cache call has neither) are looked at block
+// attn_mask and the sliding window (attention()'s decoding calls; a KV cache call has the window alone) are looked at block
 // by block of keys, row by row, as flash_common.h's mask_block classifies a tile:
 //   hidden for every row:   the block is skipped, its keys and values never read;
 //   visible for every row:  the unmasked path above, the mask read (a first look) and nothing else;
@@ -108,14 +110,17 @@ struct Layout {
   int64_t tasks(const AttentionParams& p) const { return p.batch * p.num_kv_heads * splits * row_tasks; }
 };
 
-// Row t of the keys (or values) of kv head kvh of sequence b, and how many rows from it on are contiguous
-// (through the row stride): to the end of its page in a paged cache, else all of them.
+// Key t of kv head kvh of sequence b (its keys (or values) counted from cache_leftpad[b]), and how many rows from it
+// on are contiguous (through the row stride): to the end of its page in a paged cache, else all of them. Sequence b's
+// cache row is cache_batch_idx[b] when given (contiguous caches), its pages those of block_table's row b.
 template <class T>
 inline const T* cache_row(const AttentionParams& p, const void* base, const int64_t (&strides)[3], int64_t b,
                           int64_t kvh, int64_t t, int64_t* run) {
+  if (p.cache_leftpad) t += p.cache_leftpad[b];
   if (!p.block_table) {
     *run = INT64_MAX;
-    return static_cast<const T*>(base) + b * strides[0] + kvh * strides[1] + t * strides[2];
+    const int64_t row_of_b = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+    return static_cast<const T*>(base) + row_of_b * strides[0] + kvh * strides[1] + t * strides[2];
   }
   const int64_t page = p.block_table[b * p.block_table_stride + t / p.page_size], row = t % p.page_size;
   *run = p.page_size - row;
@@ -130,11 +135,11 @@ inline int64_t visible_keys_of(const AttentionParams& p, int64_t kv_len, int64_t
   return std::clamp<int64_t>(i + offset + 1, 0, kv_len);
 }
 
-// Appends k_new, v_new (batch, kv head b·Hkv + kvh) to the cache at rows [length − q_len, length).
+// Appends k_new, v_new (batch, kv head b·Hkv + kvh) to the cache at keys [length − new_len, length).
 template <class T>
 void append_new_kv(const AttentionParams& p, int64_t b, int64_t kvh) {
-  const int64_t first = seq_kv_len(p, b) - p.q_len;
-  for (int64_t i = 0; i < p.q_len; ++i) {
+  const int64_t first = seq_kv_len(p, b) - p.new_len;
+  for (int64_t i = 0; i < p.new_len; ++i) {
     int64_t run;
     T* k = const_cast<T*>(cache_row<T>(p, p.k, p.k_strides, b, kvh, first + i, &run));
     T* v = const_cast<T*>(cache_row<T>(p, p.v, p.v_strides, b, kvh, first + i, &run));
@@ -318,6 +323,15 @@ inline flash::MaskBlock mask_rows(const AttentionParams& p, const Layout& L, int
   return all_visible ? MaskBlock::visible : end == 0 ? MaskBlock::hidden : MaskBlock::partial;
 }
 
+// The call as sequence b of a KV cache sees it (kv_len its keys, the causal mask and window at its end), for the rules
+// of attn_mask and the window (visible_keys, window_first/last), which read the call's lengths.
+inline const AttentionParams& sequence_of_cache(const AttentionParams& p, int64_t kv_len, AttentionParams* view) {
+  *view = p;
+  view->kv_len = kv_len;
+  view->causal_offset = view->window_offset = kv_len - p.q_len;
+  return *view;
+}
+
 // One task: rows [ρ0, ρ0 + rows) of kv head kvh in sequence b against the keys of split s. Writes the rows'
 // partials (O_s, m_s, l_s), or, when there is one split, the rows' output.
 template <class T>
@@ -329,7 +343,10 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
   float *Q = scratch + L.q_off, *O = scratch + L.o_off, *m = scratch + L.m_off, *l = scratch + L.l_off;
   int64_t keys[kMaxTaskRows];       // a masked block: the keys each row sees a prefix of (mask_rows)
   const float* bias[kMaxTaskRows];  // and the row's attn_mask / window offsets (null: none)
-  const bool masked = has_mask_or_window(p);  // attention() only: a KV cache call has neither
+  const bool masked = has_mask_or_window(p);
+  // A KV cache's causal mask and window are aligned to each sequence's own end: the blocks read a view with its length.
+  AttentionParams seq_view;
+  const AttentionParams& ps = p.cache_seqlens ? sequence_of_cache(p, kv_len, &seq_view) : p;
   fill_row(kNegInf, m, rows);
   fill_row(0.0f, l, rows);
   fill_row(0.0f, O, rows * L.d_row);
@@ -366,15 +383,15 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
       }
       if (masked) {
         int64_t shown_end;
-        switch (mask_rows(p, L, b, kvh, rho0, rows, t0, n, scratch + L.bias_off, keys, bias, &shown_end)) {
+        switch (mask_rows(ps, L, b, kvh, rho0, rows, t0, n, scratch + L.bias_off, keys, bias, &shown_end)) {
           case flash::MaskBlock::hidden: break;  // no row sees a key of it: never read
           case flash::MaskBlock::visible:
-            plain_block<T>(p, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
+            plain_block<T>(ps, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
             break;
-          case flash::MaskBlock::partial: masked_block<T>(p, L, rows, shown_end, K, V, keys, bias, scratch); break;
+          case flash::MaskBlock::partial: masked_block<T>(ps, L, rows, shown_end, K, V, keys, bias, scratch); break;
         }
       } else {
-        plain_block<T>(p, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
+        plain_block<T>(ps, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
       }
       t0 += n;
       K = K_next.rows;
