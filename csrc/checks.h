@@ -49,7 +49,8 @@ void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k
 DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
                       std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                       std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
-                      int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {});
+                      int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {},
+                      double softcap = 0.0, const OptionalTensor& alibi_slopes = {});
 // t is dense with like's shape and dtype.
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name);
 // The backward's: the forward's checks on q, k, v, then dout and out shaped like q, lse like q without its last dim,
@@ -59,7 +60,8 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
                                const std::string& causal, std::optional<int64_t> block_q,
                                std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {},
                                int64_t window_left = -1, int64_t window_right = -1, double dropout_p = 0.0,
-                               const OptionalTensor& dropout_seed = {});
+                               const OptionalTensor& dropout_seed = {}, double softcap = 0.0,
+                               const OptionalTensor& alibi_slopes = {});
 // attention_with_kvcache's checks on sizes (symbolic: the fake calls it too). Returns the dtype of the call.
 DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& cache_seqlens, const OptionalTensor& k_new, const OptionalTensor& v_new,
@@ -113,12 +115,14 @@ struct Prepared {
   at::Tensor q4, k4, v4;  // views (or, for a strided last dim, copies) that the params point into
   at::Tensor mask4;       // attn_mask expanded to (batch, heads, Nq, Nk): a view, stride 0 where broadcast
   at::Tensor key_ranges;  // attn_mask's runs of shown keys, when each row has one (mask_ranges.cpp)
+  at::Tensor alibi;       // alibi_slopes as (Hq,) or (batch, Hq): what p.alibi_slopes points into
   AttentionParams p;
 };
 // Fills the params of a CPU call whose arguments check_attention has passed (it returned dtype).
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                  std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
-                 int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {});
+                 int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {},
+                 double softcap = 0.0, const OptionalTensor& alibi_slopes = {});
 
 }  // namespace cs149gpt

@@ -102,7 +102,9 @@ inline void choose_backward(AttentionBackwardParams& bp, int64_t cpus, bool bf16
   bp.head_parts = parts;
   const int64_t tasks = pairs * chunks * (p.dtype == DType::f32 ? std::gcd(parts, p.num_heads / p.num_kv_heads) : 1);
   const bool bf16_on_dot = p.dtype == DType::bf16 && bf16_dot;
-  if (force.path >= 0)
+  if (has_logit_mods(p))  // softcap and ALiBi: the two-pass kernel (flash_backward.cpp) only
+    bp.path = BackwardPath::two_pass;
+  else if (force.path >= 0)
     bp.path = force.path == 1 ? BackwardPath::one_pass : BackwardPath::two_pass;
   else
     bp.path = busy_share(tasks, cpus) >= (bf16_on_dot ? kOnePassMinBusyBf16Dot : kOnePassMinBusy)

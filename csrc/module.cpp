@@ -75,12 +75,13 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
                                                  std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                                  bool want_lse, const OptionalTensor& attn_mask = {},
                                                  int64_t window_left = -1, int64_t window_right = -1,
-                                                 double dropout_p = 0.0, const OptionalTensor& dropout_seed = {}) {
+                                                 double dropout_p = 0.0, const OptionalTensor& dropout_seed = {},
+                                                 double softcap = 0.0, const OptionalTensor& alibi_slopes = {}) {
   TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
   const DType dtype = check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
-                                      window_right, dropout_p, dropout_seed);
+                                      window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k, attn_mask, window_left, window_right,
-                          dropout_p, dropout_seed);
+                          dropout_p, dropout_seed, softcap, alibi_slopes);
   AttentionParams& p = prep.p;
   const KernelTable& kernels = cs149gpt::kernels();
   const Kernel* kernel = nullptr;
@@ -96,7 +97,9 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
     case Impl::fused: kernel = &kernels.fused; break;
     // A few query rows (decoding) go to flash-decoding, which splits the keys instead (attention.h), attn_mask and
     // window included; the tiled kernels take the rest.
-    case Impl::flash: kernel = heuristics::decode_kernel_takes(p) ? &kernels.decode : &kernels.flash; break;
+    case Impl::flash:  // (softcap, ALiBi: flash.cpp, for any number of query rows)
+      kernel = heuristics::decode_kernel_takes(p) && !has_logit_mods(p) ? &kernels.decode : &kernels.flash;
+      break;
     case Impl::flash_teaching: kernel = &kTeachingKernel; break;
   }
   const at::Tensor out = empty_out_like(q), out4 = as_4d(out, "out");
@@ -138,14 +141,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 //   broadcastable to (..., Nq, Nk)), applied together with the causal mask. window_left, window_right: the sliding
 //   window (FlashAttention's window_size, -1 = unbounded), applied with both. dropout_p > 0: dropout on the
 //   attention weights, its mask generated from dropout_seed = (seed, offset), int64 (attention.h: dropout_keep).
+//   softcap > 0: each scaled logit s becomes softcap · tanh(s / softcap) before attn_mask; alibi_slopes (Hq,) or
+//   (B, Hq) float32: −slope · |i + Nk − Nq − j| added to it (attention.h).
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    std::optional<double> scale, const std::string& causal,
                                                    std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                                    const OptionalTensor& attn_mask, int64_t window_left,
                                                    int64_t window_right, double dropout_p,
-                                                   const OptionalTensor& dropout_seed) {
+                                                   const OptionalTensor& dropout_seed, double softcap,
+                                                   const OptionalTensor& alibi_slopes) {
   return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true, attn_mask, window_left,
-                       window_right, dropout_p, dropout_seed);
+                       window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
 }
 
 namespace {
@@ -163,11 +169,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
     std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
-    double dropout_p, const OptionalTensor& dropout_seed) {
+    double dropout_p, const OptionalTensor& dropout_seed, double softcap, const OptionalTensor& alibi_slopes) {
   const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
-                                               window_left, window_right, dropout_p, dropout_seed);
+                                               window_left, window_right, dropout_p, dropout_seed, softcap,
+                                               alibi_slopes);
   Prepared prep = prepare(q, k, v, Impl::flash, dtype, scale, causal, block_q, block_k, attn_mask, window_left,
-                          window_right, dropout_p, dropout_seed);
+                          window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
@@ -427,7 +434,8 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 using FlashFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                    std::optional<double>, const std::string&, std::optional<int64_t>,
                                                    std::optional<int64_t>, const std::optional<at::Tensor>&, int64_t,
-                                                   int64_t, double, const std::optional<at::Tensor>&);
+                                                   int64_t, double, const std::optional<at::Tensor>&, double,
+                                                   const std::optional<at::Tensor>&);
 
 // Whether autograd (reverse or forward mode) must record a call on these tensors: then the wrappers take it.
 bool autograd_needed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -457,7 +465,8 @@ py::object call_below_autograd(const at::Tensor& q, const at::Tensor& k, const a
     if (return_lse || attn_mask)  // (attn_mask: impl is "flash", the one kernel that reads masks)
       std::tie(out, lse) = flash_op.call(q, k, v, scale, causal, block_q, block_k, attn_mask,
                                          /*window_left=*/-1, /*window_right=*/-1, /*dropout_p=*/0.0,
-                                         /*dropout_seed=*/std::nullopt);
+                                         /*dropout_seed=*/std::nullopt, /*softcap=*/0.0,
+                                         /*alibi_slopes=*/std::nullopt);
     else
       out = attention_op.call(q, k, v, impl, scale, causal, block_q, block_k);
   }
@@ -587,11 +596,12 @@ TORCH_LIBRARY(cs149gpt, m) {
         "int? block_q=None, int? block_k=None) -> Tensor", keep_stride_order);
   m.def("flash_attention(Tensor q, Tensor k, Tensor v, float? scale=None, str causal='none', int? block_q=None, "
         "int? block_k=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, float dropout_p=0.0, "
-        "Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)", keep_stride_order);
+        "Tensor? dropout_seed=None, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)",
+        keep_stride_order);
   m.def("flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? scale=None, str causal='none', int? block_q=None, int? block_k=None, Tensor? attn_mask=None, "
-        "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) -> "
-        "(Tensor dq, Tensor dk, Tensor dv)", keep_stride_order);
+        "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None, "
+        "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)", keep_stride_order);
   m.def("attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
         "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True) "
         "-> Tensor");
@@ -638,24 +648,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
                               std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                               std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
-                              int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed) {
+                              int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed,
+                              double softcap, const OptionalTensor& alibi_slopes) {
     check_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, attn_mask, window_left, window_right,
-                    dropout_p, dropout_seed);
+                    dropout_p, dropout_seed, softcap, alibi_slopes);
   }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("impl"), py::arg("scale"), py::arg("causal"),
      py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(), py::arg("window_left") = -1,
-     py::arg("window_right") = -1, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
+     py::arg("window_right") = -1, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = py::none(),
+     py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(), "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
   m.def("check_attention_backward", [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                        std::optional<double> scale, const std::string& causal,
                                        std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                        const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
-                                       double dropout_p, const OptionalTensor& dropout_seed) {
+                                       double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                                       const OptionalTensor& alibi_slopes) {
     check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask, window_left,
-                             window_right, dropout_p, dropout_seed);
+                             window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   }, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
      py::arg("causal"), py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(),
      py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("dropout_p") = 0.0,
-     py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+     py::arg("dropout_seed") = py::none(), py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
+     "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
   m.def("check_attention_with_kvcache", [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                                            const std::optional<at::Tensor>& v_new,
