@@ -31,7 +31,7 @@ Supported:
   flash_attn_func takes; one kernel call over all sequences (cs149gpt.varlen_attention).
 
 Raises NotImplementedError, naming the argument, rather than return a different result:
-- softcap != 0 and alibi_slopes (every function: the kernels do not apply them yet);
+- softcap != 0 and alibi_slopes in flash_attn_with_kvcache (its decode kernel does not apply them yet);
 - block_table in flash_attn_varlen_func (a paged KV cache there).
 deterministic is accepted (every result is bitwise the same for any thread count) and num_splits is ignored.
 """
@@ -53,21 +53,20 @@ __all__ = [
     "flash_attn_with_kvcache",
 ]
 
-def _refuse_unsupported(softcap, alibi_slopes):
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap}: the softcapped logits are not computed by cs149gpt's kernels yet")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi biases are not computed by cs149gpt's kernels yet")
-
-
-def _attention_probs(q, k, scale, causal, window_size, lse):
-    """(B, H, Nq, Nk) float32 softmax probabilities from q, k (B, H*, N, d) and the kernel's lse (B, H, Nq)."""
+def _attention_probs(q, k, scale, causal, window_size, lse, softcap=0.0, alibi_slopes=None):
+    """(B, H, Nq, Nk) float32 softmax probabilities from q, k (B, H*, N, d) and the kernel's lse (B, H, Nq): the logits
+    as the kernel forms them (scale, softcap, ALiBi with slopes (H,) or (B, H)), masked."""
     with torch.no_grad():
         group = q.shape[1] // k.shape[1]
         s = (q.float() @ k.float().repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+        if softcap > 0.0:
+            s = softcap * torch.tanh(s / softcap)
         n_q, n_k = q.shape[-2], k.shape[-2]
         i = torch.arange(n_q).unsqueeze(1) + (n_k - n_q)  # each query's diagonal, bottom-right aligned
         j = torch.arange(n_k).unsqueeze(0)
+        if alibi_slopes is not None:
+            slopes = alibi_slopes.float().reshape(-1 if alibi_slopes.dim() == 2 else 1, q.shape[1], 1, 1)
+            s = s - slopes * (i - j).abs()
         left, right = window_size
         visible = torch.ones(n_q, n_k, dtype=torch.bool)
         if causal:
@@ -82,7 +81,6 @@ def _attention_probs(q, k, scale, causal, window_size, lse):
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     """q (B, Nq, Hq, d), k and v (B, Nk, Hkv, d), any strides with the last dim contiguous."""
-    _refuse_unsupported(softcap, alibi_slopes)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
@@ -92,12 +90,13 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     # its state draws it again, for the keep mask.
     rng = torch.Generator().set_state(torch.get_rng_state()) if return_attn_probs and dropout_p > 0.0 else None
     out, lse = attention(qt, kt, vt, scale=softmax_scale, is_causal="bottom_right" if causal else False,
-                         window=window if window != (-1, -1) else None, dropout_p=dropout_p, return_lse=True)
+                         window=window if window != (-1, -1) else None, dropout_p=dropout_p, softcap=softcap,
+                         alibi_slopes=alibi_slopes, return_lse=True)
     out = out.transpose(1, 2)  # (B, Nq, Hq, d)
     if not return_attn_probs:
         return out
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    probs = _attention_probs(qt, kt, scale, causal, window, lse.detach())
+    probs = _attention_probs(qt, kt, scale, causal, window, lse.detach(), softcap, alibi_slopes)
     if rng is not None:
         seed, offset = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=rng).tolist()
         keep = _ext._module._testing.dropout_keep_mask(seed, offset, list(probs.shape), float(dropout_p))
@@ -114,7 +113,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         q: (batch, seqlen_q, heads, head_dim). k, v: (batch, seqlen_k, heads_kv, head_dim), heads divisible by
             heads_kv (MQA/GQA).
         dropout_p, softmax_scale, causal (bottom-right), window_size: as in the module docstring.
-        softcap, alibi_slopes: only their defaults (else NotImplementedError). deterministic: accepted.
+        softcap: > 0 caps the scaled logits to softcap · tanh(s / softcap). alibi_slopes: (heads,) or
+            (batch, heads) float32, adds −slope · |i + seqlen_k − seqlen_q − j|. deterministic: accepted.
         return_attn_probs: also return softmax_lse (batch, heads, seqlen_q) float32 and S_dmask, the attention
             probabilities (batch, heads, seqlen_q, seqlen_k) before dropout, negated where dropout dropped them
             (for testing: materialised).
@@ -147,7 +147,6 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
     """q (total_q, Hq, d), k and v (total_k, Hkv, d), sequences packed one after another (cu_seqlens)."""
-    _refuse_unsupported(softcap, alibi_slopes)
     if block_table is not None:
         raise NotImplementedError("block_table: a paged KV cache in flash_attn_varlen_func is not supported yet; "
                                   "use flash_attn_with_kvcache")
@@ -159,7 +158,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     rng = torch.Generator().set_state(torch.get_rng_state()) if return_attn_probs and dropout_p > 0.0 else None
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                 scale=softmax_scale, is_causal=bool(causal),
-                                window=window if window != (-1, -1) else None, dropout_p=dropout_p, return_lse=True)
+                                window=window if window != (-1, -1) else None, dropout_p=dropout_p, softcap=softcap,
+                                alibi_slopes=alibi_slopes, return_lse=True)
     if not return_attn_probs:
         return out
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
@@ -167,8 +167,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     probs = q.new_zeros((len(cu_q) - 1, q.shape[1], int(max_seqlen_q), int(max_seqlen_k)), dtype=torch.float32)
     for b in range(len(cu_q) - 1):  # (testing only: materialised, sequence by sequence, from the kernel's lse)
         qs, ks = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1), k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
         p = _attention_probs(qs.unsqueeze(0), ks.unsqueeze(0), scale, causal, window,
-                             lse[:, cu_q[b]:cu_q[b + 1]].detach().unsqueeze(0))
+                             lse[:, cu_q[b]:cu_q[b + 1]].detach().unsqueeze(0), softcap, slopes)
         probs[b, :, :qs.shape[1], :ks.shape[1]] = p[0]
     if rng is not None:  # sequence b's keep mask: the dense one at offset + cu_seqlens_q[b]·H·(longest key sequence)
         seed, offset = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=rng).tolist()

@@ -74,8 +74,10 @@ def attention(
     attn_mask: Optional[torch.Tensor] = None,
     window: Optional[Tuple[int, int]] = None,
     dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """softmax(scale · q kᵀ [+ attn_mask] [+ causal mask]) v, computed by one of the ladder's kernels.
+    """softmax(c(scale · q kᵀ) [+ ALiBi] [+ attn_mask] [+ causal mask]) v, computed by one of the ladder's kernels.
 
     Args:
         q: (..., Nq, d) queries, 2-D or more. Every input is read in place through its strides (a GPT's
@@ -119,6 +121,16 @@ def attention(
             default generator, so torch.manual_seed reproduces a call for any thread count; the backward
             regenerates the mask instead of storing it. Equal to torch's dropout in distribution, not in bits.
             cs149gpt._ext.load()._testing.dropout_keep_mask(seed, offset, shape, p) returns the mask (a test hook).
+        softcap: (flash only) > 0: each scaled logit s becomes c(s) = softcap · tanh(s / softcap) (Gemma 2's and
+            FlashAttention's softcap), before ALiBi and attn_mask are added; 0 (the default) leaves the logits as
+            they are. A finite float >= 0, else ValueError. Its gradient flows through (1 − tanh²). Non-finite
+            logits: a +inf or −inf product becomes ±softcap (finite, so it no longer turns its row NaN or weighs 0);
+            NaN stays NaN; attn_mask's −inf is added after the cap and still hides its key.
+        alibi_slopes: (flash only) ALiBi (BLOOM, MPT): float32 slopes of shape (Hq,) or (B, Hq) (q's leading dims
+            then its heads), on q's device; query head h's logit of key j in row i gets
+            −slope · |i + Nk − Nq − j| added (FlashAttention's definition: the distance to the bottom-right
+            diagonal, whatever is_causal says). Computed inside the kernel, never materialised as an (Nq, Nk)
+            bias. The slopes get no gradient (ValueError if they require grad) and stay float32 under autocast.
 
     Returns:
         out: (..., Nq, d) in q's dtype, laid out as torch's CPU SDPA lays it: dense in q's order of strides
@@ -162,7 +174,8 @@ def attention(
     "fused", "flash_teaching") compute in float32 from the cast values and return out in autocast's dtype. Mixed input dtypes are
     fine there (autocast makes them one).
     """
-    if (attn_mask is None and window is None and dropout_p == 0.0 and not torch.compiler.is_compiling()
+    if (attn_mask is None and window is None and dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+            and not torch.compiler.is_compiling()
             and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and _registered
             and not _has_torch_function((q, k, v))):
         # Plain tensors in eager mode: the checks, the autograd decision and the call in C++ (module.cpp); None
@@ -198,6 +211,16 @@ def attention(
         raise ValueError(f"dropout_p needs impl='flash', got impl={impl!r}")
     if (window_left, window_right) != (-1, -1) and impl != "flash":
         raise ValueError(f"window needs impl='flash', got impl={impl!r}")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+        raise ValueError(f"softcap must be a finite float >= 0, got {softcap!r}")
+    if softcap != 0.0 and impl != "flash":
+        raise ValueError(f"softcap needs impl='flash', got impl={impl!r}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a float32 torch.Tensor of shape (Hq,) or (B, Hq), or None; got "
+                            f"{type(alibi_slopes).__name__}")
+        if impl != "flash":
+            raise ValueError(f"alibi_slopes needs impl='flash', got impl={impl!r}")
     _load()
     if any(t.layout != torch.strided or t.is_nested for t in (q, k, v)):
         # A jagged nested tensor is a Python subclass whose dispatch never reaches our kernels, which refuse
@@ -208,7 +231,8 @@ def attention(
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
             out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask,
-                                                          window_left, window_right, float(dropout_p), seed)
+                                                          window_left, window_right, float(dropout_p), seed,
+                                                          float(softcap), alibi_slopes)
             return (out, lse) if return_lse else out
         return torch.ops.cs149gpt.attention(q, k, v, impl, scale, causal, block_q, block_k)
 
@@ -327,6 +351,8 @@ def varlen_attention(
     is_causal: bool = False,
     window: Optional[Tuple[int, int]] = None,
     dropout_p: float = 0.0,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
     return_lse: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention over sequences of different lengths packed one after another (FlashAttention's varlen layout).
@@ -347,6 +373,9 @@ def varlen_attention(
             sequence, as FlashAttention); a row that sees no key gets 0 and lse −inf.
         window: (left, right) sliding window per sequence, FlashAttention's window_size (−1: unbounded side).
         dropout_p: dropout on the attention weights (training only; the mask is regenerated in the backward).
+        softcap: > 0 caps each scaled logit s to softcap · tanh(s / softcap), as attention() does.
+        alibi_slopes: (Hq,) or (B, Hq) float32: adds −slope · |i + Nk − Nq − j| in each sequence (FlashAttention's
+            ALiBi), computed in the kernel.
         return_lse: also return lse, (Hq, total_q) float32.
 
     Differentiable in q, k and v (the backward is one kernel call too: a task per (sequence, kv head)).
@@ -357,7 +386,8 @@ def varlen_attention(
     _load()
     seed = _dropout_seed() if dropout_p > 0.0 else None
     out, lse = torch.ops.cs149gpt.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   scale, bool(is_causal), left, right, float(dropout_p), seed)
+                                                   scale, bool(is_causal), left, right, float(dropout_p), seed,
+                                                   float(softcap), alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -676,39 +706,42 @@ def _causal_mode(is_causal: Union[bool, str]) -> str:
 # Autograd and fake (meta) implementations of the C++ operators. Registered once, when the module loads.
 # ---------------------------------------------------------------------------------------------------------
 def _flash_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, block_q, block_k, attn_mask, window_left, window_right, dropout_p, dropout_seed = inputs
+    (q, k, v, scale, causal, block_q, block_k, attn_mask, window_left, window_right, dropout_p, dropout_seed, softcap,
+     alibi_slopes) = inputs
     out, lse = output
     # lse (O(N)), never P (O(N²)); the mask as given; dropout's (seed, offset), from which its mask is regenerated
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, dropout_seed, alibi_slopes)
     ctx.scale, ctx.causal, ctx.block_q, ctx.block_k = scale, causal, block_q, block_k
-    ctx.window, ctx.dropout_p = (window_left, window_right), dropout_p
+    ctx.window, ctx.dropout_p, ctx.softcap = (window_left, window_right), dropout_p, softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _flash_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, attn_mask, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, dropout_seed, alibi_slopes = ctx.saved_tensors
     dq, dk, dv = torch.ops.cs149gpt.flash_attention_backward(
         dout, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.block_q, ctx.block_k, attn_mask, *ctx.window,
-        ctx.dropout_p, dropout_seed)
-    # attn_mask: no gradient (attention() refuses one that wants it)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        ctx.dropout_p, dropout_seed, ctx.softcap, alibi_slopes)
+    # attn_mask, alibi_slopes: no gradient (attention() refuses a mask that wants one, the op's check such slopes)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed = inputs
+    (q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed, softcap,
+     alibi_slopes) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes)
     ctx.args = (max_q, max_k, scale, causal, window_left, window_right, dropout_p)
+    ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes = ctx.saved_tensors
     max_q, max_k, scale, causal, window_left, window_right, dropout_p = ctx.args
     dq, dk, dv = torch.ops.cs149gpt.varlen_attention_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p,
-        dropout_seed)
-    return (dq, dk, dv) + (None,) * 10
+        dropout_seed, ctx.softcap, alibi_slopes)
+    return (dq, dk, dv) + (None,) * 12
 
 
 def _out_like(q: torch.Tensor) -> torch.Tensor:
@@ -750,8 +783,10 @@ def _autocast_cast(t, device_type: str, dtype: torch.dtype):
 
 
 def _autocast_flash_attention(op, device_type, dtype, *args):
-    """flash_attention under autocast: q, k, v and a floating attn_mask in autocast's dtype."""
-    return op(*(_autocast_cast(a, device_type, dtype) for a in args))
+    """flash_attention under autocast: q, k, v and a floating attn_mask in autocast's dtype; alibi_slopes stay
+    float32."""
+    names = [a.name for a in op._schema.arguments]
+    return op(*(a if name == "alibi_slopes" else _autocast_cast(a, device_type, dtype) for name, a in zip(names, args)))
 
 
 def _autocast_attention(op, device_type, dtype, q, k, v, impl, *rest):
@@ -826,16 +861,16 @@ def _register_python_parts() -> None:
 
     @torch.library.register_fake(lib + "flash_attention")
     def _(q, k, v, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None, window_left=-1,
-          window_right=-1, dropout_p=0.0, dropout_seed=None):
+          window_right=-1, dropout_p=0.0, dropout_seed=None, softcap=0.0, alibi_slopes=None):
         checks.check_attention(q, k, v, "flash", scale, causal, block_q, block_k, attn_mask, window_left, window_right,
-                               dropout_p, dropout_seed)
+                               dropout_p, dropout_seed, softcap, alibi_slopes)
         return _out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @torch.library.register_fake(lib + "flash_attention_backward")
     def _(dout, q, k, v, out, lse, scale=None, causal="none", block_q=None, block_k=None, attn_mask=None,
-          window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None):
+          window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None, softcap=0.0, alibi_slopes=None):
         checks.check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
-                                        window_left, window_right, dropout_p, dropout_seed)
+                                        window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes)
         return _grad_like(q), _grad_like(k), _grad_like(v)
 
     @torch.library.register_fake(lib + "attention_with_kvcache")
@@ -849,16 +884,16 @@ def _register_python_parts() -> None:
 
     @torch.library.register_fake(lib + "varlen_attention")
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None, causal=False, window_left=-1,
-          window_right=-1, dropout_p=0.0, dropout_seed=None):
+          window_right=-1, dropout_p=0.0, dropout_seed=None, softcap=0.0, alibi_slopes=None):
         checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                            window_left, window_right, dropout_p, dropout_seed)
+                            window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes)
         return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake(lib + "varlen_attention_backward")
     def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None, causal=False,
-          window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None):
+          window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None, softcap=0.0, alibi_slopes=None):
         checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                            window_left, window_right, dropout_p, dropout_seed)
+                            window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)

@@ -222,6 +222,8 @@ inline bool has_window(const AttentionParams& p) {
 }
 // Whether anything beyond the causal mask hides keys (attn_mask, a window): the kernels then classify their blocks.
 inline bool has_mask_or_window(const AttentionParams& p) { return p.mask_kind != MaskKind::none || has_window(p); }
+// Whether the logits are transformed before attn_mask is added (softcap, ALiBi): every score the kernels compute.
+inline bool has_logit_mods(const AttentionParams& p) { return p.softcap > 0.0f || p.alibi_slopes != nullptr; }
 
 // The keys of row i's window (query head h, batch b): [window_first, window_last] (unclamped; INT64 extremes when
 // unbounded), the sliding window's band within attn_mask's key range.

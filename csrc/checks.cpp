@@ -130,7 +130,8 @@ void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k
 DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
                       std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                       std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
-                      int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed) {
+                      int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                      const OptionalTensor& alibi_slopes) {
   check_tensor(q, "q");
   check_tensor(k, "k");
   check_tensor(v, "v");
@@ -192,6 +193,28 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     TORCH_CHECK_VALUE(dropout_seed->device().is_cpu() || dropout_seed->device().is_meta(),
                       "dropout_seed must be on the CPU, got ", dropout_seed->device());
   }
+  // softcap and ALiBi: the flash kernel's, on the CPU (the other rungs and CUDA refuse them below).
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0 && softcap < kFloat32Overflow / 2,
+                    "softcap must be a finite float32 >= 0 (0: no softcap), got ", softcap);
+  TORCH_CHECK_VALUE(softcap == 0.0 || impl == Impl::flash, "softcap needs impl='flash', got impl='", impl_name(impl),
+                    "'");
+  if (is_given(alibi_slopes)) {
+    const at::Tensor& s = *alibi_slopes;
+    TORCH_CHECK_VALUE(impl == Impl::flash, "alibi_slopes needs impl='flash', got impl='", impl_name(impl), "'");
+    TORCH_CHECK_TYPE(s.layout() == at::kStrided && !s.is_nested() && !s.is_quantized(),
+                     "alibi_slopes must be a dense (strided) float32 tensor");
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "alibi_slopes must be float32, got ", s.scalar_type());
+    check_devices({{"q", &q}, {"alibi_slopes", &s}});
+    TORCH_CHECK_VALUE(!s.requires_grad(), "alibi_slopes gets no gradient: pass it with requires_grad=False "
+                      "(alibi_slopes.detach())");
+    // (Hq,), or q's leading dims then Hq: (B, Hq) for q of shape (B, Hq, Nq, d).
+    const c10::SymInt hq = rank >= 3 ? q.sym_size(-3) : c10::SymInt(1);
+    const auto heads_lead = q.sym_sizes().slice(0, std::max<int64_t>(rank - 2, 0));
+    const bool per_head = s.dim() == 1 && s.sym_size(0) == hq;
+    CHECK_SIZES(c10::SymBool(per_head).sym_or(equal_sizes(s.sym_sizes(), heads_lead)),
+                "alibi_slopes must have shape (", hq, ",) (one slope per query head) or ", heads_lead,
+                " (q's leading dims: one per batch element and head); got ", s.sym_sizes());
+  }
   // What only the CPU kernels run, refused here for CUDA tensors (fake ones too), so that eager mode,
   // FakeTensorMode and torch.compile refuse a call alike, before anything is traced or launched.
   if (q.device().is_cuda()) {
@@ -202,6 +225,8 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     TORCH_CHECK_NOT_IMPLEMENTED(!is_given(attn_mask), "attn_mask is not supported on CUDA yet (CPU only)");
     TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1,
                                 "window is not supported on CUDA yet (CPU only)");
+    TORCH_CHECK_VALUE(softcap == 0.0, "softcap is not supported on CUDA yet (CPU only); pass softcap=0");
+    TORCH_CHECK_VALUE(!is_given(alibi_slopes), "alibi_slopes is not supported on CUDA yet (CPU only); pass None");
     // The tensor-core kernels are instantiated for these head dims (csrc/cuda/flash_launch.cuh).
     if (dtype != DType::f32)
       CHECK_SIZES(d.sym_eq(64).sym_or(d.sym_eq(128)), "CUDA flash attention in ", q.scalar_type(),
@@ -226,9 +251,10 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
                                const std::string& causal, std::optional<int64_t> block_q,
                                std::optional<int64_t> block_k, const OptionalTensor& attn_mask,
                                int64_t window_left, int64_t window_right, double dropout_p,
-                               const OptionalTensor& dropout_seed) {
+                               const OptionalTensor& dropout_seed, double softcap,
+                               const OptionalTensor& alibi_slopes) {
   const DType dtype = check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask, window_left,
-                                      window_right, dropout_p, dropout_seed);
+                                      window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   TORCH_CHECK_TYPE(!q.device().is_cuda() || dtype != DType::f32, "the CUDA flash backward takes bfloat16 or float16; "
                    "float32 on CUDA has the teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
   check_like(dout, "dout", q, "q");
@@ -350,7 +376,8 @@ F32Products g_float32_products = F32Products::automatic;
 DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-                   double dropout_p, const OptionalTensor& dropout_seed) {
+                   double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                   const OptionalTensor& alibi_slopes) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}}) {
     check_tensor(*t, name);
     TORCH_CHECK_VALUE(t->dim() == 3, name, " must be (total_tokens, heads, head_dim), the sequences packed one after "
@@ -367,10 +394,19 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check_devices({{"q", &q}, {"cu_seqlens_q", &cu_seqlens_q}, {"cu_seqlens_k", &cu_seqlens_k}});
   TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q and max_seqlen_k must be >= 0, got ",
                     max_seqlen_q, " and ", max_seqlen_k);
-  // The rest as a dense call on (heads, tokens, d) views: dtypes, devices, head dims, GQA, scale, window, dropout.
+  // ALiBi slopes: (Hq,) or (batch, Hq), one row per sequence.
+  OptionalTensor per_head = alibi_slopes;
+  if (is_given(alibi_slopes) && alibi_slopes->dim() == 2) {
+    CHECK_SIZES(alibi_slopes->sym_size(0).sym_eq(cu_seqlens_q.sym_size(0) - 1), "alibi_slopes must be (heads,) or "
+                "(batch, heads) with batch = len(cu_seqlens_q) - 1 = ", cu_seqlens_q.sym_size(0) - 1, "; got shape ",
+                alibi_slopes->sym_sizes());
+    per_head = alibi_slopes->select(0, 0);  // its heads, dtype and device are checked below as (Hq,) slopes'
+  }
+  // The rest as a dense call on (heads, tokens, d) views: dtypes, devices, head dims, GQA, scale, window, dropout,
+  // softcap and the slopes.
   return check_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), Impl::flash, scale,
                          causal ? "bottom_right" : "none", std::nullopt, std::nullopt, {}, window_left, window_right,
-                         dropout_p, dropout_seed);
+                         dropout_p, dropout_seed, softcap, per_head);
 }
 
 std::pair<int64_t, int64_t> varlen_lengths(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
@@ -425,7 +461,8 @@ void fill_params(AttentionParams& p, const at::Tensor& q4, const at::Tensor& k4,
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                  std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
-                 int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed) {
+                 int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                 const OptionalTensor& alibi_slopes) {
   // Meta tensors pass check_attention (the fake implementations share it); the kernels need memory.
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
   const int64_t d = q.size(-1), q_len = q.size(-2), kv_len = k.size(-2);
@@ -468,6 +505,14 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     const at::Tensor seed = dropout_seed->contiguous();
     p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
     p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
+  }
+  p.softcap = static_cast<float>(softcap);
+  if (is_given(alibi_slopes)) {  // (Hq,): stride 0 over the batch; else q's leading dims flattened as q4's are
+    const at::Tensor& s = *alibi_slopes;
+    prep.alibi = s.dim() == 1 ? s : s.reshape({p.batch, p.num_heads});
+    p.alibi_slopes = prep.alibi.data_ptr<float>();
+    p.alibi_strides[0] = s.dim() == 1 ? 0 : prep.alibi.stride(0);
+    p.alibi_strides[1] = prep.alibi.stride(-1);
   }
   switch (impl) {
     case Impl::naive:

@@ -49,7 +49,8 @@ void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k
 DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
                       std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                       std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
-                      int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {});
+                      int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {},
+                      double softcap = 0.0, const OptionalTensor& alibi_slopes = {});
 // t is dense with like's shape and dtype.
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name);
 // The backward's: the forward's checks on q, k, v, then dout and out shaped like q, lse like q without its last dim,
@@ -59,7 +60,8 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
                                const std::string& causal, std::optional<int64_t> block_q,
                                std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {},
                                int64_t window_left = -1, int64_t window_right = -1, double dropout_p = 0.0,
-                               const OptionalTensor& dropout_seed = {});
+                               const OptionalTensor& dropout_seed = {}, double softcap = 0.0,
+                               const OptionalTensor& alibi_slopes = {});
 // varlen_attention's checks on sizes (symbolic: the fake calls it too): q (total_q, Hq, d), k and v (total_k, Hkv, d),
 // cu_seqlens_q and cu_seqlens_k int32 of one size B + 1, max_seqlen_q/k >= 0, and the options check_attention checks on
 // q, k, v seen as (heads, tokens, d). Returns the dtype of the call. The sequences' lengths are checked when the data is
@@ -67,7 +69,8 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
 DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-                   double dropout_p, const OptionalTensor& dropout_seed);
+                   double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                   const OptionalTensor& alibi_slopes);
 // The longest query and key sequences of cu_seqlens_q/k, after checking them against the packed tensors: each starts at
 // >= 0, never decreases, ends within total_q/total_k rows, and no sequence is longer than max_seqlen_q/k. `covers` is
 // set to whether the sequences cover every row of q and of k (else the rows outside them get zeros).
@@ -131,12 +134,14 @@ struct Prepared {
   at::Tensor q4, k4, v4;  // views (or, for a strided last dim, copies) that the params point into
   at::Tensor mask4;       // attn_mask expanded to (batch, heads, Nq, Nk): a view, stride 0 where broadcast
   at::Tensor key_ranges;  // attn_mask's runs of shown keys, when each row has one (mask_ranges.cpp)
+  at::Tensor alibi;       // alibi_slopes as (Hq,) or (batch, Hq): what p.alibi_slopes points into
   AttentionParams p;
 };
 // Fills the params of a CPU call whose arguments check_attention has passed (it returned dtype).
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                  std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
-                 int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {});
+                 int64_t window_right = -1, double dropout_p = 0.0, const OptionalTensor& dropout_seed = {},
+                 double softcap = 0.0, const OptionalTensor& alibi_slopes = {});
 
 }  // namespace cs149gpt

@@ -81,10 +81,11 @@ struct BackwardForce {
 // dot-product hardware.
 inline void choose_backward(AttentionBackwardParams& bp, int64_t cpus, bool bf16_dot, const BackwardForce& force) {
   const AttentionParams& p = bp.fwd;
-  // Packed sequences: the one-pass kernels, a task per (sequence, kv head) reading its sequence as a call of its own
-  // (sequence_view); key runs and head parts, whose tasks share sums, stay whole.
+  // Packed sequences: a task per (sequence, kv head) on the one-pass kernels (per (sequence, tile) on the two-pass one,
+  // which softcap and ALiBi need), each reading its sequence as a call of its own (sequence_view); key runs and head
+  // parts, whose tasks share sums, stay whole.
   if (p.cu_seqlens_q) {
-    bp.path = BackwardPath::one_pass;
+    bp.path = has_logit_mods(p) ? BackwardPath::two_pass : BackwardPath::one_pass;
     bp.key_chunks = bp.head_parts = 1;
     return;
   }
@@ -109,7 +110,9 @@ inline void choose_backward(AttentionBackwardParams& bp, int64_t cpus, bool bf16
   bp.head_parts = parts;
   const int64_t tasks = pairs * chunks * (p.dtype == DType::f32 ? std::gcd(parts, p.num_heads / p.num_kv_heads) : 1);
   const bool bf16_on_dot = p.dtype == DType::bf16 && bf16_dot;
-  if (force.path >= 0)
+  if (has_logit_mods(p))  // softcap and ALiBi: the two-pass kernel (flash_backward.cpp) only
+    bp.path = BackwardPath::two_pass;
+  else if (force.path >= 0)
     bp.path = force.path == 1 ? BackwardPath::one_pass : BackwardPath::two_pass;
   else
     bp.path = busy_share(tasks, cpus) >= (bf16_on_dot ? kOnePassMinBusyBf16Dot : kOnePassMinBusy)

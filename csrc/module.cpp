@@ -75,12 +75,13 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
                                                  std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                                  bool want_lse, const OptionalTensor& attn_mask = {},
                                                  int64_t window_left = -1, int64_t window_right = -1,
-                                                 double dropout_p = 0.0, const OptionalTensor& dropout_seed = {}) {
+                                                 double dropout_p = 0.0, const OptionalTensor& dropout_seed = {},
+                                                 double softcap = 0.0, const OptionalTensor& alibi_slopes = {}) {
   TORCH_CHECK_VALUE(!want_lse || impl == Impl::flash, "lse is computed by impl='flash' only");
   const DType dtype = check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
-                                      window_right, dropout_p, dropout_seed);
+                                      window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   Prepared prep = prepare(q, k, v, impl, dtype, scale, causal, block_q, block_k, attn_mask, window_left, window_right,
-                          dropout_p, dropout_seed);
+                          dropout_p, dropout_seed, softcap, alibi_slopes);
   AttentionParams& p = prep.p;
   const KernelTable& kernels = cs149gpt::kernels();
   const Kernel* kernel = nullptr;
@@ -96,7 +97,9 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
     case Impl::fused: kernel = &kernels.fused; break;
     // A few query rows (decoding) go to flash-decoding, which splits the keys instead (attention.h), attn_mask and
     // window included; the tiled kernels take the rest.
-    case Impl::flash: kernel = heuristics::decode_kernel_takes(p) ? &kernels.decode : &kernels.flash; break;
+    case Impl::flash:  // (softcap, ALiBi: flash.cpp, for any number of query rows)
+      kernel = heuristics::decode_kernel_takes(p) && !has_logit_mods(p) ? &kernels.decode : &kernels.flash;
+      break;
     case Impl::flash_teaching: kernel = &kTeachingKernel; break;
   }
   const at::Tensor out = empty_out_like(q), out4 = as_4d(out, "out");
@@ -138,14 +141,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 //   broadcastable to (..., Nq, Nk)), applied together with the causal mask. window_left, window_right: the sliding
 //   window (FlashAttention's window_size, -1 = unbounded), applied with both. dropout_p > 0: dropout on the
 //   attention weights, its mask generated from dropout_seed = (seed, offset), int64 (attention.h: dropout_keep).
+//   softcap > 0: each scaled logit s becomes softcap · tanh(s / softcap) before attn_mask; alibi_slopes (Hq,) or
+//   (B, Hq) float32: −slope · |i + Nk − Nq − j| added to it (attention.h).
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    std::optional<double> scale, const std::string& causal,
                                                    std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                                    const OptionalTensor& attn_mask, int64_t window_left,
                                                    int64_t window_right, double dropout_p,
-                                                   const OptionalTensor& dropout_seed) {
+                                                   const OptionalTensor& dropout_seed, double softcap,
+                                                   const OptionalTensor& alibi_slopes) {
   return run_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, true, attn_mask, window_left,
-                       window_right, dropout_p, dropout_seed);
+                       window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
 }
 
 namespace {
@@ -163,11 +169,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
     std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
-    double dropout_p, const OptionalTensor& dropout_seed) {
+    double dropout_p, const OptionalTensor& dropout_seed, double softcap, const OptionalTensor& alibi_slopes) {
   const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
-                                               window_left, window_right, dropout_p, dropout_seed);
+                                               window_left, window_right, dropout_p, dropout_seed, softcap,
+                                               alibi_slopes);
   Prepared prep = prepare(q, k, v, Impl::flash, dtype, scale, causal, block_q, block_k, attn_mask, window_left,
-                          window_right, dropout_p, dropout_seed);
+                          window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;
@@ -204,17 +211,18 @@ at::Tensor rows_readable(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t
 // A varlen call's tensors and params, checked (check_varlen has passed; it returned dtype) and filled: sequence b is rows
 // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q, [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (attention.h).
 struct VarlenCall {
-  at::Tensor q, k, v, cu_q, cu_k;
+  at::Tensor q, k, v, cu_q, cu_k, alibi;
   AttentionParams p;
   bool covers = true;  // the sequences cover every row of q and k (else the outputs start as zeros)
 };
 VarlenCall prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                           const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, DType dtype,
                           std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-                          double dropout_p, const OptionalTensor& dropout_seed) {
+                          double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                          const OptionalTensor& alibi_slopes) {
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
   VarlenCall c{rows_readable(q), rows_readable(k), rows_readable(v), cu_seqlens_q.contiguous(),
-               cu_seqlens_k.contiguous(), {}, true};
+               cu_seqlens_k.contiguous(), {}, {}, true};
   const auto [longest_q, longest_k] =
       varlen_lengths(c.cu_q, c.cu_k, q.size(0), k.size(0), max_seqlen_q, max_seqlen_k, &c.covers);
   AttentionParams& p = c.p;
@@ -239,6 +247,13 @@ VarlenCall prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Te
     p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
     p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
   }
+  p.softcap = static_cast<float>(softcap);
+  if (is_given(alibi_slopes)) {  // (Hq,): stride 0 over the sequences; (batch, Hq): a row each
+    c.alibi = *alibi_slopes;
+    p.alibi_slopes = c.alibi.data_ptr<float>();
+    p.alibi_strides[0] = c.alibi.dim() == 1 ? 0 : c.alibi.stride(0);
+    p.alibi_strides[1] = c.alibi.stride(-1);
+  }
   return c;
 }
 
@@ -256,21 +271,23 @@ void point_at(void*& ptr, int64_t (&strides)[3], const at::Tensor& t) {  // (tot
 }  // namespace
 
 // varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window_left,
-//                  window_right, dropout_p, dropout_seed) -> (out, lse)
+//                  window_right, dropout_p, dropout_seed, softcap, alibi_slopes) -> (out, lse)
 //   FlashAttention's packed variable-length attention: q (total_q, Hq, d), k and v (total_k, Hkv, d), sequence b at rows
 //   [cu_seqlens[b], cu_seqlens[b + 1]) of each; causal and window bottom-right in each sequence. out (total_q, Hq, d)
 //   dense; lse (Hq, total_q) float32, −inf for a row that sees no key. One kernel call over every sequence: its tasks
-//   are (sequence, head, query tile).
+//   are (sequence, head, query tile). softcap and alibi_slopes ((Hq,) or (batch, Hq)) as flash_attention's, ALiBi's
+//   distance i + Nk − Nq − j taken in each sequence.
 std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                     int64_t max_seqlen_q, int64_t max_seqlen_k,
                                                     std::optional<double> scale, bool causal, int64_t window_left,
                                                     int64_t window_right, double dropout_p,
-                                                    const OptionalTensor& dropout_seed) {
+                                                    const OptionalTensor& dropout_seed, double softcap,
+                                                    const OptionalTensor& alibi_slopes) {
   const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                                   window_left, window_right, dropout_p, dropout_seed);
+                                   window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   VarlenCall c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale, causal,
-                                window_left, window_right, dropout_p, dropout_seed);
+                                window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   AttentionParams& p = c.p;
   const at::Tensor out = varlen_output(q, c.covers, "out");
   point_at(p.out, p.out_strides, out);
@@ -294,9 +311,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
-    double dropout_p, const OptionalTensor& dropout_seed) {
+    double dropout_p, const OptionalTensor& dropout_seed, double softcap, const OptionalTensor& alibi_slopes) {
   const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                                   window_left, window_right, dropout_p, dropout_seed);
+                                   window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   check_like(dout, "dout", q, "q");
   check_like(out, "out", q, "q");
   TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
@@ -304,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
                     "lse must be (heads, total_q) = (", q.size(1), ", ", q.size(0), "), got shape ", lse.sizes());
   check_devices({{"q", &q}, {"dout", &dout}, {"out", &out}, {"lse", &lse}});
   VarlenCall c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale, causal,
-                                window_left, window_right, dropout_p, dropout_seed);
+                                window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   AttentionBackwardParams bp;
   bp.fwd = c.p;
   heuristics::choose_backward(bp, machine_cpus(), kernels().bf16_dot_probe != nullptr, testing::backward_force);
@@ -606,7 +623,8 @@ using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 using FlashFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                    std::optional<double>, const std::string&, std::optional<int64_t>,
                                                    std::optional<int64_t>, const std::optional<at::Tensor>&, int64_t,
-                                                   int64_t, double, const std::optional<at::Tensor>&);
+                                                   int64_t, double, const std::optional<at::Tensor>&, double,
+                                                   const std::optional<at::Tensor>&);
 
 // Whether autograd (reverse or forward mode) must record a call on these tensors: then the wrappers take it.
 bool autograd_needed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -636,7 +654,8 @@ py::object call_below_autograd(const at::Tensor& q, const at::Tensor& k, const a
     if (return_lse || attn_mask)  // (attn_mask: impl is "flash", the one kernel that reads masks)
       std::tie(out, lse) = flash_op.call(q, k, v, scale, causal, block_q, block_k, attn_mask,
                                          /*window_left=*/-1, /*window_right=*/-1, /*dropout_p=*/0.0,
-                                         /*dropout_seed=*/std::nullopt);
+                                         /*dropout_seed=*/std::nullopt, /*softcap=*/0.0,
+                                         /*alibi_slopes=*/std::nullopt);
     else
       out = attention_op.call(q, k, v, impl, scale, causal, block_q, block_k);
   }
@@ -766,18 +785,20 @@ TORCH_LIBRARY(cs149gpt, m) {
         "int? block_q=None, int? block_k=None) -> Tensor", keep_stride_order);
   m.def("flash_attention(Tensor q, Tensor k, Tensor v, float? scale=None, str causal='none', int? block_q=None, "
         "int? block_k=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, float dropout_p=0.0, "
-        "Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)", keep_stride_order);
+        "Tensor? dropout_seed=None, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)",
+        keep_stride_order);
   m.def("flash_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "float? scale=None, str causal='none', int? block_q=None, int? block_k=None, Tensor? attn_mask=None, "
-        "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) -> "
-        "(Tensor dq, Tensor dk, Tensor dv)", keep_stride_order);
+        "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None, "
+        "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)", keep_stride_order);
   m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
         "int max_seqlen_k, float? scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
-        "float dropout_p=0.0, Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)");
+        "float dropout_p=0.0, Tensor? dropout_seed=None, float softcap=0.0, Tensor? alibi_slopes=None) -> "
+        "(Tensor out, Tensor lse)");
   m.def("varlen_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float? scale=None, "
-        "bool causal=False, int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) "
-        "-> (Tensor dq, Tensor dk, Tensor dv)");
+        "bool causal=False, int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None, "
+        "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
         "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True, "
         "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, int window_left=-1, int window_right=-1, "
@@ -828,29 +849,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
                               std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
                               std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
-                              int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed) {
+                              int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed,
+                              double softcap, const OptionalTensor& alibi_slopes) {
     check_attention(q, k, v, parse_impl(impl), scale, causal, block_q, block_k, attn_mask, window_left, window_right,
-                    dropout_p, dropout_seed);
+                    dropout_p, dropout_seed, softcap, alibi_slopes);
   }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("impl"), py::arg("scale"), py::arg("causal"),
      py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(), py::arg("window_left") = -1,
-     py::arg("window_right") = -1, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
+     py::arg("window_right") = -1, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = py::none(),
+     py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(), "raises what torch.ops.cs149gpt.attention would for these arguments, on sizes alone (meta and fake tensors too)");
   m.def("check_attention_backward", [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                        std::optional<double> scale, const std::string& causal,
                                        std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                        const OptionalTensor& attn_mask, int64_t window_left, int64_t window_right,
-                                       double dropout_p, const OptionalTensor& dropout_seed) {
+                                       double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                                       const OptionalTensor& alibi_slopes) {
     check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask, window_left,
-                             window_right, dropout_p, dropout_seed);
+                             window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   }, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
      py::arg("causal"), py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(),
      py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("dropout_p") = 0.0,
-     py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+     py::arg("dropout_seed") = py::none(), py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
+     "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
   m.def("check_varlen", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                            const at::Tensor& cu_k, int64_t max_q, int64_t max_k, std::optional<double> scale,
                            bool causal, int64_t window_left, int64_t window_right, double dropout_p,
-                           const OptionalTensor& dropout_seed) {
-    check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed);
+                           const OptionalTensor& dropout_seed, double softcap, const OptionalTensor& alibi_slopes) {
+    check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed,
+                 softcap, alibi_slopes);
   });
   m.def("check_attention_with_kvcache", [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& cache_seqlens, const OptionalTensor& k_new,

@@ -118,10 +118,11 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
                                                std::optional<int64_t> block_k, bool want_lse,
                                                const OptionalTensor& attn_mask = {}, int64_t window_left = -1,
                                                int64_t window_right = -1, double dropout_p = 0.0,
-                                               const OptionalTensor& dropout_seed = {}) {
+                                               const OptionalTensor& dropout_seed = {}, double softcap = 0.0,
+                                               const OptionalTensor& alibi_slopes = {}) {
   const Impl which = parse_impl(impl);
   const DType dtype = check_attention(q, k, v, which, scale, causal, block_q, block_k, attn_mask, window_left,
-                                      window_right, dropout_p, dropout_seed);
+                                      window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   const c10::cuda::CUDAGuard guard(q.device());
   Prepared prep = prepare(q, k, v, dtype, scale, causal, block_q, block_k);
   AttentionParams& p = prep.p;
@@ -157,18 +158,21 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
                                                    std::optional<int64_t> block_q, std::optional<int64_t> block_k,
                                                    const std::optional<at::Tensor>& attn_mask, int64_t window_left,
                                                    int64_t window_right, double dropout_p,
-                                                   const std::optional<at::Tensor>& dropout_seed) {
+                                                   const std::optional<at::Tensor>& dropout_seed, double softcap,
+                                                   const std::optional<at::Tensor>& alibi_slopes) {
   return run_forward(q, k, v, "flash", scale, causal, block_q, block_k, true, attn_mask, window_left, window_right,
-                     dropout_p, dropout_seed);
+                     dropout_p, dropout_seed, softcap, alibi_slopes);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
     std::optional<int64_t> block_k, const std::optional<at::Tensor>& attn_mask, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& dropout_seed) {
+    int64_t window_right, double dropout_p, const std::optional<at::Tensor>& dropout_seed, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
   const DType dtype = check_attention_backward(dout, q, k, v, out, lse, scale, causal, block_q, block_k, attn_mask,
-                                               window_left, window_right, dropout_p, dropout_seed);
+                                               window_left, window_right, dropout_p, dropout_seed, softcap,
+                                               alibi_slopes);
   const c10::cuda::CUDAGuard guard(q.device());
   Prepared prep = prepare(q, k, v, dtype, scale, causal, block_q, block_k);
 

@@ -3,7 +3,7 @@
 // Split Q into Tr tiles of Br query rows and K, V into Tc tiles of Bc key rows. For each query tile Q_i:
 //   m = −inf, l = 0, O_i = 0                       running row max, running row sum, unnormalised output
 //   for each key tile j that the causal mask lets Q_i see:
-//     S_ij  = scale · Q_i K_jᵀ + M_ij               Br × Bc   (M: attn_mask's offsets; −inf where masked)
+//     S_ij  = c(scale · Q_i K_jᵀ) + A_ij + M_ij     Br × Bc   (c: softcap; A: ALiBi; M: attn_mask, −inf where masked)
 //     m_new = max(m, rowmax(S_ij))
 //     P_ij  = exp(S_ij − m_new)                    Br × Bc
 //     l     = exp(m − m_new) · l + rowsum(P_ij)
@@ -210,6 +210,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   const T* V_in_place = v_head<T>(p, b, h);
   const int64_t ldv = L.pack_v ? d_pad : p.v_strides[2];
 
+  const LogitMods mods(p, kLog2e);
   const int64_t keys_seen = visible_keys(p, i0 + rows - 1);  // by the tile's last row, which sees most
   for (int64_t j0 = 0, j = 0; j0 < keys_seen; j0 += L.Bc, ++j) {
     const int64_t cols = std::min(L.Bc, p.kv_len - j0);
@@ -254,11 +255,14 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block.
       // Where every row sees every key and no mask is added, the product also takes the rows' maxima from its
       // registers, so that the softmax does not read S once more for them.
-      const bool max_in_product = block != MaskBlock::partial && visible[0] == n_keys;
+      const bool max_in_product = block != MaskBlock::partial && visible[0] == n_keys && !mods.any;
       if (max_in_product) fill_row(kNegInf, row_max, kRowGroup * W);
       group_gemm_panels<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.panel,
                                                          round_up(n_keys, W), S, L.s_ld,
                                                          max_in_product ? row_max : nullptr, n_keys);
+      // softcap, ALiBi (base 2: cap and slopes times log2 e), before attn_mask.
+      if (mods.any)
+        for (int64_t r = 0; r < group_rows; ++r) mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, n_keys);
       if (block == MaskBlock::partial)
         for (int64_t r = 0; r < group_rows; ++r) {
           if (direct)

@@ -1,10 +1,11 @@
 // FlashAttention-2 backward (Dao, 2023, Algorithm 2), recomputing P tile by tile from the saved lse.
 //
-// With S = scale · Q Kᵀ (masked), P = exp(S − lse) (the forward's softmax, never stored) and dO = ∂L/∂O:
+// With S = c(scale · Q Kᵀ) + ALiBi (masked; c the softcap, c(x) = cap · tanh(x / cap), else x), P = exp(S − lse) (the
+// forward's softmax, never stored) and dO = ∂L/∂O:
 //   D   = rowsum(dO ∘ O)                 one number per query row
 //   dV  = (P ∘ Z)ᵀ dO                     Z: dropout's keep mask / (1 − p), regenerated (1 without dropout)
 //   dP  = (dO Vᵀ) ∘ Z
-//   dS  = P ∘ (dP − D)                    the softmax's Jacobian applied row by row
+//   dS  = P ∘ (dP − D) ∘ c'               the softmax's Jacobian row by row; c' = 1 − tanh² (1 without softcap)
 //   dQ  = scale · dS K
 //   dK  = scale · dSᵀ Q
 // All in O(N) memory: P, dP and dS exist one row group × one key tile at a time. attn_mask enters S as in the
@@ -44,8 +45,9 @@ struct Layout {
   // and with attn_mask or a window, per key tile, whether its K is all finite (1.0f) or not (0.0f)
   int64_t qs_off, do_off, qt_off, dot_off, delta_off, lse_off, kt_off, vt_off, kr_off, vr_off, k_finite_off, shared;
   // per thread: S/P and dP/dS for one row group × one key tile (pass 2) or one key tile × one chunk of
-  // kQueryChunk query rows (pass 1, transposed); dK_j, dV_j; dQ for one row group; a row of ones
-  int64_t s_off, ds_off, dk_off, dv_off, dq_off, ones_off, bias_off, per_thread;
+  // kQueryChunk query rows (pass 1, transposed); dK_j, dV_j; dQ for one row group; a row of ones; attn_mask's
+  // offsets and softcap's derivative 1 − tanh², laid out like S
+  int64_t s_off, ds_off, dk_off, dv_off, dq_off, ones_off, bias_off, grad_off, per_thread;
 
   explicit Layout(const AttentionBackwardParams& bp) {
     const AttentionParams& p = bp.fwd;
@@ -85,7 +87,8 @@ struct Layout {
     dq_off = dv_off + Bc * d_pad;
     ones_off = dq_off + kRowGroup * d_pad;
     bias_off = round_up(ones_off + std::max<int64_t>(Bc, kRowGroup), 16);
-    per_thread = bias_off + (has_mask_or_window(p) ? round_up(tile, 16) : 0);  // attn_mask's offsets of a tile
+    grad_off = bias_off + (has_mask_or_window(p) ? round_up(tile, 16) : 0);  // attn_mask's offsets of a tile
+    per_thread = grad_off + (p.softcap > 0.0f ? round_up(tile, 16) : 0);  // softcap's 1 − tanh² of a tile
   }
 };
 
@@ -155,7 +158,9 @@ void pack_key_tile(const AttentionBackwardParams& bp, const Layout& L, float* ws
 //   dP = dO_g V_jᵀ, dS = P ∘ (dP − D) into `dS`.
 void recompute_p_and_ds(const AttentionParams& p, const Layout& L, const float* ws, int64_t head, int64_t kv_tile,
                         int64_t i0, int64_t j0, int64_t n_keys, int64_t n_cols, const float* bias, float* P,
-                        float* dS) {
+                        float* dS, float* grad) {
+  const LogitMods mods(p, 1.0f);
+  const int64_t b = head / p.num_heads, h = head % p.num_heads;
   const int64_t d = p.head_dim;
   const float* Qg = ws + L.qs_off + (head * L.q_pad + i0) * L.d_pad;
   const float* dOg = ws + L.do_off + (head * L.q_pad + i0) * L.d_pad;
@@ -170,12 +175,15 @@ void recompute_p_and_ds(const AttentionParams& p, const Layout& L, const float* 
     float* dsr = dS + r * L.Bc;
     const int64_t visible = std::clamp<int64_t>(visible_keys(p, i0 + r) - j0, 0, n_keys);
     const bool masked_row = bias && i0 + r < p.q_len;
+    float* gr = p.softcap > 0.0f ? grad + r * L.Bc : nullptr;
+    if (mods.any && i0 + r < p.q_len) mods.row(p, b, h, i0 + r, j0, pr, visible, 1.0f, gr);  // softcap, ALiBi
     if (masked_row) add_mask(pr, bias + r * L.Bc, visible);
     exp_shifted_sum(pr, lse[r], visible);  // P = exp(S − lse)
     fill_row(0.0f, pr + visible, n_cols - visible);
     if (p.dropout_p > 0.0f && i0 + r < p.q_len) dropout_row(p, head, i0 + r, j0, dsr, visible, 1);  // dP ∘ Z
     const Vec D = Vec::broadcast(delta[r]);
     for (int64_t c = 0; c < n_cols; c += W) (Vec::load(pr + c) * (Vec::load(dsr + c) - D)).store(dsr + c);
+    if (gr && i0 + r < p.q_len) times_softcap_grad(dsr, gr, visible);  // dS through the softcap
     fill_row(0.0f, dsr + visible, n_cols - visible);  // hidden keys: dS = 0 even where dP (0 · NaN) is NaN
     if (masked_row) zero_where_hidden(dsr, bias + r * L.Bc, visible);
   }
@@ -192,6 +200,8 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
   const int64_t d = p.head_dim, d_pad = L.d_pad, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
   float *PT = scratch + L.s_off, *dST = scratch + L.ds_off, *dK = scratch + L.dk_off, *dV = scratch + L.dv_off;
   float* bias = scratch + L.bias_off;  // attn_mask's offsets, transposed like PT
+  float* grad = p.softcap > 0.0f ? scratch + L.grad_off : nullptr;  // softcap's 1 − tanh², transposed like PT
+  const LogitMods mods(p, 1.0f);
   const float* ones = scratch + L.ones_off;
   fill_row(0.0f, dK, L.Bc * d_pad);
   fill_row(0.0f, dV, L.Bc * d_pad);
@@ -217,6 +227,9 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
       const float* dOT = ws + L.dot_off + head * d * L.q_pad + c0;
       group_gemm<kQkVecs>(rows, d, Kj, d_pad, 1, QT, L.q_pad, n_q, PT, kQueryChunk, nullptr);
       group_gemm<kQkVecs>(rows, d, Vj, d_pad, 1, dOT, L.q_pad, n_q, dST, kQueryChunk, nullptr);
+      if (mods.any)  // softcap, ALiBi, key by key (a column of queries each)
+        for (int64_t t = 0; t < cols; ++t)
+          mods.column(p, b, h, c0, j0 + t, PT + t * kQueryChunk, real_q, 1.0f, grad ? grad + t * kQueryChunk : nullptr);
       if (partial)
         for (int64_t t = 0; t < cols; ++t) add_mask(PT + t * kQueryChunk, bias + t * kQueryChunk, real_q);
       if (p.dropout_p > 0.0f)  // dPᵀ ∘ Zᵀ, column by column (a query row's keys are kQueryChunk apart)
@@ -234,6 +247,8 @@ void key_tile(const AttentionBackwardParams& bp, const Layout& L, const float* w
           P.store(pt + c);
           dS.store(dst + c);
         }
+        if (grad && t < cols && masked < real_q)  // dS through the softcap
+          times_softcap_grad(dst + masked, grad + t * kQueryChunk + masked, real_q - masked);
         fill_row(0.0f, pt, masked);
         fill_row(0.0f, dst, masked);
         // Padding query rows (past q_len) are zero, but 0 · inf in K_j would make their P NaN.
@@ -280,7 +295,7 @@ void query_tile(const AttentionBackwardParams& bp, const Layout& L, const float*
       if (block == MaskBlock::partial) n_keys = shown_keys_end(bias, L.Bc, rows, n_keys);
       const int64_t n_cols = round_up(n_keys, kKeyAlign);
       recompute_p_and_ds(p, L, ws, head, kv_tile, i0, j0, n_keys, n_cols,
-                         block == MaskBlock::partial ? bias : nullptr, P, dS);
+                         block == MaskBlock::partial ? bias : nullptr, P, dS, scratch + L.grad_off);
       // dQ_g += dS K_j   (scale applied once below). As in the forward's P V_j: keys every row sees through
       // the micro-kernel, the causal diagonal's rest row by row, so a hidden key's K never meets a row. Where the
       // mask or window cuts the block and K_j holds a NaN or an infinity, each row adds the keys it sees one by one:
@@ -322,26 +337,41 @@ void run(const AttentionBackwardParams& bp, float* ws) {
   {
     float* scratch = thread_scratch + omp_get_thread_num() * L.per_thread;
     fill_row(1.0f, scratch + L.ones_off, std::max<int64_t>(L.Bc, kRowGroup));  // α = 1: accumulate
+    // Packed sequences: each job reads sequence b as a call of its own (sequence_view), made once per run of jobs
+    // of one sequence on this thread; a dense call is its own view.
+    AttentionBackwardParams view = bp;
+    int64_t view_of = -1;
+    const auto seq = [&](int64_t b) -> const AttentionBackwardParams& {
+      if (bp.fwd.cu_seqlens_q && b != view_of) view = sequence_view(bp, b), view_of = b;
+      return view;
+    };
 
-    // 0. Pack the operands once, all threads together.
+    // 0. Pack the operands once, all threads together (zeros past a shorter sequence's rows and keys).
 #pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t < n_query_rows; ++t)
-      pack_query_row<T>(bp, L, ws, t / (p.num_heads * L.q_pad), (t / L.q_pad) % p.num_heads, t % L.q_pad);
+    for (int64_t t = 0; t < n_query_rows; ++t) {
+      const int64_t b = t / (p.num_heads * L.q_pad);
+      pack_query_row<T>(seq(b), L, ws, b, (t / L.q_pad) % p.num_heads, t % L.q_pad);
+    }
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_key_tiles; ++t)
-      pack_key_tile<T>(bp, L, ws, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc);
+    for (int64_t t = 0; t < n_key_tiles; ++t) {
+      const int64_t b = t / (p.num_kv_heads * L.Tc);
+      pack_key_tile<T>(seq(b), L, ws, b, (t / L.Tc) % p.num_kv_heads, t % L.Tc);
+    }
     // (implicit barrier)
 
     // 1. dK, dV: one task per key tile. Causal: early key tiles meet the most query rows, so go first.
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t t = 0; t < n_key_tiles; ++t)
-      key_tile<T>(bp, L, ws, t / (p.num_kv_heads * L.Tc), (t / L.Tc) % p.num_kv_heads, t % L.Tc, scratch);
+    for (int64_t t = 0; t < n_key_tiles; ++t) {
+      const int64_t b = t / (p.num_kv_heads * L.Tc), j = t % L.Tc;
+      if (j * L.Bc < seq(b).fwd.kv_len) key_tile<T>(seq(b), L, ws, b, (t / L.Tc) % p.num_kv_heads, j, scratch);
+    }
 
     // 2. dQ: one task per query tile; the costliest (last, under a causal mask) first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_query_tiles; ++t) {
       const int64_t i = L.Tr - 1 - t % L.Tr, h = (t / L.Tr) % p.num_heads, b = t / (L.Tr * p.num_heads);
-      query_tile<T>(bp, L, ws, b, h, i * L.Br, std::min((i + 1) * L.Br, p.q_len), scratch);
+      const int64_t q_len = seq(b).fwd.q_len;
+      if (i * L.Br < q_len) query_tile<T>(seq(b), L, ws, b, h, i * L.Br, std::min((i + 1) * L.Br, q_len), scratch);
     }
   }
 }

@@ -313,6 +313,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   fill_row(0.0f, Oi, groups * G * L.d_n);
 
   const int64_t first_tile = (b * p.num_kv_heads + kv_head(p, h)) * L.Tc;
+  const flash::LogitMods mods(p, 1.0f);
   const int64_t keys_seen = visible_keys(p, i0 + rows - 1);  // by the tile's last row, which sees most
   for (int64_t j0 = 0, j = 0; j0 < keys_seen; j0 += L.Bc, ++j) {
     const int64_t cols = std::min(L.Bc, p.kv_len - j0), tile = first_tile + j;
@@ -350,21 +351,24 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
                                                          L.kt_tile, L.Bc_pad, S, L.s_ld, false);
       else
         qk_in_float32(G, s_cols, d, kP, Qi + g0 * L.d_k, q_part, L.d_k, KTj, L.kt_tile, L.Bc_pad, S, L.s_ld);
-      // S = scale · S + mask where the mask cuts the block (the softmax below then scales by 1).
+      // S = scale · S, softcap, ALiBi; + mask where the mask cuts the block (the softmax below then scales by 1).
       const bool partial = block == MaskBlock::partial;
+      const float mask_scale = mods.any ? 1.0f : p.scale;
+      if (mods.any)
+        for (int64_t r = 0; r < group_rows; ++r) mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, n_keys, p.scale);
       if (partial)
         for (int64_t r = 0; r < group_rows; ++r) {
           if (direct)
-            flash::add_mask_row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
+            flash::add_mask_row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, n_keys, /*unit=*/1.0f, mask_scale);
           else
-            add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, /*scale=*/p.scale);
+            add_mask(S + r * L.s_ld, bias + r * L.Bc_pad, n_keys, /*unit=*/1.0f, mask_scale);
         }
 
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16 (or in parts); m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
       const AttentionParams* dropout = p.dropout_p > 0.0f ? &p : nullptr;
-      const float softmax_scale = partial ? 1.0f : p.scale;
+      const float softmax_scale = partial || mods.any ? 1.0f : p.scale;
       if constexpr (kP > 1)
         online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
                        PToBf16Parts<kP>{Pb, p_part, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});

@@ -466,6 +466,78 @@ inline void add_mask_row(const AttentionParams& p, int64_t b, int64_t h, int64_t
   with_mask_rows(p, b, h, i, j0, [&](const auto* row) { add_mask(s, row, n, unit, scale); });
 }
 
+// softcap and ALiBi (attention.h), applied to the scores of a block as the product leaves them, before attn_mask:
+//   s = scale · s;   s = cap · tanh(s / cap)  (softcap > 0);   s = s − unit · slope · |i + kv_len − q_len − j|  (ALiBi)
+// in the logits' own units: `unit` is log2 e for flash.cpp's base-2 logits (cap · log2 e is then the cap: the same
+// function of the natural-log logit). grad (optional): 1 − tanh², softcap's derivative, for the backward's dS.
+// A line of scores is a row (query i, keys j0 + t) or, in the backward's transposed tiles, a column (queries i0 + t,
+// key j); either way the ALiBi distance is linear in t, and the whole is a few vector passes, nothing stored.
+// tanh: an odd Taylor polynomial below |x| = 0.3 (error < 1e-7 relative), 1 − 2 / (e^{2|x|} + 1) above (no
+// cancellation left: < 4e-7); ±inf gives ±1 (a +inf logit becomes +cap), NaN stays NaN.
+inline void softcap_line(float* s, int64_t n, float scale, float cap, float* grad) {
+  constexpr int64_t kChunk = 128;
+  const float to_x = scale / cap;
+  float e[kChunk];
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t m = std::min(kChunk, n - c0);
+    float* x = s + c0;
+    for (int64_t t = 0; t < m; ++t) {  // (vectorises) 2|x|, clamped below exp's overflow; NaN passes
+      const float a = 2.0f * std::fabs(to_x * x[t]);
+      e[t] = a > 80.0f ? 80.0f : a;
+    }
+    exp_row(e, m);
+    for (int64_t t = 0; t < m; ++t) {  // (vectorises)
+      const float v = to_x * x[t], a = std::fabs(v), a2 = a * a;
+      const float small =
+          a * (1.0f + a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315 + a2 * (62.0f / 2835 +
+                                                                                  a2 * (-1382.0f / 155925))))));
+      const float th = std::copysign(a < 0.3f ? small : 1.0f - 2.0f / (e[t] + 1.0f), v);
+      x[t] = cap * th;
+      if (grad) grad[c0 + t] = 1.0f - th * th;
+    }
+  }
+}
+
+struct LogitMods {
+  float cap = 0.0f;   // softcap in the logits' units, 0 without
+  float unit = 1.0f;  // ALiBi's offsets into the logits' units
+  bool any = false;
+  LogitMods(const AttentionParams& p, float unit_) : cap(p.softcap * unit_), unit(unit_), any(has_logit_mods(p)) {}
+  // unit · slope of query head h in batch b, 0 without ALiBi.
+  float slope(const AttentionParams& p, int64_t b, int64_t h) const {
+    return p.alibi_slopes ? unit * p.alibi_slopes[b * p.alibi_strides[0] + h * p.alibi_strides[1]] : 0.0f;
+  }
+  // s[t] for t < n, at distance dist0 + step · t (step ±1) from the diagonal.
+  void line(const AttentionParams& p, int64_t b, int64_t h, int64_t dist0, int step, float* s, int64_t n, float scale,
+            float* grad) const {
+    if (cap > 0.0f)
+      softcap_line(s, n, scale, cap, grad);
+    else if (scale != 1.0f)
+      scale_row(scale, s, n);
+    if (p.alibi_slopes) {
+      const float sl = slope(p, b, h);
+      const int32_t d0 = static_cast<int32_t>(dist0);
+      for (int32_t t = 0; t < static_cast<int32_t>(n); ++t)  // (vectorises)
+        s[t] -= sl * std::fabs(static_cast<float>(d0 + step * t));
+    }
+  }
+  // Query row i against keys [j0, j0 + n).
+  void row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, float* s, int64_t n,
+           float scale = 1.0f, float* grad = nullptr) const {
+    line(p, b, h, i + p.kv_len - p.q_len - j0, -1, s, n, scale, grad);
+  }
+  // Queries [i0, i0 + n) against key j.
+  void column(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t j, float* s, int64_t n,
+              float scale = 1.0f, float* grad = nullptr) const {
+    line(p, b, h, i0 + p.kv_len - p.q_len - j, 1, s, n, scale, grad);
+  }
+};
+
+// dS = dS · (1 − tanh²) (softcap's derivative) over n entries.
+inline void times_softcap_grad(float* ds, const float* grad, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) ds[t] *= grad[t];
+}
+
 // The call's keep mask, the one place that numbers its entries: entry (i, j) of head bh is counter
 // (bh · Nq + i) · Nk + j + offset, and Z = 1 / (1 − p) where dropout_keep keeps that counter, else 0.
 struct DropoutZ {

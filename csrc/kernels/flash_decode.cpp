@@ -67,7 +67,10 @@ constexpr int64_t kParallelMacs = heuristics::kDecodeParallelMacs;
 
 // The flash kernel (flash.cpp) hands a call of decode_kernel_takes's shape to this path when it has no attn_mask and
 // no window (module.cpp sends every call of that shape to the kernel table's `decode` directly, masked ones too).
-inline bool applies(const AttentionParams& p) { return heuristics::decode_kernel_takes(p) && !has_mask_or_window(p); }
+// (softcap and ALiBi: flash.cpp, which takes any q_len.)
+inline bool applies(const AttentionParams& p) {
+  return heuristics::decode_kernel_takes(p) && !has_mask_or_window(p) && !has_logit_mods(p);
+}
 
 inline int64_t pad16(int64_t n) { return round_up(n, 16); }
 
