@@ -209,17 +209,35 @@ def test_kvcache_with_appends(paged, s_q, causal, dtype):
     assert_close(out, kv_cache_reference(q, want_k, want_v, [cap] * B, causal), dtype)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(softcap=30.0), "softcap"),
-    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
-])
-def test_dense_refusals(kwargs, name):
-    q, k, v = inputs(1, 8, 8, 2, 2, 16, torch.float32)
-    for call in (lambda: flash_attn_func(q, k, v, **kwargs),
-                 lambda: flash_attn_qkvpacked_func(torch.stack([q, k, v], dim=2), **kwargs),
-                 lambda: flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), **kwargs)):
-        with pytest.raises(NotImplementedError, match=name):
-            call()
+@pytest.mark.parametrize("slopes_shape", [(4,), (2, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap_and_alibi(slopes_shape, causal):
+    """FlashAttention's definitions: softcap · tanh(scale·s / softcap), then −slope·|i + Nk − Nq − j|; the three
+    dense functions, out, lse and the probabilities, and gradients."""
+    q, k, v = inputs(2, 9, 13, 4, 2, 16, torch.float32)
+    slopes = torch.rand(slopes_shape) * 0.5
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse, probs = flash_attn_func(q, k, v, causal=causal, softcap=3.0, alibi_slopes=slopes,
+                                      return_attn_probs=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q64, k64.repeat_interleave(2, dim=2)) * 0.25
+    s = 3.0 * torch.tanh(s / 3.0)
+    i = torch.arange(9)[:, None] + 13 - 9
+    j = torch.arange(13)[None, :]
+    s = s - slopes.double().reshape(-1 if len(slopes_shape) == 2 else 1, 4, 1, 1) * (i - j).abs()
+    if causal:
+        s = s.masked_fill(j > i, float("-inf"))
+    p = torch.softmax(s, -1)
+    ref = torch.einsum("bhqk,bkhd->bqhd", p, v64.repeat_interleave(2, dim=2))
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max() < 1e-5
+    assert (probs.double() - p).abs().max() < 1e-5
+    g = torch.randn(out.shape)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q64, k64, v64), g.double())):
+        assert (got.double() - want).abs().max() < 1e-4
+    packed = flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2).detach(), softcap=3.0, alibi_slopes=slopes)
+    kvp = flash_attn_kvpacked_func(q.detach(), torch.stack([q, q], dim=2).detach(), softcap=3.0, alibi_slopes=slopes)
+    torch.testing.assert_close(packed, kvp)
 
 
 @pytest.mark.parametrize("kwargs,name", [

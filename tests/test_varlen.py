@@ -24,8 +24,10 @@ def offsets(lengths):
     return cu
 
 
-def reference(q, k, v, cu_q, cu_k, *, scale, causal=False, window=(-1, -1), keep=None, p=0.0):
-    """(out, lse) in float64, sequence by sequence. keep(b): the (H, Nq, Nk) dropout keep mask of sequence b."""
+def reference(q, k, v, cu_q, cu_k, *, scale, causal=False, window=(-1, -1), keep=None, p=0.0, softcap=0.0,
+              slopes=None):
+    """(out, lse) in float64, sequence by sequence. keep(b): the (H, Nq, Nk) dropout keep mask of sequence b;
+    slopes (H,) or (B, H): ALiBi's, in each sequence."""
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
         qs = q[cu_q[b]:cu_q[b + 1]].double().transpose(0, 1)
@@ -35,8 +37,12 @@ def reference(q, k, v, cu_q, cu_k, *, scale, causal=False, window=(-1, -1), keep
         ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
         n_q, n_k = qs.shape[1], ks.shape[1]
         s = scale * qs @ ks.transpose(-1, -2)
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
         i = torch.arange(n_q)[:, None] + (n_k - n_q)
         j = torch.arange(n_k)[None, :]
+        if slopes is not None:
+            s = s - (slopes if slopes.dim() == 1 else slopes[b]).double()[:, None, None] * (i - j).abs()
         shown = torch.ones(n_q, n_k, dtype=torch.bool)
         if causal:
             shown &= j <= i
@@ -263,3 +269,33 @@ def test_attn_probs_carry_the_dropout_pattern():
         kept = s[b, :, :n_q, :n_k].clamp(min=0).double() / 0.75
         vs = v[cu_k[b]:cu_k[b + 1]].double().transpose(0, 1).repeat_interleave(2, 0)
         torch.testing.assert_close((kept @ vs).transpose(0, 1), out[cu_q[b]:cu_q[b + 1]].double(), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_softcap_and_alibi_in_each_sequence(isa, dtype, per_sequence):
+    """softcap and ALiBi (the distance i + Nk − Nq − j taken in each sequence), forward and backward."""
+    lengths = LENGTHS[:6]
+    q, k, v, cu_q, cu_k = packed(lengths, 4, 2, 32, dtype, seed=8)
+    slopes = torch.rand(len(lengths), 4) if per_sequence else torch.rand(4)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = call(q, k, v, cu_q, cu_k, is_causal=True, softcap=2.5, alibi_slopes=slopes)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, cu_q, cu_k, scale=32 ** -0.5, causal=True, softcap=2.5, slopes=slopes)
+    check(out, lse, ref.detach(), ref_lse.detach(), TOLS[dtype])
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    for g, w in zip(got, want):
+        assert (g.double() - w).abs().max().item() <= 5 * TOLS[dtype]
+
+
+def test_alibi_slopes_shape_is_checked():
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be \(heads,\) or \(batch, heads\) with batch"):
+        cs149gpt.varlen_attention(q, q, q, cu, cu, 6, 6, alibi_slopes=torch.ones(3, 2))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        cs149gpt.varlen_attention(q, q, q, cu, cu, 6, 6, alibi_slopes=torch.ones(3))
+    with pytest.raises(TypeError, match="alibi_slopes must be float32"):
+        cs149gpt.varlen_attention(q, q, q, cu, cu, 6, 6, alibi_slopes=torch.ones(2, dtype=torch.float64))
