@@ -10,7 +10,7 @@ which is loaded when the package is imported (and, from a fresh checkout, compil
 __version__ = "0.1.0"  # the one version number: pyproject.toml reads it from here
 
 from cs149gpt.ops import (IMPLS, attention, attention_with_kvcache, isa, scaled_dot_product_attention,
-                          set_float32_products, uses_our_kernel)
+                          set_float32_products, uses_our_kernel, varlen_attention)
 from cs149gpt.integration import install_sdpa, register_transformers, restore_sdpa, sdpa_installed
 
 ASSIGNMENT_ENTRY_POINTS = (
@@ -22,7 +22,7 @@ ASSIGNMENT_ENTRY_POINTS = (
     "fourDimRead",
 )
 
-__all__ = ["attention", "attention_with_kvcache", "scaled_dot_product_attention", "uses_our_kernel", "isa",
+__all__ = ["attention", "attention_with_kvcache", "varlen_attention", "scaled_dot_product_attention", "uses_our_kernel", "isa",
            "set_float32_products", "IMPLS",
            "install_sdpa", "restore_sdpa", "sdpa_installed", "register_transformers", *ASSIGNMENT_ENTRY_POINTS]
 

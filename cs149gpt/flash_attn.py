@@ -26,14 +26,16 @@ Supported:
   tensor (None: the whole cache); k and v (batch, seqlen_new, heads_kv, d) written into the caches in place at
   rows [cache_seqlens[b], cache_seqlens[b] + seqlen_new) before attending (cache_seqlens itself is not changed);
   causal or not; forward only (no gradients).
+- flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func: sequences of different
+  lengths packed into (total_tokens, heads, head_dim) with cu_seqlens offsets, forward and backward, with everything
+  flash_attn_func takes; one kernel call over all sequences (cs149gpt.varlen_attention).
 
 Raises NotImplementedError, naming the argument, rather than return a different result:
 - softcap != 0 and alibi_slopes (every function);
 - return_attn_probs with dropout_p > 0 (the dropout pattern is not returned);
 - in flash_attn_with_kvcache: rotary_cos/rotary_sin, cache_batch_idx, cache_leftpad, window_size other than
   (-1, -1), return_softmax_lse, and k/v whose seqlen differs from q's;
-- flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func: packed
-  variable-length sequences (pad them and call flash_attn_func).
+- block_table in flash_attn_varlen_func (a paged KV cache there).
 deterministic is accepted (every result is bitwise the same for any thread count) and num_splits is ignored.
 """
 import math
@@ -41,7 +43,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from cs149gpt.ops import attention, attention_with_kvcache
+from cs149gpt.ops import attention, attention_with_kvcache, varlen_attention
 
 __all__ = [
     "flash_attn_func",
@@ -52,9 +54,6 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
 ]
-
-_VARLEN = "packed variable-length sequences are not supported yet; pad and use flash_attn_func"
-
 
 def _refuse_unsupported(softcap, alibi_slopes):
     if softcap != 0.0:
@@ -141,25 +140,78 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                   alibi_slopes, return_attn_probs)
 
 
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
+    """q (total_q, Hq, d), k and v (total_k, Hkv, d), sequences packed one after another (cu_seqlens)."""
+    _refuse_unsupported(softcap, alibi_slopes)
+    if block_table is not None:
+        raise NotImplementedError("block_table: a paged KV cache in flash_attn_varlen_func is not supported yet; "
+                                  "use flash_attn_with_kvcache")
+    if return_attn_probs and dropout_p > 0.0:
+        raise NotImplementedError("return_attn_probs with dropout_p > 0: the dropout pattern is not returned")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: expected (total_tokens, heads, head_dim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    window = tuple(max(int(w), -1) for w in window_size)  # FlashAttention: any negative side is unbounded
+    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                scale=softmax_scale, is_causal=bool(causal),
+                                window=window if window != (-1, -1) else None, dropout_p=dropout_p, return_lse=True)
+    if not return_attn_probs:
+        return out
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    probs = q.new_zeros((len(cu_q) - 1, q.shape[1], int(max_seqlen_q), int(max_seqlen_k)), dtype=torch.float32)
+    for b in range(len(cu_q) - 1):  # (testing only: materialised, sequence by sequence, from the kernel's lse)
+        qs, ks = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1), k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
+        p = _attention_probs(qs.unsqueeze(0), ks.unsqueeze(0), scale, causal, window,
+                             lse[:, cu_q[b]:cu_q[b + 1]].detach().unsqueeze(0))
+        probs[b, :, :qs.shape[1], :ks.shape[1]] = p[0]
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)  # FlashAttention's value for a row with no key
+    return out, lse, probs
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
-    """Not supported yet: raises NotImplementedError."""
-    raise NotImplementedError(f"flash_attn_varlen_func: {_VARLEN}")
+    """Packed variable-length sequences, FlashAttention's flash_attn_varlen_func (cs149gpt.varlen_attention).
+
+    Args:
+        q: (total_q, heads, head_dim), the batch's query sequences one after another; sequence b is rows
+            [cu_seqlens_q[b], cu_seqlens_q[b + 1]). k, v: (total_k, heads_kv, head_dim), likewise with cu_seqlens_k.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets. max_seqlen_q, max_seqlen_k: at least the longest
+            sequence's length (ValueError otherwise).
+        dropout_p, softmax_scale, causal (bottom-right in each sequence), window_size: as in the module docstring.
+        return_attn_probs: also return softmax_lse (heads, total_q) float32 and the attention probabilities
+            (batch, heads, max_seqlen_q, max_seqlen_k), zero past each sequence; dropout_p must then be 0.
+        block_table: a paged KV cache (NotImplementedError). deterministic: accepted.
+
+    Returns:
+        out (total_q, heads, head_dim) in q's dtype, differentiable in q, k and v; or (out, softmax_lse, S_dmask).
+    One kernel call takes every sequence (no padding, no (N, N) mask); so does the backward.
+    """
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                   window_size, softcap, alibi_slopes, return_attn_probs, block_table)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
-    """Not supported yet: raises NotImplementedError."""
-    raise NotImplementedError(f"flash_attn_varlen_qkvpacked_func: {_VARLEN}")
+    """flash_attn_varlen_func on qkv (total, 3, heads, head_dim), one cu_seqlens for all three (views, no copy)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv: expected (total_tokens, 3, heads, head_dim), got shape {tuple(qkv.shape)}")
+    return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """Not supported yet: raises NotImplementedError."""
-    raise NotImplementedError(f"flash_attn_varlen_kvpacked_func: {_VARLEN}")
+    """flash_attn_varlen_func on q (total_q, heads, head_dim) and kv (total_k, 2, heads_kv, head_dim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv: expected (total_tokens, 2, heads_kv, head_dim), got shape {tuple(kv.shape)}")
+    return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

@@ -288,6 +288,53 @@ def attention_with_kvcache(
         raise
 
 
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    window: Optional[Tuple[int, int]] = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention over sequences of different lengths packed one after another (FlashAttention's varlen layout).
+
+    Sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and rows [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+    of k and v; each attends to its own keys only. One kernel call takes every sequence: its tasks are (sequence,
+    head, query tile), each reading its sequence in place, so nothing is padded and no (N, N) mask exists.
+
+    Args:
+        q: (total_q, Hq, d); k, v: (total_k, Hkv, d), Hq a multiple of Hkv (GQA/MQA). float32, bfloat16 or float16;
+            any strides with the head_dim contiguous (else one copy is made).
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 offsets, never decreasing, within total_q / total_k (rows outside
+            every sequence get 0 out and 0 gradient).
+        max_seqlen_q, max_seqlen_k: bounds on the sequences' lengths (ValueError if a sequence is longer); the kernel
+            sizes its work from the actual longest.
+        scale: multiplies q·k; None means 1/sqrt(d).
+        is_causal: query i of a sequence of Nq queries and Nk keys sees keys j <= i + Nk − Nq (bottom-right, per
+            sequence, as FlashAttention); a row that sees no key gets 0 and lse −inf.
+        window: (left, right) sliding window per sequence, FlashAttention's window_size (−1: unbounded side).
+        dropout_p: dropout on the attention weights (training only; the mask is regenerated in the backward).
+        return_lse: also return lse, (Hq, total_q) float32.
+
+    Differentiable in q, k and v (the backward is one kernel call too: a task per (sequence, kv head)).
+    """
+    if dropout_p < 0.0 or dropout_p >= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    left, right = _window(window)
+    _load()
+    seed = _dropout_seed() if dropout_p > 0.0 else None
+    out, lse = torch.ops.cs149gpt.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   scale, bool(is_causal), left, right, float(dropout_p), seed)
+    return (out, lse) if return_lse else out
+
+
 def _dropout_seed() -> torch.Tensor:
     """(seed, offset) for one call's dropout, drawn from torch's default CPU generator (torch.manual_seed
     reproduces them; a traced graph draws them afresh on every run)."""
@@ -621,6 +668,23 @@ def _flash_backward(ctx, dout, _dlse):
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, dropout_seed)
+    ctx.args = (max_q, max_k, scale, causal, window_left, window_right, dropout_p)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, dropout_seed = ctx.saved_tensors
+    max_q, max_k, scale, causal, window_left, window_right, dropout_p = ctx.args
+    dq, dk, dv = torch.ops.cs149gpt.varlen_attention_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p,
+        dropout_seed)
+    return (dq, dk, dv) + (None,) * 10
+
+
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """The output of query q as module.cpp (empty_out_like) lays it out on the CPU, like torch's CPU attention: dense
     in q's order of strides (empty_like) up to 4 dims where that keeps head_dim innermost; contiguous otherwise, and
@@ -722,6 +786,7 @@ def _register_python_parts() -> None:
     _register_autocast("flash_attention", _autocast_flash_attention)
     _register_autocast("attention", _autocast_attention)
     _register_autocast("attention_with_kvcache", _autocast_attention_with_kvcache)
+    _register_autocast("varlen_attention", _autocast_flash_attention)
     # The drop-in as an operator, for TorchScript (scaled_dot_product_attention's scripted branch): a Python
     # decomposition, so autograd records what it runs (ours or torch's), as in eager mode.
     _lib.define("scaled_dot_product_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
@@ -752,9 +817,26 @@ def _register_python_parts() -> None:
         checks.check_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale)
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake(lib + "varlen_attention")
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None, causal=False, window_left=-1,
+          window_right=-1, dropout_p=0.0, dropout_seed=None):
+        checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                            window_left, window_right, dropout_p, dropout_seed)
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "varlen_attention_backward")
+    def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None, causal=False,
+          window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None):
+        checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                            window_left, window_right, dropout_p, dropout_seed)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)
+    torch.library.register_autograd(lib + "varlen_attention", _varlen_backward, setup_context=_varlen_setup_context)
     # Gradients that would otherwise be silently missing (None) or zero raise instead.
     torch.library.register_autograd(lib + "attention", _not_differentiable("torch.ops.cs149gpt.attention"))
+    torch.library.register_autograd(lib + "varlen_attention_backward", _not_differentiable(
+        "the varlen backward itself (a double backward)"))
     torch.library.register_autograd(lib + "flash_attention_backward", _not_differentiable(
         "the flash backward itself (a double backward)"))
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace cs149gpt {
 
@@ -129,6 +130,39 @@ inline int64_t seq_kv_len(const AttentionParams& p, int64_t b) {
   return cached + (p.k_new ? p.q_len : 0);
 }
 
+// Sequence b of a packed variable-length call (cu_seqlens_q set) as a dense call of that one sequence, for a kernel's
+// task to read as it reads any other: its lengths, causal mask and window bottom-right in it, and q, k, v, out, lse
+// moved to its first rows with strides[0] = 0, so that `b · strides[0]` lands there while b keeps indexing the
+// kernel's workspace and (batch, head) slopes. Its dropout counters stay distinct from every other sequence's: entry
+// (h, i, j) of sequence b gets ((cu_seqlens_q[b] · num_heads) · kv_len + (h · q_len_b + i) · kv_len_b + j) + offset,
+// kv_len being the longest (attention.h's numbering below, with the offset moved). A dense call is its own view.
+inline int64_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+template <class P>
+inline P* rows_on(P* base, DType t, int64_t rows, int64_t row_stride) {
+  using Byte = std::conditional_t<std::is_const_v<P>, const char, char>;
+  return base ? reinterpret_cast<P*>(reinterpret_cast<Byte*>(base) + rows * row_stride * element_bytes(t)) : base;
+}
+inline AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
+  if (!p.cu_seqlens_q) return p;
+  AttentionParams s = p;
+  const int64_t q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+  s.q_len = p.cu_seqlens_q[b + 1] - q0;
+  s.kv_len = p.cu_seqlens_k[b + 1] - k0;
+  s.causal_offset = s.window_offset = s.kv_len - s.q_len;
+  s.q = rows_on(p.q, p.dtype, q0, p.q_strides[2]);
+  s.k = rows_on(p.k, p.dtype, k0, p.k_strides[2]);
+  s.v = rows_on(p.v, p.dtype, k0, p.v_strides[2]);
+  s.out = rows_on(p.out, p.dtype, q0, p.out_strides[2]);
+  s.q_strides[0] = s.k_strides[0] = s.v_strides[0] = s.out_strides[0] = 0;
+  if (p.lse) s.lse = p.lse + q0;
+  s.lse_strides[0] = 0;
+  const uint64_t heads = static_cast<uint64_t>(p.num_heads);
+  s.dropout_offset = p.dropout_offset + static_cast<uint64_t>(q0) * heads * static_cast<uint64_t>(p.kv_len) -
+                     static_cast<uint64_t>(b) * heads * static_cast<uint64_t>(s.q_len) * static_cast<uint64_t>(s.kv_len);
+  s.cu_seqlens_q = s.cu_seqlens_k = nullptr;
+  return s;
+}
+
 // The first row of head `h` in batch `b` of each tensor; row i then starts i * <tensor>_strides[2] further.
 // A query head reads the key/value head of its group (GQA): h / (num_heads / num_kv_heads).
 // Kernels take these once per (batch, head), outside their inner loops. T is the element type.
@@ -222,6 +256,21 @@ struct AttentionBackwardParams {
   int64_t dk_strides[3] = {0, 0, 0};
   int64_t dv_strides[3] = {0, 0, 0};
 };
+
+// The backward's view of sequence b (sequence_view): dout and dq moved to its first query row, dk and dv to its first key.
+inline AttentionBackwardParams sequence_view(const AttentionBackwardParams& bp, int64_t b) {
+  if (!bp.fwd.cu_seqlens_q) return bp;
+  AttentionBackwardParams s = bp;
+  s.fwd = sequence_view(bp.fwd, b);
+  const int64_t q0 = bp.fwd.cu_seqlens_q[b], k0 = bp.fwd.cu_seqlens_k[b];
+  const DType t = bp.fwd.dtype;
+  s.dout = rows_on(bp.dout, t, q0, bp.dout_strides[2]);
+  s.dq = rows_on(bp.dq, t, q0, bp.dq_strides[2]);
+  s.dk = rows_on(bp.dk, t, k0, bp.dk_strides[2]);
+  s.dv = rows_on(bp.dv, t, k0, bp.dv_strides[2]);
+  s.dout_strides[0] = s.dq_strides[0] = s.dk_strides[0] = s.dv_strides[0] = 0;
+  return s;
+}
 
 // One kernel: how much float32 workspace it needs, and the kernel itself. The caller (module.cpp)
 // allocates the workspace through torch's allocator, so the profiler sees it and a failure is a Python

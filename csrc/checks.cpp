@@ -347,6 +347,60 @@ void check_score_matrix_fits(int64_t q_len, int64_t kv_len, const char* impl) {
 // FMAs (flash_bf16.cpp, takes_float32, has the measurements).
 F32Products g_float32_products = F32Products::automatic;
 
+DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                   const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                   std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+                   double dropout_p, const OptionalTensor& dropout_seed) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}}) {
+    check_tensor(*t, name);
+    TORCH_CHECK_VALUE(t->dim() == 3, name, " must be (total_tokens, heads, head_dim), the sequences packed one after "
+                      "another, got shape ", t->sym_sizes());
+  }
+  for (const auto& [name, t] :
+       {std::pair<const char*, const at::Tensor*>{"cu_seqlens_q", &cu_seqlens_q}, {"cu_seqlens_k", &cu_seqlens_k}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, name, " must be int32 (FlashAttention's), got ", t->scalar_type());
+    TORCH_CHECK_VALUE(t->dim() == 1, name, " must be 1-D, (batch + 1,), got shape ", t->sym_sizes());
+    CHECK_SIZES(t->sym_size(0).sym_ge(2), name, " must hold batch + 1 >= 2 offsets, got shape ", t->sym_sizes());
+  }
+  CHECK_SIZES(cu_seqlens_q.sym_size(0).sym_eq(cu_seqlens_k.sym_size(0)), "cu_seqlens_q and cu_seqlens_k must both "
+              "be (batch + 1,), got ", cu_seqlens_q.sym_sizes(), " and ", cu_seqlens_k.sym_sizes());
+  check_devices({{"q", &q}, {"cu_seqlens_q", &cu_seqlens_q}, {"cu_seqlens_k", &cu_seqlens_k}});
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q and max_seqlen_k must be >= 0, got ",
+                    max_seqlen_q, " and ", max_seqlen_k);
+  // The rest as a dense call on (heads, tokens, d) views: dtypes, devices, head dims, GQA, scale, window, dropout.
+  return check_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), Impl::flash, scale,
+                         causal ? "bottom_right" : "none", std::nullopt, std::nullopt, {}, window_left, window_right,
+                         dropout_p, dropout_seed);
+}
+
+std::pair<int64_t, int64_t> varlen_lengths(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                           int64_t total_q, int64_t total_k, int64_t max_seqlen_q,
+                                           int64_t max_seqlen_k, bool* covers) {
+  std::pair<int64_t, int64_t> longest{0, 0};
+  *covers = true;
+  for (int side = 0; side < 2; ++side) {
+    const at::Tensor cu = (side == 0 ? cu_seqlens_q : cu_seqlens_k).contiguous();
+    const char* name = side == 0 ? "cu_seqlens_q" : "cu_seqlens_k";
+    const int64_t total = side == 0 ? total_q : total_k, bound = side == 0 ? max_seqlen_q : max_seqlen_k;
+    const int32_t* at = cu.data_ptr<int32_t>();
+    const int64_t n = cu.size(0);
+    TORCH_CHECK_VALUE(at[0] >= 0, name, "[0] must be >= 0, got ", at[0]);
+    int64_t most = 0;
+    for (int64_t b = 0; b + 1 < n; ++b) {
+      TORCH_CHECK_VALUE(at[b + 1] >= at[b], name, " must not decrease, got ", name, "[", b, "] = ", at[b], " > ", name,
+                        "[", b + 1, "] = ", at[b + 1]);
+      most = std::max<int64_t>(most, at[b + 1] - at[b]);
+    }
+    TORCH_CHECK_VALUE(at[n - 1] <= total, name, "[-1] = ", at[n - 1], " reaches past the ", total, " rows of ",
+                      side == 0 ? "q" : "k and v");
+    TORCH_CHECK_VALUE(most <= bound, side == 0 ? "max_seqlen_q" : "max_seqlen_k", " = ", bound,
+                      " is less than the longest sequence of ", name, ", ", most);
+    *covers &= at[0] == 0 && at[n - 1] == total;
+    (side == 0 ? longest.first : longest.second) = most;
+  }
+  return longest;
+}
+
 void fill_params(AttentionParams& p, const at::Tensor& q4, const at::Tensor& k4, const at::Tensor& v4, DType dtype,
                  std::optional<double> scale, const std::string& causal) {
   const int64_t d = q4.size(3), q_len = q4.size(2), kv_len = k4.size(2);

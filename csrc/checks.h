@@ -60,6 +60,21 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
                                std::optional<int64_t> block_k, const OptionalTensor& attn_mask = {},
                                int64_t window_left = -1, int64_t window_right = -1, double dropout_p = 0.0,
                                const OptionalTensor& dropout_seed = {});
+// varlen_attention's checks on sizes (symbolic: the fake calls it too): q (total_q, Hq, d), k and v (total_k, Hkv, d),
+// cu_seqlens_q and cu_seqlens_k int32 of one size B + 1, max_seqlen_q/k >= 0, and the options check_attention checks on
+// q, k, v seen as (heads, tokens, d). Returns the dtype of the call. The sequences' lengths are checked when the data is
+// read (varlen_lengths).
+DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                   const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                   std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+                   double dropout_p, const OptionalTensor& dropout_seed);
+// The longest query and key sequences of cu_seqlens_q/k, after checking them against the packed tensors: each starts at
+// >= 0, never decreases, ends within total_q/total_k rows, and no sequence is longer than max_seqlen_q/k. `covers` is
+// set to whether the sequences cover every row of q and of k (else the rows outside them get zeros).
+std::pair<int64_t, int64_t> varlen_lengths(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                           int64_t total_q, int64_t total_k, int64_t max_seqlen_q,
+                                           int64_t max_seqlen_k, bool* covers);
+
 // attention_with_kvcache's checks on sizes (symbolic: the fake calls it too). Returns the dtype of the call.
 DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& cache_seqlens, const OptionalTensor& k_new, const OptionalTensor& v_new,

@@ -26,10 +26,10 @@ constexpr int64_t kTeachingBlockQ = 64, kTeachingBlockK = 32;
 // ---- flash-decoding (flash_decode.cpp) ----
 // attention() calls with at most this many query rows (the tokens being generated against a cache), attn_mask and
 // window included and tiles left to the kernel, go to flash-decoding, which splits the keys instead of the queries.
-// Dropout stays on the tiled kernels (inference never uses it).
+// Dropout stays on the tiled kernels (inference never uses it), and so do packed sequences (a task per sequence's tile).
 constexpr int64_t kDecodeMaxRows = 16;
 inline bool decode_kernel_takes(const AttentionParams& p) {
-  return p.q_len <= kDecodeMaxRows && p.block_q <= 0 && p.block_k <= 0 && p.dropout_p == 0.0f;
+  return p.q_len <= kDecodeMaxRows && p.block_q <= 0 && p.block_k <= 0 && p.dropout_p == 0.0f && !p.cu_seqlens_q;
 }
 // Split a row's keys until there are tasks for this many threads, no split shorter than kDecodeMinSplitKeys (~5 µs
 // of work for a GQA group of 4 at d = 128, against a task's fixed cost of a few tenths of a µs).
@@ -81,6 +81,13 @@ struct BackwardForce {
 // dot-product hardware.
 inline void choose_backward(AttentionBackwardParams& bp, int64_t cpus, bool bf16_dot, const BackwardForce& force) {
   const AttentionParams& p = bp.fwd;
+  // Packed sequences: the one-pass kernels, a task per (sequence, kv head) reading its sequence as a call of its own
+  // (sequence_view); key runs and head parts, whose tasks share sums, stay whole.
+  if (p.cu_seqlens_q) {
+    bp.path = BackwardPath::one_pass;
+    bp.key_chunks = bp.head_parts = 1;
+    return;
+  }
   const int64_t pairs = p.batch * p.num_kv_heads;
   const int64_t most_chunks = std::clamp<int64_t>(p.kv_len / kMinKeysPerChunk, 1, kMaxKeyChunks);
   int64_t chunks = 1;

@@ -197,6 +197,140 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 }
 
 
+namespace {
+// A packed tensor whose head_dim is strided gets a copy (SIMD loads need the columns adjacent); any other is read in place.
+at::Tensor rows_readable(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// A varlen call's tensors and params, checked (check_varlen has passed; it returned dtype) and filled: sequence b is rows
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q, [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (attention.h).
+struct VarlenCall {
+  at::Tensor q, k, v, cu_q, cu_k;
+  AttentionParams p;
+  bool covers = true;  // the sequences cover every row of q and k (else the outputs start as zeros)
+};
+VarlenCall prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                          const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, DType dtype,
+                          std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+                          double dropout_p, const OptionalTensor& dropout_seed) {
+  TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
+  VarlenCall c{rows_readable(q), rows_readable(k), rows_readable(v), cu_seqlens_q.contiguous(),
+               cu_seqlens_k.contiguous(), {}, true};
+  const auto [longest_q, longest_k] =
+      varlen_lengths(c.cu_q, c.cu_k, q.size(0), k.size(0), max_seqlen_q, max_seqlen_k, &c.covers);
+  AttentionParams& p = c.p;
+  // (total, heads, d) as (1, heads, total, d): head and row strides; the sequences then set where each starts.
+  fill_params(p, c.q.transpose(0, 1).unsqueeze(0), c.k.transpose(0, 1).unsqueeze(0), c.v.transpose(0, 1).unsqueeze(0),
+              dtype, scale, "none");
+  p.batch = c.cu_q.size(0) - 1;
+  p.q_len = longest_q;
+  p.kv_len = longest_k;
+  p.cu_seqlens_q = c.cu_q.data_ptr<int32_t>();
+  p.cu_seqlens_k = c.cu_k.data_ptr<int32_t>();
+  p.is_causal = causal;  // bottom-right in each sequence (sequence_view sets the offsets)
+  const auto bound_or_none = [&](int64_t bound) { return bound > longest_q + longest_k ? int64_t{-1} : bound; };
+  p.window_left = bound_or_none(window_left);
+  p.window_right = bound_or_none(window_right);
+  p.num_threads = std::max(1, at::get_num_threads());
+  p.f32_products = g_float32_products;
+  if (dropout_p > 0.0) {
+    p.dropout_p = static_cast<float>(dropout_p);
+    const at::Tensor seed = dropout_seed->contiguous();
+    p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
+    p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
+  }
+  return c;
+}
+
+// out or a gradient, (total, heads, d) dense; zeros where the sequences leave rows out.
+at::Tensor varlen_output(const at::Tensor& like, bool covers, const char* name) {
+  check_fits(like.numel(), like.element_size(), [&] { return shape_of(name, like.sizes()); });
+  return covers ? at::empty(like.sizes(), like.options()) : at::zeros(like.sizes(), like.options());
+}
+void point_at(void*& ptr, int64_t (&strides)[3], const at::Tensor& t) {  // (total, heads, d): [0, head, row]
+  ptr = t.data_ptr();
+  strides[0] = 0;
+  strides[1] = t.stride(1);
+  strides[2] = t.stride(0);
+}
+}  // namespace
+
+// varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window_left,
+//                  window_right, dropout_p, dropout_seed) -> (out, lse)
+//   FlashAttention's packed variable-length attention: q (total_q, Hq, d), k and v (total_k, Hkv, d), sequence b at rows
+//   [cu_seqlens[b], cu_seqlens[b + 1]) of each; causal and window bottom-right in each sequence. out (total_q, Hq, d)
+//   dense; lse (Hq, total_q) float32, −inf for a row that sees no key. One kernel call over every sequence: its tasks
+//   are (sequence, head, query tile).
+std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                    int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                                    std::optional<double> scale, bool causal, int64_t window_left,
+                                                    int64_t window_right, double dropout_p,
+                                                    const OptionalTensor& dropout_seed) {
+  const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                   window_left, window_right, dropout_p, dropout_seed);
+  VarlenCall c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale, causal,
+                                window_left, window_right, dropout_p, dropout_seed);
+  AttentionParams& p = c.p;
+  const at::Tensor out = varlen_output(q, c.covers, "out");
+  point_at(p.out, p.out_strides, out);
+  const at::Tensor lse = checked_empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat), "lse");
+  if (!c.covers || p.kv_len == 0) lse.fill_(-std::numeric_limits<float>::infinity());
+  p.lse = lse.data_ptr<float>();
+  p.lse_strides[0] = 0;
+  p.lse_strides[1] = lse.stride(0);
+  if (p.q_len > 0 && p.kv_len > 0) {  // else every row sees no key: zeros, lse −inf
+    const Kernel& kernel = kernels().flash;
+    kernel.run(p, workspace(kernel, p, p, "the workspace of varlen_attention").data_ptr<float>());
+  } else {
+    out.zero_();
+  }
+  return {out, lse};
+}
+
+// varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ...) -> (dq, dk, dv)
+//   The gradients of varlen_attention's out, from its out and lse; dq like q, dk and dv like k and v, (total, heads, d).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+    double dropout_p, const OptionalTensor& dropout_seed) {
+  const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                   window_left, window_right, dropout_p, dropout_seed);
+  check_like(dout, "dout", q, "q");
+  check_like(out, "out", q, "q");
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+                    "lse must be (heads, total_q) = (", q.size(1), ", ", q.size(0), "), got shape ", lse.sizes());
+  check_devices({{"q", &q}, {"dout", &dout}, {"out", &out}, {"lse", &lse}});
+  VarlenCall c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale, causal,
+                                window_left, window_right, dropout_p, dropout_seed);
+  AttentionBackwardParams bp;
+  bp.fwd = c.p;
+  heuristics::choose_backward(bp, machine_cpus(), kernels().bf16_dot_probe != nullptr, testing::backward_force);
+  const at::Tensor dout_r = rows_readable(dout), out_r = rows_readable(out), lse_c = lse.contiguous();
+  point_at(bp.fwd.out, bp.fwd.out_strides, out_r);
+  bp.fwd.lse = const_cast<float*>(lse_c.data_ptr<float>());
+  bp.fwd.lse_strides[0] = 0;
+  bp.fwd.lse_strides[1] = lse_c.stride(0);
+  void* dout_ptr = nullptr;
+  point_at(dout_ptr, bp.dout_strides, dout_r);
+  bp.dout = dout_ptr;
+  const at::Tensor dq = varlen_output(q, c.covers, "dq"), dk = varlen_output(k, c.covers, "dk"),
+                   dv = varlen_output(v, c.covers, "dv");
+  point_at(bp.dq, bp.dq_strides, dq);
+  point_at(bp.dk, bp.dk_strides, dk);
+  point_at(bp.dv, bp.dv_strides, dv);
+  if (bp.fwd.q_len > 0 && bp.fwd.kv_len > 0) {
+    const BackwardKernel& kernel = kernels().flash_backward;
+    kernel.run(bp, workspace(kernel, bp, bp.fwd, "the workspace of the varlen backward").data_ptr<float>());
+  } else {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  }
+  return {dq, dk, dv};
+}
+
 // attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, is_causal) -> out
 //   Sequence b holds cache_seqlens[b] keys; k_new, v_new (B, Hkv, Nq, d), when given, are written at rows
 //   [cache_seqlens[b], cache_seqlens[b] + Nq) first, and then seen too. Causal: bottom-right (query i of Nq sees
@@ -592,6 +726,13 @@ TORCH_LIBRARY(cs149gpt, m) {
         "float? scale=None, str causal='none', int? block_q=None, int? block_k=None, Tensor? attn_mask=None, "
         "int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) -> "
         "(Tensor dq, Tensor dk, Tensor dv)", keep_stride_order);
+  m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+        "int max_seqlen_k, float? scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
+        "float dropout_p=0.0, Tensor? dropout_seed=None) -> (Tensor out, Tensor lse)");
+  m.def("varlen_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float? scale=None, "
+        "bool causal=False, int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None) "
+        "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
         "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True) "
         "-> Tensor");
@@ -602,6 +743,8 @@ TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
   m.impl("flash_attention", &cs149gpt::flash_attention);
   m.impl("flash_attention_backward", &cs149gpt::flash_attention_backward);
   m.impl("attention_with_kvcache", &cs149gpt::attention_with_kvcache);
+  m.impl("varlen_attention", &cs149gpt::varlen_attention);
+  m.impl("varlen_attention_backward", &cs149gpt::varlen_attention_backward);
 }
 
 // Sparse, nested and quantized CPU tensors dispatch to these keys. The CPU implementations refuse them (check_attention: a
@@ -619,7 +762,8 @@ CS149GPT_REFUSING_IMPL(QuantizedCPU)
 CS149GPT_REFUSING_IMPL(NestedTensorCPU)
 
 TORCH_LIBRARY_IMPL(cs149gpt, ADInplaceOrView, m) {
-  for (const char* op : {"attention", "flash_attention", "flash_attention_backward"})
+  for (const char* op : {"attention", "flash_attention", "flash_attention_backward", "varlen_attention",
+                         "varlen_attention_backward"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad>());
   m.impl("attention_with_kvcache", torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad_and_bump>());
 }
@@ -656,6 +800,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
      py::arg("causal"), py::arg("block_q"), py::arg("block_k"), py::arg("attn_mask") = py::none(),
      py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("dropout_p") = 0.0,
      py::arg("dropout_seed") = py::none(), "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+  m.def("check_varlen", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                           const at::Tensor& cu_k, int64_t max_q, int64_t max_k, std::optional<double> scale,
+                           bool causal, int64_t window_left, int64_t window_right, double dropout_p,
+                           const OptionalTensor& dropout_seed) {
+    check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed);
+  });
   m.def("check_attention_with_kvcache", [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                                            const std::optional<at::Tensor>& v_new,

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from cs149gpt.flash_attn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                                 flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
-                                 flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
+                                 flash_attn_with_kvcache)
 from tests._helpers import gen
 
 F32_TOL = 1e-4
@@ -207,17 +206,6 @@ def test_kvcache_with_appends(paged, s_q, causal, dtype):
     assert_close(out, kv_cache_reference(q, want_k, want_v, [20] * B, causal), dtype)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=block_table, causal=causal)
     assert_close(out, kv_cache_reference(q, want_k, want_v, [cap] * B, causal), dtype)
-
-
-def test_varlen_raises():
-    q = torch.randn(10, 2, 16)
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="variable-length.*pad and use flash_attn_func"):
-        flash_attn_varlen_func(q, q, q, cu, cu, 6, 6)
-    with pytest.raises(NotImplementedError, match="variable-length"):
-        flash_attn_varlen_qkvpacked_func(torch.randn(10, 3, 2, 16), cu, 6)
-    with pytest.raises(NotImplementedError, match="variable-length"):
-        flash_attn_varlen_kvpacked_func(q, torch.randn(10, 2, 2, 16), cu, cu, 6, 6)
 
 
 @pytest.mark.parametrize("kwargs,name", [

@@ -69,6 +69,7 @@ struct Layout {
   int64_t kt_tile;                // floats per packed K_jᵀ tile: d × Bc_pad, to whole panels
   PackChunks pack;                // each tile packed in chunks of whole panels (flash_common.h)
   int64_t kt_size, v_size;        // all packed K tiles; packed V (0 when read in place or packed in the task)
+  int64_t v_rows;                 // rows of packed V per (batch, kv head): kv_len (the longest sequence's, varlen)
   int64_t flags_size;             // attn_mask: one flag per chunk of V tile, 1 if it is all finite (else 0 floats)
   int64_t ready_size;             // a counter of packed chunks per (batch, kv head), a cache line each (int64)
   int64_t q_off, s_off, o_off, m_off, l_off, alpha_off, row_max_off, bias_off, kt_off, v_off, per_thread;  // per thread
@@ -97,7 +98,8 @@ struct Layout {
     kt_tile = d * round_up(Bc_pad, panel);
     pack = pack_in_task ? PackChunks{kt_tile / d, 1} : split_packing(p, Tc, kt_tile / d, panel);
     kt_size = pack_in_task ? 0 : p.batch * p.num_kv_heads * Tc * kt_tile;
-    v_size = pack_v && !pack_in_task ? p.batch * p.num_kv_heads * p.kv_len * d_pad : 0;
+    v_rows = p.kv_len;
+    v_size = pack_v && !pack_in_task ? p.batch * p.num_kv_heads * v_rows * d_pad : 0;
     const bool masked = has_mask_or_window(p);
     flags_size = masked && !pack_in_task ? round_up(p.batch * p.num_kv_heads * Tc * pack.chunks, 16) : 0;
     ready_size = pack_in_task ? 0 : p.batch * p.num_kv_heads * kCounterFloats;
@@ -161,8 +163,8 @@ struct PackedTiles {
     return L.flags_size == 0 || all_chunks_finite(v_finite + (head * L.Tc + j) * L.pack.chunks, L.pack.chunks);
   }
   float* kt(const Layout& L, int64_t head, int64_t j) const { return kt_all + (head * L.Tc + j) * L.kt_tile; }
-  float* v(const AttentionParams& p, const Layout& L, int64_t head, int64_t j) const {
-    return v_all + (head * p.kv_len + j * L.Bc) * L.d_pad;
+  float* v(const Layout& L, int64_t head, int64_t j) const {
+    return v_all + (head * L.v_rows + j * L.Bc) * L.d_pad;
   }
 };
 
@@ -220,7 +222,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       if (L.pack_v) Vj = scratch + L.v_off;
     } else {
       KTj = packed.kt(L, head, j);
-      if (L.pack_v) Vj = packed.v(p, L, head, j);
+      if (L.pack_v) Vj = packed.v(L, head, j);
       v_finite = packed.finite(L, head, j);
     }
 
@@ -312,12 +314,17 @@ void run(const AttentionParams& p, float* workspace) {
   run_forward_tiles(
       p, L.Br, L.Tr, L.pack_in_task ? 0 : L.Tc * L.pack.chunks, ready, thread_scratch, L.per_thread,
       [&](int64_t b, int64_t kvh, int64_t u) {
+        const AttentionParams seq = sequence_view(p, b);  // packed sequences: b's own keys (p itself otherwise)
         const int64_t head = b * p.num_kv_heads + kvh, j = u / L.pack.chunks, c = u % L.pack.chunks;
-        const bool v_finite = pack_kv_chunk<T>(p, L, b, kvh, j, c, packed.kt(L, head, j),
-                                               L.pack_v ? packed.v(p, L, head, j) : nullptr);
+        if (j * L.Bc >= seq.kv_len) return;  // past a shorter sequence's keys: never read
+        const bool v_finite = pack_kv_chunk<T>(seq, L, b, kvh, j, c, packed.kt(L, head, j),
+                                               L.pack_v ? packed.v(L, head, j) : nullptr);
         if (L.flags_size > 0) packed.v_finite[head * L.Tc * L.pack.chunks + u] = v_finite ? 1.0f : 0.0f;
       },
-      [&](int64_t b, int64_t h, int64_t i0, float* scratch) { query_tile<T>(p, L, b, h, i0, packed, scratch); });
+      [&](int64_t b, int64_t h, int64_t i0, float* scratch) {
+        const AttentionParams seq = sequence_view(p, b);
+        if (i0 < seq.q_len) query_tile<T>(seq, L, b, h, i0, packed, scratch);
+      });
 }
 
 }  // namespace flash

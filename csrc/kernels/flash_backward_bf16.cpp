@@ -359,7 +359,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
     if (L.cache_query) pack_query_tiles(bp, L, b, h0 + g, s.QT + g * L.q_pad * L.d_k, s.dOT + g * L.q_pad * L.d_k);
   }
 
-  for (int64_t j = chunk * L.Tc / L.chunks; j < (chunk + 1) * L.Tc / L.chunks; ++j) {
+  for (int64_t j = chunk * L.Tc / L.chunks; j < (chunk + 1) * L.Tc / L.chunks && j * L.Bc < p.kv_len; ++j) {
     const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
     const KeyTile tile = pack_key_tile(p, L, b, kvh, j0, n_keys, s);
     fill_row(0.0f, s.dK, L.Bc * L.d_n);
@@ -412,7 +412,8 @@ void run(const AttentionBackwardParams& bp, float* ws) {
     const DotScope tiles;  // AMX: our tile configuration for this thread, the previous one restored after
     const auto task = [&](int64_t t) {
       const int64_t pair = L.pair_major ? t / L.chunks : t % L.pairs, chunk = L.pair_major ? t % L.chunks : t / L.pairs;
-      kv_head_task(bp, L, pair / p.num_kv_heads, pair % p.num_kv_heads, chunk, s);
+      const int64_t b = pair / p.num_kv_heads;  // packed sequences: the task reads sequence b as a call of its own
+      kv_head_task(sequence_view(bp, b), L, b, pair % p.num_kv_heads, chunk, s);
     };
     if (L.chunks == 1) {
 #pragma omp for schedule(dynamic, 1)

@@ -410,7 +410,7 @@ void kv_head_task(const AttentionBackwardParams& bp, const Layout& L, int64_t b,
   for (int64_t g = 0; g < L.part_heads; ++g)
     row_statistics<T>(bp, L, b, h0 + g, delta + g * L.q_pad, lse + g * L.q_pad);
 
-  for (int64_t j = chunk_start(L, chunk); j < chunk_start(L, chunk + 1); ++j) {
+  for (int64_t j = chunk_start(L, chunk); j < chunk_start(L, chunk + 1) && j * L.Bc < p.kv_len; ++j) {
     const int64_t j0 = j * L.Bc, n_keys = std::min(L.Bc, p.kv_len - j0);
     pack_key_tile<T>(p, L, b, kvh, j0, scratch + L.kt_off, scratch + L.vt_off, scratch + L.kr_off);
     const bool k_finite = p.mask_kind == MaskKind::none ||
@@ -460,8 +460,9 @@ void run(const AttentionBackwardParams& bp, float* ws) {
     // Task t: chunk by chunk, then (batch, kv head), then head part.
     const auto task = [&](int64_t t) {
       const int64_t chunk = t / (L.pairs * L.head_parts), pair = t / L.head_parts % L.pairs;
-      kv_head_task<T>(bp, L, pair / p.num_kv_heads, pair % p.num_kv_heads, chunk, t % L.head_parts,
-                      scratch + L.dq_off, scratch, ws);
+      const int64_t b = pair / p.num_kv_heads;  // packed sequences: the task reads sequence b as a call of its own
+      kv_head_task<T>(sequence_view(bp, b), L, b, pair % p.num_kv_heads, chunk, t % L.head_parts, scratch + L.dq_off,
+                      scratch, ws);
     };
     if (!in_turns) {
 #pragma omp for schedule(dynamic, 1)

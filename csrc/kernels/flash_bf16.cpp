@@ -402,10 +402,13 @@ void run(const AttentionParams& p, float* workspace) {
   run_forward_tiles<DotScope>(
       p, L.Br, L.Tr, L.Tc * L.pack.chunks, ready, thread_scratch, L.per_thread,
       [&](int64_t b, int64_t kvh, int64_t u) {
-        pack_kv_chunk(p, L, b, kvh, u / L.pack.chunks, u % L.pack.chunks, kt_all, v_all, finite);
+        const AttentionParams seq = sequence_view(p, b);  // packed sequences: b's own keys (p itself otherwise)
+        if (u / L.pack.chunks * L.Bc < seq.kv_len)       // (past a shorter sequence's keys: never read)
+          pack_kv_chunk(seq, L, b, kvh, u / L.pack.chunks, u % L.pack.chunks, kt_all, v_all, finite);
       },
       [&](int64_t b, int64_t h, int64_t i0, float* scratch) {
-        query_tile<T>(p, L, b, h, i0, kt_all, v_all, finite, scratch);
+        const AttentionParams seq = sequence_view(p, b);
+        if (i0 < seq.q_len) query_tile<T>(seq, L, b, h, i0, kt_all, v_all, finite, scratch);
       });
 }
 
