@@ -14,8 +14,14 @@ contract (cs149gpt.scaled_dot_product_attention's docstring): CausalBias masks r
 torch.nn.attention.sdpa_kernel is honoured, ours being the FLASH_ATTENTION backend (a selection without it gets
 torch's function); torch.autocast casts the inputs as for torch's SDPA, and ours runs on them; torch.jit.script
 of modules that call it (nn.MultiheadAttention, nn.TransformerEncoder...) runs ours through the operator
-torch.ops.cs149gpt.scaled_dot_product_attention. transformers is optional: imported only by
-register_transformers().
+torch.ops.cs149gpt.scaled_dot_product_attention.
+
+transformers' flash path (FlashAttention's function API: unpadded varlen batches, packed training, generate) on
+cs149gpt.flash_attn, one line (register_transformers_flash's docstring says what runs and what transformers refuses):
+
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cs149gpt.integration.register_transformers_flash())
+
+transformers is optional: imported only by register_transformers() and register_transformers_flash().
 """
 import contextlib
 import functools
@@ -222,4 +228,132 @@ def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
                           "transformers)") from e
     AttentionInterface.register(name, _transformers_attention)
     AttentionMaskInterface.register(name, _transformers_mask)
+    return name
+
+
+FLASH_TRANSFORMERS_NAME = "cs149gpt_fa"
+
+
+def _flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                             sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
+    """transformers' flash attention function (transformers.integrations.flash_attention.flash_attention_forward and
+    its _flash_attention_forward, whose dispatch it follows) on cs149gpt.flash_attn: query (B, H, Nq, d), key/value
+    (B, Hkv, Nk, d), read in FlashAttention's (B, N, H, d) layout as transposed views. One call of ours per call:
+
+    - attention_mask (B, Nk), the 2D padding mask of transformers' flash mask function: the tokens it keeps are
+      gathered into one packed batch, flash_attn_varlen_func runs on it, and the output is scattered back (padding
+      rows get 0, as in transformers' unpadding);
+    - cu_seq_lens_q/k and max_length_q/k (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): varlen on
+      the flattened batch as given;
+    - position_ids of packed sequences in one row (DataCollatorWithFlattening without those kwargs): varlen, each
+      sequence starting where its position is 0;
+    - otherwise flash_attn_func (bottom-right causal: a decode step's query row sees the whole cache).
+
+    sliding_window w gives window_size (w - 1, w - 1) when the keys outrun it (transformers' mapping), softcap goes
+    to the kernel, dropout is FlashAttention's dropout_p. Returns (out (B, Nq, H, d), None)."""
+    from cs149gpt import flash_attn
+
+    if kwargs.get("output_attentions", False):
+        raise ValueError(f"attn_implementation={FLASH_TRANSFORMERS_NAME!r} computes no attention weights; use "
+                         "'eager' for output_attentions=True")
+    if s_aux is not None:
+        raise NotImplementedError("s_aux: attention sinks are not in FlashAttention-2's API; use "
+                                  "attn_implementation='cs149gpt' (register_transformers)")
+    batch, n_q = query.shape[0], query.shape[2]
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, N, H, d) views
+    n_k = k.shape[1]
+    fa_kwargs = dict(dropout_p=dropout, softmax_scale=scaling,
+                     causal=bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)),
+                     softcap=0.0 if softcap is None else float(softcap))
+    if sliding_window is not None and n_k > sliding_window:
+        fa_kwargs["window_size"] = (sliding_window - 1, sliding_window - 1)
+
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"attn_implementation={FLASH_TRANSFORMERS_NAME!r} takes transformers' flash masks, 2D "
+                             f"(batch, kv_len) padding masks; got shape {tuple(attention_mask.shape)}")
+        keep_k = attention_mask[:, -n_k:].bool()
+        keep_q = torch.ones(batch, 1, dtype=torch.bool, device=q.device) if n_q == 1 else keep_k[:, -n_q:]
+        (rows_q, cu_q, max_q), (rows_k, cu_k, max_k) = _unpadding(keep_q), _unpadding(keep_k)
+        out = flash_attn.flash_attn_varlen_func(
+            q.reshape(batch * n_q, *q.shape[2:])[rows_q], k.reshape(batch * n_k, *k.shape[2:])[rows_k],
+            v.reshape(batch * n_k, *v.shape[2:])[rows_k], cu_q, cu_k, max_q, max_k, **fa_kwargs)
+        padded = out.new_zeros(batch * n_q, *out.shape[1:]).index_copy(0, rows_q, out)
+        return padded.view(batch, n_q, *out.shape[1:]), None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        cu_q = cu_k = _packed_cu_seqlens(kwargs.get("position_ids"), batch)
+        if cu_q is not None:
+            max_q = max_k = int((cu_q[1:] - cu_q[:-1]).max())
+    if cu_q is not None:
+        out = flash_attn.flash_attn_varlen_func(
+            q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+            cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), **fa_kwargs)
+        return out.view(batch, n_q, *out.shape[1:]), None
+
+    return flash_attn.flash_attn_func(q, k, v, **fa_kwargs), None
+
+
+def _unpadding(keep):
+    """keep (B, N) bool: the flat row indices (B·N) of the kept tokens, cu_seqlens (B + 1,) int32, the longest."""
+    lengths = keep.sum(-1, dtype=torch.int32)
+    rows = keep.flatten().nonzero().flatten()
+    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return rows, cu_seqlens, int(lengths.max())
+
+
+def _packed_cu_seqlens(position_ids, batch):
+    """cu_seqlens (S + 1,) int32 of the sequences packed in one row of position_ids (1, N), each starting at a
+    position 0; None unless the row holds more than one run 0, 1, 2, ... (transformers' _is_packed_sequence)."""
+    if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
+        return None
+    pos = position_ids.reshape(-1)
+    if torch.equal(pos, torch.arange(pos.numel(), device=pos.device) + pos.min()):
+        return None
+    starts = (pos == 0).nonzero().flatten().to(torch.int32)
+    return torch.cat([starts, starts.new_tensor([pos.numel()])])
+
+
+def register_transformers_flash(name: str = FLASH_TRANSFORMERS_NAME) -> str:
+    """Registers cs149gpt.flash_attn as transformers' (>= 5) flash path under attn_implementation=`name`
+    ("cs149gpt_fa") and returns the name, so one line builds a model on it:
+
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register_transformers_flash())
+
+    It puts a flash attention function (_flash_attention_forward: transformers' flash wrapper's dispatch, over
+    flash_attn_func and flash_attn_varlen_func) in AttentionInterface and transformers' own flash mask function
+    (2D padding masks, None when causality says it all) in AttentionMaskInterface; public registrations only,
+    nothing of transformers is patched. Every attention call then runs one cs149gpt op (tests/
+    test_transformers_flash.py counts them with torch.profiler, against "eager" outputs and gradients):
+    padded batches (unpadded to varlen), generate (prefill, then decode steps over the cache), padding-free
+    training with DataCollatorWithFlattening (cu_seq_lens_* kwargs, or sequences found from position_ids),
+    forward and backward; Llama (GQA) and Gemma-2 (softcap, sliding windows).
+
+    What transformers 5 does not let through:
+    - A name containing "flash" is transformers' own flash path, whose functions are resolved only from the
+      flash-attn packages (CUDA-only), Ascend NPU, or a hub kernel "org/repo" fetched by the `kernels` package
+      (modeling_flash_attention_utils._lazy_imports); any other flash name fails at model construction with
+      "Could not find the currently requested flash attention implementation". Hence a name without "flash".
+    - Continuous batching (generate_batch, paged cache) accepts only "paged|eager", "sdpa" and names containing
+      "flash" (ContinuousBatchingManager.switch_to_cb_friendly_attn): ValueError "Implementation cs149gpt_fa is
+      not supported for continuous batching". attn_implementation="sdpa" under `with sdpa_installed():` runs it on
+      our SDPA instead.
+    - ALiBi: no model routes alibi_slopes through the flash path (BLOOM and MPT add their ALiBi tensor in
+      eager code that never calls the attention interface; Falcon with alibi=True refuses flash attention).
+    - Attention sinks (s_aux) and output_attentions=True raise (FlashAttention-2's API has neither).
+
+    Needs transformers, imported only here: ImportError naming it otherwise. Calling it again is harmless."""
+    if "flash" in name:
+        raise ValueError(f"name {name!r}: transformers resolves names containing 'flash' to its own flash-attn "
+                         "packages or hub kernels, never to a registered function; choose another")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as e:
+        raise ImportError("cs149gpt.integration.register_transformers_flash() needs Hugging Face transformers "
+                          "(pip install transformers)") from e
+    AttentionInterface.register(name, _flash_attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
     return name
