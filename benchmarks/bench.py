@@ -14,10 +14,14 @@ Subcommands:
     backward  the flash backward alone and forward + backward vs torch SDPA's
     decode    one new query against a KV cache, GQA (attention() and attention_with_kvcache()) vs torch SDPA
     varlen    packed sequences of mixed lengths (16 of 64..2048) vs the batch padded with a mask: torch SDPA, ours
+    logits    softcap and ALiBi slopes in the flash forward vs the plain flash forward (their cost), and ALiBi vs
+              torch SDPA given the materialised (1, H, N, N) bias
     masks     the masks real models pass vs torch SDPA with the same mask
     models    Hugging Face Llama, GPT-2, BERT of random weights, attention "cs149gpt" vs "sdpa" (needs transformers)
     generate  the shipped GPT's prefill and decode in tokens/s, flash vs sdpa (--llama: a Llama-shaped model)
     train     training steps of cs149gpt/model.py, flash vs sdpa
+    trainpacked  padding-free training steps of a Llama (DataCollatorWithFlattening, our varlen through
+              transformers' flash path) vs "sdpa" on the same sequences padded, tokens/s of real tokens
     cuda      the CUDA kernels vs each torch SDPA backend (cuDNN, flash, efficient, math); skipped without a GPU
     tiles     the flash kernel under each block_q x block_k vs its default and torch SDPA (cuda --configs: on the GPU)
 

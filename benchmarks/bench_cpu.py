@@ -1,4 +1,4 @@
-"""The CPU subcommands of bench.py: ladder, forward, backward, decode, varlen, masks, tiles.
+"""The CPU subcommands of bench.py: ladder, forward, backward, decode, varlen, logits, masks, tiles.
 
 GFLOP/s count the two matrix products, 4·B·H·(visible query-key pairs)·d (all N² pairs, or N(N+1)/2 under the
 causal mask); the backward does 2.5× the forward's work (five products against two), as in the FlashAttention
@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from _timing import DTYPES, MATCH_TOLERANCE, Row, measured_rows, peak_allocator_mib, torch_threads
+from _timing import DTYPES, MATCH_TOLERANCE, Row, max_err, measured_rows, peak_allocator_mib, torch_threads
 
 import cs149gpt
 from cs149gpt import _ext
@@ -294,6 +294,70 @@ def run_varlen(args) -> list[Row]:
             for threads in args.threads for row in varlen_rows(lengths, 16, 64, dtype, threads, args, backward)]
 
 
+# ------------------------------------------------------------------------------------------------- logits
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's slopes, 2^(-8(h+1)/H) for head h (H a power of two, as in the ALiBi paper), float32 (H,)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)])
+
+
+def alibi_bias(slopes: torch.Tensor, n: int, causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The (1, H, N, N) additive mask a torch SDPA user builds for ALiBi: -slope·|i - j|, -inf above the diagonal
+    when causal (one tensor: SDPA takes attn_mask or is_causal, not both)."""
+    distance = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).float()  # j - i
+    bias = -slopes[:, None, None] * distance.abs()[None]
+    if causal:
+        bias = bias.masked_fill(distance[None] > 0, float("-inf"))
+    return bias[None].to(dtype)
+
+
+def softcapped_reference(q, k, v, causal: bool, softcap: float) -> torch.Tensor:
+    """softmax(softcap·tanh(scale·q kᵀ / softcap) [causal]) v in float32 math: the softcap row's reference."""
+    q, k, v = q.float(), k.float(), v.float()
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    s = softcap * torch.tanh(s / softcap)
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def logits_rows(shape, causal: bool, dtype: str, threads: int, args) -> list[Row]:
+    """softcap and ALiBi slopes in the flash forward against the plain flash forward of the same shape (their
+    cost: peer/ours >= 0.91 is <= 10 %), and ALiBi against torch SDPA given the materialised (1, H, N, N) bias
+    (built once, outside the timing). The rows against the plain call are checked against the float32 math of
+    their own logits, not against the plain output."""
+    q, k, v = qkv(shape, dtype)
+    heads, n = shape[1], shape[2]
+    slopes = alibi_slopes(heads)
+    bias = alibi_bias(slopes, n, causal, q.dtype)
+    softcap = args.softcap
+    case = f"{shape_str(shape)}{' causal' if causal else ''}"
+    progress(f"logits {case} {dtype} threads={threads}")
+    with torch.no_grad():
+        want = {"softcap": softcapped_reference(q, k, v, causal, softcap),
+                "alibi": F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                        attn_mask=alibi_bias(slopes, n, causal, torch.float32))}
+        calls = {"softcap": lambda: cs149gpt.attention(q, k, v, is_causal=causal, softcap=softcap),
+                 "alibi": lambda: cs149gpt.attention(q, k, v, is_causal=causal, alibi_slopes=slopes)}
+        plain = ("flash plain", lambda: cs149gpt.attention(q, k, v, is_causal=causal))
+        work = flops(shape, causal) / 1e9
+        rows = []
+        for name, call in calls.items():
+            rows += measured_rows("logits", f"{name} {case}", dtype, threads, {name: call}, plain, args, work=work,
+                                  unit="GFLOP/s", check=lambda out, _, name=name: max_err(out, want[name]))
+        rows += measured_rows("logits", f"alibi {case}", dtype, threads, {"alibi": calls["alibi"]},
+                              (SDPA + " + bias", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias)),
+                              args, work=work, unit="GFLOP/s")
+    return rows
+
+
+def run_logits(args) -> list[Row]:
+    shapes = args.shapes or ([(1, 8, 512, 64)] if args.quick else [(1, 16, 2048, 64)])
+    return [row for shape in shapes for dtype in dtypes_for(args, ("float32", "bfloat16"))
+            for causal in causal_modes(args, "both") for threads in args.threads
+            for row in logits_rows(shape, causal, dtype, threads, args)]
+
+
 # ------------------------------------------------------------------------------------------------- tiles
 def run_tiles(args) -> list[Row]:
     """The flash kernel's forward (or backward) under each block_q × block_k, and its default, against SDPA: how the
@@ -364,6 +428,9 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                    help="a (B,1,1,N) key-padding mask for ours and SDPA")
     p.add_argument("--bandwidth", action="store_true", help="also a read-bandwidth probe over the same bytes")
     add("varlen", run_varlen, "packed sequences of mixed lengths vs the batch padded with a mask (torch SDPA, ours)")
+    p = add("logits", run_logits, "softcap and ALiBi slopes in the flash forward vs the plain flash forward, and "
+            "ALiBi vs torch SDPA given the materialised bias")
+    p.add_argument("--softcap", type=float, default=50.0, help="the cap (default 50: Gemma 2's attention softcap)")
     add("masks", run_masks, "the masks real models pass (padded causal, key padding, additive bias) vs torch SDPA")
     p = add("tiles", run_tiles, "the flash kernel under each block_q x block_k, and its default, vs torch SDPA")
     p.add_argument("--block-q", type=parse_ints, default=None)

@@ -1,4 +1,4 @@
-"""The whole-model subcommands of bench.py: models (Hugging Face transformers), generate, train.
+"""The whole-model subcommands of bench.py: models (Hugging Face transformers), generate, train, trainpacked.
 
 Ours and the peer run the same weights: one model switched between the two attentions, or two copies of one.
 """
@@ -13,6 +13,7 @@ import time
 import torch
 
 from _timing import Row, first_line, interleave, torch_threads
+from bench_cpu import varlen_lengths
 
 import cs149gpt
 from cs149gpt.model import GPT, GPTConfig, load_pretrained
@@ -253,6 +254,100 @@ def run_train(args) -> list[Row]:
 DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# ------------------------------------------------------------------------------------------------- trainpacked
+def run_trainpacked(args) -> list[Row]:
+    """A padding-free training step of a random-weight Llama built from config: ours, attention
+    cs149gpt.integration.register_transformers_flash(), is fed the sequences flattened into one row by
+    DataCollatorWithFlattening (position_ids and cu_seq_lens: one varlen call per layer); the peer, the same weights
+    on attention "sdpa", the same sequences right-padded to the longest with an attention_mask (labels -100 on the
+    padding). Both predict the same tokens, so their first losses must agree. A step: forward, loss, backward,
+    AdamW; after the first (the probe), one step a sample in interleaved rounds. The rate counts the real tokens
+    (not the padding) per second. bfloat16 is torch.autocast (float32 weights and optimizer state, the Linear
+    layers and attention in bf16)."""
+    try:
+        import transformers
+        from transformers import DataCollatorWithFlattening
+    except ImportError:
+        print("trainpacked: transformers is not installed (pip install transformers); skipped", file=sys.stderr)
+        return [Row("trainpacked", "all", "", None, "varlen", "sdpa padded", status="skipped",
+                    note="transformers is not installed")]
+    from cs149gpt.integration import register_transformers_flash
+
+    ours_name = register_transformers_flash()
+    if args.quick:
+        hidden, layers, heads, lengths = 64, 2, 4, varlen_lengths(8, 16, 128)
+    else:
+        if len(args.seqs) != 3:
+            raise SystemExit(f"trainpacked: --seqs is COUNT,SHORTEST,LONGEST, got {args.seqs}")
+        hidden, layers, heads, lengths = args.hidden, args.layers, args.heads, varlen_lengths(*args.seqs)
+    vocab = 1000
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=args.mlp_ratio * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=heads, max_position_embeddings=max(lengths),
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    g = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(
+        [{"input_ids": s.tolist()} for s in sequences])
+    packed["use_cache"] = False
+    longest = max(lengths)
+    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(sequences):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False)
+    batches = {"varlen": packed, "sdpa padded": padded}
+    real = sum(lengths)
+    what = (f"Llama {layers}L {heads}x{hidden // heads}, {len(lengths)} seqs {min(lengths)}..{longest} "
+            f"({real} tokens, padded {len(lengths) * longest})")
+
+    rows = []
+    for dtype in args.dtype or ["float32", "bfloat16"]:
+        autocast = dtype != "float32"
+        torch.manual_seed(0)
+        base = transformers.LlamaForCausalLM(config)
+        models = {}
+        for name, impl in (("varlen", ours_name), ("sdpa padded", "sdpa")):
+            model = copy.deepcopy(base).train()
+            model.set_attn_implementation(impl)
+            models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+        def step(name):
+            model, optimizer = models[name]
+            ctx = torch.autocast("cpu", dtype=DTYPE[dtype]) if autocast else contextlib.nullcontext()
+            with ctx:
+                loss = model(**batches[name]).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            return loss.item()
+
+        def timed_step(name):  # a step lasts seconds at full size: one step a sample, no calibration calls
+            start = time.perf_counter()
+            step(name)
+            return time.perf_counter() - start
+
+        case = f"{what}{' autocast' if autocast else ''}"
+        for threads in args.threads:
+            progress(f"trainpacked {case} {dtype} threads={threads}")
+            try:
+                with torch_threads(threads):
+                    losses = {name: step(name) for name in models}  # the first step: the losses must agree
+                row = pair_row("trainpacked", case, dtype, threads, ("varlen", lambda: timed_step("varlen")),
+                               ("sdpa padded", lambda: timed_step("sdpa padded")), args, count=real, unit="tok/s",
+                               self_timed=True)
+            except Exception as e:  # noqa: BLE001  (an API this transformers lacks: say so, go on)
+                rows.append(Row("trainpacked", case, dtype, threads, "varlen", "sdpa padded", status="error",
+                                note=f"{type(e).__name__}: {first_line(e)}"))
+                continue
+            row.err = abs(losses["varlen"] - losses["sdpa padded"])
+            if not row.err <= (1e-4 if not autocast else 5e-2) * max(1.0, abs(losses["sdpa padded"])):
+                row.status = "wrong"
+                row.add_note(f"WRONG: first losses {losses['varlen']:.5f} vs {losses['sdpa padded']:.5f}")
+            rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------- command line
 def register(sub, common: argparse.ArgumentParser) -> None:
     ints = lambda t: [int(x) for x in t.split(",")]  # noqa: E731
@@ -273,4 +368,12 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run_train)
     p.add_argument("--configs", type=lambda t: t.split(","), default=["shipped", "nano256"],
                    help=f"of {','.join(CONFIGS)}")
-
+    p = sub.add_parser("trainpacked", parents=[common],
+                       help="padding-free Llama training steps (DataCollatorWithFlattening) vs sdpa, padded batch")
+    p.set_defaults(run=run_trainpacked)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--mlp-ratio", type=int, default=3, help="intermediate_size = ratio x hidden")
+    p.add_argument("--seqs", type=ints, default=[16, 64, 1024], metavar="COUNT,SHORTEST,LONGEST",
+                   help="COUNT sequence lengths spread geometrically from SHORTEST to LONGEST (default 16,64,1024)")

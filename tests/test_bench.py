@@ -20,6 +20,9 @@ def run_bench(tmp_path, *args):
 @pytest.mark.parametrize("args, bench, min_rows", [
     (("forward", "--shapes", "1,2,128,32"), "forward", 2),  # causal off and on
     (("decode", "--keys", "256", "--heads", "4,2", "--head-dim", "32"), "decode", 4),  # 2 dtypes x 2 entry points
+    # softcap and ALiBi vs plain flash, ALiBi vs SDPA + bias: 3 rows x 2 dtypes x causal off and on
+    (("logits", "--shapes", "1,2,128,32"), "logits", 12),
+    (("trainpacked", "--dtype", "float32"), "trainpacked", 1),  # a tiny Llama, varlen vs sdpa padded
 ])
 def test_bench_quick_json(tmp_path, args, bench, min_rows):
     doc, stdout = run_bench(tmp_path, *args)
