@@ -25,13 +25,13 @@ Supported:
 - flash_attn_with_kvcache: contiguous caches (batch_cache, seqlen_cache, heads_kv, d), rows chosen by
   cache_batch_idx, and paged ones (num_blocks, page_block_size, heads_kv, d) with block_table; cache_seqlens and
   cache_leftpad; k and v of any seqlen_new appended in place; rotary embedding of q and k (interleaved or not);
-  causal, window_size, return_softmax_lse; forward only (no gradients). Its docstring gives each meaning.
+  causal, window_size, softcap, alibi_slopes, return_softmax_lse; forward only (no gradients). Its docstring gives
+  each meaning.
 - flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func: sequences of different
   lengths packed into (total_tokens, heads, head_dim) with cu_seqlens offsets, forward and backward, with everything
   flash_attn_func takes; one kernel call over all sequences (cs149gpt.varlen_attention).
 
 Raises NotImplementedError, naming the argument, rather than return a different result:
-- softcap != 0 and alibi_slopes in flash_attn_with_kvcache (its decode kernel does not apply them yet);
 - block_table in flash_attn_varlen_func (a paged KV cache there).
 deterministic is accepted (every result is bitwise the same for any thread count) and num_splits is ignored.
 """
@@ -293,9 +293,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         softmax_scale, causal: as in the module docstring. window_size: (left, right) as above.
         return_softmax_lse: also return softmax_lse (batch, heads, seqlen_q) float32, the logsumexp of each row's
             scaled logits (+inf for a row that sees no key).
-        softcap, alibi_slopes: FlashAttention's meaning, handed to the operator, which refuses them
-            (NotImplementedError) until the KV-cache kernel applies them. num_splits: ignored (the kernel splits the
-            keys itself, deterministically).
+        softcap: > 0 caps the scaled logits to softcap · tanh(s / softcap). alibi_slopes: (heads,) or (batch, heads)
+            float32, adds −slope · |i + L_b − seqlen_q − j| with L_b sequence b's length after the append, i and j
+            counted from cache_leftpad (FlashAttention's meaning). num_splits: ignored (the kernel splits the keys
+            itself, deterministically).
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype (a transposed view of the kernel's contiguous

@@ -281,8 +281,8 @@ def attention_with_kvcache(
             L_b = cache_seqlens[b] − cache_leftpad[b] (+ N_new) keys. None: 0. Paged caches too.
         window: (left, right), a sliding window aligned as the causal mask: query i sees keys j with
             L_b − Nq + i − left <= j <= L_b − Nq + i + right; −1 leaves a side unbounded. None: no window.
-        softcap, alibi_slopes: FlashAttention's meaning (csrc/attention.h); refused with NotImplementedError until
-            the KV-cache kernel applies them.
+        softcap, alibi_slopes: as attention()'s (FlashAttention's meaning, csrc/attention.h): ALiBi adds
+            −slope · |L_b − Nq + i − j|, i and j counted as the window counts them; slopes (Hq,) or (B, Hq) float32.
         lse: optional (B, Hq, Nq) float32 contiguous tensor the logsumexp of each row's scaled logits is written to
             (−inf for a row that sees no key).
 

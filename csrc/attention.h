@@ -308,9 +308,10 @@ struct KernelTable {
   double (*bf16_dot_probe)(int64_t iterations, int num_threads);
   // Reads n floats (sums them, returned) on num_threads threads: time it to get the read bandwidth.
   double (*read_probe)(const float* x, int64_t n, int num_threads);
-  // The vectorised exp and 2^x the kernels use, over a row in place (exposed so tests can check them).
+  // The vectorised exp, 2^x and tanh (softcap's) the kernels use, over a row in place (exposed so tests can check them).
   void (*exp_row)(float* x, int64_t n);
   void (*exp2_row)(float* x, int64_t n);
+  void (*tanh_row)(float* x, int64_t n);
 };
 
 // The readable flash forward (csrc/kernels/flash_teaching.cpp): float32, scalar, compiled once (no ISA dispatch).

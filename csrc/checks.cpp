@@ -702,10 +702,6 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                     "for no bound on that side; got (", window_left, ", ", window_right, ")");
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0 && softcap < kFloat32Overflow,
                     "softcap must be a finite float32 >= 0 (0: none), got ", softcap);
-  // flash_decode.cpp does not apply these yet: refused rather than ignored (the params carry them for when it does).
-  TORCH_CHECK_NOT_IMPLEMENTED(softcap == 0.0, "softcap=", softcap,
-                              ": the KV-cache kernel does not compute softcapped logits yet");
-  TORCH_CHECK_NOT_IMPLEMENTED(!is_given(alibi_slopes), "alibi_slopes: the KV-cache kernel does not add ALiBi biases yet");
   return dtype;
 }
 

@@ -95,10 +95,10 @@ std::tuple<at::Tensor, at::Tensor> run_attention(const at::Tensor& q, const at::
       kernel = &kernels.blocked;
       break;
     case Impl::fused: kernel = &kernels.fused; break;
-    // A few query rows (decoding) go to flash-decoding, which splits the keys instead (attention.h), attn_mask and
-    // window included; the tiled kernels take the rest.
-    case Impl::flash:  // (softcap, ALiBi: flash.cpp, for any number of query rows)
-      kernel = heuristics::decode_kernel_takes(p) && !has_logit_mods(p) ? &kernels.decode : &kernels.flash;
+    // A few query rows (decoding) go to flash-decoding, which splits the keys instead (attention.h), attn_mask,
+    // window, softcap and ALiBi included; the tiled kernels take the rest.
+    case Impl::flash:
+      kernel = heuristics::decode_kernel_takes(p) ? &kernels.decode : &kernels.flash;
       break;
     case Impl::flash_teaching: kernel = &kTeachingKernel; break;
   }

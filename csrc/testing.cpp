@@ -40,6 +40,14 @@ at::Tensor vector_exp2(const at::Tensor& x) {
   return y;
 }
 
+// tanh of every element of a float32 tensor, by the current ISA's vectorised tanh (softcap's; a test hook).
+at::Tensor vector_tanh(const at::Tensor& x) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  at::Tensor y = x.contiguous().clone();
+  kernels().tanh_row(y.data_ptr<float>(), y.numel());
+  return y;
+}
+
 // The FMA peak of this machine in GFLOP/s, with the current ISA's vectors on num_threads threads.
 // Both arguments are range-checked: num_threads is handed to OpenMP as an int, and the doubling of the iterations
 // must stop before it overflows (a minute of probing is far more than any measurement needs).
@@ -144,6 +152,7 @@ void register_testing(pybind11::module_& m) {
         "sum of a float32 tensor read with vector loads on num_threads threads (time it: read bandwidth)");
   t.def("vector_exp", &vector_exp, "exp by the kernels' vectorised exp (current ISA), for tests");
   t.def("vector_exp2", &vector_exp2, "2^x by the kernels' vectorised 2^x (current ISA), for tests");
+  t.def("vector_tanh", &vector_tanh, "tanh by the kernels' vectorised tanh (current ISA; softcap's), for tests");
   t.def("cpu_supports", [](const std::string& name) { return cpu_supports(name.c_str()); },
         "whether this CPU runs the kernels of the named instruction set");
   t.def("amx_emulation_restores_tile_config", [] {

@@ -238,16 +238,3 @@ def test_softcap_and_alibi(slopes_shape, causal):
     packed = flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2).detach(), softcap=3.0, alibi_slopes=slopes)
     kvp = flash_attn_kvpacked_func(q.detach(), torch.stack([q, q], dim=2).detach(), softcap=3.0, alibi_slopes=slopes)
     torch.testing.assert_close(packed, kvp)
-
-
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(softcap=30.0), "softcap"),
-    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
-])
-def test_kvcache_refusals(kwargs, name):
-    q = torch.randn(1, 2, 2, 16)
-    k_cache, v_cache = torch.randn(1, 16, 2, 16), torch.randn(1, 16, 2, 16)
-    before = k_cache.clone()
-    with pytest.raises(NotImplementedError, match=rf"\b{name}\b"):
-        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, causal=True, **kwargs)
-    assert torch.equal(k_cache, before)

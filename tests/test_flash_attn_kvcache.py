@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cs149gpt.flash_attn import flash_attn_func, flash_attn_with_kvcache
-from tests._helpers import gen
+from tests._helpers import gen, isa  # noqa: F401  (fixture)
 from tests.test_flash_attn_api import reference, visible
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -133,7 +133,8 @@ def logical(paged_cache, table):
 
 
 def run_case(dtype, paged, s_q, s_new, causal, window_size, h=4, h_kv=2, d=16, cap=48, page=8, seqlens=(0, 17, 30),
-             batch_cache=None, batch_idx=None, leftpad=None, rotary_dim=0, interleaved=True, seed=0, lse=False):
+             batch_cache=None, batch_idx=None, leftpad=None, rotary_dim=0, interleaved=True, seed=0, lse=False,
+             softcap=0.0, alibi=None):
     """Builds the inputs, calls flash_attn_with_kvcache and checks out (and lse), and the caches after."""
     g = gen(seed)
     B = len(seqlens)
@@ -149,8 +150,11 @@ def run_case(dtype, paged, s_q, s_new, causal, window_size, h=4, h_kv=2, d=16, c
         rotary = (torch.cos(angle).to(dtype), torch.sin(angle).to(dtype), interleaved)
     cache_batch_idx = None if batch_idx is None else torch.tensor(batch_idx, dtype=torch.int32)
     cache_leftpad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32)
+    slopes = None
+    if alibi is not None:  # "head": (h,), "batch": (B, h)
+        slopes = torch.rand(h if alibi == "head" else (B, h), generator=g) * 0.5 + 0.05
     want, want_lse, want_k, want_v = kvcache_reference(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                                                       cache_leftpad, causal, window_size, rotary)
+                                                       cache_leftpad, causal, window_size, rotary, softcap, slopes)
     if paged:
         k_arg, v_arg, table = paged_copy(k_cache, v_cache, page, g)
     else:
@@ -159,7 +163,7 @@ def run_case(dtype, paged, s_q, s_new, causal, window_size, h=4, h_kv=2, d=16, c
                                      rotary_sin=None if rotary is None else rotary[1], cache_seqlens=cache_seqlens,
                                      cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=table,
                                      causal=causal, window_size=window_size, rotary_interleaved=interleaved,
-                                     return_softmax_lse=lse)
+                                     softcap=softcap, alibi_slopes=slopes, return_softmax_lse=lse)
     out, out_lse = result if lse else (result, None)
     assert out.shape == (B, s_q, h, d)
     assert_close(out, want, dtype)
@@ -247,12 +251,9 @@ def test_cache_seqlens_int_and_none():
                  torch.float32)
 
 
-@pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                   reason="the KV-cache kernel does not apply softcap and ALiBi yet: the operator refuses them")
 @pytest.mark.parametrize("what", ["softcap", "alibi", "alibi_per_batch"])
 def test_softcap_and_alibi(what):
-    """FlashAttention's softcap and ALiBi (distance counted from cache_leftpad, bottom-right). Strict xfail: passes
-    the day the kernel applies them, and then the marker must go."""
+    """FlashAttention's softcap and ALiBi (distance counted from cache_leftpad, bottom-right)."""
     g = gen(10)
     B, s_q, h, h_kv, d = 2, 3, 4, 2, 16
     q = torch.randn(B, s_q, h, d, generator=g)
@@ -266,6 +267,30 @@ def test_softcap_and_alibi(what):
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad,
                                   causal=True, softcap=softcap, alibi_slopes=slopes)
     assert_close(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("causal,window_size", MASKS, ids=MASK_IDS)
+@pytest.mark.parametrize("mods", [dict(softcap=1.5), dict(alibi="head"), dict(softcap=3.0, alibi="batch")],
+                         ids=["softcap", "alibi", "both"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softcap_and_alibi_everywhere(dtype, paged, mods, causal, window_size):
+    """softcap and ALiBi with appends shorter and longer than q, cache_leftpad, cache_batch_idx, GQA, out and lse."""
+    run_case(dtype, paged, 5, 3, causal, window_size, lse=True, **mods)
+    run_case(dtype, paged, 4, 6, causal, window_size, seqlens=(0, 17, 30, 12), leftpad=[0, 5, 30, 12], lse=True,
+             seed=1, **mods)
+    if not paged:
+        run_case(dtype, False, 2, 1, causal, window_size, seqlens=(9, 20), leftpad=[3, 11], batch_cache=4,
+                 batch_idx=[2, 1], seed=3, h=2, h_kv=1, **mods)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_softcap_and_alibi_long_cache_split(isa, paged):
+    """Long caches that the kernel splits (the splits' partials merged after), on every ISA."""
+    run_case(torch.float32, paged, 3, 2, True, (-1, -1), h=2, h_kv=1, d=32, cap=1536, page=64, seqlens=(1400, 700),
+             leftpad=[300, 0], lse=True, softcap=2.0, alibi="batch")
+    run_case(torch.bfloat16, paged, 1, 1, False, (-1, -1), h=4, h_kv=2, d=64, cap=1024, page=64, seqlens=(1000, 333),
+             lse=True, softcap=4.0, alibi="head", seed=1)
 
 
 def bad_call(**overrides):
@@ -301,8 +326,6 @@ PAGED = dict(k_cache=torch.zeros(6, 8, 2, 16), v_cache=torch.zeros(6, 8, 2, 16),
     (dict(rotary_cos=torch.ones(11, 4), rotary_sin=torch.zeros(11, 4)), ValueError, r"rotary_cos: has 11 positions"),
     (dict(rotary_cos=torch.ones(32, 9), rotary_sin=torch.zeros(32, 9)), ValueError, r"rotary_dim = 2 · 9"),
     (dict(rotary_cos=torch.ones(32, 4), rotary_sin=torch.zeros(32, 3)), ValueError, r"rotary_sin: expected"),
-    (dict(softcap=5.0), NotImplementedError, r"softcap"),
-    (dict(alibi_slopes=torch.ones(2)), NotImplementedError, r"alibi_slopes"),
     (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape"),
 ])
 def test_bad_input(overrides, error, pattern):

@@ -132,6 +132,78 @@ def test_combinations(dtype, case):
         run_case(dtype, n_q=200, n_k=200, causal="top_left", d=64, **kw)
 
 
+def decode_runs(fn):
+    """(fn(), how many times the decode kernel (flash_decode.cpp, under its own profiler label) ran in it)."""
+    from torch.profiler import profile
+    with profile() as prof:
+        result = fn()
+    return result, sum(1 for e in prof.events() if e.name == "cs149gpt::flash_decode")
+
+
+# Decode-shaped calls (Nq <= 16, default tiles, no dropout) take flash_decode.cpp, softcap and ALiBi included:
+# (B, Hq, Hkv, Nq, Nk, d); 700 keys make several splits (merged after), GQA 4 puts a group's rows in one task.
+DECODE_SHAPES = [(2, 4, 2, 1, 53, 24), (2, 4, 2, 3, 700, 32), (1, 8, 2, 16, 300, 16), (3, 4, 1, 5, 200, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mods", [dict(softcap=2.5, slopes=None), dict(softcap=0.0, slopes="head"),
+                                  dict(softcap=4.0, slopes="batch")], ids=["softcap", "alibi", "both"])
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+def test_decode_kernel(isa, dtype, mods, causal):
+    """attention()'s decode-shaped calls with softcap and ALiBi run the decode kernel and match the reference."""
+    for n, (B, H, Hkv, n_q, n_k, d) in enumerate(DECODE_SHAPES):
+        _, runs = decode_runs(lambda: run_case(dtype, B=B, H=H, Hkv=Hkv, n_q=n_q, n_k=n_k, d=d, causal=causal,
+                                               grads=False, seed=n, **mods))
+        assert runs == 1, f"{(B, H, Hkv, n_q, n_k, d)}: the decode kernel ran {runs} times"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["bool_mask", "additive_mask", "window", "rows_see_none"])
+def test_decode_kernel_masked(dtype, case):
+    """The decode kernel's masked blocks (attn_mask, window) after softcap and ALiBi; rows that see no key."""
+    g = gen(11)
+    kw = dict(B=2, H=4, Hkv=2, n_q=4, n_k=300, d=32, softcap=3.0, slopes="batch", grads=False)
+    if case == "bool_mask":
+        mask = torch.rand(2, 1, 4, 300, generator=g) > 0.4
+        run = lambda: run_case(dtype, mask=mask, causal="bottom_right", **kw)  # noqa: E731
+    elif case == "additive_mask":
+        mask = randn(1, 4, 4, 300, gen=g).to(dtype)
+        run = lambda: run_case(dtype, mask=mask, **kw)  # noqa: E731
+    elif case == "window":
+        run = lambda: run_case(dtype, window=(40, 2), **kw)  # noqa: E731
+    else:  # Nq > Nk, top-left: the first rows see keys, bottom-right: the first rows see none
+        run = lambda: run_case(dtype, **dict(kw, n_q=12, n_k=8), causal="bottom_right")  # noqa: E731
+    _, runs = decode_runs(run)
+    assert runs == 1
+
+
+def test_vector_tanh(isa):
+    """The kernels' tanh (softcap's) against float64 tanh: relative error <= 5e-7 from the denormals to the
+    saturation, exact at ±0, ±1 beyond, NaN kept; every length modulo the vector widths."""
+    tanh = module()._testing.vector_tanh
+    tiny = torch.tensor([1e-45, 1e-40, 1.1754942e-38, 1.1754944e-38, 1e-30, 1e-10, 1e-5, 1e-3])
+    dense = torch.cat([torch.linspace(-12.0, 12.0, 400_001), torch.logspace(-38, 1.2, 20_001), tiny, -tiny,
+                       torch.tensor([0.17, 0.1733, 0.3, 0.34657, 0.5, 1.0, 9.0, 9.9, 10.0, 10.1, 20.0, 88.0, 1e4,
+                                     3.4e38])])
+    dense = torch.cat([dense, -dense])
+    y = tanh(dense)
+    assert y.dtype == torch.float32 and y.shape == dense.shape
+    want = torch.tanh(dense.double())
+    rel = ((y.double() - want).abs() / want.abs().clamp_min(1e-300))
+    worst = rel.argmax()
+    assert rel.max().item() <= 5e-7, f"tanh({dense[worst].item()!r}) = {y[worst].item()!r}, want {want[worst].item()!r}"
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e30, -1e30])
+    ys = tanh(special)
+    assert ys[0].item() == 0.0 and math.copysign(1.0, ys[0].item()) == 1.0
+    assert ys[1].item() == 0.0 and math.copysign(1.0, ys[1].item()) == -1.0
+    assert ys[2:4].tolist() == [1.0, -1.0] and math.isnan(ys[4].item()) and ys[5:].tolist() == [1.0, -1.0]
+    for n in list(range(1, 40)) + [63, 64, 65]:
+        x = (3 * randn(2 * n, gen=gen(n)))[::2]
+        before = x.clone()
+        assert ((tanh(x).double() - torch.tanh(x.double())).abs() <= 5e-7 * torch.tanh(x.double()).abs()).all(), n
+        assert torch.equal(x, before), f"n={n}: vector_tanh modified its input"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_q, block_k", [(1, 1), (7, 13), (48, 64), (None, None)])

@@ -255,14 +255,19 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block.
       // Where every row sees every key and no mask is added, the product also takes the rows' maxima from its
       // registers, so that the softmax does not read S once more for them.
+      // With softcap or ALiBi the pass that applies them takes the maxima instead (on the keys each row sees; rows
+      // past group_rows are padding, never read).
       const bool max_in_product = block != MaskBlock::partial && visible[0] == n_keys && !mods.any;
-      if (max_in_product) fill_row(kNegInf, row_max, kRowGroup * W);
+      const bool max_in_mods = block != MaskBlock::partial && mods.any;
+      if (max_in_product || max_in_mods) fill_row(kNegInf, row_max, kRowGroup * W);
       group_gemm_panels<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.panel,
                                                          round_up(n_keys, W), S, L.s_ld,
                                                          max_in_product ? row_max : nullptr, n_keys);
       // softcap, ALiBi (base 2: cap and slopes times log2 e), before attn_mask.
       if (mods.any)
-        for (int64_t r = 0; r < group_rows; ++r) mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, n_keys);
+        for (int64_t r = 0; r < group_rows; ++r)
+          mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], 1.0f, nullptr,
+                   max_in_mods ? row_max + r * W : nullptr);
       if (block == MaskBlock::partial)
         for (int64_t r = 0; r < group_rows; ++r) {
           if (direct)
@@ -273,7 +278,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
 
       // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
       online_softmax(S, L.s_ld, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new,
-                     PInPlaceBase2{}, max_in_product ? row_max : nullptr);
+                     PInPlaceBase2{}, max_in_product || max_in_mods ? row_max : nullptr);
       if (p.dropout_p > 0.0f)  // P V with the dropped P; l (and lse) keep the undropped sum
         for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], 1);
 

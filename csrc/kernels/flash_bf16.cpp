@@ -351,11 +351,19 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
                                                          L.kt_tile, L.Bc_pad, S, L.s_ld, false);
       else
         qk_in_float32(G, s_cols, d, kP, Qi + g0 * L.d_k, q_part, L.d_k, KTj, L.kt_tile, L.Bc_pad, S, L.s_ld);
-      // S = scale · S, softcap, ALiBi; + mask where the mask cuts the block (the softmax below then scales by 1).
+      // S = scale · S, softcap, ALiBi (on the keys each row sees, taking the rows' maxima where no mask is added
+      // after: the softmax then reads S once, for its exp); + mask where the mask cuts the block (the softmax below
+      // then scales by 1).
       const bool partial = block == MaskBlock::partial;
       const float mask_scale = mods.any ? 1.0f : p.scale;
+      for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
+      const bool max_in_mods = mods.any && !partial;
+      float row_max[G * Vec::width];
+      if (max_in_mods) fill_row(kNegInf, row_max, G * Vec::width);
       if (mods.any)
-        for (int64_t r = 0; r < group_rows; ++r) mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, n_keys, p.scale);
+        for (int64_t r = 0; r < group_rows; ++r)
+          mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], p.scale, nullptr,
+                   max_in_mods ? row_max + r * Vec::width : nullptr);
       if (partial)
         for (int64_t r = 0; r < group_rows; ++r) {
           if (direct)
@@ -366,15 +374,16 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
 
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16 (or in parts); m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
-      for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
       const AttentionParams* dropout = p.dropout_p > 0.0f ? &p : nullptr;
       const float softmax_scale = partial || mods.any ? 1.0f : p.scale;
       if constexpr (kP > 1)
         online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16Parts<kP>{Pb, p_part, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
+                       PToBf16Parts<kP>{Pb, p_part, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0},
+                       max_in_mods ? row_max : nullptr);
       else
         online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16{Pb, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0});
+                       PToBf16{Pb, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0},
+                       max_in_mods ? row_max : nullptr);
 
       // O_g = α · O_g + P V_j   (in parts: Σ_{a+b ≤ kPvOrder} P_a·V_b)
       float* Og = Oi + g0 * L.d_n;

@@ -471,31 +471,45 @@ inline void add_mask_row(const AttentionParams& p, int64_t b, int64_t h, int64_t
 // in the logits' own units: `unit` is log2 e for flash.cpp's base-2 logits (cap · log2 e is then the cap: the same
 // function of the natural-log logit). grad (optional): 1 − tanh², softcap's derivative, for the backward's dS.
 // A line of scores is a row (query i, keys j0 + t) or, in the backward's transposed tiles, a column (queries i0 + t,
-// key j); either way the ALiBi distance is linear in t, and the whole is a few vector passes, nothing stored.
-// tanh: an odd Taylor polynomial below |x| = 0.3 (error < 1e-7 relative), 1 − 2 / (e^{2|x|} + 1) above (no
-// cancellation left: < 4e-7); ±inf gives ±1 (a +inf logit becomes +cap), NaN stays NaN.
-inline void softcap_line(float* s, int64_t n, float scale, float cap, float* grad) {
-  constexpr int64_t kChunk = 128;
-  const float to_x = scale / cap;
-  float e[kChunk];
-  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-    const int64_t m = std::min(kChunk, n - c0);
-    float* x = s + c0;
-    for (int64_t t = 0; t < m; ++t) {  // (vectorises) 2|x|, clamped below exp's overflow; NaN passes
-      const float a = 2.0f * std::fabs(to_x * x[t]);
-      e[t] = a > 80.0f ? 80.0f : a;
+// key j); either way the ALiBi distance is linear in t. The whole is one vector pass (simd.h's tanh), nothing stored
+// but the results; row_max (optional, one vector): the running maximum of the results, NaN lanes skipped, as
+// micro_gemm's (row_max_from_vecs reads it), so that the softmax need not read the line again for its max.
+// A +inf logit becomes +cap under softcap, NaN stays NaN.
+template <bool kCap, bool kAlibi>
+inline void logit_line(float* s, int64_t n, float scale, float cap, float slope, int32_t dist0, int step,
+                       float* grad, float* row_max) {
+  constexpr int W = Vec::width;
+  alignas(64) static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Vec to_x = Vec::broadcast(kCap ? scale / cap : scale), c = Vec::broadcast(cap), one = Vec::broadcast(1.0f);
+  const Vec minus_slope = Vec::broadcast(-slope), dist_step = Vec::broadcast(static_cast<float>(step * W));
+  // The distances of the vector's lanes, exact in float32 (|distance| < 2^24).
+  Vec dist = fmadd(Vec::load(kIota), Vec::broadcast(static_cast<float>(step)), Vec::broadcast(static_cast<float>(dist0)));
+  Vec mx = row_max ? Vec::load(row_max) : Vec::zero();
+  const auto apply = [&](Vec x, float* g, int64_t lanes) {
+    Vec v = x * to_x;
+    if constexpr (kCap) {
+      const Vec th = tanh(v);
+      v = c * th;
+      if (g) {
+        const Vec dth = fmadd(th * Vec::broadcast(-1.0f), th, one);  // 1 − tanh²
+        lanes == W ? dth.store(g) : dth.store_partial(g, lanes);
+      }
     }
-    exp_row(e, m);
-    for (int64_t t = 0; t < m; ++t) {  // (vectorises)
-      const float v = to_x * x[t], a = std::fabs(v), a2 = a * a;
-      const float small =
-          a * (1.0f + a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315 + a2 * (62.0f / 2835 +
-                                                                                  a2 * (-1382.0f / 155925))))));
-      const float th = std::copysign(a < 0.3f ? small : 1.0f - 2.0f / (e[t] + 1.0f), v);
-      x[t] = cap * th;
-      if (grad) grad[c0 + t] = 1.0f - th * th;
-    }
+    if constexpr (kAlibi) v = fmadd(minus_slope, abs(dist), v);
+    return v;
+  };
+  int64_t t = 0;
+  for (; t + W <= n; t += W) {
+    const Vec v = apply(Vec::load(s + t), grad ? grad + t : nullptr, W);
+    v.store(s + t);
+    if (row_max) mx = max_skip_nan(v, mx);
+    if constexpr (kAlibi) dist = dist + dist_step;
   }
+  if (t < n) {
+    apply(Vec::load_partial(s + t, n - t), grad ? grad + t : nullptr, n - t).store_partial(s + t, n - t);
+    if (row_max) mx = max_skip_nan(Vec::load_partial(s + t, n - t, kNegInf), mx);
+  }
+  if (row_max) mx.store(row_max);
 }
 
 struct LogitMods {
@@ -509,27 +523,29 @@ struct LogitMods {
   }
   // s[t] for t < n, at distance dist0 + step · t (step ±1) from the diagonal.
   void line(const AttentionParams& p, int64_t b, int64_t h, int64_t dist0, int step, float* s, int64_t n, float scale,
-            float* grad) const {
-    if (cap > 0.0f)
-      softcap_line(s, n, scale, cap, grad);
-    else if (scale != 1.0f)
-      scale_row(scale, s, n);
-    if (p.alibi_slopes) {
-      const float sl = slope(p, b, h);
-      const int32_t d0 = static_cast<int32_t>(dist0);
-      for (int32_t t = 0; t < static_cast<int32_t>(n); ++t)  // (vectorises)
-        s[t] -= sl * std::fabs(static_cast<float>(d0 + step * t));
+            float* grad, float* row_max) const {
+    const float sl = slope(p, b, h);
+    const int32_t d0 = static_cast<int32_t>(dist0);
+    if (cap > 0.0f) {
+      if (p.alibi_slopes)
+        logit_line<true, true>(s, n, scale, cap, sl, d0, step, grad, row_max);
+      else
+        logit_line<true, false>(s, n, scale, cap, sl, d0, step, grad, row_max);
+    } else if (p.alibi_slopes) {
+      logit_line<false, true>(s, n, scale, cap, sl, d0, step, grad, row_max);
+    } else {
+      logit_line<false, false>(s, n, scale, cap, sl, d0, step, grad, row_max);
     }
   }
   // Query row i against keys [j0, j0 + n).
   void row(const AttentionParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, float* s, int64_t n,
-           float scale = 1.0f, float* grad = nullptr) const {
-    line(p, b, h, i + p.kv_len - p.q_len - j0, -1, s, n, scale, grad);
+           float scale = 1.0f, float* grad = nullptr, float* row_max = nullptr) const {
+    line(p, b, h, i + p.kv_len - p.q_len - j0, -1, s, n, scale, grad, row_max);
   }
   // Queries [i0, i0 + n) against key j.
   void column(const AttentionParams& p, int64_t b, int64_t h, int64_t i0, int64_t j, float* s, int64_t n,
               float scale = 1.0f, float* grad = nullptr) const {
-    line(p, b, h, i0 + p.kv_len - p.q_len - j, 1, s, n, scale, grad);
+    line(p, b, h, i0 + p.kv_len - p.q_len - j, 1, s, n, scale, grad, nullptr);
   }
 };
 

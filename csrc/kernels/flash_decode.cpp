@@ -66,10 +66,10 @@ constexpr int64_t kSerialBytes = heuristics::kDecodeSerialBytes;
 constexpr int64_t kParallelMacs = heuristics::kDecodeParallelMacs;
 
 // The flash kernel (flash.cpp) hands a call of decode_kernel_takes's shape to this path when it has no attn_mask and
-// no window (module.cpp sends every call of that shape to the kernel table's `decode` directly, masked ones too).
-// (softcap and ALiBi: flash.cpp, which takes any q_len.)
+// no window (module.cpp sends every call of that shape to the kernel table's `decode` directly, masked ones, softcap and
+// ALiBi too).
 inline bool applies(const AttentionParams& p) {
-  return heuristics::decode_kernel_takes(p) && !has_mask_or_window(p) && !has_logit_mods(p);
+  return heuristics::decode_kernel_takes(p) && !has_mask_or_window(p);
 }
 
 inline int64_t pad16(int64_t n) { return round_up(n, 16); }
@@ -184,10 +184,24 @@ void block_scores(const AttentionParams& p, const Layout& L, int64_t rows, int64
   decode::row_key_dots(rows, n, p.head_dim, scratch + L.q_off, L.d_row, K, p.k_strides[2], S, kBlockKeys, K_next);
 }
 
+// S = scale · S on the keys each row of the task sees (keys[r] of row r), with softcap and ALiBi where the call has
+// them (flash_common.h's LogitMods; ALiBi's distance i + kv_len − q_len − j with p a sequence's view: its own length).
+inline void scale_scores(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t rho0, int64_t rows,
+                         int64_t t0, const int64_t* keys, float* S) {
+  const flash::LogitMods mods(p, 1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t rho = rho0 + r;
+    if (mods.any)
+      mods.row(p, b, head_of(L, kvh, rho), rho / L.group, t0, S + r * kBlockKeys, keys[r], p.scale);
+    else
+      scale_row(p.scale, S + r * kBlockKeys, keys[r]);
+  }
+}
+
 // One block of n keys from t0 that no attn_mask or window cuts: the causal mask alone.
 template <class T>
-void plain_block(const AttentionParams& p, const Layout& L, int64_t rho0, int64_t rows, int64_t kv_len, int64_t t0,
-                 int64_t n, const T* K, const T* V, const decode::NextBlock<T>& K_next,
+void plain_block(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t rho0, int64_t rows,
+                 int64_t kv_len, int64_t t0, int64_t n, const T* K, const T* V, const decode::NextBlock<T>& K_next,
                  const decode::NextBlock<T>& V_next, float* scratch) {
   const int64_t d = p.head_dim;
   float *S = scratch + L.s_off, *O = scratch + L.o_off;
@@ -195,13 +209,12 @@ void plain_block(const AttentionParams& p, const Layout& L, int64_t rho0, int64_
   int64_t visible[kMaxTaskRows];  // keys of the block each row sees
   block_scores<T>(p, L, rows, n, K, scratch, K_next);
 
-  // S = scale · S, rounded before the max is taken, so that the largest logit's weight is exp(0) = 1
+  // S = scale · S (softcap, ALiBi), rounded before the max is taken, so that the largest logit's weight is exp(0) = 1
   // exactly (a single visible key returns its value row bitwise). Then the online softmax over the block:
   // S becomes P; m, l, α updated (flash_common.h).
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows; ++r)
     visible[r] = std::clamp<int64_t>(visible_keys_of(p, kv_len, (rho0 + r) / L.group) - t0, 0, n);
-    scale_row(p.scale, S + r * kBlockKeys, visible[r]);
-  }
+  scale_scores(p, L, b, kvh, rho0, rows, t0, visible, S);
   online_softmax(S, kBlockKeys, rows, n, visible, /*scale=*/1.0f, m, l, alpha, m_new);
 
   // O = α · O + P V_block. Keys every row sees go through the block kernel; the few that only later rows
@@ -221,23 +234,23 @@ constexpr int64_t kMaxRuns = 4;
 
 // One block that attn_mask or the window cuts (mask_rows: row r sees keys among its first keys[r], through its
 // offsets bias[r] where it has them); n: the keys past which no row sees any, the only ones read.
-//   S_r = scale · q_r·K + bias_r,  −inf past keys[r];  then the online softmax;  O_r = α_r · O_r + P_r V.
+//   S_r = c(scale · q_r·K) + bias_r,  −inf past keys[r];  then the online softmax;  O_r = α_r · O_r + P_r V
+// (c: softcap and ALiBi, scale_scores).
 // P V goes over the keys a row sees only, so that a hidden key's value (NaN or inf in padding) never reaches it:
 // rows that see the same keys (one bias row and prefix: the heads of a GQA group under a padding mask) together,
 // run of consecutive shown keys by run (a padding mask's edge: one run). A scattered mask's many runs take one block
 // product instead where the block's values are all finite (P is 0 at every hidden key).
 template <class T>
-void masked_block(const AttentionParams& p, const Layout& L, int64_t rows, int64_t n, const T* K, const T* V,
-                  int64_t* keys, const float* const* bias, float* scratch) {
+void masked_block(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t rho0, int64_t rows,
+                  int64_t t0, int64_t n, const T* K, const T* V, int64_t* keys, const float* const* bias,
+                  float* scratch) {
   const int64_t d = p.head_dim, ldv = p.v_strides[2];
   float *S = scratch + L.s_off, *O = scratch + L.o_off;
   float *m = scratch + L.m_off, *l = scratch + L.l_off, *alpha = scratch + L.alpha_off, *m_new = scratch + L.mnew_off;
   block_scores<T>(p, L, rows, n, K, scratch);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = S + r * kBlockKeys;
-    scale_row(p.scale, s, keys[r]);
-    if (bias[r]) flash::add_mask(s, bias[r], keys[r]);
-  }
+  scale_scores(p, L, b, kvh, rho0, rows, t0, keys, S);
+  for (int64_t r = 0; r < rows; ++r)
+    if (bias[r]) flash::add_mask(S + r * kBlockKeys, bias[r], keys[r]);
   online_softmax(S, kBlockKeys, rows, n, keys, /*scale=*/1.0f, m, l, alpha, m_new);
 
   int finite = -1;  // the block's values: unknown until a scattered row asks
@@ -389,12 +402,14 @@ void split_task(const AttentionParams& p, const Layout& L, int64_t b, int64_t kv
         switch (mask_rows(ps, L, b, kvh, rho0, rows, t0, n, scratch + L.bias_off, keys, bias, &shown_end)) {
           case flash::MaskBlock::hidden: break;  // no row sees a key of it: never read
           case flash::MaskBlock::visible:
-            plain_block<T>(ps, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
+            plain_block<T>(ps, L, b, kvh, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
             break;
-          case flash::MaskBlock::partial: masked_block<T>(ps, L, rows, shown_end, K, V, keys, bias, scratch); break;
+          case flash::MaskBlock::partial:
+            masked_block<T>(ps, L, b, kvh, rho0, rows, t0, shown_end, K, V, keys, bias, scratch);
+            break;
         }
       } else {
-        plain_block<T>(ps, L, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
+        plain_block<T>(ps, L, b, kvh, rho0, rows, kv_len, t0, n, K, V, K_next, V_next, scratch);
       }
       t0 += n;
       K = K_next.rows;

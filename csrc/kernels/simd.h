@@ -55,6 +55,9 @@ struct Vec {
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1u); }
   static Vec load_partial(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
+  static Vec load_partial(const float* p, int64_t n, float fill) {  // `fill` in the lanes from n on
+    return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), tail_mask(n), p)};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store_partial(float* p, int64_t n) const { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
 };
@@ -62,6 +65,7 @@ inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b + c
+inline Vec abs(Vec a) { return {_mm512_abs_ps(a.v)}; }
 // max propagates NaN (IEEE maximum): vmaxps alone returns its second operand when either is NaN, so a NaN in
 // the first would be dropped; the lanes where `a` is NaN are put back.
 inline Vec max(Vec a, Vec b) {
@@ -89,6 +93,10 @@ struct Vec {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
   static Vec load_partial(const float* p, int64_t n) { return {_mm256_maskload_ps(p, tail_mask(n))}; }
+  static Vec load_partial(const float* p, int64_t n, float fill) {  // `fill` in the lanes from n on
+    const __m256i lanes = tail_mask(n);
+    return {_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, lanes), _mm256_castsi256_ps(lanes))};
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store_partial(float* p, int64_t n) const { _mm256_maskstore_ps(p, tail_mask(n), v); }
 };
@@ -96,6 +104,7 @@ inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec abs(Vec a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.v)}; }
 inline Vec max(Vec a, Vec b) {  // NaN if either is (see the AVX-512 max)
   return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), a.v, _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))};
 }
@@ -122,6 +131,7 @@ struct Vec {
   static Vec broadcast(float x) { return {x}; }
   static Vec load(const float* p) { return {*p}; }
   static Vec load_partial(const float* p, int64_t n) { return {n > 0 ? *p : 0.0f}; }
+  static Vec load_partial(const float* p, int64_t n, float fill) { return {n > 0 ? *p : fill}; }
   void store(float* p) const { *p = v; }
   void store_partial(float* p, int64_t n) const { if (n > 0) *p = v; }
 };
@@ -130,6 +140,7 @@ inline Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
 inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
 // a*b + c rounded twice: std::fma would be a slow library call on CPUs without the instruction.
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+inline Vec abs(Vec a) { return {std::fabs(a.v)}; }
 inline Vec max(Vec a, Vec b) { return {a.v > b.v || a.v != a.v ? a.v : b.v}; }  // NaN if either is
 inline Vec max_skip_nan(Vec x, Vec m) { return {x.v > m.v ? x.v : m.v}; }  // m where x is NaN (AVX-512's)
 inline float reduce_add(Vec a) { return a.v; }
@@ -273,6 +284,102 @@ inline void exp2_row(float* x, int64_t n) {
   int64_t c = 0;
   for (; c + W <= n; c += W) exp2(Vec::load(x + c)).store(x + c);
   if (c < n) exp2(Vec::load_partial(x + c, n - c)).store_partial(x + c, n - c);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// tanh(x) for a whole vector, in one pass (softcap's, flash_common.h): with a = min(|x|, 10) and −E = 1 − e^(−2a)
+// (expm1, from exp's own reduction and polynomial: E = 2^n · (e^r − 1) + (2^n − 1), n = round(−2a · log2 e),
+// r = −2a − n · ln 2, and e^r − 1 = r + r² · P(r) has no cancellation near 0),
+//   tanh(a) = −E / (2 + E),   tanh(x) = sign(x) · tanh(a).
+// No branch for small |x|: for |x| < 0.17, n = 0 and r = −2a exactly, so E keeps full relative precision down to the
+// denormals (tanh(x) = x there). Error ≤ 3e-7 relative everywhere; tanh(±0) = ±0, ±inf (and |x| ≥ 10, where tanh
+// rounds to 1 in float32) → ±1, NaN stays NaN (it runs through every step). No subnormal is computed on the way.
+// With AVX-512 the quotient is a 14-bit reciprocal and one Newton step (2^-28): with vdivps, softcap cost 1–4 points
+// more over the plain kernel on a 2-core EPYC (float32 and bf16, (1,16,2048,64), one thread).
+// ---------------------------------------------------------------------------------------------------
+constexpr float kTanhSaturates = 10.0f;  // tanh(10) = 1 − 4e-9: 1.0f
+#if defined(CS149_ISA_AVX512)
+inline Vec tanh(Vec x) {
+  using namespace exp_constants;
+  // min returns its second operand when either is NaN: |x| second, so a NaN lane stays NaN throughout.
+  const __m512 a = _mm512_min_ps(_mm512_set1_ps(kTanhSaturates), _mm512_abs_ps(x.v));
+  const __m512 z = _mm512_mul_ps(a, _mm512_set1_ps(-2.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f * kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), z);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(kP0);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP1));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP2));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP3));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
+  const __m512 em1_r = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);  // e^r − 1
+  const __m512 pow2n = _mm512_scalef_ps(_mm512_set1_ps(1.0f), n);   // 2^n, n in [−29, 0]
+  // −E = (1 − 2^n) − 2^n · (e^r − 1) ≥ +0 (+0 at a = 0), so the quotient's sign bit is clear and x's is put in.
+  const __m512 minus_E = _mm512_fnmadd_ps(pow2n, em1_r, _mm512_sub_ps(_mm512_set1_ps(1.0f), pow2n));
+  const __m512 den = _mm512_sub_ps(_mm512_set1_ps(2.0f), minus_E);  // 2 + E, in [1, 2]
+  const __m512 inv = _mm512_rcp14_ps(den);
+  const __m512 t0 = _mm512_mul_ps(minus_E, inv);
+  const __m512 t = _mm512_fmadd_ps(t0, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(1.0f)), t0);  // t0 · (2 − den·inv)
+  // t | (x & sign bit)
+  return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(t), _mm512_castps_si512(x.v),
+                                                        _mm512_set1_epi32(INT32_MIN), 0xF8))};
+}
+#elif defined(CS149_ISA_AVX2)
+inline Vec tanh(Vec x) {
+  using namespace exp_constants;
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_min_ps(_mm256_set1_ps(kTanhSaturates), _mm256_andnot_ps(sign_bit, x.v));  // NaN kept
+  const __m256 z = _mm256_mul_ps(a, _mm256_set1_ps(-2.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f * kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), z);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(kP0);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP1));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP2));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP3));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP4));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP5));
+  const __m256 em1_r = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
+  // 2^n, n in [−29, 0]: straight into the exponent bits (a NaN lane's n converts to INT_MIN: its 2^n is some
+  // number, and its NaN r carries on).
+  const __m256 pow2n =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  const __m256 minus_E = _mm256_fnmadd_ps(pow2n, em1_r, _mm256_sub_ps(_mm256_set1_ps(1.0f), pow2n));
+  const __m256 t = _mm256_div_ps(minus_E, _mm256_sub_ps(_mm256_set1_ps(2.0f), minus_E));
+  return {_mm256_or_ps(t, _mm256_and_ps(x.v, sign_bit))};
+}
+#else
+inline Vec tanh(Vec x) {
+  using namespace exp_constants;
+  if (x.v != x.v) return x;
+  const float a = std::fabs(x.v) < kTanhSaturates ? std::fabs(x.v) : kTanhSaturates, z = -2.0f * a;
+  const float n = std::nearbyint(z * kLog2e);
+  float r = z - n * kLn2Hi;  // exact without an FMA (see exp)
+  r = r - n * kLn2Lo;
+  float y = kP0;
+  y = y * r + kP1;
+  y = y * r + kP2;
+  y = y * r + kP3;
+  y = y * r + kP4;
+  y = y * r + kP5;
+  const float em1_r = y * (r * r) + r;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [−29, 0]
+  float pow2n;
+  std::memcpy(&pow2n, &bits, sizeof pow2n);
+  const float minus_E = (1.0f - pow2n) - pow2n * em1_r;
+  return {std::copysign(minus_E / (2.0f - minus_E), x.v)};
+}
+#endif
+
+// x[c] = tanh(x[c])
+inline void tanh_row(float* x, int64_t n) {
+  constexpr int W = Vec::width;
+  int64_t c = 0;
+  for (; c + W <= n; c += W) tanh(Vec::load(x + c)).store(x + c);
+  if (c < n) tanh(Vec::load_partial(x + c, n - c)).store_partial(x + c, n - c);
 }
 
 // x[c] = 2^(scale·x[c] − shift); returns Σ x[c]: exp_shifted_sum for logits in base 2.
