@@ -29,12 +29,16 @@ Supported:
   each meaning.
 - flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func: sequences of different
   lengths packed into (total_tokens, heads, head_dim) with cu_seqlens offsets, forward and backward, with everything
-  flash_attn_func takes; one kernel call over all sequences (cs149gpt.varlen_attention).
+  flash_attn_func takes; one kernel call over all sequences (cs149gpt.varlen_attention). flash_attn_varlen_func
+  also reads a paged KV cache (block_table), forward only: a serving step's prefills and decodes in one call.
 
-Raises NotImplementedError, naming the argument, rather than return a different result:
-- block_table in flash_attn_varlen_func (a paged KV cache there).
+Every argument of these functions is honoured. Differences: S_dmask (return_attn_probs) holds the normalised
+probabilities (FlashAttention's are scaled per block: "possibly with different scaling"); a paged varlen call has no
+backward (ValueError naming the tensor that requires grad); input errors are ValueError/TypeError/IndexError, and those
+naming block_table are also RuntimeError, as FlashAttention raises them.
 deterministic is accepted (every result is bitwise the same for any thread count) and num_splits is ignored.
 """
+import contextlib
 import math
 from typing import Optional, Tuple, Union
 
@@ -52,6 +56,19 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
 ]
+
+@contextlib.contextmanager
+def _block_table_errors_as_runtime_errors():
+    """FlashAttention raises RuntimeError for a bad block table (its TORCH_CHECK); ours are ValueError or IndexError.
+    One naming block_table is re-raised as both: code written for either keeps catching it."""
+    try:
+        yield
+    except (ValueError, IndexError) as e:
+        if "block_table" not in str(e):
+            raise
+        both = type(f"BlockTable{type(e).__name__}", (type(e), RuntimeError), {})
+        raise both(*e.args) from None
+
 
 def _attention_probs(q, k, scale, causal, window_size, lse, softcap=0.0, alibi_slopes=None):
     """(B, H, Nq, Nk) float32 softmax probabilities from q, k (B, H*, N, d) and the kernel's lse (B, H, Nq): the logits
@@ -146,22 +163,28 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
-    """q (total_q, Hq, d), k and v (total_k, Hkv, d), sequences packed one after another (cu_seqlens)."""
-    if block_table is not None:
-        raise NotImplementedError("block_table: a paged KV cache in flash_attn_varlen_func is not supported yet; "
-                                  "use flash_attn_with_kvcache")
+    """q (total_q, Hq, d), k and v (total_k, Hkv, d), sequences packed one after another (cu_seqlens); or, with
+    block_table, k and v a paged cache (num_blocks, page_block_size, Hkv, d)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name}: expected (total_tokens, heads, head_dim), got "
+        paged = block_table is not None and name != "q"
+        if not isinstance(t, torch.Tensor) or t.dim() != (4 if paged else 3):
+            expected = "(num_blocks, page_block_size, heads_kv, head_dim) with block_table" if paged else \
+                "(total_tokens, heads, head_dim)"
+            raise ValueError(f"{name}: expected {expected}, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     window = tuple(max(int(w), -1) for w in window_size)  # FlashAttention: any negative side is unbounded
     rng = torch.Generator().set_state(torch.get_rng_state()) if return_attn_probs and dropout_p > 0.0 else None
-    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                scale=softmax_scale, is_causal=bool(causal),
-                                window=window if window != (-1, -1) else None, dropout_p=dropout_p, softcap=softcap,
-                                alibi_slopes=alibi_slopes, return_lse=True)
+    with _block_table_errors_as_runtime_errors():
+        out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                    scale=softmax_scale, is_causal=bool(causal),
+                                    window=window if window != (-1, -1) else None, dropout_p=dropout_p,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
+                                    return_lse=True)
     if not return_attn_probs:
         return out
+    if block_table is not None:  # (testing only) each sequence's keys gathered from its pages, packed
+        k = _gather_pages(k, block_table, cu_seqlens_k)
+        cu_seqlens_k = cu_seqlens_k - cu_seqlens_k[0]
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     probs = q.new_zeros((len(cu_q) - 1, q.shape[1], int(max_seqlen_q), int(max_seqlen_k)), dtype=torch.float32)
@@ -183,6 +206,15 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     return out, lse, probs
 
 
+def _gather_pages(cache, block_table, cu_seqlens_k):
+    """A paged cache's keys (num_blocks, page, H, d) as a packed (total_k, H, d) copy, sequence after sequence."""
+    page, rows = cache.shape[1], []
+    for b, (a, e) in enumerate(zip(cu_seqlens_k.tolist(), cu_seqlens_k.tolist()[1:])):
+        t = torch.arange(e - a)
+        rows.append(cache[block_table[b, t // page].long(), t % page])
+    return torch.cat(rows) if rows else cache.new_empty((0,) + tuple(cache.shape[2:]))
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
@@ -197,10 +229,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return_attn_probs: also return softmax_lse (heads, total_q) float32 and S_dmask, the attention probabilities
             (batch, heads, max_seqlen_q, max_seqlen_k) before dropout, zero past each sequence, negated where dropout
             dropped them (for testing: materialised).
-        block_table: a paged KV cache (NotImplementedError). deterministic: accepted.
+        block_table: (batch, max_blocks) int32, a paged KV cache: k and v are then (num_blocks, page_block_size,
+            heads_kv, head_dim) and sequence b's keys are 0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] - 1, key t at row
+            t % page_block_size of block block_table[b, t // page_block_size] (FlashAttention's meaning; any
+            page_block_size). One call prefills and decodes many sequences (seqlen_q 1: a decode step). Inference
+            only (a tensor that requires grad: ValueError). deterministic: accepted.
 
     Returns:
-        out (total_q, heads, head_dim) in q's dtype, differentiable in q, k and v; or (out, softmax_lse, S_dmask).
+        out (total_q, heads, head_dim) in q's dtype, differentiable in q, k and v (without block_table); or
+        (out, softmax_lse, S_dmask).
     One kernel call takes every sequence (no padding, no (N, N) mask); so does the backward.
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -336,12 +373,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
     lse = (torch.empty(batch, q.shape[2], seqlen_q, dtype=torch.float32, device=q.device)
            if return_softmax_lse else None)
-    out = attention_with_kvcache(
-        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens,
-        k_new=None if k is None else k.transpose(1, 2), v_new=None if v is None else v.transpose(1, 2),
-        block_table=block_table, scale=softmax_scale, is_causal=bool(causal), cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad, window=window if window != (-1, -1) else None, softcap=softcap,
-        alibi_slopes=alibi_slopes, lse=lse)
+    with _block_table_errors_as_runtime_errors():
+        out = attention_with_kvcache(
+            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens,
+            k_new=None if k is None else k.transpose(1, 2), v_new=None if v is None else v.transpose(1, 2),
+            block_table=block_table, scale=softmax_scale, is_causal=bool(causal), cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, window=window if window != (-1, -1) else None, softcap=softcap,
+            alibi_slopes=alibi_slopes, lse=lse)
     out = out.transpose(1, 2)  # (B, Nq, Hq, d)
     if not return_softmax_lse:
         return out

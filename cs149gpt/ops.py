@@ -353,6 +353,7 @@ def varlen_attention(
     dropout_p: float = 0.0,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
     return_lse: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention over sequences of different lengths packed one after another (FlashAttention's varlen layout).
@@ -376,19 +377,38 @@ def varlen_attention(
         softcap: > 0 caps each scaled logit s to softcap · tanh(s / softcap), as attention() does.
         alibi_slopes: (Hq,) or (B, Hq) float32: adds −slope · |i + Nk − Nq − j| in each sequence (FlashAttention's
             ALiBi), computed in the kernel.
+        block_table: (B, max_blocks) int32, a paged KV cache (FlashAttention's): k and v are then
+            (num_blocks, page_block_size, Hkv, d), and sequence b's keys are 0 .. cu_seqlens_k[b + 1] −
+            cu_seqlens_k[b] − 1, key t at row t % page_block_size of block block_table[b, t // page_block_size]
+            (cu_seqlens_k gives the lengths only). Sequences may share blocks (a common prefix). Each block a
+            sequence uses must be in [0, num_blocks) (IndexError) and within the table's columns (ValueError).
+            The kernel reads the keys through the table: one call prefills and decodes many sequences (a query
+            length of 1 is a decode step). Inference only: a tensor that requires grad is refused (ValueError).
         return_lse: also return lse, (Hq, total_q) float32.
 
-    Differentiable in q, k and v (the backward is one kernel call too: a task per (sequence, kv head)).
+    Differentiable in q, k and v (the backward is one kernel call too: a task per (sequence, kv head)); not with
+    block_table.
     """
     if dropout_p < 0.0 or dropout_p >= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if block_table is not None:
+        _refuse_grad_when_paged(q, k, v)
     left, right = _window(window)
     _load()
     seed = _dropout_seed() if dropout_p > 0.0 else None
     out, lse = torch.ops.cs149gpt.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    scale, bool(is_causal), left, right, float(dropout_p), seed,
-                                                   float(softcap), alibi_slopes)
+                                                   float(softcap), alibi_slopes, block_table)
     return (out, lse) if return_lse else out
+
+
+def _refuse_grad_when_paged(q, k, v, recording: bool = False) -> None:
+    """varlen_attention with block_table (a paged KV cache) is inference only: it has no backward. recording: autograd
+    is recording the call (setup_context, which runs with grad mode off)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.requires_grad and (recording or torch.is_grad_enabled()):
+            raise ValueError(f"{name} requires grad, but varlen_attention with block_table (a paged KV cache) is "
+                             f"inference only and has no backward; call it under torch.no_grad() or detach {name}")
 
 
 def _dropout_seed() -> torch.Tensor:
@@ -727,7 +747,9 @@ def _flash_backward(ctx, dout, _dlse):
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed, softcap,
-     alibi_slopes) = inputs
+     alibi_slopes, block_table) = inputs
+    if block_table is not None:
+        _refuse_grad_when_paged(q, k, v, recording=True)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes)
     ctx.args = (max_q, max_k, scale, causal, window_left, window_right, dropout_p)
@@ -741,7 +763,7 @@ def _varlen_backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.cs149gpt.varlen_attention_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p,
         dropout_seed, ctx.softcap, alibi_slopes)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 def _out_like(q: torch.Tensor) -> torch.Tensor:
@@ -884,9 +906,9 @@ def _register_python_parts() -> None:
 
     @torch.library.register_fake(lib + "varlen_attention")
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None, causal=False, window_left=-1,
-          window_right=-1, dropout_p=0.0, dropout_seed=None, softcap=0.0, alibi_slopes=None):
+          window_right=-1, dropout_p=0.0, dropout_seed=None, softcap=0.0, alibi_slopes=None, block_table=None):
         checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                            window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes)
+                            window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes, block_table)
         return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
     @torch.library.register_fake(lib + "varlen_attention_backward")

@@ -90,6 +90,8 @@ struct AttentionParams {
   // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (strides[0] unused: rows are strides[2] apart), and q_len, kv_len
   // are the longest sequence's. Causal masks and windows align bottom-right per sequence. Kernels take one sequence at
   // a time through sequence_view (below). lse is (num_heads, total_q): lse_strides[1] apart, rows at cu_seqlens_q[b].
+  // With block_table set (a paged KV cache, below) only the lengths of cu_seqlens_k count: sequence b's keys are
+  // 0 .. cu_seqlens_k[b + 1] − cu_seqlens_k[b] − 1 of its pages, read through kv_row.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
 
@@ -114,7 +116,8 @@ struct AttentionParams {
   // Contiguous cache: sequence b reads (and appends to) cache row cache_batch_idx[b] (k_strides[0] apart); null: b.
   const int32_t* cache_batch_idx = nullptr;
   // Paged cache: k and v are (num_pages, num_kv_heads, page_size, head_dim), k_strides[0] apart; cache row r of
-  // sequence b is row r % page_size of page block_table[b · block_table_stride + r / page_size].
+  // sequence b is row r % page_size of page block_table[b · block_table_stride + r / page_size]. Also read by the
+  // flash forwards for packed sequences (cu_seqlens_q set): key t of sequence b is cache row t (kv_row).
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0;
   int64_t page_size = 0;
@@ -139,7 +142,8 @@ inline int64_t seq_kv_len(const AttentionParams& p, int64_t b) {
 // Sequence b of a packed variable-length call (cu_seqlens_q set) as a dense call of that one sequence, for a kernel's
 // task to read as it reads any other: its lengths, causal mask and window bottom-right in it, and q, k, v, out, lse
 // moved to its first rows with strides[0] = 0, so that `b · strides[0]` lands there while b keeps indexing the
-// kernel's workspace and (batch, head) slopes. Its dropout counters stay distinct from every other sequence's: entry
+// kernel's workspace and (batch, head) slopes (a paged k and v stay where they are: block_table moves to b's row, so
+// that kv_row's `b · block_table_stride` lands there). Its dropout counters stay distinct from every other sequence's: entry
 // (h, i, j) of sequence b gets ((cu_seqlens_q[b] · num_heads) · kv_len + (h · q_len_b + i) · kv_len_b + j) + offset,
 // kv_len being the longest (attention.h's numbering below, with the offset moved). A dense call is its own view.
 inline int64_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
@@ -156,10 +160,16 @@ inline AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   s.kv_len = p.cu_seqlens_k[b + 1] - k0;
   s.causal_offset = s.window_offset = s.kv_len - s.q_len;
   s.q = rows_on(p.q, p.dtype, q0, p.q_strides[2]);
-  s.k = rows_on(p.k, p.dtype, k0, p.k_strides[2]);
-  s.v = rows_on(p.v, p.dtype, k0, p.v_strides[2]);
   s.out = rows_on(p.out, p.dtype, q0, p.out_strides[2]);
-  s.q_strides[0] = s.k_strides[0] = s.v_strides[0] = s.out_strides[0] = 0;
+  s.q_strides[0] = s.out_strides[0] = 0;
+  if (p.block_table) {  // paged: k and v stay, pages k_strides[0] apart; the table moves to b's row instead
+    s.block_table = p.block_table + b * p.block_table_stride;
+    s.block_table_stride = 0;
+  } else {
+    s.k = rows_on(p.k, p.dtype, k0, p.k_strides[2]);
+    s.v = rows_on(p.v, p.dtype, k0, p.v_strides[2]);
+    s.k_strides[0] = s.v_strides[0] = 0;
+  }
   if (p.lse) s.lse = p.lse + q0;
   s.lse_strides[0] = 0;
   const uint64_t heads = static_cast<uint64_t>(p.num_heads);
@@ -167,6 +177,22 @@ inline AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
                      static_cast<uint64_t>(b) * heads * static_cast<uint64_t>(s.q_len) * static_cast<uint64_t>(s.kv_len);
   s.cu_seqlens_q = s.cu_seqlens_k = nullptr;
   return s;
+}
+
+// Key t of kv head kvh in sequence (or batch) b of k or v (base and strides: p.k and p.k_strides, or p.v and
+// p.v_strides), and in *run how many keys from t on follow it strides[2] apart: with a paged cache (block_table), key t
+// is row t % page_size of page block_table[b · block_table_stride + t / page_size] and the run ends with its page;
+// otherwise every key follows. The flash forwards pack K and V through it, a run at a time.
+template <class T>
+inline const T* kv_row(const AttentionParams& p, const void* base, const int64_t (&strides)[3], int64_t b, int64_t kvh,
+                       int64_t t, int64_t* run) {
+  if (!p.block_table) {
+    *run = INT64_MAX;
+    return static_cast<const T*>(base) + b * strides[0] + kvh * strides[1] + t * strides[2];
+  }
+  const int64_t page = p.block_table[b * p.block_table_stride + t / p.page_size], row = t % p.page_size;
+  *run = p.page_size - row;
+  return static_cast<const T*>(base) + page * strides[0] + kvh * strides[1] + row * strides[2];
 }
 
 // The first row of head `h` in batch `b` of each tensor; row i then starts i * <tensor>_strides[2] further.

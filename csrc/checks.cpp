@@ -377,11 +377,32 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
                    double dropout_p, const OptionalTensor& dropout_seed, double softcap,
-                   const OptionalTensor& alibi_slopes) {
+                   const OptionalTensor& alibi_slopes, const OptionalTensor& block_table) {
+  const bool paged = is_given(block_table);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}}) {
     check_tensor(*t, name);
-    TORCH_CHECK_VALUE(t->dim() == 3, name, " must be (total_tokens, heads, head_dim), the sequences packed one after "
-                      "another, got shape ", t->sym_sizes());
+    if (paged && t != &q) {
+      TORCH_CHECK_VALUE(t->dim() == 4, name, " must be (num_blocks, page_block_size, heads_kv, head_dim), a paged KV "
+                        "cache (block_table is given), got shape ", t->sym_sizes());
+    } else {
+      TORCH_CHECK_VALUE(t->dim() == 3, name, " must be (total_tokens, heads, head_dim), the sequences packed one after "
+                        "another, got shape ", t->sym_sizes());
+    }
+  }
+  if (paged) {
+    TORCH_CHECK_TYPE(block_table->layout() == at::kStrided && !block_table->is_nested(),
+                     "block_table must be a dense (strided) tensor, got layout ", block_table->layout());
+    TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt, "block_table must be int32, got ",
+                     block_table->scalar_type());
+    TORCH_CHECK_VALUE(block_table->dim() == 2, "block_table must be (batch, max_blocks), got shape ",
+                      block_table->sym_sizes());
+    CHECK_SIZES(block_table->sym_size(0).sym_eq(cu_seqlens_k.sym_size(0) - 1), "block_table must be (batch, "
+                "max_blocks) with batch = len(cu_seqlens_k) - 1 = ", cu_seqlens_k.sym_size(0) - 1, ", got shape ",
+                block_table->sym_sizes());
+    CHECK_SIZES(equal_sizes(v.sym_sizes(), k.sym_sizes()), "v must have k's shape (num_blocks, page_block_size, "
+                "heads_kv, head_dim) ", k.sym_sizes(), ", got ", v.sym_sizes());
+    CHECK_SIZES(k.sym_size(1).sym_ge(1), "k's page_block_size (dim 1) must be >= 1, got shape ", k.sym_sizes());
+    check_devices({{"q", &q}, {"block_table", &*block_table}});
   }
   for (const auto& [name, t] :
        {std::pair<const char*, const at::Tensor*>{"cu_seqlens_q", &cu_seqlens_q}, {"cu_seqlens_k", &cu_seqlens_k}}) {
@@ -403,8 +424,9 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     per_head = alibi_slopes->select(0, 0);  // its heads, dtype and device are checked below as (Hq,) slopes'
   }
   // The rest as a dense call on (heads, tokens, d) views: dtypes, devices, head dims, GQA, scale, window, dropout,
-  // softcap and the slopes.
-  return check_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), Impl::flash, scale,
+  // softcap and the slopes. (A paged cache's first row of each block stands for its tokens.)
+  const at::Tensor k3 = paged ? k.select(1, 0) : k, v3 = paged ? v.select(1, 0) : v;
+  return check_attention(q.transpose(0, 1), k3.transpose(0, 1), v3.transpose(0, 1), Impl::flash, scale,
                          causal ? "bottom_right" : "none", std::nullopt, std::nullopt, {}, window_left, window_right,
                          dropout_p, dropout_seed, softcap, per_head);
 }
@@ -435,6 +457,24 @@ std::pair<int64_t, int64_t> varlen_lengths(const at::Tensor& cu_seqlens_q, const
     (side == 0 ? longest.first : longest.second) = most;
   }
   return longest;
+}
+
+void check_varlen_pages(const at::Tensor& block_table, const at::Tensor& cu_seqlens_k, int64_t page_size,
+                        int64_t num_blocks) {
+  const at::Tensor table = block_table.contiguous(), cu = cu_seqlens_k.contiguous();
+  const int32_t *ids = table.data_ptr<int32_t>(), *at = cu.data_ptr<int32_t>();
+  const int64_t max_blocks = table.size(1);
+  for (int64_t b = 0; b < table.size(0); ++b) {
+    const int64_t keys = at[b + 1] - at[b], blocks = (keys + page_size - 1) / page_size;
+    TORCH_CHECK_VALUE(blocks <= max_blocks, "block_table: sequence ", b, " has ", keys, " keys, ", blocks,
+                      " blocks of page_block_size ", page_size, ", but block_table has ", max_blocks, " columns");
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int32_t id = ids[b * max_blocks + i];
+      TORCH_CHECK_INDEX(id >= 0 && id < num_blocks, "block_table[", b, ", ", i, "] = ", id, " is not a block of the ",
+                        "cache: block ids must be in [0, num_blocks = ", num_blocks, ") (sequence ", b, " reads keys ",
+                        i * page_size, "..", std::min(keys, (i + 1) * page_size) - 1, " there)");
+    }
+  }
 }
 
 void fill_params(AttentionParams& p, const at::Tensor& q4, const at::Tensor& k4, const at::Tensor& v4, DType dtype,

@@ -66,17 +66,24 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
 // cu_seqlens_q and cu_seqlens_k int32 of one size B + 1, max_seqlen_q/k >= 0, and the options check_attention checks on
 // q, k, v seen as (heads, tokens, d). Returns the dtype of the call. The sequences' lengths are checked when the data is
 // read (varlen_lengths).
+// With block_table (B, max_blocks) int32, a paged KV cache: k and v are (num_blocks, page_block_size, Hkv, d) instead.
 DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
                    double dropout_p, const OptionalTensor& dropout_seed, double softcap,
-                   const OptionalTensor& alibi_slopes);
+                   const OptionalTensor& alibi_slopes, const OptionalTensor& block_table = {});
 // The longest query and key sequences of cu_seqlens_q/k, after checking them against the packed tensors: each starts at
 // >= 0, never decreases, ends within total_q/total_k rows, and no sequence is longer than max_seqlen_q/k. `covers` is
 // set to whether the sequences cover every row of q and of k (else the rows outside them get zeros).
 std::pair<int64_t, int64_t> varlen_lengths(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                            int64_t total_q, int64_t total_k, int64_t max_seqlen_q,
                                            int64_t max_seqlen_k, bool* covers);
+
+// A paged varlen call's pages, read: sequence b's keys (cu_seqlens_k[b + 1] − cu_seqlens_k[b], checked by
+// varlen_lengths) take its first ceil(keys / page_size) blocks of block_table's row b, which must exist (ValueError)
+// and be in [0, num_blocks) (IndexError), both naming block_table.
+void check_varlen_pages(const at::Tensor& block_table, const at::Tensor& cu_seqlens_k, int64_t page_size,
+                        int64_t num_blocks);
 
 // attention_with_kvcache's checks on sizes (symbolic: the fake calls it too). Returns the dtype of the call.
 DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

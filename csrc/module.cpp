@@ -210,8 +210,10 @@ at::Tensor rows_readable(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t
 
 // A varlen call's tensors and params, checked (check_varlen has passed; it returned dtype) and filled: sequence b is rows
 // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q, [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (attention.h).
+// With block_table, k and v are a paged cache (num_blocks, page_block_size, Hkv, d): sequence b's keys are 0 ..
+// cu_seqlens_k[b + 1] − cu_seqlens_k[b] − 1, key t at row t % page_block_size of block block_table[b, t / page_block_size].
 struct VarlenCall {
-  at::Tensor q, k, v, cu_q, cu_k, alibi;
+  at::Tensor q, k, v, cu_q, cu_k, alibi, block_table;
   AttentionParams p;
   bool covers = true;  // the sequences cover every row of q and k (else the outputs start as zeros)
 };
@@ -219,16 +221,27 @@ VarlenCall prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, DType dtype,
                           std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
                           double dropout_p, const OptionalTensor& dropout_seed, double softcap,
-                          const OptionalTensor& alibi_slopes) {
+                          const OptionalTensor& alibi_slopes, const OptionalTensor& block_table = {}) {
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got a tensor on ", q.device());
+  const bool paged = is_given(block_table);
   VarlenCall c{rows_readable(q), rows_readable(k), rows_readable(v), cu_seqlens_q.contiguous(),
-               cu_seqlens_k.contiguous(), {}, {}, true};
+               cu_seqlens_k.contiguous(), {}, paged ? block_table->contiguous() : at::Tensor(), {}, true};
+  // A paged cache's keys are not rows of k: cu_seqlens_k gives the lengths only (its last offset bounds nothing).
+  const int64_t total_k = paged ? c.cu_k.data_ptr<int32_t>()[c.cu_k.size(0) - 1] : k.size(0);
   const auto [longest_q, longest_k] =
-      varlen_lengths(c.cu_q, c.cu_k, q.size(0), k.size(0), max_seqlen_q, max_seqlen_k, &c.covers);
+      varlen_lengths(c.cu_q, c.cu_k, q.size(0), total_k, max_seqlen_q, max_seqlen_k, &c.covers);
   AttentionParams& p = c.p;
-  // (total, heads, d) as (1, heads, total, d): head and row strides; the sequences then set where each starts.
-  fill_params(p, c.q.transpose(0, 1).unsqueeze(0), c.k.transpose(0, 1).unsqueeze(0), c.v.transpose(0, 1).unsqueeze(0),
-              dtype, scale, "none");
+  // (total, heads, d) as (1, heads, total, d): head and row strides; the sequences then set where each starts. A paged
+  // cache as (num_blocks, heads, page_block_size, d): pages k_strides[0] apart (attention.h, kv_row).
+  const auto as_4d_kv = [&](const at::Tensor& t) { return paged ? t.transpose(1, 2) : t.transpose(0, 1).unsqueeze(0); };
+  fill_params(p, c.q.transpose(0, 1).unsqueeze(0), as_4d_kv(c.k), as_4d_kv(c.v), dtype, scale, "none");
+  if (paged) {
+    check_varlen_pages(c.block_table, c.cu_k, k.size(1), k.size(0));
+    p.block_table = c.block_table.data_ptr<int32_t>();
+    p.block_table_stride = c.block_table.stride(0);
+    p.page_size = k.size(1);
+    p.num_pages = k.size(0);
+  }
   p.batch = c.cu_q.size(0) - 1;
   p.q_len = longest_q;
   p.kv_len = longest_k;
@@ -277,17 +290,22 @@ void point_at(void*& ptr, int64_t (&strides)[3], const at::Tensor& t) {  // (tot
 //   dense; lse (Hq, total_q) float32, −inf for a row that sees no key. One kernel call over every sequence: its tasks
 //   are (sequence, head, query tile). softcap and alibi_slopes ((Hq,) or (batch, Hq)) as flash_attention's, ALiBi's
 //   distance i + Nk − Nq − j taken in each sequence.
+//   block_table (batch, max_blocks) int32: k and v are a paged KV cache (num_blocks, page_block_size, Hkv, d) instead,
+//   sequence b's keys 0 .. cu_seqlens_k[b + 1] − cu_seqlens_k[b] − 1, key t at row t % page_block_size of block
+//   block_table[b, t / page_block_size] (FlashAttention's); the kernels read each key through the table. Forward only.
 std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                     int64_t max_seqlen_q, int64_t max_seqlen_k,
                                                     std::optional<double> scale, bool causal, int64_t window_left,
                                                     int64_t window_right, double dropout_p,
                                                     const OptionalTensor& dropout_seed, double softcap,
-                                                    const OptionalTensor& alibi_slopes) {
+                                                    const OptionalTensor& alibi_slopes,
+                                                    const OptionalTensor& block_table) {
   const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                                   window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
+                                   window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes,
+                                   block_table);
   VarlenCall c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale, causal,
-                                window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
+                                window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes, block_table);
   AttentionParams& p = c.p;
   const at::Tensor out = varlen_output(q, c.covers, "out");
   point_at(p.out, p.out_strides, out);
@@ -793,8 +811,8 @@ TORCH_LIBRARY(cs149gpt, m) {
         "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)", keep_stride_order);
   m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
         "int max_seqlen_k, float? scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
-        "float dropout_p=0.0, Tensor? dropout_seed=None, float softcap=0.0, Tensor? alibi_slopes=None) -> "
-        "(Tensor out, Tensor lse)");
+        "float dropout_p=0.0, Tensor? dropout_seed=None, float softcap=0.0, Tensor? alibi_slopes=None, "
+        "Tensor? block_table=None) -> (Tensor out, Tensor lse)");
   m.def("varlen_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float? scale=None, "
         "bool causal=False, int window_left=-1, int window_right=-1, float dropout_p=0.0, Tensor? dropout_seed=None, "
@@ -874,10 +892,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_varlen", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                            const at::Tensor& cu_k, int64_t max_q, int64_t max_k, std::optional<double> scale,
                            bool causal, int64_t window_left, int64_t window_right, double dropout_p,
-                           const OptionalTensor& dropout_seed, double softcap, const OptionalTensor& alibi_slopes) {
+                           const OptionalTensor& dropout_seed, double softcap, const OptionalTensor& alibi_slopes,
+                           const OptionalTensor& block_table) {
     check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed,
-                 softcap, alibi_slopes);
-  });
+                 softcap, alibi_slopes, block_table);
+  }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
+     py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::arg("scale"), py::arg("causal"), py::arg("window_left"),
+     py::arg("window_right"), py::arg("dropout_p"), py::arg("dropout_seed"), py::arg("softcap"),
+     py::arg("alibi_slopes"), py::arg("block_table") = py::none(),
+     "raises what torch.ops.cs149gpt.varlen_attention would for these arguments, on sizes alone");
   m.def("check_attention_with_kvcache", [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& cache_seqlens, const OptionalTensor& k_new,
                                            const OptionalTensor& v_new, const OptionalTensor& block_table,

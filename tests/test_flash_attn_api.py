@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cs149gpt.flash_attn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                                 flash_attn_with_kvcache)
+                                 flash_attn_varlen_func, flash_attn_with_kvcache)
 from tests._helpers import gen
 
 F32_TOL = 1e-4
@@ -238,3 +238,23 @@ def test_softcap_and_alibi(slopes_shape, causal):
     packed = flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2).detach(), softcap=3.0, alibi_slopes=slopes)
     kvp = flash_attn_kvpacked_func(q.detach(), torch.stack([q, q], dim=2).detach(), softcap=3.0, alibi_slopes=slopes)
     torch.testing.assert_close(packed, kvp)
+
+
+def test_block_table_errors_are_runtime_errors_too():
+    """FlashAttention raises RuntimeError for a block table too short or out of range; ours are ValueError/IndexError,
+    and through cs149gpt.flash_attn both at once."""
+    q = torch.randn(1, 1, 1, 64)
+    k_cache = v_cache = torch.zeros(4, 256, 1, 64)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    for error in (RuntimeError, ValueError):
+        with pytest.raises(error, match="block_table"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([257], dtype=torch.int32),
+                                    block_table=table)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([256], dtype=torch.int32),
+                                  block_table=table)  # exactly the capacity: fine
+    assert out.shape == (1, 1, 1, 64)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    for error in (RuntimeError, IndexError):
+        with pytest.raises(error, match="block_table"):
+            flash_attn_varlen_func(q[0], k_cache, v_cache, cu, torch.tensor([0, 3], dtype=torch.int32), 1, 3,
+                                   block_table=torch.full((1, 1), 9, dtype=torch.int32))

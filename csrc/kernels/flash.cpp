@@ -93,7 +93,7 @@ struct Layout {
     d_pad = round_up(d, W);
     s_ld = line_past(Bc_pad, sizeof(float));
     panel = std::min<int64_t>(kQkVecs * W, Bc_pad);
-    pack_v = p.dtype != DType::f32 || d_pad != d;
+    pack_v = p.dtype != DType::f32 || d_pad != d || p.block_table;  // (a paged V is not one strided run)
     pack_in_task = Tr == 1 && p.num_heads == p.num_kv_heads;
     kt_tile = d * round_up(Bc_pad, panel);
     pack = pack_in_task ? PackChunks{kt_tile / d, 1} : split_packing(p, Tc, kt_tile / d, panel);
@@ -125,34 +125,43 @@ struct Layout {
 // K_jᵀ into the tile's kt, each d × panel and contiguous:
 // kt[(t / panel) · panel · d + col · panel + t % panel] = k[j0 + t][col], zero past the tile's keys;
 // its rows of V_j (when packed) into the tile's vp: vp[t * d_pad + col] = v[j0 + t][col], zero in the padding columns.
+// Keys are read through kv_row, a run of rows at a time (a paged cache: the rest of a page).
 // Returns whether those rows of V_j are all finite (asked only under attn_mask or a window: true otherwise).
 template <class T>
 bool pack_kv_chunk(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh, int64_t j, int64_t c, float* kt,
                    float* vp) {
   const int64_t d = p.head_dim, j0 = j * L.Bc, cols = std::min(L.Bc, p.kv_len - j0);
   const int64_t t0 = c * L.pack.keys, t1 = std::min(t0 + L.pack.keys, L.kt_tile / d);
-  const T* K = static_cast<const T*>(p.k) + b * p.k_strides[0] + kvh * p.k_strides[1] + j0 * p.k_strides[2];
-  const int64_t P = L.panel;
+  const int64_t P = L.panel, ldk = p.k_strides[2], ldv = p.v_strides[2];
   for (int64_t t = t0; t < t1; t += P) {
     float* panel = kt + t * d;
-    if constexpr (std::is_same_v<T, float>) {  // 16 × 16 blocks through registers (simd.h)
-      const int64_t keys = std::clamp<int64_t>(cols - t, 0, P);
-      if (keys < P) fill_row(0.0f, panel, d * P);
-      transpose_block(K + t * p.k_strides[2], p.k_strides[2], keys, d, 1.0f, panel, P);
-    } else {
-      for (int64_t col = 0; col < d; ++col)
-        for (int64_t i = 0; i < P; ++i)
-          panel[col * P + i] = t + i < cols ? to_float(K[(t + i) * p.k_strides[2] + col]) : 0.0f;
+    const int64_t keys = std::clamp<int64_t>(cols - t, 0, P);
+    if (keys < P) fill_row(0.0f, panel, d * P);
+    for (int64_t i = 0, run; i < keys; i += run) {  // keys t + i .. t + i + run − 1 of the tile, ldk apart
+      const T* K = kv_row<T>(p, p.k, p.k_strides, b, kvh, j0 + t + i, &run);
+      run = std::min(run, keys - i);
+      if constexpr (std::is_same_v<T, float>) {  // 16 × 16 blocks through registers (simd.h)
+        transpose_block(K, ldk, run, d, 1.0f, panel + i, P);
+      } else {
+        for (int64_t col = 0; col < d; ++col)
+          for (int64_t r = 0; r < run; ++r) panel[col * P + i + r] = to_float(K[r * ldk + col]);
+      }
     }
   }
-  const T* V = static_cast<const T*>(p.v) + b * p.v_strides[0] + kvh * p.v_strides[1] + j0 * p.v_strides[2];
-  const int64_t v_rows = std::clamp<int64_t>(cols - t0, 0, t1 - t0);
-  if (L.pack_v)
-    for (int64_t t = t0; t < t0 + v_rows; ++t) {
-      for (int64_t col = 0; col < d; ++col) vp[t * L.d_pad + col] = to_float(V[t * p.v_strides[2] + col]);
-      for (int64_t col = d; col < L.d_pad; ++col) vp[t * L.d_pad + col] = 0.0f;
-    }
-  return !has_mask_or_window(p) || rows_finite(V + t0 * p.v_strides[2], p.v_strides[2], v_rows, d);
+  const int64_t v_end = t0 + std::clamp<int64_t>(cols - t0, 0, t1 - t0);
+  bool finite = true;
+  for (int64_t t = t0, run; t < v_end; t += run) {
+    const T* V = kv_row<T>(p, p.v, p.v_strides, b, kvh, j0 + t, &run);
+    run = std::min(run, v_end - t);
+    if (L.pack_v)
+      for (int64_t r = 0; r < run; ++r) {
+        float* row = vp + (t + r) * L.d_pad;
+        for (int64_t col = 0; col < d; ++col) row[col] = to_float(V[r * ldv + col]);
+        for (int64_t col = d; col < L.d_pad; ++col) row[col] = 0.0f;
+      }
+    if (has_mask_or_window(p)) finite = finite && rows_finite(V, ldv, run, d);
+  }
+  return finite;
 }
 
 // Where key tile j of a (batch, kv head) lives when every tile is packed up front: its K_jᵀ, its V_j rows (when

@@ -125,6 +125,46 @@ struct Layout {
   }
 };
 
+// Keys [first, first + keys) of kv head (b, kvh) into the packed K_jᵀ at kt and V_j at vt (each the chunk's first key;
+// kP parts, L.kt_tile and L.v_tile bf16 apart), read through kv_row a run of rows at a time. A run that starts inside a
+// B tile's 16 keys (K_jᵀ) or 32-row block (V_j) stops at its end: the packing functions write a run as a tile of its
+// own. V's VNNI pairs join two consecutive keys: a pair split between two pages (an odd page size) is packed alone,
+// its two rows as one strided pair. Returns the NaN/inf values met in K and in V.
+template <int kP, class Src>
+std::pair<int64_t, int64_t> pack_kv_runs(const AttentionParams& p, const Layout& L, int64_t b, int64_t kvh,
+                                         int64_t first, int64_t keys, bf16_bits* kt, bf16_bits* vt) {
+  const int64_t d = p.head_dim, ldk = p.k_strides[2], ldv = p.v_strides[2];
+  int64_t k_bad = 0, v_bad = 0;
+  for (int64_t i = 0, run; i < keys; i += run) {
+    const Src* K = kv_row<Src>(p, p.k, p.k_strides, b, kvh, first + i, &run);
+    run = std::min({run, keys - i, i % kDotCols ? kDotCols - i % kDotCols : keys});
+    bf16_bits* at = kt + vnni_index(0, i, L.Bc_pad);
+    if constexpr (kP == 1)
+      pack_vnni_transposed(d, run, K, ldk, at, L.Bc_pad);
+    else
+      k_bad += pack_vnni_transposed_parts<kP>(d, run, K, ldk, at, L.kt_tile, L.Bc_pad);
+  }
+  const auto pack_rows = [&](int64_t n, const Src* V, int64_t ld, bf16_bits* at) {
+    if constexpr (kP == 1)
+      v_bad += pack_vnni_rows(n, d, V, ld, at, L.d_n);
+    else
+      v_bad += pack_vnni_rows_parts<kP>(n, d, V, ld, at, L.v_tile, L.d_n);
+  };
+  for (int64_t i = 0, run; i < keys; i += run) {
+    const Src* V = kv_row<Src>(p, p.v, p.v_strides, b, kvh, first + i, &run);
+    if (i % 2) {  // the pair (i − 1, i) across two pages: both rows again, the distance between them as the stride
+      int64_t unused;
+      const Src* prev = kv_row<Src>(p, p.v, p.v_strides, b, kvh, first + i - 1, &unused);
+      pack_rows(2, prev, V - prev, vt + vnni_index(i - 1, 0, L.d_n));
+      run = 1;
+      continue;
+    }
+    run = std::min({run, keys - i, i % kDotK ? kDotK - i % kDotK : keys});
+    pack_rows(run, V, ldv, vt + vnni_index(i, 0, L.d_n));
+  }
+  return {k_bad, v_bad};
+}
+
 // Chunk c of key tile j of kv head (b, kvh), keys [t0, t1) of the tile (whole kDotK blocks; L.pack): its keys of
 // K_jᵀ as B of S = Q Kᵀ (k = head dim, n = key) and its rows of V_j as B of P V (k = key, n = head dim), both VNNI
 // and zero-padded, each in its parts one after another. In K_jᵀ the chunk's keys are a run of 16-key blocks in each
@@ -139,8 +179,6 @@ void pack_kv_chunk(const AttentionParams& p, const Layout& L, int64_t b, int64_t
   const int64_t keys = std::clamp<int64_t>(cols - t0, 0, t1 - t0);  // the chunk's real keys; zero after them
   const int64_t tile = (b * p.num_kv_heads + kvh) * L.Tc + j, tiles = p.batch * p.num_kv_heads * L.Tc;
   const int64_t flag = tile * L.pack.chunks + c, k_flag = (tiles + tile) * L.pack.chunks + c;
-  const int64_t k_at = b * p.k_strides[0] + kvh * p.k_strides[1] + (j0 + t0) * p.k_strides[2];
-  const int64_t v_at = b * p.v_strides[0] + kvh * p.v_strides[1] + (j0 + t0) * p.v_strides[2];
   bf16_bits* kt = kt_all + tile * L.parts * L.kt_tile + t0 * kDotK;  // d_k/2 rows of Bc_pad pairs (each part)
   bf16_bits* vt = v_all + tile * L.parts * L.v_tile + t0 * L.d_n;    // Bc_pad/2 rows of d_n pairs (each part)
   for (int64_t part = 0; part < L.parts; ++part) {
@@ -148,23 +186,15 @@ void pack_kv_chunk(const AttentionParams& p, const Layout& L, int64_t b, int64_t
       std::fill_n(kt + part * L.kt_tile + k0 * L.Bc_pad, (t1 - t0) * kDotK, bf16_bits{0});
     std::fill_n(vt + part * L.v_tile, (t1 - t0) * L.d_n, bf16_bits{0});
   }
-  const auto pack_parts = [&](auto parts, const auto* K, const auto* V) {
-    constexpr int kP = decltype(parts)::value;
-    const int64_t k_bad = pack_vnni_transposed_parts<kP>(p.head_dim, keys, K + k_at, p.k_strides[2], kt, L.kt_tile,
-                                                         L.Bc_pad);
-    finite[k_flag] = k_bad == 0 ? 1.0f : 0.0f;
-    finite[flag] = pack_vnni_rows_parts<kP>(keys, p.head_dim, V + v_at, p.v_strides[2], vt, L.v_tile, L.d_n) == 0
-                       ? 1.0f : 0.0f;
-  };
-  if (p.dtype == DType::bf16) {
-    const bf16_bits *K = static_cast<const bf16_bits*>(p.k) + k_at, *V = static_cast<const bf16_bits*>(p.v) + v_at;
-    pack_vnni_transposed(p.head_dim, keys, K, p.k_strides[2], kt, L.Bc_pad);
-    finite[flag] = pack_vnni_rows(keys, p.head_dim, V, p.v_strides[2], vt, L.d_n) == 0 ? 1.0f : 0.0f;
-  } else if (p.dtype == DType::f16) {  // float16 as its bits
-    pack_parts(std::integral_constant<int, 2>{}, static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v));
-  } else {
-    pack_parts(std::integral_constant<int, 3>{}, static_cast<const float*>(p.k), static_cast<const float*>(p.v));
-  }
+  std::pair<int64_t, int64_t> bad;  // NaN/inf values in K, in V
+  if (p.dtype == DType::bf16)
+    bad = pack_kv_runs<1, bf16_bits>(p, L, b, kvh, j0 + t0, keys, kt, vt);
+  else if (p.dtype == DType::f16)  // float16 as its bits
+    bad = pack_kv_runs<2, uint16_t>(p, L, b, kvh, j0 + t0, keys, kt, vt);
+  else
+    bad = pack_kv_runs<3, float>(p, L, b, kvh, j0 + t0, keys, kt, vt);
+  if (L.parts > 1) finite[k_flag] = bad.first == 0 ? 1.0f : 0.0f;
+  finite[flag] = bad.second == 0 ? 1.0f : 0.0f;
 }
 
 inline float from_bf16(bf16_bits x) {
