@@ -7,7 +7,8 @@
     python benchmarks/bench.py SUBCOMMAND --help         # its own options
 
 Subcommands:
-    summary   the README's rows: CPU forward (float32, bfloat16; causal or not), backward, decode vs torch SDPA;
+    summary   the README's rows: CPU forward (float32, bfloat16; causal or not), backward, decode vs torch SDPA; packed
+              sequences (varlen), softcap and ALiBi;
               with a GPU, the CUDA forward and backward vs each of torch SDPA's backends (at most 8 rows each)
     ladder    every rung (naive, blocked, fused, flash_teaching, flash) vs torch SDPA
     forward   the flash forward vs torch SDPA (--peer manual: the textbook softmax(q kᵀ) v)
@@ -81,10 +82,26 @@ def summary_cuda(args) -> list[Row]:
     return bench_cuda.case_rows("bfloat16", shape, False, args)
 
 
+def summary_flash_attn(args) -> list[Row]:
+    """6 rows: packed sequences (varlen, 16 of 64..2048) vs torch SDPA on the batch padded with a mask, forward in
+    float32 and bfloat16, forward + backward in bfloat16; bfloat16 causal softcap and ALiBi vs the plain kernel, ALiBi
+    vs SDPA given the materialised bias."""
+    threads = args.threads[0]
+    lengths = bench_cpu.varlen_lengths(8, 32, 512) if args.quick else bench_cpu.varlen_lengths(16, 64, 2048)
+    rows = []
+    for dtype, backward in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+        rows += [r for r in bench_cpu.varlen_rows(lengths, 16, 64, dtype, threads, args, backward)
+                 if r.ours == "varlen"]
+    args.softcap = 50.0  # Gemma 2's
+    shape = (1, 8, 512, 64) if args.quick else (1, 16, 2048, 64)
+    return rows + bench_cpu.logits_rows(shape, True, "bfloat16", threads, args)
+
+
 def run_summary(args) -> dict[str, list[Row]]:
     tables = {}
     if args.device in ("cpu", "all"):
         tables["CPU: forward, backward and decode vs torch SDPA"] = summary_cpu(args)
+        tables["CPU: packed sequences, softcap and ALiBi vs torch SDPA"] = summary_flash_attn(args)
     if args.device in ("cuda", "all"):
         tables["CUDA: forward and backward vs torch SDPA's backends"] = summary_cuda(args)
     return tables
