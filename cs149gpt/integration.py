@@ -71,8 +71,7 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
     the kv heads, masked or not; a learned sink per head (s_aux / sinks) as _attention_with_sinks says. Returns
     (out (B, Nq, H, d), None). Under torch.autocast, as torch's SDPA: the inputs in autocast's dtype (rotary
     embeddings leave q and k in float32 beside a v in bfloat16), our kernel on them, out in that dtype."""
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attn_implementation='cs149gpt' does not support `softcap`; use 'eager'")
+    softcap = kwargs.get("softcap")
     if kwargs.get("output_attentions", False):
         raise ValueError("attn_implementation='cs149gpt' computes no attention weights; use 'eager' for "
                          "output_attentions=True")
@@ -89,6 +88,12 @@ def _transformers_attention(module, query, key, value, attention_mask, dropout=0
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if softcap is not None:  # (Gemma 2) the flash kernel's softcap; torch's SDPA has none
+        if sinks is not None:
+            raise ValueError("attn_implementation='cs149gpt' takes `softcap` or attention sinks, not both; use 'eager'")
+        out = ops.attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+                            is_causal=bool(is_causal), softcap=float(softcap))
+        return out.transpose(1, 2).contiguous(), None
     if sinks is not None:
         out = _attention_with_sinks(query, key, value, attention_mask, sinks, dropout, scaling, bool(is_causal))
         return out.transpose(1, 2).contiguous(), None
@@ -216,7 +221,7 @@ def register_transformers(name: str = TRANSFORMERS_NAME) -> str:
       for; our attention function takes those too (as additive masks, without a bool mask's tile skipping).
     - Models that pick an attention class by name (falcon, gpt_neo, git) raise transformers' KeyError:
       'cs149gpt'; for those use attn_implementation="sdpa" inside `with cs149gpt.sdpa_installed():`.
-    - softcap and output_attentions=True are a ValueError (use "eager").
+    - output_attentions=True, and softcap together with attention sinks, are a ValueError (use "eager").
 
     Needs transformers, imported only here: ImportError naming it otherwise. Calling it again is harmless.
     """

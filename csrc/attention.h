@@ -94,6 +94,12 @@ struct AttentionParams {
   // 0 .. cu_seqlens_k[b + 1] − cu_seqlens_k[b] − 1 of its pages, read through kv_row.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
+  // A call on some of a packed batch's sequences: sequence b then starts at cu_seqlens_q[b] (cu_seqlens_k[b]) and ends
+  // at seq_end_q[b] (seq_end_k[b]) rather than at the next sequence's start. dropout_key_stride: the batch's longest key
+  // sequence, which dropout's numbering multiplies by (sequence_view; 0: kv_len).
+  const int32_t* seq_end_q = nullptr;
+  const int32_t* seq_end_k = nullptr;
+  int64_t dropout_key_stride = 0;
 
   // Tile sizes: Br x Bc for flash; the cache tile of the matrix multiplies for blocked. Always >= 1.
   int64_t block_q = 1;
@@ -145,7 +151,8 @@ inline int64_t seq_kv_len(const AttentionParams& p, int64_t b) {
 // kernel's workspace and (batch, head) slopes (a paged k and v stay where they are: block_table moves to b's row, so
 // that kv_row's `b · block_table_stride` lands there). Its dropout counters stay distinct from every other sequence's: entry
 // (h, i, j) of sequence b gets ((cu_seqlens_q[b] · num_heads) · kv_len + (h · q_len_b + i) · kv_len_b + j) + offset,
-// kv_len being the longest (attention.h's numbering below, with the offset moved). A dense call is its own view.
+// kv_len being the batch's longest key sequence (dropout_key_stride; attention.h's numbering below, with the offset
+// moved), whatever group of the batch's sequences a call runs. A dense call is its own view.
 inline int64_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
 template <class P>
 inline P* rows_on(P* base, DType t, int64_t rows, int64_t row_stride) {
@@ -156,8 +163,8 @@ inline AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   if (!p.cu_seqlens_q) return p;
   AttentionParams s = p;
   const int64_t q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
-  s.q_len = p.cu_seqlens_q[b + 1] - q0;
-  s.kv_len = p.cu_seqlens_k[b + 1] - k0;
+  s.q_len = (p.seq_end_q ? p.seq_end_q[b] : p.cu_seqlens_q[b + 1]) - q0;
+  s.kv_len = (p.seq_end_k ? p.seq_end_k[b] : p.cu_seqlens_k[b + 1]) - k0;
   s.causal_offset = s.window_offset = s.kv_len - s.q_len;
   s.q = rows_on(p.q, p.dtype, q0, p.q_strides[2]);
   s.out = rows_on(p.out, p.dtype, q0, p.out_strides[2]);
@@ -173,9 +180,10 @@ inline AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   if (p.lse) s.lse = p.lse + q0;
   s.lse_strides[0] = 0;
   const uint64_t heads = static_cast<uint64_t>(p.num_heads);
-  s.dropout_offset = p.dropout_offset + static_cast<uint64_t>(q0) * heads * static_cast<uint64_t>(p.kv_len) -
+  const uint64_t key_stride = static_cast<uint64_t>(p.dropout_key_stride > 0 ? p.dropout_key_stride : p.kv_len);
+  s.dropout_offset = p.dropout_offset + static_cast<uint64_t>(q0) * heads * key_stride -
                      static_cast<uint64_t>(b) * heads * static_cast<uint64_t>(s.q_len) * static_cast<uint64_t>(s.kv_len);
-  s.cu_seqlens_q = s.cu_seqlens_k = nullptr;
+  s.cu_seqlens_q = s.cu_seqlens_k = s.seq_end_q = s.seq_end_k = nullptr;
   return s;
 }
 

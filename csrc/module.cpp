@@ -275,6 +275,78 @@ at::Tensor varlen_output(const at::Tensor& like, bool covers, const char* name) 
   check_fits(like.numel(), like.element_size(), [&] { return shape_of(name, like.sizes()); });
   return covers ? at::empty(like.sizes(), like.options()) : at::zeros(like.sizes(), like.options());
 }
+// A kernel call's work and workspace grow with its sequences × its longest one (its tasks and packed tiles are laid
+// out per sequence at the longest's size): one 8192-token sequence beside 511 of one token would size them by
+// 512 × 8192. So the sequences run in groups of similar lengths, each one kernel call: longest first, a sequence joins
+// the group while the group's sequences × (its longest query + key lengths) stays within twice its tokens (plus 8192:
+// small batches stay whole). A group's params list its sequences' starts and ends (seq_end_q/k), its slopes and table
+// rows; dropout's numbering stays the whole batch's (dropout_key_stride).
+struct SequenceGroup {
+  at::Tensor starts_q, ends_q, starts_k, ends_k, alibi, block_table;  // undefined: the whole batch, as it is
+  int64_t count = 0, longest_q = 0, longest_k = 0;
+};
+std::vector<SequenceGroup> sequence_groups(const VarlenCall& c) {
+  const int64_t batch = c.p.batch;
+  const int32_t *cq = c.cu_q.data_ptr<int32_t>(), *ck = c.cu_k.data_ptr<int32_t>();
+  std::vector<int64_t> order(batch);
+  for (int64_t b = 0; b < batch; ++b) order[b] = b;
+  const auto len_q = [&](int64_t b) -> int64_t { return cq[b + 1] - cq[b]; };
+  const auto len_k = [&](int64_t b) -> int64_t { return ck[b + 1] - ck[b]; };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return len_q(a) + len_k(a) > len_q(b) + len_k(b); });
+  std::vector<std::vector<int64_t>> members;
+  int64_t lq = 0, lk = 0, tokens = 0;
+  for (int64_t b : order) {
+    const int64_t n = members.empty() ? 0 : static_cast<int64_t>(members.back().size());
+    const int64_t nq = std::max(lq, len_q(b)), nk = std::max(lk, len_k(b)), nt = tokens + len_q(b) + len_k(b);
+    if (members.empty() || (n + 1) * (nq + nk) > 2 * nt + 8192) {
+      members.push_back({b});
+      lq = len_q(b), lk = len_k(b), tokens = len_q(b) + len_k(b);
+    } else {
+      members.back().push_back(b);
+      lq = nq, lk = nk, tokens = nt;
+    }
+  }
+  std::vector<SequenceGroup> groups;
+  if (members.size() <= 1) {
+    groups.push_back({{}, {}, {}, {}, {}, {}, batch, c.p.q_len, c.p.kv_len});
+    return groups;
+  }
+  const auto ints = at::TensorOptions().dtype(at::kInt);
+  for (const auto& m : members) {
+    SequenceGroup g;
+    g.count = static_cast<int64_t>(m.size());
+    g.starts_q = at::empty({g.count}, ints), g.ends_q = at::empty({g.count}, ints);
+    g.starts_k = at::empty({g.count}, ints), g.ends_k = at::empty({g.count}, ints);
+    for (int64_t i = 0; i < g.count; ++i) {
+      const int64_t b = m[i];
+      g.starts_q.data_ptr<int32_t>()[i] = cq[b], g.ends_q.data_ptr<int32_t>()[i] = cq[b + 1];
+      g.starts_k.data_ptr<int32_t>()[i] = ck[b], g.ends_k.data_ptr<int32_t>()[i] = ck[b + 1];
+      g.longest_q = std::max(g.longest_q, len_q(b)), g.longest_k = std::max(g.longest_k, len_k(b));
+    }
+    const at::Tensor index = at::tensor(std::vector<int64_t>(m.begin(), m.end()), at::TensorOptions().dtype(at::kLong));
+    if (c.alibi.defined() && c.alibi.dim() == 2) g.alibi = c.alibi.index_select(0, index).contiguous();
+    if (c.block_table.defined()) g.block_table = c.block_table.index_select(0, index).contiguous();
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+// The params of one group's kernel call (sequence_groups).
+AttentionParams group_params(const AttentionParams& p, const SequenceGroup& g) {
+  AttentionParams s = p;
+  s.dropout_key_stride = p.kv_len;
+  if (!g.starts_q.defined()) return s;
+  s.batch = g.count, s.q_len = g.longest_q, s.kv_len = g.longest_k;
+  s.cu_seqlens_q = g.starts_q.data_ptr<int32_t>(), s.seq_end_q = g.ends_q.data_ptr<int32_t>();
+  s.cu_seqlens_k = g.starts_k.data_ptr<int32_t>(), s.seq_end_k = g.ends_k.data_ptr<int32_t>();
+  if (g.alibi.defined()) s.alibi_slopes = g.alibi.data_ptr<float>(), s.alibi_strides[0] = g.alibi.stride(0);
+  if (g.block_table.defined()) {
+    s.block_table = g.block_table.data_ptr<int32_t>();
+    s.block_table_stride = g.block_table.stride(0);
+  }
+  return s;
+}
+
 void point_at(void*& ptr, int64_t (&strides)[3], const at::Tensor& t) {  // (total, heads, d): [0, head, row]
   ptr = t.data_ptr();
   strides[0] = 0;
@@ -316,7 +388,19 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const a
   p.lse_strides[1] = lse.stride(0);
   if (p.q_len > 0 && p.kv_len > 0) {  // else every row sees no key: zeros, lse −inf
     const Kernel& kernel = kernels().flash;
-    kernel.run(p, workspace(kernel, p, p, "the workspace of varlen_attention").data_ptr<float>());
+    for (const SequenceGroup& g : sequence_groups(c)) {
+      const AttentionParams pg = group_params(p, g);
+      if (pg.q_len == 0) continue;
+      if (pg.kv_len == 0) {  // (only a group of sequences without keys: their rows see none)
+        for (int64_t i = 0; i < pg.batch; ++i) {
+          const AttentionParams seq = sequence_view(pg, i);
+          out.narrow(0, pg.cu_seqlens_q[i], seq.q_len).zero_();
+          lse.narrow(1, pg.cu_seqlens_q[i], seq.q_len).fill_(-std::numeric_limits<float>::infinity());
+        }
+        continue;
+      }
+      kernel.run(pg, workspace(kernel, pg, pg, "the workspace of varlen_attention").data_ptr<float>());
+    }
   } else {
     out.zero_();
   }
@@ -358,7 +442,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
   point_at(bp.dv, bp.dv_strides, dv);
   if (bp.fwd.q_len > 0 && bp.fwd.kv_len > 0) {
     const BackwardKernel& kernel = kernels().flash_backward;
-    kernel.run(bp, workspace(kernel, bp, bp.fwd, "the workspace of the varlen backward").data_ptr<float>());
+    for (const SequenceGroup& g : sequence_groups(c)) {
+      AttentionBackwardParams bg = bp;
+      bg.fwd = group_params(bp.fwd, g);
+      if (bg.fwd.q_len == 0 || bg.fwd.kv_len == 0) {  // no query sees a key: zero gradients
+        for (int64_t i = 0; i < bg.fwd.batch; ++i) {
+          const AttentionParams seq = sequence_view(bg.fwd, i);
+          dq.narrow(0, bg.fwd.cu_seqlens_q[i], seq.q_len).zero_();
+          dk.narrow(0, bg.fwd.cu_seqlens_k[i], seq.kv_len).zero_();
+          dv.narrow(0, bg.fwd.cu_seqlens_k[i], seq.kv_len).zero_();
+        }
+        continue;
+      }
+      heuristics::choose_backward(bg, machine_cpus(), kernels().bf16_dot_probe != nullptr, testing::backward_force);
+      kernel.run(bg, workspace(kernel, bg, bg.fwd, "the workspace of the varlen backward").data_ptr<float>());
+    }
   } else {
     dq.zero_();
     dk.zero_();

@@ -164,16 +164,22 @@ def test_flash_attn_varlen_func_returns_flash_attention_values():
         assert torch.all(probs[b, :, n_q:] == 0) and torch.all(probs[b, :, :, n_k:] == 0)
 
 
-def test_dropout_follows_its_documented_counters():
-    """Dropout in a packed call: sequence b's keep mask is the dense one at offset + cu_seqlens_q[b]·H·max_seqlen_k
-    (attention.h, sequence_view) — checked exactly, forward and backward, against the reference with that mask."""
+@pytest.mark.parametrize("lengths", [
+    [(30, 40), (0, 5), (64, 64), (9, 9)],
+    [(9, 9), (1500, 1400), (3, 1), (1, 3)] + [(1, 2)] * 40,  # run in groups of similar lengths (module.cpp)
+])
+def test_dropout_follows_its_documented_counters(lengths):
+    """Dropout in a packed call: sequence b's keep mask is the dense one at offset + cu_seqlens_q[b]·H·(the longest key
+    sequence) (attention.h, sequence_view), however the call groups its sequences — checked exactly, forward and
+    backward, against the reference with that mask."""
     m = module()
-    q, k, v, cu_q, cu_k = packed([(30, 40), (0, 5), (64, 64), (9, 9)], 2, 2, 16, torch.float32, seed=6)
+    q, k, v, cu_q, cu_k = packed(lengths, 2, 2, 16, torch.float32, seed=6)
     seed = torch.tensor([1234, 99], dtype=torch.int64)
-    p, heads, max_k = 0.3, 2, 64
+    p, heads, max_k = 0.3, 2, max(n for _, n in lengths)
     t = lambda cu: torch.tensor(cu, dtype=torch.int32)  # noqa: E731
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out, lse = torch.ops.cs149gpt.varlen_attention(q, k, v, t(cu_q), t(cu_k), 64, 64, None, True, -1, -1, p, seed)
+    out, lse = torch.ops.cs149gpt.varlen_attention(q, k, v, t(cu_q), t(cu_k), 2000, 2000, None, True, -1, -1, p,
+                                                   seed)
 
     def keep(b):
         offset = (99 + cu_q[b] * heads * max_k + 2**63) % 2**64 - 2**63  # as the kernel's uint64 sum wraps
@@ -188,7 +194,7 @@ def test_dropout_follows_its_documented_counters():
     want = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
     for g, w in zip(got, want):
         assert (g.double() - w).abs().max().item() <= 1e-4
-    kept = torch.cat([keep(b).flatten() for b in range(4)])
+    kept = torch.cat([keep(b).flatten() for b in range(len(lengths))])
     assert abs(kept.mean().item() - (1 - p)) < 0.02  # Bernoulli(1 − p) keeps (9,000+ draws)
 
 
@@ -299,3 +305,19 @@ def test_alibi_slopes_shape_is_checked():
         cs149gpt.varlen_attention(q, q, q, cu, cu, 6, 6, alibi_slopes=torch.ones(3))
     with pytest.raises(TypeError, match="alibi_slopes must be float32"):
         cs149gpt.varlen_attention(q, q, q, cu, cu, 6, 6, alibi_slopes=torch.ones(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skewed_lengths_run_in_groups(dtype):
+    """One long sequence beside many one-token ones (a padding-free batch, a serving step): right results, forward and
+    backward, and a workspace that follows the tokens, not sequences × the longest (which would be 301 × 3000 rows)."""
+    lengths = [(3000, 3000)] + [(1, 1), (1, 4), (2, 1)] * 100
+    q, k, v, cu_q, cu_k = packed(lengths, 2, 1, 16, dtype, seed=10)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = call(q, k, v, cu_q, cu_k, is_causal=True, softcap=20.0)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref, ref_lse = reference(q64, k64, v64, cu_q, cu_k, scale=0.25, causal=True, softcap=20.0)
+    check(out, lse, ref.detach(), ref_lse.detach(), TOLS[dtype])
+    grad = torch.randn(out.shape).to(dtype)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q64, k64, v64), grad.double())):
+        assert (g.double() - w).abs().max().item() <= 5 * TOLS[dtype]
