@@ -34,7 +34,7 @@ Supported:
 
 Every argument of these functions is honoured. Differences: S_dmask (return_attn_probs) holds the normalised
 probabilities (FlashAttention's are scaled per block: "possibly with different scaling"); a paged varlen call has no
-backward (ValueError naming the tensor that requires grad); input errors are ValueError/TypeError/IndexError, and those
+backward (it runs with grad mode on; its backward raises); input errors are ValueError/TypeError/IndexError, and those
 naming block_table are also RuntimeError, as FlashAttention raises them.
 deterministic is accepted (every result is bitwise the same for any thread count) and num_splits is ignored.
 """
@@ -233,7 +233,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             heads_kv, head_dim) and sequence b's keys are 0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] - 1, key t at row
             t % page_block_size of block block_table[b, t // page_block_size] (FlashAttention's meaning; any
             page_block_size). One call prefills and decodes many sequences (seqlen_q 1: a decode step). Inference
-            only (a tensor that requires grad: ValueError). deterministic: accepted.
+            only: the backward of such a call raises. deterministic: accepted.
 
     Returns:
         out (total_q, heads, head_dim) in q's dtype, differentiable in q, k and v (without block_table); or

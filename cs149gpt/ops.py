@@ -383,7 +383,7 @@ def varlen_attention(
             (cu_seqlens_k gives the lengths only). Sequences may share blocks (a common prefix). Each block a
             sequence uses must be in [0, num_blocks) (IndexError) and within the table's columns (ValueError).
             The kernel reads the keys through the table: one call prefills and decodes many sequences (a query
-            length of 1 is a decode step). Inference only: a tensor that requires grad is refused (ValueError).
+            length of 1 is a decode step). Inference only: it runs with grad mode on, but its backward raises.
         return_lse: also return lse, (Hq, total_q) float32.
 
     Differentiable in q, k and v (the backward is one kernel call too: a task per (sequence, kv head)); not with
@@ -391,8 +391,6 @@ def varlen_attention(
     """
     if dropout_p < 0.0 or dropout_p >= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if block_table is not None:
-        _refuse_grad_when_paged(q, k, v)
     left, right = _window(window)
     _load()
     seed = _dropout_seed() if dropout_p > 0.0 else None
@@ -400,15 +398,6 @@ def varlen_attention(
                                                    scale, bool(is_causal), left, right, float(dropout_p), seed,
                                                    float(softcap), alibi_slopes, block_table)
     return (out, lse) if return_lse else out
-
-
-def _refuse_grad_when_paged(q, k, v, recording: bool = False) -> None:
-    """varlen_attention with block_table (a paged KV cache) is inference only: it has no backward. recording: autograd
-    is recording the call (setup_context, which runs with grad mode off)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if isinstance(t, torch.Tensor) and t.requires_grad and (recording or torch.is_grad_enabled()):
-            raise ValueError(f"{name} requires grad, but varlen_attention with block_table (a paged KV cache) is "
-                             f"inference only and has no backward; call it under torch.no_grad() or detach {name}")
 
 
 def _dropout_seed() -> torch.Tensor:
@@ -748,16 +737,17 @@ def _flash_backward(ctx, dout, _dlse):
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, dropout_p, dropout_seed, softcap,
      alibi_slopes, block_table) = inputs
-    if block_table is not None:
-        _refuse_grad_when_paged(q, k, v, recording=True)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes)
     ctx.args = (max_q, max_k, scale, causal, window_left, window_right, dropout_p)
-    ctx.softcap = softcap
+    ctx.softcap, ctx.paged = softcap, block_table is not None
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_backward(ctx, dout, _dlse):
+    if ctx.paged:  # the forward runs with grad mode on (FlashAttention's tests call it so); its backward does not exist
+        raise RuntimeError("varlen_attention with block_table (a paged KV cache) has no backward: its inputs get no "
+                           "gradient; call it under torch.no_grad() or detach them")
     q, k, v, out, lse, cu_q, cu_k, dropout_seed, alibi_slopes = ctx.saved_tensors
     max_q, max_k, scale, causal, window_left, window_right, dropout_p = ctx.args
     dq, dk, dv = torch.ops.cs149gpt.varlen_attention_backward(

@@ -226,14 +226,11 @@ def test_bad_block_tables_refused():
     t[0, 3:] = 10**6  # past the blocks sequence 0 uses: never read, accepted
     t[1, 2:] = -7
     assert torch.equal(call(t), call(table))
-    with pytest.raises(ValueError, match="q requires grad.*block_table"):
-        cs149gpt.varlen_attention(q.clone().requires_grad_(), kc, vc, cu_q_t, cu_k_t, 5, 40, block_table=table)
-    with pytest.raises(ValueError, match="k requires grad"):
-        torch.ops.cs149gpt.varlen_attention(q, kc.clone().requires_grad_(), vc, cu_q_t, cu_k_t, 5, 40,
-                                            block_table=table)
-    with torch.no_grad():
-        assert torch.equal(cs149gpt.varlen_attention(q, kc.clone().requires_grad_(), vc, cu_q_t, cu_k_t, 5, 40,
-                                                     block_table=table), call(table))
+    # Inference only: the forward runs with grad mode on (as FlashAttention's tests call it), the backward raises.
+    out = cs149gpt.varlen_attention(q.clone().requires_grad_(), kc, vc, cu_q_t, cu_k_t, 5, 40, block_table=table)
+    assert torch.equal(out.detach(), call(table))
+    with pytest.raises(RuntimeError, match="block_table.*has no backward"):
+        out.sum().backward()
 
 
 def test_fake_and_opcheck():
