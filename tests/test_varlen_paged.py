@@ -10,6 +10,7 @@ import torch
 import cs149gpt
 from cs149gpt.flash_attn import flash_attn_varlen_func
 from tests._helpers import isa, module  # noqa: F401  (isa: fixture)
+from tests.test_varlen import offsets as varlen_offsets, reference as varlen_reference
 
 TOLS = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 # (query length, key length) per sequence: decode steps (1 query) beside prefills, chunked prefill (Nq < Nk), empty
@@ -49,34 +50,11 @@ def gather(cache, table, key_lengths):
     return [cache[table[b, torch.arange(n) // page].long(), torch.arange(n) % page] for b, n in enumerate(key_lengths)]
 
 
-def reference(q, cu_q, keys, values, *, scale, causal=False, window=(-1, -1), softcap=0.0, slopes=None):
-    """(out (total_q, Hq, d), lse (Hq, total_q)) in float64; keys[b], values[b]: sequence b's (Nk, Hkv, d)."""
-    outs, lses = [], []
-    for b in range(len(cu_q) - 1):
-        qs = q[cu_q[b]:cu_q[b + 1]].double().transpose(0, 1)
-        ks, vs = keys[b].double().transpose(0, 1), values[b].double().transpose(0, 1)
-        group = qs.shape[0] // ks.shape[0]
-        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        n_q, n_k = qs.shape[1], ks.shape[1]
-        s = scale * qs @ ks.transpose(-1, -2)
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(n_q)[:, None] + (n_k - n_q)
-        j = torch.arange(n_k)[None, :]
-        if slopes is not None:
-            s = s - (slopes if slopes.dim() == 1 else slopes[b]).double()[:, None, None] * (i - j).abs()
-        shown = torch.ones(n_q, n_k, dtype=torch.bool)
-        if causal:
-            shown &= j <= i
-        if window[0] >= 0:
-            shown &= j >= i - window[0]
-        if window[1] >= 0:
-            shown &= j <= i + window[1]
-        s = s.masked_fill(~shown, -math.inf)
-        lse = torch.logsumexp(s, -1)
-        outs.append((torch.exp(s - lse[..., None]).nan_to_num(0.0) @ vs).transpose(0, 1))
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, -1)
+def reference(q, cu_q, keys, values, **kwargs):
+    """(out (total_q, Hq, d), lse (Hq, total_q)) in float64; keys[b], values[b]: sequence b's (Nk, Hkv, d), gathered
+    from its pages: test_varlen's reference on them packed."""
+    cu_k = varlen_offsets([len(x) for x in keys])
+    return varlen_reference(q, torch.cat(list(keys)), torch.cat(list(values)), cu_q, cu_k, **kwargs)
 
 
 def setup(lengths, page, heads=(4, 2), d=64, dtype=torch.float32, seed=0, **kw):
