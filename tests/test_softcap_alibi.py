@@ -59,15 +59,18 @@ def reference(q, k, v, *, scale=None, causal="none", softcap=0.0, slopes=None, m
 
 
 def run_case(dtype, *, B=2, H=4, Hkv=None, n_q=37, n_k=53, d=32, causal="none", softcap=0.0, slopes="head",
-             mask=None, window=None, block_q=None, block_k=None, grads=True, seed=0):
+             mask=None, window=None, block_q=None, block_k=None, grads=True, seed=0, q_scale=2.0):
     g = gen(seed)
     Hkv = Hkv or H
     q = randn(B, H, n_q, d, gen=g).to(dtype)
     k = randn(B, Hkv, n_k, d, gen=g).to(dtype)
     v = randn(B, Hkv, n_k, d, gen=g).to(dtype)
-    # Scores of a few units, so that a softcap of 2–5 bites.
-    q = (q.float() * 2.0).to(dtype)
-    sl = None if slopes is None else slopes_of(H) if slopes == "head" else slopes_of(H, B, seed)
+    # Scores of a few units (q_scale 2), so that a softcap of 2–5 bites.
+    q = (q.float() * q_scale).to(dtype)
+    if slopes is None or isinstance(slopes, torch.Tensor):
+        sl = slopes
+    else:
+        sl = slopes_of(H) if slopes == "head" else slopes_of(H, B, seed)
     ref_out, ref_lse = reference(q, k, v, causal=causal, softcap=softcap, slopes=sl, mask=mask,
                                  window=window or (-1, -1))
     qr, kr, vr = (t.clone().requires_grad_(grads) for t in (q, k, v))
@@ -97,11 +100,26 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("softcap, slopes", [(3.0, None), (0.0, "head"), (4.0, "batch")])
+@pytest.mark.parametrize("softcap, slopes", [(3.0, None), (30.0, None), (0.0, "head"), (4.0, "batch")])
 @pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
 def test_every_isa(isa, f32_products, dtype, softcap, slopes, causal):
-    """Forward (out, lse) and gradients on every ISA and dtype; Nq ≠ Nk, tiles that do not divide N."""
+    """Forward (out, lse) and gradients on every ISA and dtype; Nq ≠ Nk, tiles that do not divide N. softcap 3 takes
+    both of the forward's tanh paths (logits of N(0, 1): some vectors past 0.625 · cap), 30 the polynomial alone."""
     run_case(dtype, causal=causal, softcap=softcap, slopes=slopes, block_q=16, block_k=24)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("q_scale", [12.0, 40.0])
+@pytest.mark.parametrize("causal", ["none", "bottom_right"])
+def test_alibi_wide_logits(dtype, q_scale, causal):
+    """ALiBi where the scores of a row spread over tens to hundreds of units and the slopes are steep: the float32
+    kernel's exp pass bounds a row's max by its scores' max plus the nearest key's offset, which can lie hundreds of
+    units above its logits' max (the score's max at a far key); such a row takes ALiBi in a pass of its own (without
+    it, its exps underflow to 0 and the row is NaN). Out and lse match the float64 reference."""
+    steep = torch.tensor([4.0, 1.0, 0.25, 2.0 ** -6])
+    run_case(dtype, n_q=40, n_k=300, causal=causal, slopes=steep, q_scale=q_scale, grads=False)
+    run_case(dtype, n_q=70, n_k=90, causal=causal, slopes="head", q_scale=q_scale, grads=False, block_q=16,
+             block_k=24)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -66,13 +66,20 @@ struct Log2Exponent {
 };
 inline bool exact_exponent_needed(float shift) { return !(std::fabs(shift) < kExactShiftFrom); }
 
+// softcap's exponent (cap · tanh(scale·x / cap) − shift)·log2 e (simd.h's TanhLogit), for the loops below.
+struct SoftcapExponent {
+  TanhLogit logit;
+  SoftcapExponent(float shift, float scale, float cap)
+      : logit(scale / cap, cap * 1.44269504088896341f, -shift * 1.44269504088896341f) {}
+  __m512 operator()(__m512 x) const { return logit(Vec{x}).v; }
+};
+
 // y[c] = bf16(exp(scale·x[c] − shift)) for c < n and 0 for n ≤ c < n_pad; returns the float32 sum of the
 // exponentials (round to nearest even; NaN stays NaN). The online softmax's exp pass and the rounding of P for
 // P·V in one sweep over the scores. exp(u) = 2^(u·log2 e) (Log2Exponent), and the degree-4 2^ of simd.h is
 // accurate enough for a P rounded to bf16.
-template <bool kExact>
-inline float exp_shifted_sum_to_bf16_with(const Log2Exponent<kExact>& u, const float* x, int64_t n, bf16_bits* y,
-                                          int64_t n_pad) {
+template <class U>
+inline float exp_shifted_sum_to_bf16_with(const U& u, const float* x, int64_t n, bf16_bits* y, int64_t n_pad) {
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight, one 32-lane bf16 store
@@ -176,9 +183,9 @@ inline int64_t split_row(const Src* x, int64_t n, bf16_bits* y, int64_t part, in
 // exp_shifted_sum_to_bf16 into parts: Σ_i y[i·part + c] ≈ exp(scale·x[c] − shift) to 2^-17 relative with two
 // parts, to float32's rounding with three, from simd.h's degree-6 2^ (8.4e-8 relative), since P is no longer
 // rounded to 8 bits.
-template <int kParts, bool kExact>
-inline float exp_shifted_sum_to_bf16_parts_with(const Log2Exponent<kExact>& u, const float* x, int64_t n,
-                                                bf16_bits* y, int64_t part, int64_t n_pad) {
+template <int kParts, class U>
+inline float exp_shifted_sum_to_bf16_parts_with(const U& u, const float* x, int64_t n, bf16_bits* y, int64_t part,
+                                                int64_t n_pad) {
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {  // two vectors a step: two sums in flight

@@ -177,6 +177,31 @@ struct PackedTiles {
   }
 };
 
+// ALiBi in the softmax's exp pass (FusedLogit) for the rows [g0, g0 + group_rows) of a query tile starting at i0,
+// against keys [j0, j0 + n_keys): row r's max is taken as its scores' max plus the largest offset on the keys it
+// sees (its key t* nearest the diagonal), an upper bound of its logits' max. Where that bound exceeds the logit at
+// t* by more than 64 (base 2), the exp of the row's own max could come out as little as 2^-64 and the keys below it
+// underflow: such a row (and one whose max is NaN or inf) takes ALiBi by the separate pass instead
+// (dist0 = kAlibiApplied), as do the padding rows. row_max: the scores' maxima from the product, or null (then
+// read from S).
+inline void alibi_rows(const AttentionParams& p, int64_t g0, int64_t group_rows, int64_t j0, int64_t n_keys,
+                       const int64_t* visible, const float* S, int64_t ld, const float* row_max, float slope,
+                       int64_t i0, int32_t* dist0, float* bound) {
+  constexpr float kMaxGap = 64.0f;
+  for (int64_t r = 0; r < kRowGroup; ++r) {
+    dist0[r] = FusedLogit::kAlibiApplied;
+    bound[r] = 0.0f;
+    if (r >= group_rows || visible[r] == 0) continue;
+    const float* s = S + r * ld;
+    const int64_t dist = i0 + g0 + r + p.kv_len - p.q_len - j0;  // key j0's; key t's is dist − t
+    const int64_t nearest = std::clamp<int64_t>(dist, 0, visible[r] - 1);
+    const float mx = row_max ? row_max_from_vecs(row_max + r * W, s, n_keys) : max_of(s, visible[r]);
+    if (!(mx - s[nearest] <= kMaxGap)) continue;
+    dist0[r] = static_cast<int32_t>(dist);
+    bound[r] = -slope * static_cast<float>(std::abs(dist - nearest));
+  }
+}
+
 // One query tile: rows [i0, i0 + rows) of head h in batch b.
 template <class T>
 void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0,
@@ -189,6 +214,8 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
   float* bias = scratch + L.bias_off;  // attn_mask's offsets for the current group and key tile
   float* row_max = scratch + L.row_max_off;  // the group's row maxima of S, a vector a row, as the product takes them
   int64_t visible[kRowGroup];  // how many keys of the current tile each row of the group sees
+  int32_t alibi_dist0[kRowGroup];  // ALiBi in the exp pass: each row's key 0 distance, and its largest offset
+  float alibi_bound[kRowGroup];
 
   // Q_i = scale · log2(e) · Q[i0 : i0 + rows] (logits in base 2), zero rows up to whole row groups;
   // m = −inf, l = 0, O_i = 0. Each row group is stored column by column (element (r, c) of the group at
@@ -264,19 +291,38 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = Q_g K_jᵀ   (G × n_keys, computed to a whole number of vectors);  S = S + mask where it cuts the block.
       // Where every row sees every key and no mask is added, the product also takes the rows' maxima from its
       // registers, so that the softmax does not read S once more for them.
-      // With softcap or ALiBi the pass that applies them takes the maxima instead (on the keys each row sees; rows
-      // past group_rows are padding, never read).
-      const bool max_in_product = block != MaskBlock::partial && visible[0] == n_keys && !mods.any;
-      const bool max_in_mods = block != MaskBlock::partial && mods.any;
+      // softcap alone or ALiBi alone, where no mask follows, ride in the softmax's exp pass (fused); otherwise a pass
+      // of their own applies them and takes the maxima (on the keys each row sees; rows past group_rows are
+      // padding, never read).
+      const bool unmasked = block != MaskBlock::partial;
+      const bool fused_alibi = mods.fused_alibi && unmasked;
+      const bool fused = (mods.fused_softcap || mods.fused_alibi) && unmasked, mods_pass = mods.any && !fused;
+      const bool max_in_product = unmasked && visible[0] == n_keys && !mods_pass;
+      const bool max_in_mods = unmasked && mods_pass;
       if (max_in_product || max_in_mods) fill_row(kNegInf, row_max, kRowGroup * W);
       group_gemm_panels<kQkVecs, /*kRowsAdjacent=*/true>(kRowGroup, d, Qi + g0 * d, 1, kRowGroup, KTj, L.panel,
                                                          round_up(n_keys, W), S, L.s_ld,
                                                          max_in_product ? row_max : nullptr, n_keys);
       // softcap, ALiBi (base 2: cap and slopes times log2 e), before attn_mask.
-      if (mods.any)
+      if (mods_pass)
         for (int64_t r = 0; r < group_rows; ++r)
           mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], 1.0f, nullptr,
                    max_in_mods ? row_max + r * W : nullptr);
+      FusedLogit logit;
+      if (fused && mods.fused_softcap) logit.cap = mods.cap;
+      if (fused_alibi) {
+        logit.slope = mods.slope(p, b, h);
+        alibi_rows(p, g0, group_rows, j0, n_keys, visible, S, L.s_ld, max_in_product ? row_max : nullptr, logit.slope,
+                   i0, alibi_dist0, alibi_bound);
+        for (int64_t r = 0; r < group_rows; ++r)
+          if (alibi_dist0[r] == FusedLogit::kAlibiApplied) {  // its maximum taken anew
+            if (max_in_product) fill_row(kNegInf, row_max + r * W, W);
+            mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], 1.0f, nullptr,
+                     max_in_product ? row_max + r * W : nullptr);
+          }
+        logit.dist0 = alibi_dist0;
+        logit.bound = alibi_bound;
+      }
       if (block == MaskBlock::partial)
         for (int64_t r = 0; r < group_rows; ++r) {
           if (direct)
@@ -287,7 +333,7 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
 
       // Online softmax for the group's rows: S becomes P, and m, l, α are updated (flash_common.h).
       online_softmax(S, L.s_ld, kRowGroup, n_keys, visible, /*scale=*/1.0f, m + g0, l + g0, alpha, m_new,
-                     PInPlaceBase2{}, max_in_product || max_in_mods ? row_max : nullptr);
+                     PInPlaceBase2{logit}, max_in_product || max_in_mods ? row_max : nullptr);
       if (p.dropout_p > 0.0f)  // P V with the dropped P; l (and lse) keep the undropped sum
         for (int64_t r = 0; r < group_rows; ++r) dropout_row(p, b * p.num_heads + h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], 1);
 

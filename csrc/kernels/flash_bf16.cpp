@@ -249,9 +249,14 @@ struct PToBf16 {
   int64_t ld, k_keys;
   const AttentionParams* dropout = nullptr;  // with p.dropout_p > 0: the call, and row 0's head b·H + h, row, key
   int64_t bh = 0, i = 0, j0 = 0;
+  flash::FusedLogit logit;  // softcap only
   float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
+    const float cap = logit.cap;
+    if (cap > 0.0f && !dropout)
+      return exp_shifted_sum_to_bf16_with(SoftcapExponent(shift, scale, cap), s, n, P + r * ld, k_keys);
     if (!dropout) return exp_shifted_sum_to_bf16(s, shift, n, scale, P + r * ld, k_keys);
-    const float sum = exp_shifted_sum(s, shift, n, scale);
+    const float sum = cap > 0.0f ? exp2_sum_with(SoftcapExponent(shift, scale, cap).logit, s, n)
+                                 : exp_shifted_sum(s, shift, n, scale);
     flash::dropout_row(*dropout, bh, i + r, j0, s, n, 1);
     for (int64_t t = 0; t < n; ++t) P[r * ld + t] = c10::BFloat16(s[t]).x;
     std::fill(P + r * ld + n, P + r * ld + k_keys, bf16_bits{0});
@@ -269,8 +274,19 @@ struct PToBf16Parts {
   int64_t part, ld, k_keys;
   const AttentionParams* dropout = nullptr;
   int64_t bh = 0, i = 0, j0 = 0;
+  flash::FusedLogit logit;  // softcap only
   float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
+    const float cap = logit.cap;
+    if (cap > 0.0f && !dropout)
+      return exp_shifted_sum_to_bf16_parts_with<kP>(SoftcapExponent(shift, scale, cap), s, n, P + r * ld, part,
+                                                    k_keys);
     if (!dropout) return exp_shifted_sum_to_bf16_parts<kP>(s, shift, n, scale, P + r * ld, part, k_keys);
+    if (cap > 0.0f) {
+      const float sum = exp2_sum_with(SoftcapExponent(shift, scale, cap).logit, s, n);
+      flash::dropout_row(*dropout, bh, i + r, j0, s, n, 1);
+      split_row<kP>(s, n, P + r * ld, part, k_keys);
+      return sum;
+    }
     if (kP == 3) {  // float32: the row max's weight exactly 1, as exp_shifted_sum_to_bf16_parts
       scale_row(scale, s, n);
       scale = 1.0f;
@@ -387,10 +403,12 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       const bool partial = block == MaskBlock::partial;
       const float mask_scale = mods.any ? 1.0f : p.scale;
       for (int64_t r = 0; r < G; ++r) visible[r] = std::clamp<int64_t>(visible_keys(p, i0 + g0 + r) - j0, 0, n_keys);
-      const bool max_in_mods = mods.any && !partial;
+      // softcap alone, where no mask follows it, rides in the softmax's exp pass (fused) instead.
+      const bool fused = mods.fused_softcap && !partial, mods_pass = mods.any && !fused;
+      const bool max_in_mods = mods_pass && !partial;
       float row_max[G * Vec::width];
       if (max_in_mods) fill_row(kNegInf, row_max, G * Vec::width);
-      if (mods.any)
+      if (mods_pass)
         for (int64_t r = 0; r < group_rows; ++r)
           mods.row(p, b, h, i0 + g0 + r, j0, S + r * L.s_ld, visible[r], p.scale, nullptr,
                    max_in_mods ? row_max + r * Vec::width : nullptr);
@@ -405,14 +423,15 @@ void query_tile(const AttentionParams& p, const Layout& L, int64_t b, int64_t h,
       // S = scale · S, then the online softmax: P = exp(S − m_new) into Pb as bf16 (or in parts); m, l, α updated.
       const int64_t k_keys = round_up(n_keys, kDotK);  // P is 0 past n_keys (and V_j past cols)
       const AttentionParams* dropout = p.dropout_p > 0.0f ? &p : nullptr;
-      const float softmax_scale = partial || mods.any ? 1.0f : p.scale;
+      const float softmax_scale = partial || mods_pass ? 1.0f : p.scale;
+      const float cap = fused ? p.softcap : 0.0f;
       if constexpr (kP > 1)
         online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16Parts<kP>{Pb, p_part, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0},
+                       PToBf16Parts<kP>{Pb, p_part, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0, {cap}},
                        max_in_mods ? row_max : nullptr);
       else
         online_softmax(S, L.s_ld, G, n_keys, visible, softmax_scale, m + g0, l + g0, alpha, m_new,
-                       PToBf16{Pb, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0},
+                       PToBf16{Pb, L.p_ld, k_keys, dropout, b * p.num_heads + h, i0 + g0, j0, {cap}},
                        max_in_mods ? row_max : nullptr);
 
       // O_g = α · O_g + P V_j   (in parts: Σ_{a+b ≤ kPvOrder} P_a·V_b)

@@ -126,16 +126,47 @@ inline float row_max_from_vecs(const float* row_max, const float* s, int64_t n) 
 // Where P = exp(S − m_new) goes: over S itself (the float32 kernels), or elsewhere (flash_bf16.cpp writes it in
 // bf16 for the next product). exp_sum writes row r's P and returns its sum; zero writes a row of zeros.
 // kBase2: the logits S (and so m) are in base 2, P = 2^(S − m_new) (flash.cpp folds log2 e into Q's scale).
+// logit: softcap or ALiBi applied in the same pass (FusedLogit), so that S is read once, not three times (their
+// pass, the max, the exp).
+//
+// What the exp pass applies to the scores besides the scale: nothing; softcap, P = exp(cap · tanh(scale · S / cap) − m)
+// on the keys each row sees (their −inf past them would become −cap); or (flash.cpp, float32) ALiBi,
+// −slope · |dist0[r] − t| at key t of the tile, row r's max then bounded from the scores' max and the largest
+// offset on its keys (flash.cpp checks the bound is close enough; a row it is not for took ALiBi already and has
+// dist0[r] = kAlibiApplied). LogitMods::fused_softcap / fused_alibi say when.
+struct FusedLogit {
+  static constexpr int32_t kAlibiApplied = INT32_MIN;
+  float cap = 0.0f;
+  float slope = 0.0f;              // ALiBi's slope in the logits' units
+  const int32_t* dist0 = nullptr;  // per row, key 0's distance from the diagonal (ALiBi; null: none)
+  const float* bound = nullptr;    // per row, the largest ALiBi offset on the keys it sees
+  bool alibi(int64_t r) const { return dist0 && dist0[r] != kAlibiApplied; }
+  // The row's largest logit from its largest score mx (tanh being increasing; with ALiBi an upper bound).
+  float max_logit(int64_t r, float mx, int64_t visible) const {
+    if (cap > 0.0f && visible > 0) return cap * std::tanh(mx / cap);
+    return alibi(r) ? mx + bound[r] : mx;
+  }
+  int64_t keys(int64_t n_keys, int64_t visible) const { return cap > 0.0f ? visible : n_keys; }
+};
+
 struct PInPlace {
   static constexpr bool kBase2 = false;
+  FusedLogit logit;  // softcap only
   float exp_sum(int64_t, float* s, float shift, int64_t n, float scale) const {
+    using exp_constants::kLog2e;
+    const float cap = logit.cap;
+    if (cap > 0.0f) return exp2_sum_with(TanhLogit(scale / cap, cap * kLog2e, -shift * kLog2e), s, n);
     return exp_shifted_sum(s, shift, n, scale);
   }
   void zero(int64_t, float* s, int64_t n) const { fill_row(0.0f, s, n); }
 };
 struct PInPlaceBase2 {
   static constexpr bool kBase2 = true;
-  float exp_sum(int64_t, float* s, float shift, int64_t n, float scale) const {
+  FusedLogit logit;  // scale 1 with ALiBi
+  float exp_sum(int64_t r, float* s, float shift, int64_t n, float scale) const {
+    const float cap = logit.cap;
+    if (cap > 0.0f) return exp2_sum_with(TanhLogit(scale / cap, cap, -shift), s, n);
+    if (logit.alibi(r)) return exp2_sum_with(AlibiLogit(logit.slope, shift, logit.dist0[r]), s, n);
     return exp2_shifted_sum(s, shift, n, scale);
   }
   void zero(int64_t, float* s, int64_t n) const { fill_row(0.0f, s, n); }
@@ -152,8 +183,9 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
     float* s = S + r * ld;
     if (!scale_in_exp) scale_row(scale, s, visible[r]);
     fill_row(kNegInf, s + visible[r], n_keys - visible[r]);
-    m_new[r] = max_nan(m[r], (scale_in_exp ? scale : 1.0f) *
-                                 (row_max ? row_max_from_vecs(row_max + r * W, s, n_keys) : max_of(s, n_keys)));
+    const float mx = (scale_in_exp ? scale : 1.0f) *
+                     (row_max ? row_max_from_vecs(row_max + r * W, s, n_keys) : max_of(s, n_keys));
+    m_new[r] = max_nan(m[r], P.logit.max_logit(r, mx, visible[r]));
     alpha[r] = m_new[r] == kNegInf ? 0.0f : m[r] - m_new[r];  // exponent of α; −inf on a first tile
   }
   if constexpr (PWriter::kBase2)
@@ -166,7 +198,7 @@ inline void online_softmax(float* S, int64_t ld, int64_t G, int64_t n_keys, cons
       P.zero(r, s, n_keys);
       continue;
     }
-    l[r] = alpha[r] * l[r] + P.exp_sum(r, s, m_new[r], n_keys, scale_in_exp ? scale : 1.0f);
+    l[r] = alpha[r] * l[r] + P.exp_sum(r, s, m_new[r], P.logit.keys(n_keys, visible[r]), scale_in_exp ? scale : 1.0f);
     m[r] = m_new[r];
   }
 }
@@ -516,7 +548,14 @@ struct LogitMods {
   float cap = 0.0f;   // softcap in the logits' units, 0 without
   float unit = 1.0f;  // ALiBi's offsets into the logits' units
   bool any = false;
-  LogitMods(const AttentionParams& p, float unit_) : cap(p.softcap * unit_), unit(unit_), any(has_logit_mods(p)) {}
+  // softcap alone goes into the softmax's exp pass (FusedLogit) where no mask is added after it and the logits
+  // stay below kExactShiftFrom (simd.h), as they do for any cap below it; ALiBi alone so in the float32 kernel
+  // (flash.cpp); else this pass applies them.
+  bool fused_softcap = false, fused_alibi = false;
+  LogitMods(const AttentionParams& p, float unit_)
+      : cap(p.softcap * unit_), unit(unit_), any(has_logit_mods(p)),
+        fused_softcap(cap > 0.0f && !p.alibi_slopes && cap < kExactShiftFrom),
+        fused_alibi(p.alibi_slopes && !(cap > 0.0f)) {}
   // unit · slope of query head h in batch b, 0 without ALiBi.
   float slope(const AttentionParams& p, int64_t b, int64_t h) const {
     return p.alibi_slopes ? unit * p.alibi_slopes[b * p.alibi_strides[0] + h * p.alibi_strides[1]] : 0.0f;

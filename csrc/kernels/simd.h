@@ -75,6 +75,7 @@ inline Vec max(Vec a, Vec b) {
 // returned when either is NaN). One instruction where max takes three: for a running maximum that starts at −inf,
 // whose NaNs are accounted for elsewhere (online_softmax: a NaN logit turns its row NaN through P all the same).
 inline Vec max_skip_nan(Vec x, Vec m) { return {_mm512_max_ps(x.v, m.v)}; }
+inline bool all_le(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ) == 0xFFFF; }  // NaN: false
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) {  // NaN if any lane is
   if (_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)) return std::numeric_limits<float>::quiet_NaN();
@@ -109,6 +110,7 @@ inline Vec max(Vec a, Vec b) {  // NaN if either is (see the AVX-512 max)
   return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), a.v, _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))};
 }
 inline Vec max_skip_nan(Vec x, Vec m) { return {_mm256_max_ps(x.v, m.v)}; }  // see the AVX-512 one
+inline bool all_le(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ)) == 0xFF; }
 inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -143,6 +145,7 @@ inline Vec fmadd(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
 inline Vec abs(Vec a) { return {std::fabs(a.v)}; }
 inline Vec max(Vec a, Vec b) { return {a.v > b.v || a.v != a.v ? a.v : b.v}; }  // NaN if either is
 inline Vec max_skip_nan(Vec x, Vec m) { return {x.v > m.v ? x.v : m.v}; }  // m where x is NaN (AVX-512's)
+inline bool all_le(Vec a, Vec b) { return a.v <= b.v; }  // every lane, NaN: false
 inline float reduce_add(Vec a) { return a.v; }
 inline float reduce_max(Vec a) { return a.v; }
 #endif
@@ -373,6 +376,65 @@ inline Vec tanh(Vec x) {
   return {std::copysign(minus_E / (2.0f - minus_E), x.v)};
 }
 #endif
+
+// softcap's logit b · tanh(a · x) + c (a = scale / cap, b = cap, c = −row max; times log2 e for a base-2 exponent),
+// fused into the softmax's exp pass. Where every lane has |a · x| ≤ 0.625 — a cap is a bound the logits seldom
+// reach — tanh(w) = w · (1 + t·(c1 + t·(c2 + t·(c3 + t·c4)))), t = w², a minimax fit of tanh(w)/w on that range
+// (2.3e-7 relative in float32, as the full tanh's 3e-7): 8 operations a vector where tanh takes ~23. Other vectors
+// (a large logit, inf, NaN) take tanh above.
+struct TanhLogit {
+  static constexpr float kPolyBound = 0.625f;
+  Vec a, b, c, bound2;
+  TanhLogit(float a_, float b_, float c_)
+      : a(Vec::broadcast(a_)), b(Vec::broadcast(b_)), c(Vec::broadcast(c_)),
+        bound2(Vec::broadcast(kPolyBound * kPolyBound)) {}
+  Vec operator()(Vec x, int64_t = 0) const {
+    const Vec w = x * a, t = w * w;
+    if (all_le(t, bound2)) {
+      Vec q = fmadd(Vec::broadcast(0.0151953548f), t, Vec::broadcast(-0.0519478917f));
+      q = fmadd(q, t, Vec::broadcast(0.133081749f));
+      q = fmadd(q, t, Vec::broadcast(-0.333323419f));
+      q = fmadd(q, t, Vec::broadcast(1.0f));
+      return fmadd(w * q, b, c);
+    }
+    return fmadd(tanh(w), b, c);
+  }
+};
+
+// ALiBi's logit x − slope · |dist0 − c − lane| − shift of the vector at column c (flash_common.h's FusedLogit).
+struct AlibiLogit {
+  Vec minus_slope, minus_shift, dist0;
+  AlibiLogit(float slope, float shift, int32_t dist0_)
+      : minus_slope(Vec::broadcast(-slope)), minus_shift(Vec::broadcast(-shift)), dist0(Vec::broadcast(dist0_)) {}
+  Vec operator()(Vec x, int64_t c) const {
+    alignas(64) static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const Vec dist = dist0 - (Vec::load(kIota) + Vec::broadcast(static_cast<float>(c)));  // exact below 2^24
+    return fmadd(minus_slope, abs(dist), x + minus_shift);
+  }
+};
+
+// Σ 2^(u(x[c], c)) over c < n, x[c] = 2^(u(x[c], c)) (exp2_shifted_sum's loop with any exponent map u of the
+// vector at column c: TanhLogit, AlibiLogit).
+template <class U>
+inline float exp2_sum_with(const U& u, float* x, int64_t n) {
+  constexpr int W = Vec::width;
+  Vec sum0 = Vec::zero(), sum1 = Vec::zero();
+  int64_t c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    const Vec e0 = exp2(u(Vec::load(x + c), c)), e1 = exp2(u(Vec::load(x + c + W), c + W));
+    e0.store(x + c);
+    e1.store(x + c + W);
+    sum0 = sum0 + e0;
+    sum1 = sum1 + e1;
+  }
+  for (; c < n; c += W) {
+    const int64_t lanes = std::min<int64_t>(W, n - c);
+    const Vec e = exp2(u(Vec::load_partial(x + c, lanes), c));
+    e.store_partial(x + c, lanes);
+    sum0 = sum0 + Vec::load_partial(x + c, lanes);  // (masked lanes are not 0)
+  }
+  return reduce_add(sum0 + sum1);
+}
 
 // x[c] = tanh(x[c])
 inline void tanh_row(float* x, int64_t n) {
