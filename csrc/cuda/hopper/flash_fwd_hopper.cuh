@@ -1,18 +1,20 @@
 // FlashAttention-3's forward on Hopper: the loop of flash_fwd.cuh (the paper's Algorithm 1), warp-specialized.
 //
-//   producer warpgroup (one thread):   Q_block once;  for each key tile j: wait until stage j % 2 is empty, then
-//                                      TMA K_j, V_j into it (each completing on its own mbarrier)
+//   producer warpgroup (one thread):   Q_block once;  for each key tile j: wait until K's (V's) buffer of stage j % 2
+//                                      is empty, then TMA K_j (V_j) into it, completing on its own mbarrier
 //   consumer warpgroup w (64 query rows each, 2 per block, w = 0, 1):
 //     for each key tile j:  wait K_j;   S = Q_w K_jᵀ                                  (wgmma, both from shared memory)
 //                           m' = max(m, rowmax S);   P = exp(scale (S − m'))
 //                           l = e^{scale(m − m')} l + rowsum P;   O = e^{scale(m − m')} O;   m = m'
 //                           wait V_j;   O += P V_j                         (wgmma, P from registers, V transposed)
-//                           hand stage j % 2 back to the producer
+//                           hand K_j's and V_j's buffers back to the producer as soon as their product is done
 //     O /= l;   lse = scale·m + log l
 //
 // As in flash_fwd.cuh, everything is in exp2 (scale·log2(e) folded into one multiply-add per score), masked keys are
 // −inf, and a row that sees no key writes O = 0 and lse = −inf. The two consumer warpgroups share the tensor cores:
-// while one runs its softmax the other's products run.
+// while one runs its softmax the other's products run. The traits choose the mainloop: serial (the loop above as
+// written), overlapped (S_{j+1} and P_j V_j issued together, the softmax of S_{j+1} under P_j V_j) and, on top of it,
+// the ping-pong schedule (the warpgroups take turns to issue their products).
 #pragma once
 
 #include <cuda.h>
@@ -200,6 +202,7 @@ __device__ __forceinline__ void scores_to_a_frags(uint32_t (&a)[Traits::kBlockN 
 // ---- the consumers' mainloops --------------------------------------------------------------------------------------------
 // A consumer thread's place: its rows and the softmax's constant.
 struct ConsumerRows {
+  int wg;             // the consumer warpgroup, 0 or 1
   int64_t row0;       // query index of the thread's row g (its other row is row0 + 8)
   int64_t wg_first;   // the warpgroup's first query row
   int lane;
@@ -252,6 +255,29 @@ __device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, c
   }
 }
 
+// Named barriers (ids; 0 is __syncthreads'): the epilogue's, one per consumer warpgroup, and the ping-pong's turns.
+constexpr int kEpilogueBarrier = 1;  // + warpgroup
+constexpr int kTurnBarrier = 3;      // + warpgroup
+
+// The ping-pong schedule (Traits::kPingPong): a consumer warpgroup issues its products only in its turn (it waits on
+// barrier kTurnBarrier + its index) and hands the turn to the other once they are issued, so that its softmax runs
+// while the other's products occupy the tensor cores. Warpgroup 0 starts (warpgroup 1 arrives on its barrier first).
+// Each warpgroup takes the turn once per issue point and hands it over as often, except warpgroup 1 after its last
+// one (warpgroup 0 waits no more): every barrier phase that is started completes.
+template <class Traits>
+struct IssueTurns {
+  int wg, issue_points, issued = 0;
+  __device__ IssueTurns(int wg_, int issue_points_) : wg(wg_), issue_points(issue_points_) {
+    if (Traits::kPingPong && wg == 1) named_barrier_arrive(kTurnBarrier + 0, 256);
+  }
+  __device__ void take() {
+    if (Traits::kPingPong) named_barrier_sync(kTurnBarrier + wg, 256);
+  }
+  __device__ void hand_over() {
+    if (Traits::kPingPong && !(wg == 1 && ++issued == issue_points)) named_barrier_arrive(kTurnBarrier + 1 - wg, 256);
+  }
+};
+
 // FlashAttention-3's intra-warpgroup overlap: S_j = Q K_jᵀ and O += P_{j−1} V_{j−1} are issued together; once S_j is
 // done its softmax runs while P_{j−1} V_{j−1} is still on the tensor cores. O is rescaled by tile j's alpha after that
 // product: e^{scale(m_{j−1} − m_j)} (O + P_{j−1} V_{j−1}), both terms being relative to m_{j−1}.
@@ -265,9 +291,14 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   uint32_t p_frag[Traits::kBlockN / 16][4];
   float alpha[2];
 
+  // n_tiles + 1 issue points: S_0; then S_j with P_{j−1} V_{j−1}; then the last P V.
+  IssueTurns<Traits> turns(rows.wg, n_tiles + 1);
+
   // Tile 0: S_0 and its softmax alone (O is still 0: nothing to rescale).
   mbarrier_wait(&sm.k_full[0], 0);
+  turns.take();
   gemm_qk<Traits>(s, q_w, sm.k_tile(0));
+  turns.hand_over();
   wgmma_wait<0>();
   fence_fragment(s);
   release(&sm.k_empty[0], rows.lane);
@@ -277,9 +308,11 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   for (int n = 1; n < n_tiles; ++n) {
     const int stage = stage_of<Traits>(n), prev = stage_of<Traits>(n - 1);
     mbarrier_wait(&sm.k_full[stage], phase_of<Traits>(n));
-    gemm_qk<Traits>(s, q_w, sm.k_tile(stage));  // S_j = Q K_jᵀ ...
     mbarrier_wait(&sm.v_full[prev], phase_of<Traits>(n - 1));
+    turns.take();
+    gemm_qk<Traits>(s, q_w, sm.k_tile(stage));    // S_j = Q K_jᵀ ...
     gemm_pv<Traits>(o, p_frag, sm.v_tile(prev));  // ... and O += P_{j−1} V_{j−1}, both in flight
+    turns.hand_over();
     wgmma_wait<1>();                               // S_j is done (groups complete in order)
     fence_fragment(s);
     release(&sm.k_empty[stage], rows.lane);
@@ -295,7 +328,9 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   // The last tile's O += P V.
   const int last = stage_of<Traits>(n_tiles - 1);
   mbarrier_wait(&sm.v_full[last], phase_of<Traits>(n_tiles - 1));
+  turns.take();
   gemm_pv<Traits>(o, p_frag, sm.v_tile(last));
+  turns.hand_over();
   wgmma_wait<0>();
   fence_fragment(o);
   fence_fragment(p_frag);
@@ -326,8 +361,8 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
            ((((col % Traits::kPanelCols) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
   };
 
-  fence_proxy_async();                  // the tensor cores' reads of Q come before these ordinary writes
-  named_barrier_sync(1 + wg, 128);      // every warp of the warpgroup is past its last wgmma
+  fence_proxy_async();                             // the tensor cores' reads of Q come before these writes
+  named_barrier_sync(kEpilogueBarrier + wg, 128);  // every warp of the warpgroup is past its last wgmma
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j)
 #pragma unroll
@@ -336,7 +371,7 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
       *reinterpret_cast<uint32_t*>(staged(row, col)) =
           pack2<T>(o[4 * j + 2 * r] * inv_l[r], o[4 * j + 2 * r + 1] * inv_l[r]);
     }
-  named_barrier_sync(1 + wg, 128);
+  named_barrier_sync(kEpilogueBarrier + wg, 128);  // the staged rows are complete
 
   constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks
   constexpr int kRowsPerPass = 128 / kChunksPerRow;
@@ -421,7 +456,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     setmaxnreg_inc<Traits::kConsumerRegs>();
     const int wg = warpgroup - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-    const ConsumerRows rows{m0 + wg * 64 + warp * 16 + lane / 4, m0 + wg * 64, lane, p.scale * kLog2e};
+    const ConsumerRows rows{wg, m0 + wg * 64 + warp * 16 + lane / 4, m0 + wg * 64, lane, p.scale * kLog2e};
     const char* q_w = sm.q + wg * 64 * Traits::kRowBytes;  // the warpgroup's 64 rows of every Q panel
 
     float o[kD / 2];  // O, m, l of the thread's two rows

@@ -15,7 +15,9 @@ namespace hopper {
 // kOverlap: each consumer warpgroup issues S_{j+1} = Q K_{j+1}ᵀ and O += P_j V_j together and runs the softmax of
 // S_{j+1} while P_j V_j is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap); false: S, softmax,
 // P V one after another.
-template <int kHeadDim_, class T_, bool kOverlap_ = true>
+// kPingPong (with kOverlap): the two consumer warpgroups take turns to issue their products (two named barriers), so
+// that one's softmax runs while the other's products occupy the tensor cores (FlashAttention-3's ping-pong).
+template <int kHeadDim_, class T_, bool kOverlap_ = true, bool kPingPong_ = false>
 struct FwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -30,6 +32,8 @@ struct FwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kPingPong = kPingPong_;
+  static_assert(!kPingPong || kOverlap, "the ping-pong schedule is that of the overlapped mainloop");
 
   static constexpr int kPanelCols = 64;  // 64 16-bit values = 128 bytes: one swizzled row
   static constexpr int kPanels = kHeadDim / kPanelCols;

@@ -77,6 +77,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts the calling threads towards barrier `id` without waiting (the producer side of a bar.sync on it).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // Every warp of a warpgroup executes the same one; takes effect only under a register cap at entry
 // (__launch_bounds__(threads, 1)).
 template <int kRegs> __device__ __forceinline__ void setmaxnreg_inc() {
