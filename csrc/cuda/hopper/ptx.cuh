@@ -24,8 +24,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast
 
 // ---- mbarrier ------------------------------------------------------------------------------------------------------
 // A barrier completes a phase when `count` arrivals and every byte announced by expect_tx have come; phases alternate
-// parity 0, 1, 0, ... Waiting on parity P returns once the latest phase of parity P completed; on a fresh barrier
-// (phase 0 running) waiting on parity 1 returns at once, which is how a producer finds every buffer empty at start.
+// parity 0, 1, 0, ... Waiting on parity P returns once the phase of parity P before the current one has completed
+// (the current phase has parity P ^ 1); on a fresh barrier (phase 0 running) waiting on parity 1 returns at once,
+// which is how a producer finds every buffer empty at start.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
@@ -118,7 +119,8 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // The compiler sees a wgmma's accumulators as written when it is issued; this pins every register of a fragment at a
-// point (after wgmma_wait), so no read of it moves above the wait.
+// point (after wgmma_wait), so no read of it moves above the wait, and keeps an A fragment alive (its registers given
+// to nothing else) until the wait.
 template <int N> __device__ __forceinline__ void fence_fragment(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
@@ -142,8 +144,9 @@ template <int N, int M> __device__ __forceinline__ void fence_fragment(uint32_t 
 // so the float32 accumulator of a product with N = 16·s, its values converted two at a time in order (d[8s'+0,1],
 // d[8s'+2,3], d[8s'+4,5], d[8s'+6,7]), is the A operand of k-slice s' of the next product: P = softmax(S) feeds P V
 // without a shuffle.
-//   wgmma_ss: A and B from shared memory, both K-major (imm-trans 0, 0): S = Q Kᵀ with Q and K stored (rows, d).
-//   wgmma_rs: A from registers, B MN-major (imm-trans-b 1): O += P V with V stored (keys, d), keys being K.
+//   wgmma_ss: A and B from shared memory, both K-major (imm-trans 0, 0): S = Q Kᵀ with Q and K stored (rows, d);
+//             N = 64, 128, 176.
+//   wgmma_rs: A from registers, B MN-major (imm-trans-b 1): O += P V with V stored (keys, d), keys being K; N = 64, 128.
 template <int N, class T> __device__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
 template <int N, class T>
 __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate);
@@ -166,6 +169,19 @@ __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t des
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+#define HOPPER_WGMMA_REGS88 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
+#define HOPPER_WGMMA_OPERANDS88(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 
 #define HOPPER_DEFINE_WGMMA(TYPE, PTX)                                                                                  \
   template <>                                                                                                          \
@@ -184,6 +200,15 @@ __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t des
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " " HOPPER_WGMMA_REGS64                    \
                  ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                                     \
                  : HOPPER_WGMMA_OPERANDS64(d)                                                                          \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                         \
+  }                                                                                                                    \
+  template <>                                                                                                          \
+  __device__ __forceinline__ void wgmma_ss<176, TYPE>(float (&d)[88], uint64_t desc_a, uint64_t desc_b,                \
+                                                      int accumulate) {                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n176k16.f32." PTX "." PTX " " HOPPER_WGMMA_REGS88                    \
+                 ", %88, %89, p, 1, 1, 0, 0;\n}\n"                                                                     \
+                 : HOPPER_WGMMA_OPERANDS88(d)                                                                          \
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                         \
   }                                                                                                                    \
   template <>                                                                                                          \
