@@ -22,6 +22,14 @@ constexpr int kFastHeadDims[] = {64, 128};
 inline bool fast_path_supports(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 cudaError_t flash_fwd(const AttentionParams& p, cudaStream_t stream);
 
+// FlashAttention-3's design on Hopper (hopper/): warp-specialized, TMA copies into a 2-stage shared-memory ring on
+// mbarriers, wgmma products, setmaxnreg. The same calls as flash_fwd without attn_mask, window, dropout, softcap,
+// ALiBi, packed sequences or a KV cache; hopper_fwd_supports says whether it takes p on the current device (an
+// sm_90a build on a compute capability 9.0 GPU, q, k, v, out 16-byte aligned with strides multiples of 8 elements).
+// flash_fwd_hopper returns cudaErrorNotSupported where it does not.
+bool hopper_fwd_supports(const AttentionParams& p);
+cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream);
+
 // Backward of flash_fwd. `delta`: float32 workspace of bwd_row_stats_floats(p.fwd) floats (per query row D = dO·O and
 // lse·log2(e), rows padded to a multiple of 4 for 16-byte copies); `dq_accum` (batch, num_heads,
 // q_len, head_dim) float32, contiguous, zeroed by the caller: dq = scale * dq_accum afterwards (the caller

@@ -1,0 +1,73 @@
+// From a params struct to the Hopper forward of its head dim and dtype, and the test of whether it can take the call.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../flash_cuda.h"
+#include "flash_fwd_hopper_launch.h"
+
+namespace cs149gpt {
+namespace cuda {
+namespace {
+
+// Compiled with the kernels' flags: its sm_90a code is what the current device loads only where the build has the
+// sm_90a kernels and the device is a Hopper GPU (compute capability 9.0).
+__global__ void sm90a_probe_kernel() {}
+
+bool device_runs_sm90a() {
+  constexpr int kMaxDevices = 64;
+  static int8_t known[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
+  if (device < kMaxDevices && known[device] != 0) return known[device] > 0;
+  cudaFuncAttributes attr;
+  const bool yes = cudaFuncGetAttributes(&attr, sm90a_probe_kernel) == cudaSuccess && attr.binaryVersion == 90;
+  if (device < kMaxDevices) known[device] = yes ? 1 : -1;
+  return yes;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Strides (elements, [batch, head, row]) that TMA takes and 16-byte stores keep aligned: multiples of 8 elements,
+// except along dimensions of size 1, whose stride is never used.
+bool strides_ok(const int64_t (&strides)[3], int64_t batch, int64_t heads, int64_t rows) {
+  const int64_t sizes[3] = {batch, heads, rows};
+  for (int i = 0; i < 3; ++i)
+    if (sizes[i] > 1 && (strides[i] % 8 != 0 || strides[i] <= 0 || strides[i] >= (int64_t{1} << 38))) return false;
+  return true;
+}
+
+}  // namespace
+
+bool hopper_fwd_supports(const AttentionParams& p) {
+  constexpr int64_t kMaxRows = int64_t{1} << 30;  // TMA coordinates are int32
+  const bool plain = p.mask_kind == MaskKind::none && !has_window(p) && p.dropout_p == 0.0f && !has_logit_mods(p) &&
+                     p.cu_seqlens_q == nullptr && p.block_table == nullptr && p.cache_seqlens == nullptr &&
+                     p.k_new == nullptr;
+  const bool shapes = (p.dtype == DType::bf16 || p.dtype == DType::f16) && (p.head_dim == 64 || p.head_dim == 128) &&
+                      p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0 && p.q_len < kMaxRows &&
+                      p.kv_len < kMaxRows && p.batch * p.num_heads <= 65535;
+  const bool layout = aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) &&
+                      strides_ok(p.q_strides, p.batch, p.num_heads, p.q_len) &&
+                      strides_ok(p.k_strides, p.batch, p.num_kv_heads, p.kv_len) &&
+                      strides_ok(p.v_strides, p.batch, p.num_kv_heads, p.kv_len) &&
+                      strides_ok(p.out_strides, p.batch, p.num_heads, p.q_len);
+  return plain && shapes && layout && device_runs_sm90a();
+}
+
+cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {
+  if (!hopper_fwd_supports(p)) return cudaErrorNotSupported;
+  const bool bf16 = p.dtype == DType::bf16;
+  switch (p.head_dim) {
+    case 64:
+      return bf16 ? hopper::flash_fwd_run<64, __nv_bfloat16>(p, stream) : hopper::flash_fwd_run<64, __half>(p, stream);
+    case 128:
+      return bf16 ? hopper::flash_fwd_run<128, __nv_bfloat16>(p, stream)
+                  : hopper::flash_fwd_run<128, __half>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda
+}  // namespace cs149gpt

@@ -1,0 +1,507 @@
+// FlashAttention-3's forward on Hopper: the loop of flash_fwd.cuh (the paper's Algorithm 1), warp-specialized.
+//
+//   producer warpgroup (one thread):   Q_block once;  for each key tile j: wait until K's (V's) buffer of stage j % 2
+//                                      is empty, then TMA K_j (V_j) into it, completing on its own mbarrier
+//   consumer warpgroup w (64 query rows each, 2 per block, w = 0, 1):
+//     for each key tile j:  wait K_j;   S = Q_w K_jᵀ                                  (wgmma, both from shared memory)
+//                           m' = max(m, rowmax S);   P = exp(scale (S − m'))
+//                           l = e^{scale(m − m')} l + rowsum P;   O = e^{scale(m − m')} O;   m = m'
+//                           wait V_j;   O += P V_j                         (wgmma, P from registers, V transposed)
+//                           hand K_j's and V_j's buffers back to the producer as soon as their product is done
+//     O /= l;   lse = scale·m + log l
+//
+// As in flash_fwd.cuh, everything is in exp2 (scale·log2(e) folded into one multiply-add per score), masked keys are
+// −inf, and a row that sees no key writes O = 0 and lse = −inf. The two consumer warpgroups share the tensor cores:
+// while one runs its softmax the other's products run. The traits choose the mainloop: serial (the loop above as
+// written), overlapped (S_{j+1} and P_j V_j issued together, the softmax of S_{j+1} under P_j V_j) and, on top of it,
+// the ping-pong schedule (the warpgroups take turns to issue their products).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "../../attention.h"
+#include "../flash_common.cuh"
+#include "flash_fwd_hopper_launch.h"
+#include "kernel_traits.cuh"
+#include "ptx.cuh"
+#include "tensor_map.h"
+
+namespace cs149gpt {
+namespace cuda {
+namespace hopper {
+
+// The block's shared memory: Q, the (K, V) ring and its mbarriers, from a 1024-byte aligned base.
+template <class Traits>
+struct SharedTiles {
+  char* q;  // kPanels panels of kBlockM rows x 128 bytes
+  char* k;  // [kStages] tiles of kPanels panels of kBlockN rows x 128 bytes
+  char* v;  // the same
+  uint64_t* q_full;   // Q has arrived
+  uint64_t* k_full;   // [kStages]: K of the stage has arrived
+  uint64_t* v_full;   // [kStages]: V of the stage has arrived
+  uint64_t* k_empty;  // [kStages]: every consumer warp is done with the stage's K (its S is computed)
+  uint64_t* v_empty;  // [kStages]: every consumer warp is done with the stage's V (its P V is computed)
+
+  __device__ explicit SharedTiles(char* base)
+      : q(base + Traits::kSmemQ),
+        k(base + Traits::kSmemK),
+        v(base + Traits::kSmemV),
+        q_full(reinterpret_cast<uint64_t*>(base + Traits::kSmemBarriers)),
+        k_full(q_full + 1),
+        v_full(k_full + Traits::kStages),
+        k_empty(v_full + Traits::kStages),
+        v_empty(k_empty + Traits::kStages) {}
+  __device__ char* k_tile(int stage) const { return k + stage * Traits::kKVBytes; }
+  __device__ char* v_tile(int stage) const { return v + stage * Traits::kKVBytes; }
+};
+
+// Tile n of the key sequence lives in stage n % kStages; its barriers are in their (n / kStages)-th phase.
+template <class Traits>
+__device__ __forceinline__ int stage_of(int n) { return n % Traits::kStages; }
+template <class Traits>
+__device__ __forceinline__ uint32_t phase_of(int n) { return static_cast<uint32_t>((n / Traits::kStages) & 1); }
+
+// A consumer warp hands a buffer back: lane 0 arrives once the warp's products that read it have completed.
+__device__ __forceinline__ void release(uint64_t* empty, int lane) {
+  if (lane == 0) mbarrier_arrive(empty);
+}
+
+// ---- the producer -----------------------------------------------------------------------------------------------------
+// One thread: Q once, then every key tile's K and V, each panel (64 columns of head_dim) one TMA box.
+template <class Traits>
+__device__ __forceinline__ void load_tiles(const SharedTiles<Traits>& sm, const CUtensorMap* tm_q,
+                                           const CUtensorMap* tm_k, const CUtensorMap* tm_v, int b, int h, int hk,
+                                           int m0, int n_tiles) {
+  mbarrier_arrive_expect_tx(sm.q_full, Traits::kQBytes);
+#pragma unroll
+  for (int panel = 0; panel < Traits::kPanels; ++panel)
+    tma_load_4d(sm.q + panel * Traits::kQPanelBytes, tm_q, sm.q_full, panel * Traits::kPanelCols, m0, h, b);
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int stage = stage_of<Traits>(n);
+    const uint32_t released = phase_of<Traits>(n) ^ 1;  // the phase in which the consumers released tile n − kStages
+    const int n0 = n * Traits::kBlockN;
+    mbarrier_wait(&sm.k_empty[stage], released);
+    mbarrier_arrive_expect_tx(&sm.k_full[stage], Traits::kKVBytes);
+#pragma unroll
+    for (int panel = 0; panel < Traits::kPanels; ++panel)
+      tma_load_4d(sm.k_tile(stage) + panel * Traits::kKVPanelBytes, tm_k, &sm.k_full[stage],
+                  panel * Traits::kPanelCols, n0, hk, b);
+    mbarrier_wait(&sm.v_empty[stage], released);
+    mbarrier_arrive_expect_tx(&sm.v_full[stage], Traits::kKVBytes);
+#pragma unroll
+    for (int panel = 0; panel < Traits::kPanels; ++panel)
+      tma_load_4d(sm.v_tile(stage) + panel * Traits::kKVPanelBytes, tm_v, &sm.v_full[stage],
+                  panel * Traits::kPanelCols, n0, hk, b);
+  }
+}
+
+// ---- the consumers' products ------------------------------------------------------------------------------------------
+// S = Q_w K_jᵀ (64 x kBlockN): head_dim / 16 k-steps, step kk 16 columns of head_dim, i.e. 32·(kk % 4) bytes into the
+// rows of panel kk / 4 of both Q_w and K_j (K-major operands, 1024 bytes between 8-row atoms). Issued, not waited.
+template <class Traits>
+__device__ __forceinline__ void gemm_qk(float (&s)[Traits::kBlockN / 2], const char* q_w, const char* k_j) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const int panel = kk / 4, bytes = (kk % 4) * 32;
+    const uint64_t desc_q = smem_desc_sw128(q_w + panel * Traits::kQPanelBytes + bytes, 16, 1024);
+    const uint64_t desc_k = smem_desc_sw128(k_j + panel * Traits::kKVPanelBytes + bytes, 16, 1024);
+    wgmma_ss<Traits::kBlockN, typename Traits::T>(s, desc_q, desc_k, kk > 0);
+  }
+  wgmma_commit();
+}
+
+// O += P V_j (64 x head_dim): kBlockN / 16 k-steps, step kk the keys 16·kk .. 16·kk + 15, i.e. 2048·kk bytes into
+// every panel of V_j; V is MN-major (head_dim along its 128-byte rows): 1024 bytes between 8-key atoms, a panel's
+// bytes between the 64-column blocks of head_dim. Issued, not waited.
+template <class Traits>
+__device__ __forceinline__ void gemm_pv(float (&o)[Traits::kHeadDim / 2], const uint32_t (&p)[Traits::kBlockN / 16][4],
+                                        const char* v_j) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    const uint64_t desc_v = smem_desc_sw128(v_j + kk * 16 * Traits::kRowBytes, Traits::kKVPanelBytes, 1024);
+    wgmma_rs<Traits::kHeadDim, typename Traits::T>(o, p[kk], desc_v, 1);
+  }
+  wgmma_commit();
+}
+
+// ---- the consumers' softmax, on the accumulator fragment (ptx.cuh) -----------------------------------------------------
+// Each thread holds two rows of its warp's 16: r = 0 (row g) in s[4j], s[4j+1], r = 1 (row g + 8) in s[4j+2], s[4j+3],
+// at key columns 8j + 2t, 8j + 2t + 1 (g = lane / 4, t = lane % 4); a row's 4 threads are a quad.
+
+// Keys past the end, and under the causal mask past each row's diagonal, become −inf. row0: the query index of the
+// thread's row g; n0: the tile's first key.
+template <class Traits, bool kIsCausal>
+__device__ __forceinline__ void mask_scores(float (&s)[Traits::kBlockN / 2], const AttentionParams& p, int64_t row0,
+                                            int64_t n0, int lane) {
+#pragma unroll
+  for (int j = 0; j < Traits::kBlockN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t row = row0 + (e / 2) * 8;
+      const int64_t key = n0 + j * 8 + (lane % 4) * 2 + (e % 2);
+      if (!(key < p.kv_len && (!kIsCausal || key <= row + p.causal_offset))) s[4 * j + e] = -INFINITY;
+    }
+}
+
+// m' = max(m, rowmax S);  P = exp(scale (S − m'));  alpha = e^{scale(m − m')};  l = alpha l + rowsum P.
+// In place: S becomes P. m is in raw logits; a row that has seen no key keeps m = −inf and P = 0, no NaN. l is this
+// thread's part of its row's sum; the quad's four parts are added once, at the end.
+template <class Traits>
+__device__ __forceinline__ void online_softmax(float (&s)[Traits::kBlockN / 2], float (&m)[2], float (&l)[2],
+                                               float (&alpha)[2], float scale_log2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float row_max = m[r];
+#pragma unroll
+    for (int j = 0; j < Traits::kBlockN / 8; ++j) row_max = fmaxf(row_max, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    row_max = quad_max(row_max);
+    const float shift = row_max == -INFINITY ? 0.f : row_max * scale_log2;  // 0 while the row has seen nothing
+    alpha[r] = exp2_approx(m[r] * scale_log2 - shift);                       // 0 when m = −inf, 1 when the max stays
+    m[r] = row_max;
+    float row_sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < Traits::kBlockN / 8; ++j) {
+      s[4 * j + 2 * r] = exp2_approx(fmaf(s[4 * j + 2 * r], scale_log2, -shift));
+      s[4 * j + 2 * r + 1] = exp2_approx(fmaf(s[4 * j + 2 * r + 1], scale_log2, -shift));
+      row_sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+    }
+    l[r] = l[r] * alpha[r] + row_sum;
+  }
+}
+
+// O *= alpha, row by row (O's fragment is laid out as S's, with head_dim columns).
+template <class Traits>
+__device__ __forceinline__ void rescale_o(float (&o)[Traits::kHeadDim / 2], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < Traits::kHeadDim / 8; ++j) {
+    o[4 * j] *= alpha[0];
+    o[4 * j + 1] *= alpha[0];
+    o[4 * j + 2] *= alpha[1];
+    o[4 * j + 3] *= alpha[1];
+  }
+}
+
+// P in T, as the A operand of P V: k-slice kk (keys 16kk .. 16kk + 15) is s[8kk .. 8kk + 7], two at a time.
+template <class Traits>
+__device__ __forceinline__ void scores_to_a_frags(uint32_t (&a)[Traits::kBlockN / 16][4],
+                                                  const float (&s)[Traits::kBlockN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[kk][r] = pack2<typename Traits::T>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+}
+
+// ---- the consumers' mainloops --------------------------------------------------------------------------------------------
+// A consumer thread's place: its rows and the softmax's constant.
+struct ConsumerRows {
+  int wg;             // the consumer warpgroup, 0 or 1
+  int64_t row0;       // query index of the thread's row g (its other row is row0 + 8)
+  int64_t wg_first;   // the warpgroup's first query row
+  int lane;
+  float scale_log2;   // scale · log2(e)
+};
+
+// The softmax of key tile n's scores S (in place, S becomes P): masked only where the tile crosses the end of the keys
+// or some row's diagonal, then the online step; alpha is the factor O must be rescaled by.
+template <class Traits, bool kIsCausal>
+__device__ __forceinline__ void softmax_step(float (&s)[Traits::kBlockN / 2], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], const AttentionParams& p, const ConsumerRows& rows,
+                                             int n) {
+  const int64_t n0 = static_cast<int64_t>(n) * Traits::kBlockN;
+  const bool needs_mask =
+      n0 + Traits::kBlockN > p.kv_len || (kIsCausal && n0 + Traits::kBlockN - 1 > rows.wg_first + p.causal_offset);
+  if (needs_mask) mask_scores<Traits, kIsCausal>(s, p, rows.row0, n0, rows.lane);
+  online_softmax<Traits>(s, m, l, alpha, rows.scale_log2);
+}
+
+// One key tile after another: S = Q K_jᵀ, its softmax, O += P V_j, each product waited for before the next step.
+template <class Traits, bool kIsCausal>
+__device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, const char* q_w, const AttentionParams& p,
+                                                const ConsumerRows& rows, int n_tiles, float (&o)[Traits::kHeadDim / 2],
+                                                float (&m)[2], float (&l)[2]) {
+  float s[Traits::kBlockN / 2];
+#pragma unroll
+  for (int i = 0; i < Traits::kBlockN / 2; ++i) s[i] = 0.f;
+  uint32_t p_frag[Traits::kBlockN / 16][4];
+  for (int n = 0; n < n_tiles; ++n) {
+    const int stage = stage_of<Traits>(n);
+    const uint32_t phase = phase_of<Traits>(n);
+
+    mbarrier_wait(&sm.k_full[stage], phase);
+    gemm_qk<Traits>(s, q_w, sm.k_tile(stage));  // S = Q K_jᵀ
+    wgmma_wait<0>();
+    fence_fragment(s);
+    release(&sm.k_empty[stage], rows.lane);
+
+    float alpha[2];
+    softmax_step<Traits, kIsCausal>(s, m, l, alpha, p, rows, n);
+    rescale_o<Traits>(o, alpha);
+    scores_to_a_frags<Traits>(p_frag, s);
+
+    mbarrier_wait(&sm.v_full[stage], phase);
+    gemm_pv<Traits>(o, p_frag, sm.v_tile(stage));  // O += P V_j
+    wgmma_wait<0>();
+    fence_fragment(o);
+    fence_fragment(p_frag);
+    release(&sm.v_empty[stage], rows.lane);
+  }
+}
+
+// Named barriers (ids; 0 is __syncthreads'): the epilogue's, one per consumer warpgroup, and the ping-pong's turns.
+constexpr int kEpilogueBarrier = 1;  // + warpgroup
+constexpr int kTurnBarrier = 3;      // + warpgroup
+
+// The ping-pong schedule (Traits::kPingPong): a consumer warpgroup issues its products only in its turn (it waits on
+// barrier kTurnBarrier + its index) and hands the turn to the other once they are issued, so that its softmax runs
+// while the other's products occupy the tensor cores. Warpgroup 0 starts (warpgroup 1 arrives on its barrier first).
+// Each warpgroup takes the turn once per issue point and hands it over as often, except warpgroup 1 after its last
+// one (warpgroup 0 waits no more): every barrier phase that is started completes.
+template <class Traits>
+struct IssueTurns {
+  int wg, issue_points, issued = 0;
+  __device__ IssueTurns(int wg_, int issue_points_) : wg(wg_), issue_points(issue_points_) {
+    if (Traits::kPingPong && wg == 1) named_barrier_arrive(kTurnBarrier + 0, 256);
+  }
+  __device__ void take() {
+    if (Traits::kPingPong) named_barrier_sync(kTurnBarrier + wg, 256);
+  }
+  __device__ void hand_over() {
+    if (Traits::kPingPong && !(wg == 1 && ++issued == issue_points)) named_barrier_arrive(kTurnBarrier + 1 - wg, 256);
+  }
+};
+
+// FlashAttention-3's intra-warpgroup overlap: S_j = Q K_jᵀ and O += P_{j−1} V_{j−1} are issued together; once S_j is
+// done its softmax runs while P_{j−1} V_{j−1} is still on the tensor cores. O is rescaled by tile j's alpha after that
+// product: e^{scale(m_{j−1} − m_j)} (O + P_{j−1} V_{j−1}), both terms being relative to m_{j−1}.
+template <class Traits, bool kIsCausal>
+__device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& sm, const char* q_w,
+                                                    const AttentionParams& p, const ConsumerRows& rows, int n_tiles,
+                                                    float (&o)[Traits::kHeadDim / 2], float (&m)[2], float (&l)[2]) {
+  float s[Traits::kBlockN / 2];
+#pragma unroll
+  for (int i = 0; i < Traits::kBlockN / 2; ++i) s[i] = 0.f;
+  uint32_t p_frag[Traits::kBlockN / 16][4];
+  float alpha[2];
+
+  // n_tiles + 1 issue points: S_0; then S_j with P_{j−1} V_{j−1}; then the last P V.
+  IssueTurns<Traits> turns(rows.wg, n_tiles + 1);
+
+  // Tile 0: S_0 and its softmax alone (O is still 0: nothing to rescale).
+  mbarrier_wait(&sm.k_full[0], 0);
+  turns.take();
+  gemm_qk<Traits>(s, q_w, sm.k_tile(0));
+  turns.hand_over();
+  wgmma_wait<0>();
+  fence_fragment(s);
+  release(&sm.k_empty[0], rows.lane);
+  softmax_step<Traits, kIsCausal>(s, m, l, alpha, p, rows, 0);
+  scores_to_a_frags<Traits>(p_frag, s);
+
+  for (int n = 1; n < n_tiles; ++n) {
+    const int stage = stage_of<Traits>(n), prev = stage_of<Traits>(n - 1);
+    mbarrier_wait(&sm.k_full[stage], phase_of<Traits>(n));
+    mbarrier_wait(&sm.v_full[prev], phase_of<Traits>(n - 1));
+    turns.take();
+    gemm_qk<Traits>(s, q_w, sm.k_tile(stage));    // S_j = Q K_jᵀ ...
+    gemm_pv<Traits>(o, p_frag, sm.v_tile(prev));  // ... and O += P_{j−1} V_{j−1}, both in flight
+    turns.hand_over();
+    wgmma_wait<1>();                               // S_j is done (groups complete in order)
+    fence_fragment(s);
+    release(&sm.k_empty[stage], rows.lane);
+    softmax_step<Traits, kIsCausal>(s, m, l, alpha, p, rows, n);  // under P_{j−1} V_{j−1}
+    wgmma_wait<0>();
+    fence_fragment(o);
+    fence_fragment(p_frag);
+    release(&sm.v_empty[prev], rows.lane);
+    rescale_o<Traits>(o, alpha);
+    scores_to_a_frags<Traits>(p_frag, s);
+  }
+
+  // The last tile's O += P V.
+  const int last = stage_of<Traits>(n_tiles - 1);
+  mbarrier_wait(&sm.v_full[last], phase_of<Traits>(n_tiles - 1));
+  turns.take();
+  gemm_pv<Traits>(o, p_frag, sm.v_tile(last));
+  turns.hand_over();
+  wgmma_wait<0>();
+  fence_fragment(o);
+  fence_fragment(p_frag);
+  release(&sm.v_empty[last], rows.lane);
+}
+
+// ---- the consumers' epilogue ------------------------------------------------------------------------------------------
+// O / l in T, staged through the warpgroup's own 64 rows of the Q tile (no wgmma reads them any more) so that global
+// memory is written in whole 16-byte row chunks; lse = scale·m + log l (−inf, and O = 0, for a row that saw no key).
+// The staging uses the 128-byte swizzle's pattern (chunk c of row r at c ^ (r % 8)): a quad's 4-byte writes then hit
+// 32 different banks.
+template <class Traits>
+__device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim / 2], const float (&m)[2],
+                                              const float (&l)[2], const AttentionParams& p, char* q_tile, int wg,
+                                              int64_t b, int64_t h, int64_t m0) {
+  using T = typename Traits::T;
+  constexpr int kD = Traits::kHeadDim;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  float row_l[2], inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_l[r] = quad_sum(l[r]);
+    inv_l[r] = row_l[r] > 0.f ? 1.f / row_l[r] : 0.f;
+  }
+  char* rows = q_tile + wg * 64 * Traits::kRowBytes;  // this warpgroup's 64 rows, in every panel
+  const auto staged = [&](int row, int col) {          // byte address of (row, col), col a multiple of 2
+    return rows + (col / Traits::kPanelCols) * Traits::kQPanelBytes + row * Traits::kRowBytes +
+           ((((col % Traits::kPanelCols) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+  };
+
+  fence_proxy_async();                             // the tensor cores' reads of Q come before these writes
+  named_barrier_sync(kEpilogueBarrier + wg, 128);  // every warp of the warpgroup is past its last wgmma
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * 16 + lane / 4 + 8 * r, col = 8 * j + 2 * (lane % 4);
+      *reinterpret_cast<uint32_t*>(staged(row, col)) =
+          pack2<T>(o[4 * j + 2 * r] * inv_l[r], o[4 * j + 2 * r + 1] * inv_l[r]);
+    }
+  named_barrier_sync(kEpilogueBarrier + wg, 128);  // the staged rows are complete
+
+  constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks
+  constexpr int kRowsPerPass = 128 / kChunksPerRow;
+  const int chunk = tid % kChunksPerRow;
+  T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[1];
+#pragma unroll
+  for (int row = tid / kChunksPerRow; row < 64; row += kRowsPerPass) {
+    const int64_t q_row = m0 + wg * 64 + row;
+    if (q_row < p.q_len)
+      *reinterpret_cast<uint4*>(out + q_row * p.out_strides[2] + chunk * 8) =
+          *reinterpret_cast<const uint4*>(staged(row, chunk * 8));
+  }
+
+  if (p.lse != nullptr && lane % 4 == 0)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t q_row = m0 + wg * 64 + warp * 16 + lane / 4 + 8 * r;
+      if (q_row < p.q_len)
+        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + q_row] =
+            row_l[r] > 0.f ? m[r] * p.scale + logf(row_l[r]) : -INFINITY;
+    }
+}
+
+// ---- the kernel -------------------------------------------------------------------------------------------------------
+template <class Traits, bool kIsCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_hopper_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                            const __grid_constant__ CUtensorMap tm_v, const AttentionParams p, int heads_per_group) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
+  extern __shared__ char smem_raw[];
+  char* base = smem_raw + (1024 - smem_u32(smem_raw) % 1024) % 1024;  // the 128-byte swizzle's atoms are 1024-aligned
+  const SharedTiles<Traits> sm(base);
+
+  // The block's (batch, head, query tile), as flash_fwd.cuh: without a mask (query tiles, batch x heads); causal, one
+  // dimension in grouped_heavy_first's order (a head's last query tile is its costliest).
+  int m_block, bh;
+  if constexpr (kIsCausal) {
+    const int m_blocks = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
+    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * p.num_heads), m_blocks,
+                                            heads_per_group);
+    m_block = m_blocks - 1 - ht.tile_rank;
+    bh = ht.head;
+  } else {
+    m_block = blockIdx.x;
+    bh = blockIdx.y;
+  }
+  const int b = bh / static_cast<int>(p.num_heads), h = bh % static_cast<int>(p.num_heads);
+  const int hk = h / static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
+
+  // Keys [0, n_end) are visible to some row of this block.
+  int64_t n_end = p.kv_len;
+  if (kIsCausal) n_end = max64(0, min64(p.kv_len, m0 + kBlockM + p.causal_offset));
+  const int n_tiles = static_cast<int>((n_end + kBlockN - 1) / kBlockN);
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.q_full, 1);
+#pragma unroll
+    for (int s = 0; s < Traits::kStages; ++s) {
+      mbarrier_init(&sm.k_full[s], 1);
+      mbarrier_init(&sm.v_full[s], 1);
+      mbarrier_init(&sm.k_empty[s], 4 * Traits::kConsumerWarpgroups);  // lane 0 of every consumer warp
+      mbarrier_init(&sm.v_empty[s], 4 * Traits::kConsumerWarpgroups);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---- producer ----
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (threadIdx.x == 0 && n_tiles > 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      load_tiles<Traits>(sm, &tm_q, &tm_k, &tm_v, b, h, hk, static_cast<int>(m0), n_tiles);
+    }
+  } else {
+    // ---- consumers ----
+    setmaxnreg_inc<Traits::kConsumerRegs>();
+    const int wg = warpgroup - 1;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const ConsumerRows rows{wg, m0 + wg * 64 + warp * 16 + lane / 4, m0 + wg * 64, lane, p.scale * kLog2e};
+    const char* q_w = sm.q + wg * 64 * Traits::kRowBytes;  // the warpgroup's 64 rows of every Q panel
+
+    float o[kD / 2];  // O, m, l of the thread's two rows
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    if (n_tiles > 0) {
+      mbarrier_wait(sm.q_full, 0);
+      if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kIsCausal>(sm, q_w, p, rows, n_tiles, o, m, l);
+      else mainloop_serial<Traits, kIsCausal>(sm, q_w, p, rows, n_tiles, o, m, l);
+    }
+    write_out_lse<Traits>(o, m, l, p, sm.q, wg, b, h, m0);
+  }
+#endif
+}
+
+// ---- host launch -------------------------------------------------------------------------------------------------------
+template <class Traits>
+cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {
+  const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
+  const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
+  if (heads == 0 || m_blocks == 0) return cudaSuccess;  // no query rows: nothing to write
+  auto kernel = p.is_causal ? flash_fwd_hopper_kernel<Traits, true> : flash_fwd_hopper_kernel<Traits, false>;
+
+  CUtensorMap tm_q, tm_k, tm_v;
+  cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, p.q_len, p.num_heads, p.batch,
+                                       p.q_strides, Traits::kBlockM);
+  if (err == cudaSuccess)
+    err = make_head_rows_map(&tm_k, p.dtype, p.k, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.k_strides,
+                             Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = make_head_rows_map(&tm_v, p.dtype, p.v, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.v_strides,
+                             Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+
+  const dim3 grid = p.is_causal ? dim3(heads * m_blocks) : dim3(m_blocks, heads);
+  int heads_per_group = 1;
+  if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p, heads_per_group);
+  return cudaGetLastError();
+}
+
+}  // namespace hopper
+}  // namespace cuda
+}  // namespace cs149gpt

@@ -1,0 +1,13 @@
+// The Hopper forward for head_dim 128, bf16 (one file per head dim and dtype, so they compile in parallel).
+#include "flash_fwd_hopper.cuh"
+
+namespace cs149gpt {
+namespace cuda {
+namespace hopper {
+template <>
+cudaError_t flash_fwd_run<128, __nv_bfloat16>(const AttentionParams& p, cudaStream_t stream) {
+  return launch_flash_fwd_hopper<FwdTraits<128, __nv_bfloat16>>(p, stream);
+}
+}  // namespace hopper
+}  // namespace cuda
+}  // namespace cs149gpt
