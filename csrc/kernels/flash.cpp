@@ -180,14 +180,13 @@ struct PackedTiles {
 // ALiBi in the softmax's exp pass (FusedLogit) for the rows [g0, g0 + group_rows) of a query tile starting at i0,
 // against keys [j0, j0 + n_keys): row r's max is taken as its scores' max plus the largest offset on the keys it
 // sees (its key t* nearest the diagonal), an upper bound of its logits' max. Where that bound exceeds the logit at
-// t* by more than 64 (base 2), the exp of the row's own max could come out as little as 2^-64 and the keys below it
-// underflow: such a row (and one whose max is NaN or inf) takes ALiBi by the separate pass instead
+// t* by more than kAlibiMaxGap (base 2; simd.h), its own largest weight could be dropped with the far keys': such a
+// row (and one whose max is NaN or inf) takes ALiBi by the separate pass instead
 // (dist0 = kAlibiApplied), as do the padding rows. row_max: the scores' maxima from the product, or null (then
 // read from S).
 inline void alibi_rows(const AttentionParams& p, int64_t g0, int64_t group_rows, int64_t j0, int64_t n_keys,
                        const int64_t* visible, const float* S, int64_t ld, const float* row_max, float slope,
                        int64_t i0, int32_t* dist0, float* bound) {
-  constexpr float kMaxGap = 64.0f;
   for (int64_t r = 0; r < kRowGroup; ++r) {
     dist0[r] = FusedLogit::kAlibiApplied;
     bound[r] = 0.0f;
@@ -196,7 +195,7 @@ inline void alibi_rows(const AttentionParams& p, int64_t g0, int64_t group_rows,
     const int64_t dist = i0 + g0 + r + p.kv_len - p.q_len - j0;  // key j0's; key t's is dist − t
     const int64_t nearest = std::clamp<int64_t>(dist, 0, visible[r] - 1);
     const float mx = row_max ? row_max_from_vecs(row_max + r * W, s, n_keys) : max_of(s, visible[r]);
-    if (!(mx - s[nearest] <= kMaxGap)) continue;
+    if (!(mx - s[nearest] <= kAlibiMaxGap)) continue;
     dist0[r] = static_cast<int32_t>(dist);
     bound[r] = -slope * static_cast<float>(std::abs(dist - nearest));
   }

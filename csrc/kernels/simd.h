@@ -76,6 +76,10 @@ inline Vec max(Vec a, Vec b) {
 // whose NaNs are accounted for elsewhere (online_softmax: a NaN logit turns its row NaN through P all the same).
 inline Vec max_skip_nan(Vec x, Vec m) { return {_mm512_max_ps(x.v, m.v)}; }
 inline bool all_le(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ) == 0xFFFF; }  // NaN: false
+// x, but `fill` in the lanes where x < bound (NaN kept)
+inline Vec fill_below(Vec x, Vec bound, Vec fill) {
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, bound.v, _CMP_LT_OQ), x.v, fill.v)};
+}
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) {  // NaN if any lane is
   if (_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)) return std::numeric_limits<float>::quiet_NaN();
@@ -111,6 +115,9 @@ inline Vec max(Vec a, Vec b) {  // NaN if either is (see the AVX-512 max)
 }
 inline Vec max_skip_nan(Vec x, Vec m) { return {_mm256_max_ps(x.v, m.v)}; }  // see the AVX-512 one
 inline bool all_le(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ)) == 0xFF; }
+inline Vec fill_below(Vec x, Vec bound, Vec fill) {
+  return {_mm256_blendv_ps(x.v, fill.v, _mm256_cmp_ps(x.v, bound.v, _CMP_LT_OQ))};
+}
 inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -146,6 +153,7 @@ inline Vec abs(Vec a) { return {std::fabs(a.v)}; }
 inline Vec max(Vec a, Vec b) { return {a.v > b.v || a.v != a.v ? a.v : b.v}; }  // NaN if either is
 inline Vec max_skip_nan(Vec x, Vec m) { return {x.v > m.v ? x.v : m.v}; }  // m where x is NaN (AVX-512's)
 inline bool all_le(Vec a, Vec b) { return a.v <= b.v; }  // every lane, NaN: false
+inline Vec fill_below(Vec x, Vec bound, Vec fill) { return {x.v < bound.v ? fill.v : x.v}; }
 inline float reduce_add(Vec a) { return a.v; }
 inline float reduce_max(Vec a) { return a.v; }
 #endif
@@ -401,7 +409,11 @@ struct TanhLogit {
   }
 };
 
-// ALiBi's logit x − slope · |dist0 − c − lane| − shift of the vector at column c (flash_common.h's FusedLogit).
+// ALiBi's base-2 exponent x − slope · |dist0 − c − lane| − shift of the vector at column c (flash_common.h's
+// FusedLogit), −inf below −kAlibiDropBelow: ALiBi's far keys give many weights near 2^-125 whose products with V
+// are subnormal numbers, slow on Intel cores. With the shift within kAlibiMaxGap of the row's largest logit
+// (flash.cpp), what is dropped is under 2^-64 of its weight: nothing a float32 sum holding it can show.
+constexpr float kAlibiMaxGap = 32.0f, kAlibiDropBelow = 96.0f;
 struct AlibiLogit {
   Vec minus_slope, minus_shift, dist0;
   AlibiLogit(float slope, float shift, int32_t dist0_)
@@ -409,7 +421,8 @@ struct AlibiLogit {
   Vec operator()(Vec x, int64_t c) const {
     alignas(64) static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const Vec dist = dist0 - (Vec::load(kIota) + Vec::broadcast(static_cast<float>(c)));  // exact below 2^24
-    return fmadd(minus_slope, abs(dist), x + minus_shift);
+    return fill_below(fmadd(minus_slope, abs(dist), x + minus_shift), Vec::broadcast(-kAlibiDropBelow),
+                      Vec::broadcast(-std::numeric_limits<float>::infinity()));
   }
 };
 
