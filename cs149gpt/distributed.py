@@ -57,8 +57,10 @@ kernels are cs149gpt's for that device (on CUDA: bfloat16/float16 with d 64 or 1
 kernel). group may be a ProcessGroup, None (the default group) or a DeviceMesh (mesh_dim names the dimension of an
 n-D mesh).
 
+Autocast: q, k, v are cast to autocast's dtype (torch SDPA's rule); out is in it, lse float32.
+
 Not supported: attn_mask, window, dropout, softcap, ALiBi (ring_attention has no such arguments); torch.compile
-runs it in eager mode (a graph break: the point-to-point transfers are not traceable).
+runs it in eager mode (torch.compiler.disable: a graph break, since point-to-point transfers cannot be traced).
 """
 from __future__ import annotations
 
@@ -429,6 +431,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
+@torch.compiler.disable  # a graph break: point-to-point transfers cannot be traced
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, mesh_dim=None,
                    is_causal: Union[bool, str] = False, scale: Optional[float] = None, layout: str = "contiguous",
                    return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
@@ -453,6 +456,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     """
     group, rank, world_size = _resolve_group(group, mesh_dim)
     error = _local_error(q, k, v)
+    if error is None and torch.is_autocast_enabled(q.device.type):  # torch SDPA's rule: inputs in autocast's dtype
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     causal = _causal_mode(is_causal)
     if error is None and causal is None:
         error = ValueError(f"ring_attention: is_causal must be False, True, 'top_left' or 'bottom_right'; got "

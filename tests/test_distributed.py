@@ -96,6 +96,16 @@ def worker(rank, world_size, store_path, results):
                     results.put(("error", name, rank, "no error"))
                 except Exception as e:  # every rank reports what it raised
                     results.put(("error", name, rank, f"{type(e).__name__}: {e}"))
+            # Last: rank 1 stops sending its K/V; rank 0's receive ends at this group's 3 s timeout
+            group = torch.distributed.new_group([0, 1], timeout=timedelta(seconds=3))
+            if rank == 1:
+                cp._Ring.exchange = lambda self, tensors, tag: ([], [torch.zeros_like(t) for t in tensors])
+            x = torch.randn(1, 2, 8, 16)
+            try:
+                cp.ring_attention(x, x, x, group=group)
+                results.put(("error", "silent", rank, "no error"))
+            except Exception as e:  # noqa: BLE001
+                results.put(("error", "silent", rank, f"{type(e).__name__}: {e}"))
         torch.distributed.destroy_process_group()
         results.put(("done", None, rank, None))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which fails the test)
@@ -221,6 +231,65 @@ def test_ring_errors_on_every_rank(world2, name, expect):
     assert sorted(errors[name]) == [0, 1]
     for rank, prefix in enumerate(expect):
         assert errors[name][rank].startswith(prefix), errors[name][rank]
+
+
+def test_ring_timeout_names_the_step(world2):
+    """A rank that stops sending: its neighbour's wait ends at the group's timeout with the step named, not a hang."""
+    _, errors = world2
+    assert errors["silent"][1] == "no error"
+    assert errors["silent"][0].startswith("RuntimeError: ring_attention: the forward's K/V transfer at step 1 of 2 "
+                                          "(rank 0 sends to rank 1, receives from rank 1) failed"), errors["silent"][0]
+
+
+# ------------------------------------------------------------------------------------------------- one process
+@pytest.fixture
+def world1(tmp_path):
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
+                                         rank=0, world_size=1, timeout=timedelta(seconds=30))
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_one_rank_is_one_kernel_call(world1):
+    """W = 1: the ring is the kernel, bit for bit, forward and backward; a DeviceMesh stands for the group; autocast
+    casts as torch SDPA does; torch.compile runs it (a graph break)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 16, 16, generator=g, requires_grad=True) for _ in range(2))
+    dout = torch.randn(1, 4, 16, 16, generator=g)
+    results = []
+    for fn in (lambda: cs149gpt.attention(q, k, v, is_causal=True),
+               lambda: cp.ring_attention(q, k, v, is_causal=True, layout="zigzag"),
+               lambda: cp.ring_attention(q, k, v, group=init_device_mesh("cpu", (1,)), is_causal=True)):
+        q.grad = k.grad = v.grad = None
+        out = fn()
+        out.backward(dout)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cp.ring_attention(q, k, v).dtype == torch.bfloat16
+    compiled = torch.compile(lambda q, k, v: cp.ring_attention(q, k, v, is_causal=True) * 2)
+    assert torch.equal(compiled(q, k, v), results[0][0] * 2)
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    (((1, 4, 16), (1, 2, 16, 16)), {}, ValueError, "q must be 4-D"),
+    (((1, 4, 16, 16), (1, 3, 16, 16)), {}, ValueError, r"k's heads \(3\) must divide q's \(4\)"),
+    (((1, 4, 16, 16), (1, 2, 16, 8)), {}, ValueError, "k's head dim 8 differs from q's 16"),
+    (((1, 4, 15, 16), (1, 2, 15, 16)), dict(layout="zigzag"), ValueError, "needs even local lengths"),
+    (((1, 4, 16, 16), (1, 2, 16, 16)), dict(is_causal="lower"), ValueError, "is_causal must be"),
+    (((1, 4, 16, 16), (1, 2, 16, 16)), dict(layout="striped"), ValueError, "layout must be one of"),
+    (((1, 4, 16, 16), (1, 2, 16, 16)), dict(scale=float("nan")), ValueError, "scale must be a finite float"),
+])
+def test_bad_local_input(world1, args, kwargs, error, match):
+    q, k = torch.randn(*args[0]), torch.randn(*args[1])
+    with pytest.raises(error, match=match):
+        cp.ring_attention(q, k, k, **kwargs)
+    with pytest.raises(TypeError, match="share one dtype"):
+        cp.ring_attention(torch.randn(1, 4, 16, 16), torch.randn(1, 2, 16, 16).double(), torch.randn(1, 2, 16, 16))
 
 
 # ------------------------------------------------------------------------------------------------- no processes
