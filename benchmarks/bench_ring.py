@@ -125,8 +125,8 @@ def rank_run(rank: int, world_size: int, spec: dict, store_path: str) -> dict:
     else:
         device = torch.device("cpu")
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        per = spec["threads"] // world_size
-        if len(cpus) >= spec["threads"] and hasattr(os, "sched_setaffinity"):
+        per = max(1, spec["threads"] // world_size)
+        if spec["threads"] >= world_size and len(cpus) >= spec["threads"] and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cpus[rank * per:(rank + 1) * per])
         torch.set_num_threads(per)
     store = torch.distributed.FileStore(store_path, world_size)
@@ -250,7 +250,7 @@ def ring_rows(spec: dict, world_size: int, args) -> list[Row]:
             peer, peer_ms = f"1 process × {threads} threads", peer_times[phase] * 1e3
         ours_ms = ring[phase] * 1e3
         row = Row("ring", case, spec["dtype"], None if cuda else threads,
-                  f"ring {world_size} GPUs" if cuda else f"ring {world_size} × {threads // world_size} threads", peer,
+                  f"ring {world_size} GPUs" if cuda else f"ring {world_size} × {max(1, threads // world_size)} threads", peer,
                   ours_ms=ours_ms, peer_ms=peer_ms, ratio=peer_ms / ours_ms, rate=work / ring[phase],
                   unit="TFLOP/s a GPU" if cuda else "GFLOP/s", err=err)
         if err is None:
