@@ -21,7 +21,8 @@ sends the K/V blocks around the ring once more, each followed by its float32 dK/
 the gradient its queries give that block, and after W hops the accumulator is back at the block's owner; dQ stays
 local. GQA: k and v have Hkv heads dividing q's H and travel as they are (never expanded). The result equals a
 one-process cs149gpt.attention call on the whole sequence up to float32 rounding of the merge (float32 inputs: about
-1e-6 on unit-scale data), and is bitwise the same from run to run (a fixed order of operations on every rank).
+1e-6 on unit-scale data; bfloat16/float16: each block's partial output comes back from the kernel in that dtype,
+so a few of its ulps), and is bitwise the same from run to run (a fixed order of operations on every rank).
 
 Layouts (the sequence of N tokens sharded over W ranks; every rank holds the same number of tokens):
     "contiguous": rank r holds tokens [r·N/W, (r+1)·N/W). With is_causal, rank r's queries see the blocks of
@@ -120,6 +121,8 @@ def _chunks(layout: str, world_size: int, rank: int, n_local: int) -> List[Tuple
 
 def _world(group, world_size, rank) -> Tuple[int, int]:
     if world_size is None and rank is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("pass world_size and rank, or initialise torch.distributed (dist.init_process_group)")
         _, rank, world_size = _resolve_group(group, None)
     if world_size is None or rank is None or not 0 <= rank < world_size:
         raise ValueError(f"pass group, or both world_size and rank with 0 <= rank < world_size; got world_size="
@@ -479,7 +482,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
         device = q.device
     else:
         fields = [0] * len(_FIELDS)
-        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+        device = next((t.device for t in (q, k, v) if isinstance(t, torch.Tensor)), None)
+        if device is None:  # the device the group's collectives take
+            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
+                      else torch.device("cpu"))
     _agree(group, world_size, device, error, fields)
     ring = _Ring(group, rank, world_size, scale, causal, layout, q.shape[2], k.shape[2])
     out, lse = _RingAttention.apply(q, k, v, ring)
