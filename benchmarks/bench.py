@@ -24,6 +24,9 @@ Subcommands:
     trainpacked  padding-free training steps of a Llama (DataCollatorWithFlattening, our varlen through
               transformers' flash path) vs "sdpa" on the same sequences padded, tokens/s of real tokens
     cuda      the CUDA kernels vs each torch SDPA backend (cuDNN, flash, efficient, math); skipped without a GPU
+    ring      context-parallel ring attention (cs149gpt.distributed) over W gloo processes vs one process with all
+              threads; --device cuda: W GPUs (NCCL) vs one GPU at the same per-GPU length, and vs torch's
+              context_parallel
     tiles     the flash kernel under each block_q x block_k vs its default and torch SDPA (cuda --configs: on the GPU)
 
 Every row: ours, the peer, their median times over interleaved rounds (each round in the reverse order of the one
@@ -44,6 +47,7 @@ import _timing  # noqa: E402  (puts the repository root on sys.path, imports cs1
 import bench_cpu  # noqa: E402
 import bench_cuda  # noqa: E402
 import bench_models  # noqa: E402
+import bench_ring  # noqa: E402
 from _timing import DTYPE_ALIASES, DTYPES, Row  # noqa: E402
 
 import torch  # noqa: E402
@@ -163,6 +167,7 @@ def parser() -> argparse.ArgumentParser:
     bench_cpu.register(sub, common)
     bench_models.register(sub, common)
     bench_cuda.register(sub, common)
+    bench_ring.register(sub, common)
     return top
 
 

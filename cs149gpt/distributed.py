@@ -1,0 +1,492 @@
+"""Context-parallel (ring) attention: one sequence sharded over the ranks of a torch.distributed process group.
+
+    import torch.distributed as dist
+    from cs149gpt.distributed import ring_attention, shard_sequence, unshard_sequence
+
+    q = shard_sequence(q_full, 2, layout="zigzag")            # (B, H, N / W, d): this rank's tokens
+    k, v = (shard_sequence(t, 2, layout="zigzag") for t in (k_full, v_full))
+    out = ring_attention(q, k, v, is_causal=True, layout="zigzag")   # (B, H, N / W, d), differentiable
+    out_full = unshard_sequence(out, 2, layout="zigzag")     # (B, H, N, d) on every rank (an all_gather)
+
+Each rank holds a slice of Q, K and V along the sequence. The K/V slices travel around the ring (rank r sends to
+r + 1 and receives from r − 1, W − 1 hops); at each step the rank runs cs149gpt's flash kernel
+(torch.ops.cs149gpt.flash_attention, which returns lse) on its queries and the K/V block it holds, and merges that
+partial result into its running one in float32 through the logsumexps:
+
+    lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b
+
+The send of the next block is posted (batch_isend_irecv) before the current block is computed, so the transfer
+runs behind the kernel. The backward (torch.ops.cs149gpt.flash_attention_backward, given the final out and lse)
+sends the K/V blocks around the ring once more, each followed by its float32 dK/dV accumulator: every rank adds
+the gradient its queries give that block, and after W hops the accumulator is back at the block's owner; dQ stays
+local. GQA: k and v have Hkv heads dividing q's H and travel as they are (never expanded). The result equals a
+one-process cs149gpt.attention call on the whole sequence up to float32 rounding of the merge (float32 inputs: about
+1e-6 on unit-scale data; bfloat16/float16: each block's partial output comes back from the kernel in that dtype,
+so a few of its ulps), and is bitwise the same from run to run (a fixed order of operations on every rank).
+
+Layouts (the sequence of N tokens sharded over W ranks; every rank holds the same number of tokens):
+    "contiguous": rank r holds tokens [r·N/W, (r+1)·N/W). With is_causal, rank r's queries see the blocks of
+        ranks <= r only, so rank W − 1 works W times as long as rank 0.
+    "zigzag": the sequence in 2W chunks, rank r holds chunks r and 2W − 1 − r (the head and the tail), so with
+        is_causal every rank computes the same amount: step 0 is one causal call on the local block, every other
+        step one full call on half the rows or half the keys. The local length must be even.
+    shard_sequence / unshard_sequence / shard_positions convert a whole sequence (and its position ids, for rotary
+    embeddings) to and from either layout.
+
+Causal masks, in global positions (queries and keys both sharded, N_q = W·n_q and N_k = W·n_k tokens):
+    is_causal=True or "top_left": query i sees keys j <= i (cs149gpt.attention's and torch SDPA's is_causal).
+    "bottom_right": query i sees keys j <= i + N_k − N_q (the two sequences aligned at their ends).
+    The same for N_q = N_k. With N_q ≠ N_k (a local query length different from the local key length) each rank's
+    blocks are cut along the global diagonal, into at most two kernel calls per block. A query row that sees no
+    key at all ("bottom_right" with N_q > N_k: its first N_q − N_k rows) gets 0 and lse −inf, as in one process;
+    its gradients are 0.
+
+Non-finite values follow the library's rule (README, "Non-finite values") block by block: a key the causal mask
+hides is never read, a NaN or +inf among a row's visible logits makes the row NaN (its lse NaN, and the merge keeps
+it NaN), a row that sees no key gets 0 and lse −inf. One corner differs from one process: a block in which every
+visible logit of a row is −inf contributes exactly 0 to that row, even where its value rows hold NaN or inf (one
+process multiplies them by the weight 0: NaN).
+
+Checks: before the ring starts, one all_gather of a few int64 per rank (the shapes, dtype, layout, causal mode,
+scale and whether a backward will run) — ranks that disagree get a ValueError on every rank naming the argument
+and each rank's value, never a hang. A rank whose own input is wrong (not 4-D, heads not dividing, head dims or
+dtypes differing, ...) raises ValueError/TypeError naming the argument, and the others raise ValueError naming that
+rank. A transfer that fails or times out (the process group's timeout) raises RuntimeError naming the step.
+
+Devices: the tensors' device. CPU tensors need a gloo group, CUDA tensors an NCCL group (one process per GPU); the
+kernels are cs149gpt's for that device (on CUDA: bfloat16/float16 with d 64 or 128, or the float32 teaching
+kernel). group may be a ProcessGroup, None (the default group) or a DeviceMesh (mesh_dim names the dimension of an
+n-D mesh).
+
+Autocast: q, k, v are cast to autocast's dtype (torch SDPA's rule); out is in it, lse float32.
+
+Not supported: attn_mask, window, dropout, softcap, ALiBi (ring_attention has no such arguments); torch.compile
+runs it in eager mode (torch.compiler.disable: a graph break, since point-to-point transfers cannot be traced).
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+import cs149gpt  # noqa: F401  (loads the extension: torch.ops.cs149gpt.*)
+
+__all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "shard_positions", "LAYOUTS"]
+
+LAYOUTS = ("contiguous", "zigzag")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Tags keep the forward's, the backward's K/V and the backward's gradient messages apart on gloo (NCCL ignores them).
+_TAG_FWD, _TAG_BWD_KV, _TAG_BWD_GRAD = 0, 2, 4
+
+
+# ------------------------------------------------------------------------------------------------- the group
+def _resolve_group(group, mesh_dim):
+    """(process group or None for the default one, this rank's index in it, its size)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover (torch without DeviceMesh)
+        DeviceMesh = ()
+    if isinstance(group, DeviceMesh):
+        if mesh_dim is None and group.ndim != 1:
+            raise ValueError(f"group is a {group.ndim}-D DeviceMesh: pass mesh_dim (the dimension the sequence is "
+                             "sharded over)")
+        group = group.get_group(mesh_dim if mesh_dim is not None else 0)
+    elif mesh_dim is not None:
+        raise ValueError("mesh_dim needs group to be a DeviceMesh")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attention needs torch.distributed initialised (dist.init_process_group)")
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global_rank(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+# ------------------------------------------------------------------------------------------------- layouts
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
+
+
+def _chunks(layout: str, world_size: int, rank: int, n_local: int) -> List[Tuple[int, int, int]]:
+    """The rank's tokens as (local start, global start, length) runs."""
+    if layout == "contiguous":
+        return [(0, rank * n_local, n_local)]
+    half = n_local // 2
+    return [(0, rank * half, half), (half, (2 * world_size - 1 - rank) * half, half)]
+
+
+def _world(group, world_size, rank) -> Tuple[int, int]:
+    if world_size is None and rank is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("pass world_size and rank, or initialise torch.distributed (dist.init_process_group)")
+        _, rank, world_size = _resolve_group(group, None)
+    if world_size is None or rank is None or not 0 <= rank < world_size:
+        raise ValueError(f"pass group, or both world_size and rank with 0 <= rank < world_size; got world_size="
+                         f"{world_size}, rank={rank}")
+    return world_size, rank
+
+
+def shard_sequence(x: torch.Tensor, dim: int, group=None, *, world_size: Optional[int] = None,
+                   rank: Optional[int] = None, layout: str = "contiguous") -> torch.Tensor:
+    """This rank's slice of a whole sequence x along dim: "contiguous" → tokens [r·n, (r+1)·n) with n = N / W;
+    "zigzag" → chunks r and 2W − 1 − r of 2W equal chunks, concatenated. The rank and W come from group (None: the
+    default group) unless world_size and rank are given (no process group needed then). N must divide by W
+    ("zigzag": by 2W), else ValueError. Returns a view for "contiguous", a new tensor for "zigzag"."""
+    _check_layout(layout)
+    world_size, rank = _world(group, world_size, rank)
+    n = x.shape[dim]
+    parts = world_size * (2 if layout == "zigzag" else 1)
+    if n % parts:
+        raise ValueError(f"x.shape[{dim}] = {n} does not divide into {parts} equal chunks ({layout!r} over "
+                         f"{world_size} ranks)")
+    chunks = x.chunk(parts, dim)
+    if layout == "contiguous":
+        return chunks[rank]
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
+
+
+def shard_positions(n_total: int, group=None, *, world_size: Optional[int] = None, rank: Optional[int] = None,
+                    layout: str = "contiguous", device=None) -> torch.Tensor:
+    """The global positions (int64, (n_total / W,)) of this rank's tokens under layout: the position ids to give a
+    model's rotary or learned position embedding for the sharded tokens."""
+    return shard_sequence(torch.arange(n_total, device=device), 0, group, world_size=world_size, rank=rank,
+                          layout=layout).contiguous()
+
+
+def unshard_sequence(x: Union[torch.Tensor, Sequence[torch.Tensor]], dim: int, group=None, *,
+                     layout: str = "contiguous") -> torch.Tensor:
+    """The whole sequence back from the ranks' slices (the inverse of shard_sequence). x is this rank's slice (then
+    every rank of group must call: an all_gather; the result has no autograd history) or the list of every rank's
+    slices in rank order (no communication)."""
+    _check_layout(layout)
+    if isinstance(x, torch.Tensor):
+        group, _, world_size = _resolve_group(group, None)
+        slices = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world_size)]
+        dist.all_gather(slices, x.detach().contiguous(), group=group)
+    else:
+        slices = list(x)
+        world_size = len(slices)
+    if layout == "contiguous":
+        return torch.cat(slices, dim)
+    halves = [s.chunk(2, dim) for s in slices]
+    ordered = [halves[c][0] for c in range(world_size)] + [halves[world_size - 1 - c][1] for c in range(world_size)]
+    return torch.cat(ordered, dim)
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+# A block (this rank's queries × the K/V block of one source rank) becomes kernel calls (q_lo, q_hi, k_lo, k_hi,
+# causal) on local rows and keys, causal being "none" or "bottom_right". Key j of a rectangle is visible to its
+# query i iff j <= i + D (D in the rectangle's local coordinates); every call's rows see at least one key.
+_FULL = math.inf
+
+
+def _rect_d(pairs) -> Optional[float]:
+    """One D for a rectangle made of chunk pairs (qo, nq, ko, nk, d_pair) (offsets inside the rectangle), or None
+    when no single D describes its mask. _FULL: every key visible; -_FULL: none."""
+    lo, hi = -math.inf, math.inf
+    for qo, nq, ko, nk, d_pair in pairs:
+        shift = ko - qo  # pair coordinates → rectangle coordinates: D_rect = d_pair + shift
+        if d_pair >= nk - 1:  # the pair is full: D_rect >= nk - 1 + shift
+            lo = max(lo, nk - 1 + shift)
+        elif d_pair + nq - 1 < 0:  # the pair is empty: D_rect <= -nq + shift
+            hi = min(hi, -nq + shift)
+        else:
+            lo, hi = max(lo, d_pair + shift), min(hi, d_pair + shift)
+    if lo > hi:
+        return None
+    return lo if lo != -math.inf else hi
+
+
+def _rect_calls(q_lo, nq, k_lo, nk, d) -> list:
+    """The kernel calls for a rectangle of nq rows, nk keys and visibility j <= i + d."""
+    if d >= nk - 1:
+        return [(q_lo, q_lo + nq, k_lo, k_lo + nk, "none")]
+    if d + nq - 1 < 0:
+        return []
+    d = int(d)
+    first = max(0, -d)  # rows before it see no key
+    split = min(nq, nk - d)  # rows from it on see every key
+    calls = []
+    # rows [first, split) with keys [0, d + split): bottom-right causal there is exactly j <= i + d
+    if split > first:
+        calls.append((q_lo + first, q_lo + split, k_lo, k_lo + d + split, "bottom_right"))
+    if split < nq:
+        calls.append((q_lo + split, q_lo + nq, k_lo, k_lo + nk, "none"))
+    return calls
+
+
+def _block_calls(q_chunks, k_chunks, offset: Optional[int]) -> list:
+    """The fewest kernel calls for this rank's query chunks against one K/V block's chunks (chunks as _chunks gives
+    them); offset: query at global position I sees key J iff J <= I + offset (None: no mask)."""
+    nq = sum(c[2] for c in q_chunks)
+    nk = sum(c[2] for c in k_chunks)
+    if offset is None:
+        return [(0, nq, 0, nk, "none")]
+
+    def rect(qs, ks):
+        q0, k0 = qs[0][0], ks[0][0]
+        pairs = [(qc[0] - q0, qc[2], kc[0] - k0, kc[2], qc[1] + offset - kc[1]) for qc in qs for kc in ks]
+        d = _rect_d(pairs)
+        if d is None:
+            return None
+        return _rect_calls(q0, sum(c[2] for c in qs), k0, sum(c[2] for c in ks), d)
+
+    groupings = [[(q_chunks, k_chunks)], [([qc], k_chunks) for qc in q_chunks],
+                 [(q_chunks, [kc]) for kc in k_chunks], [([qc], [kc]) for qc in q_chunks for kc in k_chunks]]
+    best = None
+    for grouping in groupings:
+        calls = [rect(qs, ks) for qs, ks in grouping]
+        if any(c is None for c in calls):
+            continue
+        calls = [call for c in calls for call in c]
+        if best is None or len(calls) < len(best):
+            best = calls
+    return best
+
+
+# ------------------------------------------------------------------------------------------------- the checks
+def _causal_mode(is_causal) -> Optional[str]:
+    if is_causal is True:
+        return "top_left"
+    if is_causal is False or is_causal is None:
+        return "none"
+    if isinstance(is_causal, str) and is_causal in ("top_left", "bottom_right"):
+        return is_causal
+    return None
+
+
+def _local_error(q, k, v) -> Optional[Exception]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"ring_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            return ValueError(f"ring_attention: {name} must be 4-D (batch, heads, local length, head dim), got shape "
+                              f"{tuple(t.shape)}")
+    if q.dtype not in _DTYPES[:3] or k.dtype != q.dtype or v.dtype != q.dtype:
+        return TypeError(f"ring_attention: q, k, v must share one dtype among float32, bfloat16, float16; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        return ValueError(f"ring_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        return ValueError(f"ring_attention: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        return ValueError(f"ring_attention: k's batch {k.shape[0]} differs from q's {q.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        return ValueError(f"ring_attention: k's head dim {k.shape[3]} differs from q's {q.shape[3]}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        return ValueError(f"ring_attention: k's heads ({k.shape[1]}) must divide q's ({q.shape[1]}) (GQA)")
+    if min(q.shape) < 1 or min(k.shape) < 1:
+        return ValueError(f"ring_attention: empty q {tuple(q.shape)} or k {tuple(k.shape)}")
+    return None
+
+
+_FIELDS = ("batch (q.shape[0])", "query heads (q.shape[1])", "key/value heads (k.shape[1])",
+           "local query length (q.shape[2])", "local key length (k.shape[2])", "head dim (q.shape[3])", "dtype",
+           "layout", "is_causal", "scale", "requires grad (a backward will run)")
+
+
+def _describe(field: int, value: int) -> str:
+    name = _FIELDS[field]
+    if name == "dtype":
+        return str(_DTYPES[value]).replace("torch.", "")
+    if name == "layout":
+        return repr(LAYOUTS[value])
+    if name == "is_causal":
+        return repr(("none", "top_left", "bottom_right")[value])
+    if name == "scale":
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    if name.startswith("requires grad"):
+        return str(bool(value))
+    return str(value)
+
+
+def _agree(group, world_size: int, device, local_error, fields: List[int]) -> None:
+    """One all_gather of (status, *fields) from every rank; raises on every rank unless all are fine and equal."""
+    mine = torch.tensor([0 if local_error is None else 1, *fields], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu().tolist()
+    if local_error is not None:
+        raise local_error
+    bad = [r for r, row in enumerate(table) if row[0]]
+    if bad:
+        raise ValueError(f"ring_attention: rank(s) {bad} of the group rejected their local input (their error names "
+                         "the argument); no rank started the ring")
+    wrong = []
+    for f in range(len(_FIELDS)):
+        values = [row[1 + f] for row in table]
+        if len(set(values)) > 1:
+            wrong.append(f"{_FIELDS[f]}: " + ", ".join(f"rank {r}: {_describe(f, x)}" for r, x in enumerate(values)))
+    if wrong:
+        raise ValueError("ring_attention: the ranks disagree on " + "; ".join(wrong))
+
+
+# ------------------------------------------------------------------------------------------------- the ring
+class _Ring:
+    """What one call needs on every step: the group, the neighbours, the plan of kernel calls per source rank."""
+
+    def __init__(self, group, rank, world_size, scale, causal, layout, nq, nk):
+        self.group, self.rank, self.world_size, self.scale = group, rank, world_size, scale
+        self.next = _global_rank(group, (rank + 1) % world_size)
+        self.prev = _global_rank(group, (rank - 1) % world_size)
+        offset = {"none": None, "top_left": 0, "bottom_right": world_size * (nk - nq)}[causal]
+        q_chunks = _chunks(layout, world_size, rank, nq)
+        self.calls = [_block_calls(q_chunks, _chunks(layout, world_size, src, nk), offset)
+                      for src in range(world_size)]
+
+    def source(self, step: int) -> int:
+        """Whose K/V block this rank holds at step (the blocks travel from rank r to r + 1)."""
+        return (self.rank - step) % self.world_size
+
+    def exchange(self, tensors: Sequence[torch.Tensor], tag: int):
+        """Posts the send of tensors to the next rank and the receive of as many from the previous one; returns
+        (handles, receive buffers)."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag + i) for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i) for i, t in enumerate(received)]
+        return dist.batch_isend_irecv(ops), received
+
+    def wait(self, handles, what: str, step: int) -> None:
+        try:
+            for h in handles:
+                h.wait()
+        except Exception as e:  # (a timeout or a peer gone: which step, which transfer)
+            raise RuntimeError(f"ring_attention: {what} at step {step} of {self.world_size} (rank {self.rank} sends "
+                               f"to rank {self.next}, receives from rank {self.prev}) failed: {e}") from e
+
+
+def _merge(out_acc, lse_acc, out_b, lse_b) -> None:
+    """out_acc, lse_acc (float32, in place) ← the softmax-weighted union of themselves and a block's (out_b, lse_b)."""
+    m = torch.maximum(lse_acc, lse_b)
+    m = torch.where(m == -math.inf, 0.0, m)  # both −inf: weights 0, lse stays −inf
+    w_a, w_b = torch.exp(lse_acc - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    inv = torch.where(total == 0, 0.0, 1.0 / total)
+    out_acc.mul_((w_a * inv).unsqueeze(-1)).add_(out_b.float() * (w_b * inv).unsqueeze(-1))
+    lse_acc.copy_(m + torch.log(total))
+
+
+def _rows(t, lo, hi):
+    return t[:, :, lo:hi]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring):
+        k, v = k.contiguous(), v.contiguous()
+        out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse_acc = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        kv = (k, v)
+        for step in range(ring.world_size):
+            if step + 1 < ring.world_size:  # the next block travels while this one is computed
+                handles, incoming = ring.exchange(kv, _TAG_FWD)
+            for q_lo, q_hi, k_lo, k_hi, causal in ring.calls[ring.source(step)]:
+                out_b, lse_b = torch.ops.cs149gpt.flash_attention(
+                    _rows(q, q_lo, q_hi), _rows(kv[0], k_lo, k_hi), _rows(kv[1], k_lo, k_hi), ring.scale, causal)
+                _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b)
+            if step + 1 < ring.world_size:
+                ring.wait(handles, "the forward's K/V transfer", step + 1)
+                kv = tuple(incoming)
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.ring = ring
+        ctx.mark_non_differentiable(lse_acc)
+        return out, lse_acc
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # The accumulator of the block held now: ours at step 0, then the one that arrives with its block.
+        dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+               torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+        kv, grad_handles = (k, v), None
+        for step in range(ring.world_size):
+            if step + 1 < ring.world_size:
+                kv_handles, kv_incoming = ring.exchange(kv, _TAG_BWD_KV)
+            blocks = []
+            for q_lo, q_hi, k_lo, k_hi, causal in ring.calls[ring.source(step)]:
+                dq_b, dk_b, dv_b = torch.ops.cs149gpt.flash_attention_backward(
+                    _rows(dout, q_lo, q_hi), _rows(q, q_lo, q_hi), _rows(kv[0], k_lo, k_hi),
+                    _rows(kv[1], k_lo, k_hi), _rows(out, q_lo, q_hi), lse[:, :, q_lo:q_hi], ring.scale, causal)
+                _rows(dq, q_lo, q_hi).add_(dq_b)
+                blocks.append((k_lo, k_hi, dk_b, dv_b))
+            if grad_handles is not None:  # this block's accumulator, from the previous rank
+                ring.wait(grad_handles, "the backward's dK/dV transfer", step)
+                dkv = tuple(grad_incoming)
+            for k_lo, k_hi, dk_b, dv_b in blocks:
+                _rows(dkv[0], k_lo, k_hi).add_(dk_b)
+                _rows(dkv[1], k_lo, k_hi).add_(dv_b)
+            if ring.world_size > 1:  # on to the next rank; after the last step it arrives at its owner
+                grad_handles, grad_incoming = ring.exchange(dkv, _TAG_BWD_GRAD)
+            if step + 1 < ring.world_size:
+                ring.wait(kv_handles, "the backward's K/V transfer", step + 1)
+                kv = tuple(kv_incoming)
+        if grad_handles is not None:
+            ring.wait(grad_handles, "the backward's dK/dV return", ring.world_size)
+            dkv = tuple(grad_incoming)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+@torch.compiler.disable  # a graph break: point-to-point transfers cannot be traced
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, mesh_dim=None,
+                   is_causal: Union[bool, str] = False, scale: Optional[float] = None, layout: str = "contiguous",
+                   return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """softmax(scale · Q Kᵀ [+ causal mask]) V over a sequence sharded across the ranks of group (see the module's
+    help for the algorithm, layouts, masks and errors). Every rank of the group must call it with the same shapes.
+
+    Args:
+        q: (B, H, n_q, d) this rank's queries (n_q = N_q / W, in `layout` order).
+        k, v: (B, Hkv, n_k, d) this rank's keys and values; Hkv divides H (GQA, never expanded); n_k may differ
+            from n_q (the same on every rank).
+        group: a ProcessGroup (gloo for CPU tensors, NCCL for CUDA ones), None for the default group, or a DeviceMesh
+            (mesh_dim: which dimension, for an n-D mesh).
+        is_causal: False; True or "top_left" (query i sees keys j <= i, global positions); "bottom_right" (query i
+            sees keys j <= i + N_k − N_q).
+        scale: multiplies q·k; None means 1/sqrt(d).
+        layout: "contiguous" or "zigzag", how the sequence was sharded (shard_sequence's layout).
+        return_lse: also return lse, (B, H, n_q) float32: the logsumexp of each local query row over the whole
+            sequence's visible keys (not differentiable).
+
+    Returns:
+        out (B, H, n_q, d) in q's dtype (differentiable in q, k and v), or (out, lse).
+    """
+    group, rank, world_size = _resolve_group(group, mesh_dim)
+    error = _local_error(q, k, v)
+    if error is None and torch.is_autocast_enabled(q.device.type):  # torch SDPA's rule: inputs in autocast's dtype
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    causal = _causal_mode(is_causal)
+    if error is None and causal is None:
+        error = ValueError(f"ring_attention: is_causal must be False, True, 'top_left' or 'bottom_right'; got "
+                           f"{is_causal!r}")
+    if error is None and layout not in LAYOUTS:
+        error = ValueError(f"ring_attention: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
+    if error is None and layout == "zigzag" and (q.shape[2] % 2 or k.shape[2] % 2):
+        error = ValueError(f"ring_attention: layout='zigzag' needs even local lengths (two chunks a rank); got "
+                           f"q.shape[2] = {q.shape[2]}, k.shape[2] = {k.shape[2]}")
+    if error is None and scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        error = ValueError(f"ring_attention: scale must be a finite float or None, got {scale!r}")
+    if error is None:
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        fields = [*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
+                  LAYOUTS.index(layout), ("none", "top_left", "bottom_right").index(causal),
+                  struct.unpack("<q", struct.pack("<d", scale))[0], int(needs_grad)]
+        device = q.device
+    else:
+        fields = [0] * len(_FIELDS)
+        device = next((t.device for t in (q, k, v) if isinstance(t, torch.Tensor)), None)
+        if device is None:  # the device the group's collectives take
+            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
+                      else torch.device("cpu"))
+    _agree(group, world_size, device, error, fields)
+    ring = _Ring(group, rank, world_size, scale, causal, layout, q.shape[2], k.shape[2])
+    out, lse = _RingAttention.apply(q, k, v, ring)
+    return (out, lse) if return_lse else out

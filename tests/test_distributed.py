@@ -1,0 +1,376 @@
+"""cs149gpt.distributed: ring attention over 2 and 4 gloo processes against one process on the whole sequence.
+
+Each world size is one spawn of W processes that run every case (the processes' start-up dominates on a small
+machine); rank 0 sends the unsharded results back and the tests compare them here with cs149gpt.attention on the
+whole sequence and with a float64 reference written out in plain torch.
+"""
+import io
+import math
+import multiprocessing
+import queue as queue_module
+import zlib
+from datetime import timedelta
+
+import pytest
+import torch
+
+import cs149gpt
+from cs149gpt import distributed as cp
+
+JOIN_SECONDS = 120  # a hang fails the test instead of the suite
+
+
+# ------------------------------------------------------------------------------------------------- the cases
+def case(name, *, dtype=torch.float32, b=1, h=4, hkv=2, nq=32, nk=32, d=16, causal=False, layout="contiguous",
+         repeat=False, poison=False):
+    return dict(name=name, dtype=dtype, b=b, h=h, hkv=hkv, nq=nq, nk=nk, d=d, causal=causal, layout=layout,
+                repeat=repeat, poison=poison)
+
+
+CASES = {
+    2: [case("full_contiguous_gqa"),
+        case("causal_contiguous", hkv=4, causal=True),
+        case("causal_zigzag_gqa", causal=True, layout="zigzag", repeat=True),
+        case("causal_zigzag_bf16", dtype=torch.bfloat16, causal=True, layout="zigzag", repeat=True),
+        case("bottom_right_zigzag_nq_lt_nk", nq=16, nk=24, causal="bottom_right", layout="zigzag"),
+        case("bottom_right_contiguous_nq_gt_nk", nq=24, nk=16, causal="bottom_right"),
+        case("top_left_zigzag_nq_gt_nk", nq=24, nk=16, causal=True, layout="zigzag"),
+        case("full_zigzag_nq_ne_nk_bf16", dtype=torch.bfloat16, nq=12, nk=20, layout="zigzag"),
+        case("nonfinite_causal_zigzag", causal=True, layout="zigzag", poison=True)],
+    4: [case("causal_zigzag_gqa", causal=True, layout="zigzag", repeat=True),
+        case("causal_contiguous_bf16", dtype=torch.bfloat16, causal=True),
+        case("bottom_right_contiguous_nq_lt_nk", nq=16, nk=24, causal="bottom_right"),
+        case("top_left_zigzag_nq_lt_nk_mqa", hkv=1, nq=16, nk=32, causal=True, layout="zigzag")],
+    3: [case("causal_zigzag_longer", h=8, nq=384, nk=384, d=64, causal=True, layout="zigzag"),
+        case("bottom_right_zigzag_bf16", dtype=torch.bfloat16, h=8, hkv=8, nq=192, nk=384, d=64,
+             causal="bottom_right", layout="zigzag"),
+        case("full_contiguous_odd_lengths", nq=63, nk=45)],
+}
+
+
+def inputs(c):
+    g = torch.Generator().manual_seed(zlib.crc32(c["name"].encode()))  # the same in every process
+    q = torch.randn(c["b"], c["h"], c["nq"], c["d"], generator=g).to(c["dtype"])
+    k = torch.randn(c["b"], c["hkv"], c["nk"], c["d"], generator=g).to(c["dtype"])
+    v = torch.randn(c["b"], c["hkv"], c["nk"], c["d"], generator=g).to(c["dtype"])
+    dout = torch.randn(c["b"], c["h"], c["nq"], c["d"], generator=g).to(c["dtype"])
+    if c["poison"]:  # +inf in query 0 (a NaN or 0 row); NaN in the last key, which only the last query sees
+        q[:, :, 0, 0] = math.inf
+        k[:, :, -1], v[:, :, -1] = math.nan, math.nan
+    return q, k, v, dout
+
+
+# ------------------------------------------------------------------------------------------------- the processes
+def ring_run(c, q, k, v, dout):
+    """One distributed call on this rank's slices; the whole sequence's out, lse and gradients."""
+    shard = dict(layout=c["layout"])
+    ql, kl, vl = (cp.shard_sequence(t, 2, **shard).detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = cp.ring_attention(ql, kl, vl, is_causal=c["causal"], layout=c["layout"], return_lse=True)
+    out.backward(cp.shard_sequence(dout, 2, **shard))
+    return {name: cp.unshard_sequence(t, 2, **shard)
+            for name, t in (("out", out), ("lse", lse), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
+
+
+def error_cases(rank):
+    """(name, q, k, v, kwargs) where rank 1 differs from the others."""
+    x = torch.randn(1, 2, 8, 16)
+    odd = rank == 1
+    return [("disagree_causal", x, x, x, dict(is_causal=odd)),
+            ("disagree_length", x, x[:, :, :6] if odd else x, x[:, :, :6] if odd else x, {}),
+            ("bad_local_rank", x[0] if odd else x, x, x, {}),
+            ("bad_local_heads", x, torch.randn(1, 3, 8, 16) if odd else x, torch.randn(1, 3, 8, 16) if odd else x, {})]
+
+
+def worker(rank, world_size, store_path, results):
+    try:
+        torch.set_num_threads(1)
+        store = torch.distributed.FileStore(store_path, world_size)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                             timeout=timedelta(seconds=60))
+        for c in CASES[world_size]:
+            q, k, v, dout = inputs(c)
+            got = ring_run(c, q, k, v, dout)
+            if c["repeat"]:
+                again = ring_run(c, q, k, v, dout)
+                got["same_bits"] = torch.tensor(all(torch.equal(got[n], again[n]) for n in again))
+            if rank == 0:
+                buffer = io.BytesIO()
+                torch.save(got, buffer)
+                results.put(("case", c["name"], rank, buffer.getvalue()))
+        if world_size == 2:
+            for name, q, k, v, kwargs in error_cases(rank):
+                try:
+                    cp.ring_attention(q, k, v, **kwargs)
+                    results.put(("error", name, rank, "no error"))
+                except Exception as e:  # every rank reports what it raised
+                    results.put(("error", name, rank, f"{type(e).__name__}: {e}"))
+            # Last: rank 1 stops sending its K/V; rank 0's receive ends at this group's 3 s timeout
+            group = torch.distributed.new_group([0, 1], timeout=timedelta(seconds=3))
+            if rank == 1:
+                cp._Ring.exchange = lambda self, tensors, tag: ([], [torch.zeros_like(t) for t in tensors])
+            x = torch.randn(1, 2, 8, 16)
+            try:
+                cp.ring_attention(x, x, x, group=group)
+                results.put(("error", "silent", rank, "no error"))
+            except Exception as e:  # noqa: BLE001
+                results.put(("error", "silent", rank, f"{type(e).__name__}: {e}"))
+        torch.distributed.destroy_process_group()
+        results.put(("done", None, rank, None))
+    except BaseException as e:  # noqa: BLE001 (reported to the parent, which fails the test)
+        results.put(("crash", None, rank, f"{type(e).__name__}: {e}"))
+
+
+def spawn(world_size, tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world_size, str(tmp_path / "store"), results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected, done = [], 0
+    try:
+        while done < world_size:
+            try:
+                item = results.get(timeout=JOIN_SECONDS)
+            except queue_module.Empty:
+                pytest.fail(f"the {world_size} processes did not finish within {JOIN_SECONDS} s")
+            if item[0] == "crash":
+                pytest.fail(f"rank {item[2]} crashed: {item[3]}")
+            done += item[0] == "done"
+            collected.append(item)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    cases = {name: torch.load(io.BytesIO(blob)) for kind, name, _, blob in collected if kind == "case"}
+    errors = {}
+    for kind, name, rank, text in collected:
+        if kind == "error":
+            errors.setdefault(name, {})[rank] = text
+    return cases, errors
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return spawn(2, tmp_path_factory.mktemp("ring2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return spawn(4, tmp_path_factory.mktemp("ring4"))
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory):
+    return spawn(3, tmp_path_factory.mktemp("ring3"))
+
+
+# ------------------------------------------------------------------------------------------------- references
+def reference64(q, k, v, dout, causal):
+    """out, lse and the gradients in float64 from the definition; causal in global positions."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ ke.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    n_q, n_k = q.shape[2], k.shape[2]
+    if causal:
+        shift = n_k - n_q if causal == "bottom_right" else 0
+        i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+        s = s.masked_fill(j > i + shift, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(lse[..., None] == -math.inf, 0.0, torch.exp(s - lse[..., None]))
+    out = p @ ve
+    out.backward(dout.double())
+    return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+
+
+def single_process(q, k, v, dout, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = cs149gpt.attention(q, k, v, is_causal=causal, return_lse=True)
+    out.backward(dout)
+    return dict(out=out.detach(), lse=lse, dq=q.grad, dk=k.grad, dv=v.grad)
+
+
+def max_diff(a, b):
+    a, b = a.double(), b.double()
+    both_inf = (a == b) & torch.isinf(a)  # rows that see no key: lse −inf in both
+    return (a - b).masked_fill(both_inf, 0).abs().max().item()
+
+
+def check(c, got):
+    q, k, v, dout = inputs(c)
+    one = single_process(q, k, v, dout, c["causal"])
+    if c["poison"]:
+        # The library's rule, as one process applies it: the same NaN/0 rows, the rows between untouched
+        for name in ("out", "lse"):
+            torch.testing.assert_close(got[name], one[name], equal_nan=True, atol=2e-6, rtol=0)
+        assert got["out"][:, :, 1:-1].isfinite().all() and got["out"][:, :, -1].isnan().all()
+        return
+    ref = reference64(q, k, v, dout, c["causal"])
+    bf16 = c["dtype"] == torch.bfloat16
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert got[name].dtype == one[name].dtype and got[name].shape == one[name].shape, name
+        # Relative to the tensor's largest entry (gradients reach 10 at the longer lengths). float32: the ring's
+        # merge and sums round differently from one kernel call, by a few float32 ulps; bfloat16: a few bf16 ulps
+        # (each block's partial result is rounded to bf16 once)
+        size = max(1.0, ref[name][ref[name].isfinite()].abs().max().item())
+        to_one = (2e-2 if bf16 else 2e-6) * size
+        to_ref = (3e-2 if bf16 else 2e-5) * size
+        assert max_diff(got[name], one[name]) <= to_one, (name, max_diff(got[name], one[name]))
+        assert max_diff(got[name], ref[name]) <= to_ref, (name, max_diff(got[name], ref[name]))
+        assert max_diff(one[name], ref[name]) <= to_ref, (name, "one process vs float64")
+    if "same_bits" in got:
+        assert got["same_bits"].item(), "two runs of the same call differ in bits"
+
+
+# ------------------------------------------------------------------------------------------------- the tests
+@pytest.mark.parametrize("c", CASES[2], ids=[c["name"] for c in CASES[2]])
+def test_ring_two_ranks(world2, c):
+    cases, _ = world2
+    check(c, cases[c["name"]])
+
+
+@pytest.mark.parametrize("c", CASES[4], ids=[c["name"] for c in CASES[4]])
+def test_ring_four_ranks(world4, c):
+    cases, _ = world4
+    check(c, cases[c["name"]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("c", CASES[3], ids=[c["name"] for c in CASES[3]])
+def test_ring_three_ranks_longer(world3, c):
+    """An odd world size, longer sequences, uneven local lengths."""
+    cases, _ = world3
+    check(c, cases[c["name"]])
+
+
+@pytest.mark.parametrize("name, expect", [
+    ("disagree_causal", ["ValueError: ring_attention: the ranks disagree on is_causal: rank 0: 'none', "
+                         "rank 1: 'top_left'"] * 2),
+    ("disagree_length", ["ValueError: ring_attention: the ranks disagree on local key length (k.shape[2]): "
+                         "rank 0: 8, rank 1: 6"] * 2),
+    ("bad_local_rank", ["ValueError: ring_attention: rank(s) [1]", "ValueError: ring_attention: q must be 4-D"]),
+    ("bad_local_heads", ["ValueError: ring_attention: rank(s) [1]", "ValueError: ring_attention: k's heads (3)"]),
+])
+def test_ring_errors_on_every_rank(world2, name, expect):
+    """Ranks that disagree, or one rank's bad input: an error on every rank, naming the argument; no hang."""
+    _, errors = world2
+    assert sorted(errors[name]) == [0, 1]
+    for rank, prefix in enumerate(expect):
+        assert errors[name][rank].startswith(prefix), errors[name][rank]
+
+
+def test_ring_timeout_names_the_step(world2):
+    """A rank that stops sending: its neighbour's wait ends at the group's timeout with the step named, not a hang."""
+    _, errors = world2
+    assert errors["silent"][1] == "no error"
+    assert errors["silent"][0].startswith("RuntimeError: ring_attention: the forward's K/V transfer at step 1 of 2 "
+                                          "(rank 0 sends to rank 1, receives from rank 1) failed"), errors["silent"][0]
+
+
+# ------------------------------------------------------------------------------------------------- one process
+@pytest.fixture
+def world1(tmp_path):
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
+                                         rank=0, world_size=1, timeout=timedelta(seconds=30))
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_one_rank_is_one_kernel_call(world1):
+    """W = 1: the ring is the kernel, bit for bit, forward and backward; a DeviceMesh stands for the group; autocast
+    casts as torch SDPA does; torch.compile runs it (a graph break)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 16, 16, generator=g, requires_grad=True) for _ in range(2))
+    dout = torch.randn(1, 4, 16, 16, generator=g)
+    results = []
+    for fn in (lambda: cs149gpt.attention(q, k, v, is_causal=True),
+               lambda: cp.ring_attention(q, k, v, is_causal=True, layout="zigzag"),
+               lambda: cp.ring_attention(q, k, v, group=init_device_mesh("cpu", (1,)), is_causal=True)):
+        q.grad = k.grad = v.grad = None
+        out = fn()
+        out.backward(dout)
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cp.ring_attention(q, k, v).dtype == torch.bfloat16
+    compiled = torch.compile(lambda q, k, v: cp.ring_attention(q, k, v, is_causal=True) * 2)
+    assert torch.equal(compiled(q, k, v), results[0][0] * 2)
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    (((1, 4, 16), (1, 2, 16, 16)), {}, ValueError, "q must be 4-D"),
+    (((1, 4, 16, 16), (1, 3, 16, 16)), {}, ValueError, r"k's heads \(3\) must divide q's \(4\)"),
+    (((1, 4, 16, 16), (1, 2, 16, 8)), {}, ValueError, "k's head dim 8 differs from q's 16"),
+    (((1, 4, 15, 16), (1, 2, 15, 16)), dict(layout="zigzag"), ValueError, "needs even local lengths"),
+    (((1, 4, 16, 16), (1, 2, 16, 16)), dict(is_causal="lower"), ValueError, "is_causal must be"),
+    (((1, 4, 16, 16), (1, 2, 16, 16)), dict(layout="striped"), ValueError, "layout must be one of"),
+    (((1, 4, 16, 16), (1, 2, 16, 16)), dict(scale=float("nan")), ValueError, "scale must be a finite float"),
+])
+def test_bad_local_input(world1, args, kwargs, error, match):
+    q, k = torch.randn(*args[0]), torch.randn(*args[1])
+    with pytest.raises(error, match=match):
+        cp.ring_attention(q, k, k, **kwargs)
+    with pytest.raises(TypeError, match="share one dtype"):
+        cp.ring_attention(torch.randn(1, 4, 16, 16), torch.randn(1, 2, 16, 16).double(), torch.randn(1, 2, 16, 16))
+
+
+# ------------------------------------------------------------------------------------------------- no processes
+def visible_by_plan(world_size, layout, nq, nk, causal):
+    """The (N_q, N_k) global mask the ring's kernel calls cover, each pair counted; and each rank's work."""
+    mode = cp._causal_mode(causal)
+    seen = torch.zeros(world_size * nq, world_size * nk, dtype=torch.int64)
+    work = []
+    for rank in range(world_size):
+        offset = {"none": None, "top_left": 0, "bottom_right": world_size * (nk - nq)}[mode]
+        q_glob = torch.cat([torch.arange(g, g + n) for _, g, n in cp._chunks(layout, world_size, rank, nq)])
+        done = 0
+        for src in range(world_size):
+            k_glob = torch.cat([torch.arange(g, g + n) for _, g, n in cp._chunks(layout, world_size, src, nk)])
+            for q_lo, q_hi, k_lo, k_hi, kind in cp._block_calls(cp._chunks(layout, world_size, rank, nq),
+                                                                 cp._chunks(layout, world_size, src, nk), offset):
+                rows, cols = q_hi - q_lo, k_hi - k_lo
+                i, j = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+                local = j <= i + cols - rows if kind == "bottom_right" else torch.ones(rows, cols, dtype=torch.bool)
+                assert local.any(1).all(), "a call's row sees no key"
+                ii, jj = local.nonzero(as_tuple=True)
+                seen[q_glob[q_lo + ii], k_glob[k_lo + jj]] += 1
+                done += int(local.sum())
+        work.append(done)
+    return seen, work
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_plan_covers_the_global_mask_once(world_size, layout, causal):
+    """The kernel calls of every rank and step cover each visible (query, key) pair of the whole sequence exactly
+    once and no hidden one; zigzag gives every rank the same work under the causal mask."""
+    for nq, nk in ((4, 4), (6, 6), (4, 8), (8, 4), (2, 6), (10, 4)):
+        seen, work = visible_by_plan(world_size, layout, nq, nk, causal)
+        i, j = torch.arange(world_size * nq)[:, None], torch.arange(world_size * nk)[None, :]
+        shift = {False: None, True: 0, "bottom_right": world_size * (nk - nq)}[causal]
+        want = torch.ones_like(seen, dtype=torch.bool) if shift is None else j <= i + shift
+        assert torch.equal(seen, want.long()), (nq, nk)
+        if causal and layout == "zigzag" and nq == nk:
+            assert len(set(work)) == 1, work
+
+
+def test_shard_unshard_and_positions():
+    x = torch.arange(2 * 16).view(2, 16)
+    for layout in cp.LAYOUTS:
+        shards = [cp.shard_sequence(x, 1, world_size=4, rank=r, layout=layout) for r in range(4)]
+        assert torch.equal(cp.unshard_sequence(shards, 1, layout=layout), x)
+        for r in range(4):
+            pos = cp.shard_positions(16, world_size=4, rank=r, layout=layout)
+            assert torch.equal(shards[r][0], pos) and pos.dtype == torch.int64
+    assert cp.shard_positions(16, world_size=4, rank=1, layout="zigzag").tolist() == [2, 3, 12, 13]
+    with pytest.raises(ValueError, match="8 equal chunks"):
+        cp.shard_sequence(torch.zeros(12), 0, world_size=4, rank=0, layout="zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cp.shard_sequence(x, 1, world_size=2, rank=0, layout="striped")
