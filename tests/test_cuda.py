@@ -28,6 +28,27 @@ SHAPES = [
 ]
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(params=["hopper", "fa2"])
+def forward_path(request, monkeypatch):
+    """Each forward test on both kernels: Hopper's wgmma/TMA one (csrc/cuda/hopper/, the default on sm_90) and
+    FlashAttention-2's (CS149GPT_HOPPER=0, the path of every other GPU)."""
+    if request.param == "hopper" and not HOPPER:
+        pytest.skip("not a Hopper GPU")
+    monkeypatch.setenv("CS149GPT_HOPPER", "1" if request.param == "hopper" else "0")
+    return request.param
+
+
+def kernels_run(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def poison_allocator():
     """Fills memory the caching allocator will hand out next with NaN: a kernel that leaves part of its
     output unwritten then fails the finiteness checks."""
@@ -103,7 +124,7 @@ def check_close_to_sdpa(ours, q, k, v, causal, what):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fast_forward_and_lse(dtype, d, causal, shape):
+def test_fast_forward_and_lse(dtype, d, causal, shape, forward_path):
     B, Hq, Hkv, Nq, Nk = shape
     q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, d, dtype, seed=Nq + Nk + d)
     poison_allocator()
@@ -117,9 +138,21 @@ def test_fast_forward_and_lse(dtype, d, causal, shape):
     assert max_err(lse[finite], ref_lse[finite]) < 1e-3 if finite.any() else True
 
 
+@pytest.mark.skipif(not HOPPER, reason="not a Hopper GPU")
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_kernel_is_the_one_that_runs(d, monkeypatch):
+    """On sm_90 the bf16/fp16 forward of head dim 64/128 runs the Hopper kernel (profiler count); with
+    CS149GPT_HOPPER=0, FlashAttention-2's."""
+    q, k, v = make_qkv(2, 4, 2, 300, 300, d, torch.bfloat16)
+    names = kernels_run(lambda: cs149gpt.attention(q, k, v, is_causal=True))
+    assert sum("flash_fwd_hopper" in n for n in names) == 1, names
+    monkeypatch.setenv("CS149GPT_HOPPER", "0")
+    assert not any("hopper" in n for n in kernels_run(lambda: cs149gpt.attention(q, k, v))), "CS149GPT_HOPPER=0"
+
+
 @pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fast_forward_strided_views(dtype, causal):
+def test_fast_forward_strided_views(dtype, causal, forward_path):
     """The GPT's views x.view(B, T, H, d).transpose(1, 2), read in place; and an unaligned view (copied)."""
     B, T, H, d = 2, 300, 4, 64
     qkv = rand((B, T, 3 * H * d), dtype, 7)
@@ -132,7 +165,7 @@ def test_fast_forward_strided_views(dtype, causal):
 
 
 @pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
-def test_fast_forward_shapes_2d_3d_5d_and_scale(dtype):
+def test_fast_forward_shapes_2d_3d_5d_and_scale(dtype, forward_path):
     for shape in [(100, 64), (3, 100, 64), (2, 2, 3, 100, 64)]:
         q, k, v = (rand(shape, dtype, i) for i in range(3))
         out = cs149gpt.attention(q, k, v, scale=0.3)
@@ -178,7 +211,7 @@ def grads(fn, q, k, v, dout):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fast_backward(dtype, d, causal, shape):
+def test_fast_backward(dtype, d, causal, shape, forward_path):
     B, Hq, Hkv, Nq, Nk = shape
     q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, d, dtype, seed=3 * Nq + Nk + d)
     dout = rand((B, Hq, Nq, d), dtype, 99)
@@ -208,6 +241,7 @@ FWD_CONFIGS, BWD_CONFIGS = 7, 4
 @pytest.mark.parametrize("causal", [False, "bottom_right"])
 @pytest.mark.parametrize("config", range(max(FWD_CONFIGS, BWD_CONFIGS)))
 def test_every_tile_configuration(d, causal, config, monkeypatch):
+    monkeypatch.setenv("CS149GPT_HOPPER", "0")  # the FlashAttention-2 kernel's configurations
     dtype = torch.bfloat16
     B, Hq, Hkv, Nq, Nk = 1, 4, 2, 333, 290
     q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, d, dtype, seed=config + d)
@@ -246,6 +280,7 @@ def test_backward_gqa_one_block_per_kv_head(causal, monkeypatch):
 
 
 def test_a_configuration_past_the_last_is_an_error(monkeypatch):
+    monkeypatch.setenv("CS149GPT_HOPPER", "0")
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16)
     monkeypatch.setenv("CS149GPT_FWD_CONFIG", str(FWD_CONFIGS))
     with pytest.raises(RuntimeError, match="flash forward"):

@@ -138,8 +138,13 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
   }
   if (p.batch * p.num_heads > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    check_launch(prep.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
-                 prep.fast ? "flash forward" : "teaching flash forward");
+    // Hopper's wgmma/TMA kernel where it takes the call (CS149GPT_HOPPER=0: the FlashAttention-2 kernel everywhere).
+    const bool hopper = prep.fast && config_flag("CS149GPT_HOPPER", true) && hopper_fwd_supports(p);
+    if (hopper)
+      check_launch(flash_fwd_hopper(p, stream), "Hopper flash forward");
+    else
+      check_launch(prep.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
+                   prep.fast ? "flash forward" : "teaching flash forward");
   }
   const auto lead = q.sizes().slice(0, q.dim() - 1);
   return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};

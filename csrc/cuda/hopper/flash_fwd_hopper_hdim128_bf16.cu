@@ -6,7 +6,7 @@ namespace cuda {
 namespace hopper {
 template <>
 cudaError_t flash_fwd_run<128, __nv_bfloat16>(const AttentionParams& p, cudaStream_t stream) {
-  return launch_flash_fwd_hopper<FwdTraits<128, __nv_bfloat16>>(p, stream);
+  return launch_flash_fwd_hopper<DefaultFwdTraits<128, __nv_bfloat16>>(p, stream);
 }
 }  // namespace hopper
 }  // namespace cuda

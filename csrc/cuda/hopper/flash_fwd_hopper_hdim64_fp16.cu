@@ -6,7 +6,7 @@ namespace cuda {
 namespace hopper {
 template <>
 cudaError_t flash_fwd_run<64, __half>(const AttentionParams& p, cudaStream_t stream) {
-  return launch_flash_fwd_hopper<FwdTraits<64, __half>>(p, stream);
+  return launch_flash_fwd_hopper<DefaultFwdTraits<64, __half>>(p, stream);
 }
 }  // namespace hopper
 }  // namespace cuda
