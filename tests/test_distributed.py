@@ -7,6 +7,7 @@ whole sequence and with a float64 reference written out in plain torch.
 import io
 import math
 import multiprocessing
+import os
 import queue as queue_module
 import zlib
 from datetime import timedelta
@@ -48,6 +49,19 @@ CASES = {
 }
 
 
+# NCCL on CUDA (one process a GPU; skipped without enough GPUs): the CUDA kernels take bf16/fp16 at head dim 64/128
+CUDA_CASES = {
+    2: [case("cuda_causal_zigzag_gqa", dtype=torch.bfloat16, h=8, hkv=2, nq=512, nk=512, d=64, causal=True,
+             layout="zigzag", repeat=True),
+        case("cuda_full_contiguous", dtype=torch.bfloat16, h=4, hkv=4, nq=256, nk=256, d=128),
+        case("cuda_bottom_right_nq_lt_nk_fp16", dtype=torch.float16, h=4, hkv=2, nq=256, nk=384, d=64,
+             causal="bottom_right", layout="zigzag")],
+    4: [case("cuda_causal_zigzag_gqa", dtype=torch.bfloat16, h=8, hkv=2, nq=1024, nk=1024, d=128, causal=True,
+             layout="zigzag", repeat=True),
+        case("cuda_causal_contiguous_fp16", dtype=torch.float16, h=4, hkv=4, nq=512, nk=512, d=64, causal=True)],
+}
+
+
 def inputs(c):
     g = torch.Generator().manual_seed(zlib.crc32(c["name"].encode()))  # the same in every process
     q = torch.randn(c["b"], c["h"], c["nq"], c["d"], generator=g).to(c["dtype"])
@@ -81,15 +95,19 @@ def error_cases(rank):
             ("bad_local_heads", x, torch.randn(1, 3, 8, 16) if odd else x, torch.randn(1, 3, 8, 16) if odd else x, {})]
 
 
-def worker(rank, world_size, store_path, results):
+def worker(rank, world_size, store_path, results, device="cpu"):
     try:
         torch.set_num_threads(1)
+        cuda = device == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
         store = torch.distributed.FileStore(store_path, world_size)
-        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                             timeout=timedelta(seconds=60))
-        for c in CASES[world_size]:
-            q, k, v, dout = inputs(c)
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
+                                             world_size=world_size, timeout=timedelta(seconds=60))
+        for c in (CUDA_CASES if cuda else CASES)[world_size]:
+            q, k, v, dout = (t.to(device) for t in inputs(c))
             got = ring_run(c, q, k, v, dout)
+            got = {name: t.cpu() for name, t in got.items()}
             if c["repeat"]:
                 again = ring_run(c, q, k, v, dout)
                 got["same_bits"] = torch.tensor(all(torch.equal(got[n], again[n]) for n in again))
@@ -97,7 +115,7 @@ def worker(rank, world_size, store_path, results):
                 buffer = io.BytesIO()
                 torch.save(got, buffer)
                 results.put(("case", c["name"], rank, buffer.getvalue()))
-        if world_size == 2:
+        if world_size == 2 and not cuda:
             for name, q, k, v, kwargs in error_cases(rank):
                 try:
                     cp.ring_attention(q, k, v, **kwargs)
@@ -120,10 +138,10 @@ def worker(rank, world_size, store_path, results):
         results.put(("crash", None, rank, f"{type(e).__name__}: {e}"))
 
 
-def spawn(world_size, tmp_path):
+def spawn(world_size, tmp_path, device="cpu"):
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world_size, str(tmp_path / "store"), results), daemon=True)
+    procs = [ctx.Process(target=worker, args=(r, world_size, str(tmp_path / "store"), results, device), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -198,9 +216,10 @@ def max_diff(a, b):
     return (a - b).masked_fill(both_inf, 0).abs().max().item()
 
 
-def check(c, got):
+def check(c, got, device="cpu"):
     q, k, v, dout = inputs(c)
-    one = single_process(q, k, v, dout, c["causal"])
+    one = single_process(*(t.to(device) for t in (q, k, v, dout)), c["causal"])
+    one = {name: t.cpu() for name, t in one.items()}
     if c["poison"]:
         # The library's rule, as one process applies it: the same NaN/0 rows, the rows between untouched
         for name in ("out", "lse"):
@@ -235,6 +254,17 @@ def test_ring_two_ranks(world2, c):
 def test_ring_four_ranks(world4, c):
     cases, _ = world4
     check(c, cases[c["name"]])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_nccl(world_size, tmp_path):
+    """One process a GPU over NCCL (NVLink multicast off): out, lse and gradients as one GPU's call and float64."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} CUDA GPUs")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    cases, _ = spawn(world_size, tmp_path, "cuda")
+    for c in CUDA_CASES[world_size]:
+        check(c, cases[c["name"]], "cuda")
 
 
 @pytest.mark.slow
