@@ -359,14 +359,20 @@ class _Ring:
                                f"to rank {self.next}, receives from rank {self.prev}) failed: {e}") from e
 
 
-def _merge(out_acc, lse_acc, out_b, lse_b) -> None:
-    """out_acc, lse_acc (float32, in place) ← the softmax-weighted union of themselves and a block's (out_b, lse_b)."""
+def _merge(out_acc, lse_acc, out_b, lse_b, fresh: bool) -> None:
+    """out_acc, lse_acc (float32, in place) ← the softmax-weighted union of themselves and a block's (out_b, lse_b);
+    fresh: no block has reached these rows yet, so the union is the block itself (a copy, not two passes)."""
+    if fresh:
+        out_acc.copy_(out_b)
+        lse_acc.copy_(lse_b)
+        return
     m = torch.maximum(lse_acc, lse_b)
     m = torch.where(m == -math.inf, 0.0, m)  # both −inf: weights 0, lse stays −inf
     w_a, w_b = torch.exp(lse_acc - m), torch.exp(lse_b - m)
     total = w_a + w_b
     inv = torch.where(total == 0, 0.0, 1.0 / total)
-    out_acc.mul_((w_a * inv).unsqueeze(-1)).add_(out_b.float() * (w_b * inv).unsqueeze(-1))
+    # out_acc · w_a/total + out_b · w_b/total in two passes over out (out_b read in its own dtype)
+    out_acc.mul_((w_a * inv).unsqueeze(-1)).addcmul_(out_b, (w_b * inv).unsqueeze(-1))
     lse_acc.copy_(m + torch.log(total))
 
 
@@ -380,6 +386,7 @@ class _RingAttention(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        reached = set()  # the query row ranges a block has been merged into
         kv = (k, v)
         for step in range(ring.world_size):
             if step + 1 < ring.world_size:  # the next block travels while this one is computed
@@ -387,7 +394,9 @@ class _RingAttention(torch.autograd.Function):
             for q_lo, q_hi, k_lo, k_hi, causal in ring.calls[ring.source(step)]:
                 out_b, lse_b = torch.ops.cs149gpt.flash_attention(
                     _rows(q, q_lo, q_hi), _rows(kv[0], k_lo, k_hi), _rows(kv[1], k_lo, k_hi), ring.scale, causal)
-                _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b)
+                fresh = all((lo >= q_hi or hi <= q_lo) for lo, hi in reached)
+                _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b, fresh)
+                reached.add((q_lo, q_hi))
             if step + 1 < ring.world_size:
                 ring.wait(handles, "the forward's K/V transfer", step + 1)
                 kv = tuple(incoming)
