@@ -21,7 +21,13 @@ cs149gpt.flash_attn, one line (register_transformers_flash's docstring says what
 
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cs149gpt.integration.register_transformers_flash())
 
-transformers is optional: imported only by register_transformers() and register_transformers_flash().
+Training with the sequence sharded over the ranks of a torch.distributed group (context parallelism): every
+attention call is cs149gpt.distributed.ring_attention on the rank's slice, the rotary embeddings take the slice's
+global positions (register_transformers_ring's docstring has the recipe):
+
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register_transformers_ring(group))
+
+transformers is optional: imported only by the register_* functions.
 """
 import contextlib
 import functools
@@ -361,4 +367,127 @@ def register_transformers_flash(name: str = FLASH_TRANSFORMERS_NAME) -> str:
                           "(pip install transformers)") from e
     AttentionInterface.register(name, _flash_attention_forward)
     AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
+
+
+RING_TRANSFORMERS_NAME = "cs149gpt_ring"
+
+
+def _ring_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                            *, ring_group=None, ring_mesh_dim=None, ring_layout="zigzag", **kwargs):
+    """transformers' attention-function signature on cs149gpt.distributed.ring_attention: query (B, H, n, d),
+    key/value (B, Hkv, n, d) are this rank's n tokens of a sequence sharded over ring_group in ring_layout; causal
+    in global positions unless the module says is_causal=False. position_ids, when the model passes them (Llama
+    does), must be the slice's global positions (shard_positions): anything else, such as the 0..n-1 transformers
+    numbers a slice with when none are given, would give the rotary embeddings the wrong angles, so every rank
+    raises ValueError (one all_gather of a flag per call decides). Returns (out (B, n, H, d), None)."""
+    from cs149gpt.distributed import ring_attention, shard_positions
+
+    unsupported = {"output_attentions": kwargs.get("output_attentions") or None, "sliding_window":
+                   kwargs.get("sliding_window"), "softcap": kwargs.get("softcap"), "attention sinks (s_aux)":
+                   kwargs.get("s_aux", kwargs.get("sinks")), "dropout": dropout or None,
+                   "position_bias": kwargs.get("position_bias")}
+    unsupported = [name for name, value in unsupported.items() if value is not None]
+    if unsupported:  # the same on every rank (one model, one config)
+        raise ValueError(f"attn_implementation={RING_TRANSFORMERS_NAME!r} (ring attention) does not take "
+                         f"{', '.join(unsupported)}")
+    if attention_mask is not None:  # _ring_mask returns None: only a model that builds its own mask gets here
+        raise ValueError(f"attn_implementation={RING_TRANSFORMERS_NAME!r} takes no attention mask (the causal mask "
+                         f"is the ring's, in global positions); got one of shape {tuple(attention_mask.shape)}")
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None:
+        n_local = query.shape[2]
+        group, rank, world_size = _ring_group(ring_group, ring_mesh_dim)
+        expected = shard_positions(n_local * world_size, group, layout=ring_layout, device=position_ids.device)
+        right = position_ids.shape[-1] == n_local and bool((position_ids.reshape(-1, n_local) == expected).all())
+        wrong = _ranks_failing(group, world_size, right, query.device)
+        if wrong:
+            raise ValueError(f"attn_implementation={RING_TRANSFORMERS_NAME!r}: position_ids must be each rank's "
+                             f"global positions, shard_positions({n_local * world_size}, group, layout="
+                             f"{ring_layout!r}); rank(s) {wrong} gave others (this rank, {rank}: "
+                             f"{position_ids.reshape(-1)[:8].tolist()}...)")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = ring_attention(query, key, value, group=ring_group, mesh_dim=ring_mesh_dim, is_causal=bool(causal),
+                         scale=scaling, layout=ring_layout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ring_group(group, mesh_dim):
+    """(process group, this rank, W) as ring_attention resolves them."""
+    from cs149gpt.distributed import _resolve_group
+
+    return _resolve_group(group, mesh_dim)
+
+
+def _ranks_failing(group, world_size, ok: bool, device) -> list:
+    """The ranks of group whose check failed (one all_gather of a flag): every rank learns the same list, so
+    every rank raises, and none waits in a ring the others never enter."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    flags = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(flags, mine, group=group)
+    return [r for r, f in enumerate(flags) if int(f)]
+
+
+def _ring_mask(*args, attention_mask=None, ring_group=None, ring_mesh_dim=None, **kwargs):
+    """The mask function for the ring: None (the ring applies the causal mask in global positions), so
+    transformers builds no mask of local length. A 2D padding mask that hides a token is refused on every rank
+    (one all_gather of a flag): its local length cannot say which global keys it hides."""
+    group, _, world_size = _ring_group(ring_group, ring_mesh_dim)
+    ok = attention_mask is None or bool(attention_mask.all())
+    device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
+    wrong = _ranks_failing(group, world_size, ok, device)
+    if wrong:
+        raise ValueError(f"attn_implementation={RING_TRANSFORMERS_NAME!r} takes no padding mask (rank(s) {wrong} "
+                         "gave one that hides tokens): shard sequences without padding, one sequence per row")
+    return None
+
+
+def register_transformers_ring(group=None, *, layout: str = "zigzag", mesh_dim=None,
+                               name: str = RING_TRANSFORMERS_NAME) -> str:
+    """Registers ring attention over group (a ProcessGroup, None for the default one, or a DeviceMesh with mesh_dim)
+    with transformers (>= 5) as attn_implementation=`name` ("cs149gpt_ring") and returns the name. Every attention
+    call then runs cs149gpt.distributed.ring_attention on the rank's slice of the sequence (causal in global
+    positions, GQA without expanding the kv heads, forward and backward). Each rank of the group runs:
+
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register_transformers_ring(group))
+        ids = shard_sequence(input_ids, 1, group, layout="zigzag")            # (B, N / W)
+        pos = shard_positions(N, group, layout="zigzag")[None]               # (1, N / W): global positions
+        labels = shard_sequence(F.pad(input_ids[:, 1:], (0, 1), value=-100), 1, group, layout="zigzag")
+        out = model(input_ids=ids, position_ids=pos, labels=labels, shift_labels=labels, use_cache=False,
+                    num_items_in_batch=(input_ids[:, 1:] != -100).sum())
+        out.loss.backward()          # then all-reduce (sum) the gradients over group
+
+    What transformers needs for it, all through its public arguments:
+    - position_ids: the rotary embeddings take them (LlamaRotaryEmbedding), so the slice's global positions give
+      every token its angle. Left out, transformers would number the slice 0..n-1; the attention function checks
+      the position_ids the model hands it and raises ValueError on every rank if a rank's are not its shard's.
+    - shift_labels: the causal-LM loss shifts labels by one inside the slice, which crosses chunk edges; the
+      next-token labels shifted on the whole sequence, then sharded, are what the loss must see (shift_labels).
+      labels must still be given (any tensor: it only switches the loss on).
+    - num_items_in_batch: the whole sequence's count of labels, so the rank's loss is its sum / that count; the
+      ranks' losses then add up to the unsharded loss, and their gradients (all-reduced with SUM) to its gradient.
+    - The mask: registered here is a mask function that returns None, so transformers builds no mask of local
+      length (its own would be causal in local positions, and it reads zigzag position_ids as packed sequences);
+      a padding mask is refused (ValueError on every rank). No padding, no packing: one sequence per row, all
+      ranks the same length (the whole length divisible by 2·W for "zigzag").
+    - use_cache=False (a KV cache of a slice means nothing to the next step); dropout, sliding windows, softcap,
+      sinks and output_attentions raise ValueError.
+
+    Registering again (another group, layout) replaces the previous registration of that name. Needs
+    transformers, imported only here."""
+    from cs149gpt.distributed import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("cs149gpt.integration.register_transformers_ring() needs Hugging Face transformers "
+                          "(pip install transformers)") from e
+    AttentionInterface.register(name, functools.partial(_ring_attention_forward, ring_group=group,
+                                                        ring_mesh_dim=mesh_dim, ring_layout=layout))
+    AttentionMaskInterface.register(name, functools.partial(_ring_mask, ring_group=group, ring_mesh_dim=mesh_dim))
     return name

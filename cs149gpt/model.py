@@ -13,7 +13,15 @@ after a short fine-tune, where a learned table knows nothing of positions it nev
   "flash", a step of a few tokens is one call of cs149gpt.attention_with_kvcache, which writes the new keys and
   values into the cache and attends to it in one go;
 - grouped-query attention (GPTConfig.n_kv_head < n_head, as Llama): query heads share kv heads, which the kernels
-  read without expanding them (the shipped model has n_kv_head = n_head).
+  read without expanding them (the shipped model has n_kv_head = n_head);
+- context parallelism (GPT.set_context_parallel): each process of a torch.distributed group holds a slice of every
+  sequence (cs149gpt.distributed.shard_sequence), attention runs as cs149gpt.distributed.ring_attention over the
+  group, and the rotary angles follow the tokens' global positions (shard_positions):
+
+    model.set_context_parallel(group=group)                   # every rank; layout "zigzag" by default
+    x, y = (shard_sequence(t, 1, group, layout="zigzag") for t in (idx, targets))   # (B, T / W) each
+    logits, loss = model(x, y)                                 # this rank's tokens at their global positions
+    loss.backward()                                            # then all-reduce the gradients over the group, / W
 
     model, vocab = load_pretrained("shakes128")
     model.set_attention("flash")
@@ -30,6 +38,7 @@ from torch.nn import functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import cs149gpt
+from cs149gpt.distributed import LAYOUTS, _resolve_group, ring_attention, shard_positions
 
 # "sdpa" is the driver's part0; the rest are cs149gpt.IMPLS, parts 1..4.
 ATTENTION_IMPLS = ("sdpa",) + tuple(cs149gpt.IMPLS)
@@ -139,6 +148,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * self.n_kv_head) * head_size, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.impl = "sdpa"  # which attention computes it: one of ATTENTION_IMPLS (GPT.set_attention)
+        self.context_parallel = None  # ring_attention's group and layout when sharded (GPT.set_context_parallel)
 
     def forward(self, x: torch.Tensor, rotary: Tuple[torch.Tensor, torch.Tensor],
                 kv_cache: Optional[KVCache] = None) -> torch.Tensor:
@@ -159,7 +169,9 @@ class CausalSelfAttention(nn.Module):
         # The kernels read all three in place, whatever their strides: no .contiguous() copies.
         # attention_with_kvcache has no backward: a step that needs gradients takes the differentiable path below.
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if kv_cache is not None and self.impl == "flash" and T <= DECODE_ROWS and not needs_grad:
+        if self.context_parallel is not None:  # this rank's T tokens against the whole sequence's keys
+            y = ring_attention(q, k, v, is_causal=True, **self.context_parallel)  # (B, nh, T, hs)
+        elif kv_cache is not None and self.impl == "flash" and T <= DECODE_ROWS and not needs_grad:
             y = kv_cache.append_and_attend(q, k, v)  # (B, nh, T, hs): one call writes the cache and attends
         else:
             if kv_cache is not None:
@@ -210,6 +222,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2 and nanoGPT
         self.set_block_size(config.block_size)  # the rotary tables
+        self.context_parallel, self.context_parallel_size = None, 1  # one process (set_context_parallel)
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections into the residual stream: 1/sqrt(2·n_layer) of the usual std.
         for name, p in self.named_parameters():
@@ -236,6 +249,22 @@ class GPT(nn.Module):
             block.attn.impl = impl
         return self
 
+    def set_context_parallel(self, enabled: bool = True, *, group=None, layout: str = "zigzag") -> "GPT":
+        """Shards the sequence over the ranks of group (a ProcessGroup, None for the default one, or a 1-D
+        DeviceMesh; torch.distributed initialised): every layer's attention becomes
+        cs149gpt.distributed.ring_attention (causal, the flash kernel on each block) on this rank's tokens. Each
+        rank then gives forward its slice of idx and targets (shard_sequence(t, 1, group, layout=layout)): T tokens
+        of a sequence of W·T, turned by the rotary angles of their global positions (shard_positions). The loss is
+        the mean over the rank's tokens, so the whole sequence's loss is the mean over the ranks, and so are the
+        gradients (all-reduce them over group and divide by W). enabled=False: back to one process."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+        self.context_parallel = dict(group=group, layout=layout) if enabled else None
+        self.context_parallel_size = _resolve_group(group, None)[2] if enabled else 1  # W
+        for block in self.transformer.h:
+            block.attn.context_parallel = self.context_parallel
+        return self
+
     def new_kv_caches(self, batch_size: int) -> List[KVCache]:
         """Empty caches, one per layer, for up to block_size tokens."""
         c = self.config
@@ -244,17 +273,34 @@ class GPT(nn.Module):
                 for _ in range(c.n_layer)]
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                kv_caches: Optional[List[KVCache]] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                kv_caches: Optional[List[KVCache]] = None,
+                positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Logits (B, T, vocab_size) of the token after each of idx (B, T), and their loss against targets.
 
         With kv_caches, idx continues the tokens already cached (their positions follow on), and its keys and
-        values are cached in turn.
+        values are cached in turn. positions (T,) int64: the tokens' positions in the sequence, for the rotary
+        angles (default 0..T-1 after the cached ones; with context parallelism, this rank's shard_positions of a
+        sequence of W·T tokens).
         """
         B, T = idx.size()
         start = kv_caches[0].length if kv_caches is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"{start} cached + {T} new tokens exceed the model's context of {self.config.block_size}")
-        rotary = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, 1, 1, hs/2) each
+        if self.context_parallel is not None:
+            if kv_caches is not None:
+                raise ValueError("a context-parallel model runs without KV caches (training, or a prefill)")
+            n_total = self.context_parallel_size * T  # this rank's T tokens of the whole sequence's W·T
+            if n_total > self.config.block_size:
+                raise ValueError(f"{n_total} tokens ({self.context_parallel_size} ranks x {T}) exceed the model's "
+                                 f"context of {self.config.block_size}")
+            if positions is None:
+                positions = shard_positions(n_total, device=idx.device, **self.context_parallel)
+        if positions is None:
+            rotary = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, 1, 1, hs/2) each
+        else:  # any positions (a shard's are not consecutive): gathered rows of the tables
+            if positions.shape != (T,):
+                raise ValueError(f"positions must have shape (T,) = ({T},); got {tuple(positions.shape)}")
+            rotary = self.rope_cos[positions], self.rope_sin[positions]  # (T, 1, 1, hs/2) each
         x = self.transformer.wte(idx)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, rotary, kv_caches[i] if kv_caches is not None else None)

