@@ -62,6 +62,19 @@ Autocast: q, k, v are cast to autocast's dtype (torch SDPA's rule); out is in it
 
 Not supported: attn_mask, window, dropout, softcap, ALiBi (ring_attention has no such arguments); torch.compile
 runs it in eager mode (torch.compiler.disable: a graph break, since point-to-point transfers cannot be traced).
+
+Training with the sequence sharded: the shipped GPT with GPT.set_context_parallel (its forward turns the rank's
+tokens by the rotary angles of their global positions; `torchrun ... cs149gpt/train.py --context_parallel`), a
+Hugging Face model with attn_implementation=cs149gpt.integration.register_transformers_ring(group) (position_ids =
+shard_positions, shift_labels and num_items_in_batch for the loss: its docstring). Each rank's gradients are
+those of its tokens: all-reduce them over the group, as over data-parallel ranks (tests/test_context_parallel.py).
+
+torch's own context_parallel (torch.distributed.tensor.experimental) is an alternative to ring_attention, not a
+host for it: it rewrites aten's CUDA SDPA ops (flash, efficient, cuDNN) on DTensors into its ring, with a kernel
+fixed per op and no hook for another; on the CPU it stops at aten._scaled_dot_product_flash_attention_for_cpu
+(no sharding strategy), and with cs149gpt.install_sdpa() at cs149gpt.flash_attention (the same). What composes is
+the layout: its head-tail load balancer shards as layout="zigzag" does, so context_parallel(mesh, buffers=...,
+buffer_seq_dims=...) may shard a batch whose model attends through ring_attention (the test does so, bit for bit).
 """
 from __future__ import annotations
 

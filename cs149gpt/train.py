@@ -213,7 +213,8 @@ def train(cfg: TrainConfig, text: Optional[str] = None, progress: bool = True) -
 
     bar = ProgressBar(cfg.max_iters, enabled=progress)
     log(f"train.py: {model.num_params() / 1e6:.2f}M parameters, {len(vocab)} characters, "
-        f"{len(data) / 1e6:.2f}M characters of text, {cfg.max_iters} steps of {cfg.batch_size}x{cfg.block_size}",
+        f"{len(data) / 1e6:.2f}M characters of text, {cfg.max_iters} steps of {cfg.batch_size}x{cfg.block_size}"
+        + (f", each window sharded over {world_size} processes" if cfg.context_parallel else ""),
         file=sys.stderr, flush=True)
     losses, start = [], time.perf_counter()
     for step in range(cfg.max_iters):
@@ -284,6 +285,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
     train(replace(PRESETS[args.preset], **overrides))
+    if torch.distributed.is_initialized():  # --context_parallel under torchrun
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
