@@ -185,9 +185,8 @@ def train(cfg: TrainConfig, text: Optional[str] = None, progress: bool = True) -
 
     def loss_on(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mean loss over the batch's tokens; with context parallelism, over this rank's slice of each window."""
-        if not cfg.context_parallel:
-            return model(x, y)[1]
-        x, y = (shard_sequence(t, 1, layout="zigzag") for t in (x, y))  # (B, T / W) each
+        if cfg.context_parallel:
+            x, y = (shard_sequence(t, 1, layout="zigzag") for t in (x, y))  # (B, T / W) each
         return model(x, y)[1]
 
     def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
