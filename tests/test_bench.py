@@ -22,8 +22,8 @@ def run_bench(tmp_path, *args):
     (("decode", "--keys", "256", "--heads", "4,2", "--head-dim", "32"), "decode", 4),  # 2 dtypes x 2 entry points
     # softcap and ALiBi vs plain flash, ALiBi vs SDPA + bias: 3 rows x 2 dtypes x causal off and on
     (("logits", "--shapes", "1,2,128,32"), "logits", 12),
-    (("trainpacked",), "trainpacked", 2),
-    (("ring", "--seq", "256"), "ring", 4),  # 2 gloo processes vs one: fwd, fwd+bwd x 2 dtypes  # a tiny Llama, packed vs sdpa padded: float32, bf16 autocast
+    (("trainpacked",), "trainpacked", 2),  # a tiny Llama, packed vs sdpa padded: float32, bf16 autocast
+    (("ring", "--seq", "256"), "ring", 4),  # 2 gloo processes vs one: fwd, fwd+bwd x 2 dtypes
 ])
 def test_bench_quick_json(tmp_path, args, bench, min_rows):
     doc, stdout = run_bench(tmp_path, *args)

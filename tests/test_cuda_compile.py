@@ -8,6 +8,7 @@ The default run compiles the shipped tile configuration of each kernel (-DCS149G
 30 s on 2 cores); `pytest -m slow` also compiles every configuration the sweep can select (over a minute).
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,3 +49,21 @@ def test_kernels_compile_without_torch(arch, tmp_path):
 @pytest.mark.parametrize("arch", ["80", "90a"])
 def test_every_configuration_compiles(arch, tmp_path):
     compile_all(arch, tmp_path, [])
+
+
+def test_hopper_probe_tells_sm90a_from_sm90(tmp_path):
+    """The dispatcher takes the Hopper kernel where the device loads the probe's sm_90a code (flash_fwd_hopper.cu):
+    an sm_90 pass without the `a` also reports binaryVersion 90 but compiles the Hopper kernels as empty stubs, so
+    the probe must differ there: static shared memory in the sm_90a pass only (ptxas's resource report)."""
+    smem = {}
+    for arch in ("90", "90a"):
+        cmd = [NVCC, "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-c", "-Xptxas", "-v",
+               "-o", str(tmp_path / f"probe_{arch}.o"), str(_build.ROOT / "csrc/cuda/hopper/flash_fwd_hopper.cu")]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=NVCC_ENV)
+        assert done.returncode == 0, done.stderr
+        report = done.stderr.split("sm90a_probe_kernel", 1)[1].split("Compiling entry function", 1)[0]
+        used = re.search(r"Used \d+ registers.*", report)
+        assert used, report
+        found = re.search(r"(\d+) bytes smem", used.group(0))
+        smem[arch] = int(found.group(1)) if found else 0
+    assert smem["90"] == 0 and smem["90a"] > 0, smem

@@ -110,7 +110,7 @@ def worker(rank, world_size, store_path, results, device="cpu"):
             got = {name: t.cpu() for name, t in got.items()}
             if c["repeat"]:
                 again = ring_run(c, q, k, v, dout)
-                got["same_bits"] = torch.tensor(all(torch.equal(got[n], again[n]) for n in again))
+                got["same_bits"] = torch.tensor(all(torch.equal(got[n], again[n].cpu()) for n in again))
             if rank == 0:
                 buffer = io.BytesIO()
                 torch.save(got, buffer)

@@ -123,6 +123,16 @@ def test_alibi_wide_logits(dtype, q_scale, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", ["none", "bottom_right"])
+def test_alibi_negative_slopes(dtype, causal):
+    """Slopes of either sign (alibi_slopes takes any float32): a negative slope raises the far keys' logits, so the
+    nearest key's offset no longer bounds a row's max (the float32 kernel's exp pass relies on it; without the
+    separate pass its exps overflow and the row is NaN). Out, lse and gradients match the float64 reference."""
+    mixed = torch.tensor([-0.5, -0.05, 0.3, -2.0])
+    run_case(dtype, n_q=40, n_k=300, causal=causal, slopes=mixed, q_scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ["gqa", "window", "bool_mask", "additive_mask", "decode", "long_kv", "q_longer",
                                   "default_tiles"])
 def test_combinations(dtype, case):

@@ -213,7 +213,9 @@ inline float exp_shifted_sum_to_bf16_parts_with(const U& u, const float* x, int6
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 // float32 (three parts) takes the exact exponent at every shift: a row's max then weighs exactly 1, as in flash.cpp
-// (a query that sees one key gets that key's value row, bit for bit).
+// (a query that sees one key gets that key's value row, bit for bit). Not with softcap in the exp pass
+// (SoftcapExponent, here and in flash.cpp): its tanh is evaluated apart from the max's, which then weighs 1 to
+// float32's rounding (the one key's row to an ulp).
 template <int kParts>
 inline float exp_shifted_sum_to_bf16_parts(const float* x, float shift, int64_t n, float scale, bf16_bits* y,
                                            int64_t part, int64_t n_pad) {

@@ -182,15 +182,16 @@ struct PackedTiles {
 // sees (its key t* nearest the diagonal), an upper bound of its logits' max. Where that bound exceeds the logit at
 // t* by more than kAlibiMaxGap (base 2; simd.h), its own largest weight could be dropped with the far keys': such a
 // row (and one whose max is NaN or inf) takes ALiBi by the separate pass instead
-// (dist0 = kAlibiApplied), as do the padding rows. row_max: the scores' maxima from the product, or null (then
-// read from S).
+// (dist0 = kAlibiApplied), as do the padding rows, and every row under a slope that is not >= 0 (a negative one
+// raises the far keys' logits: the nearest key's offset bounds nothing). row_max: the scores' maxima from the
+// product, or null (then read from S).
 inline void alibi_rows(const AttentionParams& p, int64_t g0, int64_t group_rows, int64_t j0, int64_t n_keys,
                        const int64_t* visible, const float* S, int64_t ld, const float* row_max, float slope,
                        int64_t i0, int32_t* dist0, float* bound) {
   for (int64_t r = 0; r < kRowGroup; ++r) {
     dist0[r] = FusedLogit::kAlibiApplied;
     bound[r] = 0.0f;
-    if (r >= group_rows || visible[r] == 0) continue;
+    if (r >= group_rows || visible[r] == 0 || !(slope >= 0.0f)) continue;
     const float* s = S + r * ld;
     const int64_t dist = i0 + g0 + r + p.kv_len - p.q_len - j0;  // key j0's; key t's is dist − t
     const int64_t nearest = std::clamp<int64_t>(dist, 0, visible[r] - 1);

@@ -12,8 +12,17 @@ namespace cuda {
 namespace {
 
 // Compiled with the kernels' flags: its sm_90a code is what the current device loads only where the build has the
-// sm_90a kernels and the device is a Hopper GPU (compute capability 9.0).
-__global__ void sm90a_probe_kernel() {}
+// sm_90a kernels and the device is a Hopper GPU (compute capability 9.0). An sm_90 pass without the `a` (whose Hopper
+// kernels are empty stubs) reports binaryVersion 90 too; only the sm_90a pass gives the probe its static shared memory.
+constexpr int kProbeSharedBytes = 16;
+__global__ void sm90a_probe_kernel(int* sink) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __shared__ int marker[kProbeSharedBytes / sizeof(int)];
+  marker[threadIdx.x % 4] = threadIdx.x;
+  __syncthreads();
+  if (sink != nullptr) *sink = marker[(threadIdx.x + 1) % 4];
+#endif
+}
 
 bool device_runs_sm90a() {
   constexpr int kMaxDevices = 64;
@@ -22,7 +31,8 @@ bool device_runs_sm90a() {
   if (cudaGetDevice(&device) != cudaSuccess || device < 0) return false;
   if (device < kMaxDevices && known[device] != 0) return known[device] > 0;
   cudaFuncAttributes attr;
-  const bool yes = cudaFuncGetAttributes(&attr, sm90a_probe_kernel) == cudaSuccess && attr.binaryVersion == 90;
+  const bool yes = cudaFuncGetAttributes(&attr, sm90a_probe_kernel) == cudaSuccess && attr.binaryVersion == 90 &&
+                   attr.sharedSizeBytes >= kProbeSharedBytes;
   if (device < kMaxDevices) known[device] = yes ? 1 : -1;
   return yes;
 }
