@@ -150,6 +150,23 @@ def test_hopper_kernel_is_the_one_that_runs(d, monkeypatch):
     assert not any("hopper" in n for n in kernels_run(lambda: cs149gpt.attention(q, k, v))), "CS149GPT_HOPPER=0"
 
 
+@pytest.mark.parametrize("dtype", FAST_DTYPES + (torch.float32,), ids=str)
+def test_nonfinite_rows(dtype, forward_path):
+    """README's rule on CUDA too: a NaN or +inf among a row's visible logits makes its output row and lse NaN; the
+    other rows are untouched; a row that sees no key gets 0 and lse -inf (float32: the teaching kernel)."""
+    q, k, v = make_qkv(1, 2, 2, 70, 90, 64, dtype, seed=5)
+    q[0, 0, 3, 0], q[0, 1, 10, 5] = float("nan"), float("inf")
+    out, lse = cs149gpt.attention(q, k, v, is_causal=True, return_lse=True)
+    bad = torch.zeros(2, 70, dtype=torch.bool, device=CUDA)
+    bad[0, 3] = bad[1, 10] = True
+    assert out[0][bad].isnan().all() and lse[0][bad].isnan().all()
+    good = ~bad
+    assert out[0][good].isfinite().all() and lse[0][good].isfinite().all()
+    ref, ref_lse = reference(q, k, v, causal=True)
+    assert max_err(out[0][good], ref[0][good]) < (3e-2 if dtype != torch.float32 else 1e-5)
+    assert max_err(lse[0][good], ref_lse[0][good]) < 1e-3
+
+
 @pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_fast_forward_strided_views(dtype, causal, forward_path):

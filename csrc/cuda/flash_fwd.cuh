@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float row_l = quad_sum(l[mi][r]);
-      const float inv_l = row_l > 0.f ? 1.f / row_l : 0.f;
+      const float inv_l = row_l == 0.f ? 0.f : 1.f / row_l;  // NaN l (a NaN or +inf logit): the row NaN
       const int row = row0 + mi * 16 + r * 8;
       if (row < rows_valid) {
         T* out_row = out + row * p.out_strides[2];
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
               pack2<T>(o[mi][n][2 * r] * inv_l, o[mi][n][2 * r + 1] * inv_l);
         if (p.lse != nullptr && lane % 4 == 0)
           p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + m0 + row] =
-              row_l > 0.f ? m[mi][r] * p.scale + logf(row_l) : -INFINITY;
+              row_l == 0.f ? -INFINITY : m[mi][r] * p.scale + logf(row_l);
       }
     }
 }

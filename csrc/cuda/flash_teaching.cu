@@ -90,7 +90,7 @@ __global__ void flash_teaching_kernel(const AttentionParams p) {
     l_i = l_new;
   }
   if (has_row && p.lse != nullptr)
-    p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = l_i > 0.f ? m_i + logf(l_i) : -INFINITY;
+    p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = l_i == 0.f ? -INFINITY : m_i + logf(l_i);
 }
 
 }  // namespace

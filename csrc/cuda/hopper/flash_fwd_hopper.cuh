@@ -353,7 +353,7 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_l[r] = quad_sum(l[r]);
-    inv_l[r] = row_l[r] > 0.f ? 1.f / row_l[r] : 0.f;
+    inv_l[r] = row_l[r] == 0.f ? 0.f : 1.f / row_l[r];  // a NaN l (a NaN or +inf logit) makes the row NaN
   }
   char* rows = q_tile + wg * 64 * Traits::kRowBytes;  // this warpgroup's 64 rows, in every panel
   const auto staged = [&](int row, int col) {          // byte address of (row, col), col a multiple of 2
@@ -391,7 +391,7 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
       const int64_t q_row = m0 + wg * 64 + warp * 16 + lane / 4 + 8 * r;
       if (q_row < p.q_len)
         p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + q_row] =
-            row_l[r] > 0.f ? m[r] * p.scale + logf(row_l[r]) : -INFINITY;
+            row_l[r] == 0.f ? -INFINITY : m[r] * p.scale + logf(row_l[r]);
     }
 }
 
