@@ -56,6 +56,7 @@ __global__ void flash_teaching_kernel(const AttentionParams p) {
 
     // S_ij = scale · Q_i K_jᵀ, masked; m~_ij = rowmax.
     float m_ij = -INFINITY;
+    bool nan_seen = false;  // fmaxf skips a NaN: kept apart, so that it turns the row NaN (README's rule)
     for (int c = 0; c < Bc; ++c) {
       float s = -INFINITY;
       if (key_visible(p, i, j * Bc + c)) {
@@ -65,7 +66,9 @@ __global__ void flash_teaching_kernel(const AttentionParams p) {
       }
       Sij[tid * Bc + c] = s;
       m_ij = fmaxf(m_ij, s);
+      nan_seen |= s != s;
     }
+    if (nan_seen) m_ij = NAN;
     if (m_ij == -INFINITY) continue;  // this row sees no key of the tile
 
     // P~_ij = exp(S_ij − m~_ij); l~_ij = rowsum.
