@@ -208,9 +208,9 @@ __device__ __forceinline__ TileMask tile_mask(const AttentionParams& p, int64_t 
   return mask;
 }
 
-// Pᵀ = exp2(scale·log2e · Sᵀ − lse2), in place; masked entries 0 (a select: the statistics of rows past q_len are
-// never written, and may be anything). key0: the tile key of the thread's row g.
-template <class Traits, bool kIsCausal>
+// Pᵀ = exp2(scale·log2e · Sᵀ − lse2), in place; with kMasked, masked entries 0 (a select: the statistics of rows past
+// q_len are never written, and may be anything). key0: the tile key of the thread's row g.
+template <class Traits, bool kIsCausal, bool kMasked>
 __device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2], const float* lse2,
                                                 const TileMask& mask, int key0, float scale_log2, int lane) {
 #pragma unroll
@@ -220,7 +220,7 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2],
     for (int e = 0; e < 4; ++e) {
       const float x = exp2_approx(fmaf(s[4 * j + e], scale_log2, -(e % 2 ? l.y : l.x)));
       const int qi = 8 * j + 2 * (lane % 4) + e % 2;
-      s[4 * j + e] = !mask.needed || mask.visible(key0 + 8 * (e / 2), qi, kIsCausal) ? x : 0.f;
+      s[4 * j + e] = !kMasked || mask.visible(key0 + 8 * (e / 2), qi, kIsCausal) ? x : 0.f;
     }
   }
 }
@@ -347,7 +347,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     // Pᵀ (under dPᵀ's product), then dSᵀ.
     wgmma_wait<1>();
     fence_fragment(st);
-    scores_to_probs<Traits, kIsCausal>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
+    if (mask.needed) scores_to_probs<Traits, kIsCausal, true>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
+    else scores_to_probs<Traits, kIsCausal, false>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
     wgmma_wait<0>();
     fence_fragment(dpt);
     probs_to_dscores<Traits>(dpt, st, sm.delta_rows(stage), mask, lane);
