@@ -66,10 +66,13 @@ CUDA_KERNEL_SOURCES = [
     "csrc/cuda/flash_teaching.cu",
     "csrc/cuda/flash_dispatch.cu",
 ] + [f"csrc/cuda/flash_{pass_}_hdim{d}_{t}.cu" for pass_ in ("fwd", "bwd") for d in (64, 128) for t in ("bf16", "fp16")]
-# The Hopper forward (csrc/cuda/hopper/): wgmma, TMA and setmaxnreg exist only in the sm_90a pass; the other passes
-# compile its kernels as empty stubs and its launcher answers cudaErrorNotSupported there.
-CUDA_KERNEL_SOURCES += ["csrc/cuda/hopper/flash_fwd_hopper.cu"] + [
-    f"csrc/cuda/hopper/flash_fwd_hopper_hdim{d}_{t}.cu" for d in (64, 128) for t in ("bf16", "fp16")
+# The Hopper forward and backward (csrc/cuda/hopper/): wgmma, TMA and setmaxnreg exist only in the sm_90a pass; the
+# other passes compile their kernels as empty stubs and their launchers answer cudaErrorNotSupported there.
+CUDA_KERNEL_SOURCES += [f"csrc/cuda/hopper/flash_{pass_}_hopper.cu" for pass_ in ("fwd", "bwd")] + [
+    f"csrc/cuda/hopper/flash_{pass_}_hopper_hdim{d}_{t}.cu"
+    for pass_ in ("fwd", "bwd")
+    for d in (64, 128)
+    for t in ("bf16", "fp16")
 ]
 CUDA_SOURCES = ["csrc/cuda/flash_api.cpp"] + CUDA_KERNEL_SOURCES
 

@@ -41,5 +41,13 @@ inline int64_t bwd_row_stats_floats(const AttentionParams& p) {
 cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
                       cudaStream_t stream);
 
+// The backward in FlashAttention-3's design on Hopper (hopper/flash_bwd_hopper.cuh), with flash_bwd's contract: the
+// same workspace, dq_accum and outputs. hopper_bwd_supports: the forward's conditions (hopper_fwd_supports) on
+// p.fwd, plus lse given, dout 16-byte aligned with strides multiples of 8 elements, dk and dv 4-byte aligned.
+// flash_bwd_hopper returns cudaErrorNotSupported where it does not take p.
+bool hopper_bwd_supports(const AttentionBackwardParams& p);
+cudaError_t flash_bwd_hopper(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
+                             cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace cs149gpt

@@ -6,6 +6,7 @@
 
 #include "../flash_cuda.h"
 #include "flash_fwd_hopper_launch.h"
+#include "tensor_map.h"
 
 namespace cs149gpt {
 namespace cuda {
@@ -37,18 +38,10 @@ bool device_runs_sm90a() {
   return yes;
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-// Strides (elements, [batch, head, row]) that TMA takes and 16-byte stores keep aligned: multiples of 8 elements,
-// except along dimensions of size 1, whose stride is never used.
-bool strides_ok(const int64_t (&strides)[3], int64_t batch, int64_t heads, int64_t rows) {
-  const int64_t sizes[3] = {batch, heads, rows};
-  for (int i = 0; i < 3; ++i)
-    if (sizes[i] > 1 && (strides[i] % 8 != 0 || strides[i] <= 0 || strides[i] >= (int64_t{1} << 38))) return false;
-  return true;
-}
-
 }  // namespace
+
+using hopper::aligned16;
+using hopper::strides_ok;
 
 bool hopper_fwd_supports(const AttentionParams& p) {
   constexpr int64_t kMaxRows = int64_t{1} << 30;  // TMA coordinates are int32

@@ -1,4 +1,5 @@
-// Tile shapes, warpgroups, pipeline depth and shared-memory layout of the Hopper forward, apart from the algorithm.
+// Tile shapes, warpgroups, pipeline depth and shared-memory layout of the Hopper forward and backward, apart from the
+// algorithm.
 //
 // One block = 3 warpgroups: warpgroup 0 is the producer (one thread issues every TMA copy), warpgroups 1 and 2 the
 // consumers, each owning 64 query rows (wgmma's M). Shared memory holds Q once and a ring of kStages (K, V) tiles.
@@ -65,6 +66,61 @@ struct FwdTraits {
 // and 658 causal (overlap with Bc 128: 680 and 633); ping-pong at d 64, 429 causal (overlap: 359), 405 full (411).
 template <int kHeadDim, class T>
 using DefaultFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, kHeadDim == 128 ? 176 : 128>;
+
+// ---- the backward -----------------------------------------------------------------------------------------------------
+// One block = 3 warpgroups and one key tile of kBlockN = 128 keys (Bc): warpgroup 0 the producer (one thread: K, V once,
+// then Q, dO, lse·log2e and D of every query tile into a kStages ring), warpgroups 1 and 2 the consumers, each owning
+// 64 keys (wgmma's M) of the tile, whose dK, dV stay in its registers for the whole block. A query tile holds kBlockM
+// rows (Br): the N of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, the K of dV += Pᵀ dO and dK += dSᵀ Q. dQ_i = dS_i K (kBlockM x head_dim)
+// is split into two 64 x 64 blocks, one per consumer warpgroup: by rows at Br 128 (d 64), by columns at Br 64 (d 128).
+// Every (rows x 64 columns) panel is 128-byte swizzled as in the forward; dS is stored as dSᵀ, (keys, queries) in panels
+// of 64 queries, the layout its fragments write with 4-byte stores and dQ's wgmma reads MN-major.
+template <int kHeadDim_, class T_, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
+struct BwdTraits {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);  // 384
+  static constexpr int kBlockN = 64 * kConsumerWarpgroups;           // keys per block (Bc)
+  // Br: FlashAttention-3's tiles (128 x 128 at d 64, 64 x 128 at d 128). Registers of a consumer thread at their peak
+  // (the softmax of Sᵀ): dK, dV (2 x d/2) + Sᵀ, dPᵀ (2 x Br/2) = 192 at both head dims, under the 240 it is given.
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kStages = 2;  // (Q, dO) tiles in flight: the copy of tile i + 1 runs under the products of i
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr bool kDqSplitByRows = kBlockM == 128;  // else by columns of head_dim
+
+  static constexpr int kPanelCols = 64;
+  static constexpr int kPanels = kHeadDim / kPanelCols;
+  static constexpr int kRowBytes = 128;
+  static constexpr int kKVPanelBytes = kBlockN * kRowBytes;
+  static constexpr int kKVBytes = kPanels * kKVPanelBytes;  // K (or V) of the block
+  static constexpr int kQPanelBytes = kBlockM * kRowBytes;
+  static constexpr int kQBytes = kPanels * kQPanelBytes;  // one Q (or dO) tile
+  static constexpr int kDsPanelBytes = kBlockN * kRowBytes;  // 64 queries of every key
+  static constexpr int kDsBytes = (kBlockM / kPanelCols) * kDsPanelBytes;
+  static constexpr int kStatBytes = kBlockM * 4;  // lse·log2e (or D) of a query tile
+  // Layout (byte offsets from a 1024-byte aligned base):
+  //   K | V | Q[kStages] | dO[kStages] | dS[2] | lse2[kStages] | D[kStages] | mbarriers
+  // dS is double-buffered: a warpgroup writes dS_{i+1} while the other may still read dS_i in its dQ product.
+  static constexpr int kSmemK = 0;
+  static constexpr int kSmemV = kSmemK + kKVBytes;
+  static constexpr int kSmemQ = kSmemV + kKVBytes;
+  static constexpr int kSmemDo = kSmemQ + kStages * kQBytes;
+  static constexpr int kSmemDs = kSmemDo + kStages * kQBytes;
+  static constexpr int kSmemLse = kSmemDs + 2 * kDsBytes;
+  static constexpr int kSmemDelta = kSmemLse + kStages * kStatBytes;
+  static constexpr int kSmemBarriers = kSmemDelta + kStages * kStatBytes;
+  static constexpr int kBarriers = 1 + 4 * kStages;  // K and V full; Q full, dO full, Q empty, dO empty per stage
+  static constexpr int kSmemBytes = kSmemBarriers + 8 * kBarriers + 1024;
+
+  static_assert(sizeof(T) == 2, "wgmma .bf16 / .f16 operands");
+  static_assert(kHeadDim % kPanelCols == 0 && kBlockM % kPanelCols == 0, "whole 64-column panels");
+  static_assert((kBlockM / 64) * (kHeadDim / 64) == kConsumerWarpgroups, "dQ is one 64 x 64 block per warpgroup");
+  static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box and a wgmma N are at most 256");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 block");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536, "the SM's registers");
+};
 
 }  // namespace hopper
 }  // namespace cuda

@@ -1,8 +1,9 @@
 // The Hopper (sm_90a) instructions of the warp-specialized kernels, one small wrapper each: the only place with their
-// inline PTX. The algorithm (flash_fwd_hopper.cuh) calls these by name.
+// inline PTX. The algorithms (flash_fwd_hopper.cuh, flash_bwd_hopper.cuh) call these by name.
 //
 //   mbarrier            shared-memory barriers that count arrivals and, with expect_tx, bytes the copy engine delivers
 //   cp.async.bulk.tensor  the copy engine (TMA): a box of a tensor map, global -> shared, completing on an mbarrier
+//   cp.async.bulk       the same engine's plain copy of contiguous bytes
 //   wgmma.mma_async     a warpgroup's (4 warps, 128 threads) asynchronous matrix product, accumulators in registers
 //   setmaxnreg          moves registers between warpgroups (the producer gives, the consumers take)
 //   fence.proxy.async   orders ordinary shared-memory accesses against the copy engine's and the tensor cores'
@@ -65,6 +66,13 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
       "r"(smem_u32(bar))
       : "memory");
+}
+// Copies `bytes` contiguous bytes (a multiple of 16; src and dst 16-byte aligned) from global to shared memory with the
+// copy engine, completing on `bar` like a tensor copy.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
 }
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
@@ -147,7 +155,11 @@ template <int N, int M> __device__ __forceinline__ void fence_fragment(uint32_t 
 //   wgmma_ss: A and B from shared memory, both K-major (imm-trans 0, 0): S = Q Kᵀ with Q and K stored (rows, d);
 //             N = 64, 128, 176.
 //   wgmma_rs: A from registers, B MN-major (imm-trans-b 1): O += P V with V stored (keys, d), keys being K; N = 64, 128.
+//   wgmma_ss_mn: A and B from shared memory, both MN-major (imm-trans 1, 1): the backward's dQ = dS K with dS stored
+//             as dSᵀ (keys, queries) and K stored (keys, d), keys being K; N = 64.
 template <int N, class T> __device__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
+template <int N, class T>
+__device__ void wgmma_ss_mn(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
 template <int N, class T>
 __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate);
 
@@ -209,6 +221,15 @@ __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t des
                  "wgmma.mma_async.sync.aligned.m64n176k16.f32." PTX "." PTX " " HOPPER_WGMMA_REGS88                    \
                  ", %88, %89, p, 1, 1, 0, 0;\n}\n"                                                                     \
                  : HOPPER_WGMMA_OPERANDS88(d)                                                                          \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                         \
+  }                                                                                                                    \
+  template <>                                                                                                          \
+  __device__ __forceinline__ void wgmma_ss_mn<64, TYPE>(float (&d)[32], uint64_t desc_a, uint64_t desc_b,              \
+                                                        int accumulate) {                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " " HOPPER_WGMMA_REGS32                     \
+                 ", %32, %33, p, 1, 1, 1, 1;\n}\n"                                                                     \
+                 : HOPPER_WGMMA_OPERANDS32(d)                                                                          \
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                         \
   }                                                                                                                    \
   template <>                                                                                                          \

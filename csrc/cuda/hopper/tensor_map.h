@@ -35,6 +35,17 @@ inline EncodeTiledFn encode_tiled_fn() {
   return fn;
 }
 
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Strides (elements, [batch, head, row]) that TMA takes and 16-byte stores keep aligned: multiples of 8 elements,
+// except along dimensions of size 1, whose stride is never used.
+inline bool strides_ok(const int64_t (&strides)[3], int64_t batch, int64_t heads, int64_t rows) {
+  const int64_t sizes[3] = {batch, heads, rows};
+  for (int i = 0; i < 3; ++i)
+    if (sizes[i] > 1 && (strides[i] % 8 != 0 || strides[i] <= 0 || strides[i] >= (int64_t{1} << 38))) return false;
+  return true;
+}
+
 // A 4-D map over (head_dim, rows, heads, batch), innermost first, with the tensor's own strides (elements; [batch,
 // head, row] as in AttentionParams), read in boxes of (64 columns, box_rows rows, 1 head, 1 batch) into 128-byte
 // swizzled shared memory. Rows past `rows` read as zeros, so a tile that runs off a sequence never touches the next

@@ -1,0 +1,528 @@
+// FlashAttention-3's backward on Hopper: the loop of flash_bwd.cuh (the paper's Algorithm 2), warp-specialized.
+//
+//   D_i = rowsum(dO_i ∘ O_i), lse_i·log2(e)                      (flash_bwd_delta_kernel, flash_bwd.cuh: one workspace)
+//   one block per key tile j (128 keys; dK_j, dV_j in the consumers' registers for the whole block):
+//   producer warpgroup (one thread):   K_j, V_j once;  for each (query head, query tile i) that sees these keys: wait
+//                                      until stage i % 2 is empty, then TMA Q_i + lse_i, and dO_i + D_i into it
+//   consumer warpgroup w (keys 64w .. 64w + 63 of the tile, w = 0, 1):
+//     for each query tile i:  Sᵀ = K_w Q_iᵀ;  dPᵀ = V_w dO_iᵀ                        (wgmma, both from shared memory)
+//                             Pᵀ = exp2(scale·log2e · Sᵀ − lse_i·log2e);  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)   (keys x queries)
+//                             dV_w += Pᵀ dO_i                                   (wgmma, Pᵀ from registers)
+//                             dSᵀ -> shared memory;  both warpgroups' halves written (a named barrier)
+//                             dQ_i += dS K_j   (one 64 x 64 block of dQ_i per warpgroup, float32 reductions to dq_accum)
+//                             dK_w += dSᵀ Q_i                                   (wgmma, dSᵀ from registers)
+//                             hand the stage back to the producer
+//     dK_w·scale, dV_w -> dk, dv
+//
+// Keys are wgmma's M: the accumulators of Sᵀ and dPᵀ hold key rows, and converted to 16 bits they are, register for
+// register, the A operands of dV += Pᵀ dO and dK += dSᵀ Q (ptx.cuh), as P is of P V in the forward. Masked entries
+// (keys past kv_len, query rows past q_len, the causal mask) are 0 in Pᵀ and dSᵀ. The contract (workspace, dq_accum,
+// scaling, GQA) is flash_bwd's (flash_cuda.h).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "../../attention.h"
+#include "../flash_bwd.cuh"
+#include "../flash_common.cuh"
+#include "flash_bwd_hopper_launch.h"
+#include "kernel_traits.cuh"
+#include "ptx.cuh"
+#include "tensor_map.h"
+
+namespace cs149gpt {
+namespace cuda {
+namespace hopper {
+
+// The block's shared memory (BwdTraits' layout), from a 1024-byte aligned base.
+template <class Traits>
+struct BwdSharedTiles {
+  char* k;       // kPanels panels of kBlockN keys x 128 bytes
+  char* v;       // the same
+  char* q;       // [kStages] tiles of kPanels panels of kBlockM rows x 128 bytes
+  char* dout;    // the same
+  char* ds;      // [2] dSᵀ tiles: kBlockM / 64 panels of kBlockN keys x 64 queries
+  float* lse2;   // [kStages][kBlockM] lse·log2e of the stage's query rows
+  float* delta;  // [kStages][kBlockM] D
+  uint64_t* kv_full;   // K and V have arrived
+  uint64_t* q_full;    // [kStages]: Q and lse2 of the stage have arrived
+  uint64_t* do_full;   // [kStages]: dO and D of the stage have arrived
+  uint64_t* q_empty;   // [kStages]: every consumer warp is done with the stage's Q (and lse2)
+  uint64_t* do_empty;  // [kStages]: every consumer warp is done with the stage's dO (and D)
+
+  __device__ explicit BwdSharedTiles(char* base)
+      : k(base + Traits::kSmemK),
+        v(base + Traits::kSmemV),
+        q(base + Traits::kSmemQ),
+        dout(base + Traits::kSmemDo),
+        ds(base + Traits::kSmemDs),
+        lse2(reinterpret_cast<float*>(base + Traits::kSmemLse)),
+        delta(reinterpret_cast<float*>(base + Traits::kSmemDelta)),
+        kv_full(reinterpret_cast<uint64_t*>(base + Traits::kSmemBarriers)),
+        q_full(kv_full + 1),
+        do_full(q_full + Traits::kStages),
+        q_empty(do_full + Traits::kStages),
+        do_empty(q_empty + Traits::kStages) {}
+  __device__ char* q_tile(int stage) const { return q + stage * Traits::kQBytes; }
+  __device__ char* do_tile(int stage) const { return dout + stage * Traits::kQBytes; }
+  __device__ char* ds_tile(int step) const { return ds + (step % 2) * Traits::kDsBytes; }
+  __device__ float* lse2_rows(int stage) const { return lse2 + stage * Traits::kBlockM; }
+  __device__ float* delta_rows(int stage) const { return delta + stage * Traits::kBlockM; }
+};
+
+// The block's steps: the (query head, query tile) pairs that see some key of the block, query tiles fastest; step s
+// lives in stage s % kStages, its barriers in their (s / kStages)-th phase (as the forward's key tiles).
+struct BwdSteps {
+  int64_t h_first;  // the first query head visited
+  int m_first;      // the first query tile that sees the block's keys (causal), else 0
+  int m_tiles;      // query tiles per head from m_first on
+  int count;        // heads visited x m_tiles
+  __device__ int64_t head(int s) const { return h_first + s / m_tiles; }
+  __device__ int m_tile(int s) const { return m_first + s % m_tiles; }
+};
+template <class Traits>
+__device__ __forceinline__ int bwd_stage(int s) { return s % Traits::kStages; }
+template <class Traits>
+__device__ __forceinline__ uint32_t bwd_phase(int s) { return static_cast<uint32_t>((s / Traits::kStages) & 1); }
+
+// ---- the producer -----------------------------------------------------------------------------------------------------
+// One thread. The per-row statistics come from flash_bwd_delta_kernel's workspace (rows of a head q_pad floats apart):
+// the copy stops at the head's padded end, so that it never reads past the workspace; the rows it leaves out are past
+// q_len and masked.
+template <class Traits>
+__device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
+                                               const CUtensorMap* tm_do, const CUtensorMap* tm_k,
+                                               const CUtensorMap* tm_v, const AttentionParams& p, const float* stats,
+                                               const BwdSteps& steps, int64_t b, int64_t hk, int n0) {
+  mbarrier_arrive_expect_tx(sm.kv_full, 2 * Traits::kKVBytes);
+#pragma unroll
+  for (int panel = 0; panel < Traits::kPanels; ++panel) {
+    tma_load_4d(sm.k + panel * Traits::kKVPanelBytes, tm_k, sm.kv_full, panel * Traits::kPanelCols, n0,
+                static_cast<int>(hk), static_cast<int>(b));
+    tma_load_4d(sm.v + panel * Traits::kKVPanelBytes, tm_v, sm.kv_full, panel * Traits::kPanelCols, n0,
+                static_cast<int>(hk), static_cast<int>(b));
+  }
+
+  const int64_t q_pad = q_padded(p.q_len);
+  const float* delta_all = stats;                                      // D
+  const float* lse2_all = stats + p.batch * p.num_heads * q_pad;       // lse·log2e
+  for (int s = 0; s < steps.count; ++s) {
+    const int stage = bwd_stage<Traits>(s);
+    const uint32_t released = bwd_phase<Traits>(s) ^ 1;  // the phase in which step s − kStages was handed back
+    const int64_t h = steps.head(s);
+    const int m0 = steps.m_tile(s) * Traits::kBlockM;
+    const int64_t row_at = (b * p.num_heads + h) * q_pad + m0;
+    const uint32_t stat_bytes = 4u * static_cast<uint32_t>(min64(Traits::kBlockM, q_pad - m0));
+
+    mbarrier_wait(&sm.q_empty[stage], released);
+    mbarrier_arrive_expect_tx(&sm.q_full[stage], Traits::kQBytes + stat_bytes);
+#pragma unroll
+    for (int panel = 0; panel < Traits::kPanels; ++panel)
+      tma_load_4d(sm.q_tile(stage) + panel * Traits::kQPanelBytes, tm_q, &sm.q_full[stage],
+                  panel * Traits::kPanelCols, m0, static_cast<int>(h), static_cast<int>(b));
+    bulk_load(sm.lse2_rows(stage), lse2_all + row_at, stat_bytes, &sm.q_full[stage]);
+
+    mbarrier_wait(&sm.do_empty[stage], released);
+    mbarrier_arrive_expect_tx(&sm.do_full[stage], Traits::kQBytes + stat_bytes);
+#pragma unroll
+    for (int panel = 0; panel < Traits::kPanels; ++panel)
+      tma_load_4d(sm.do_tile(stage) + panel * Traits::kQPanelBytes, tm_do, &sm.do_full[stage],
+                  panel * Traits::kPanelCols, m0, static_cast<int>(h), static_cast<int>(b));
+    bulk_load(sm.delta_rows(stage), delta_all + row_at, stat_bytes, &sm.do_full[stage]);
+  }
+}
+
+// ---- the consumers' products ------------------------------------------------------------------------------------------
+// Sᵀ = K_w Qᵀ (or dPᵀ = V_w dOᵀ), 64 keys x kBlockM queries: head_dim / 16 k-steps, step kk 32·(kk % 4) bytes into the
+// rows of panel kk / 4 of both tiles (K-major, 1024 bytes between 8-row atoms; the forward's S = Q Kᵀ with the roles
+// of the operands swapped). Issued and committed, not waited.
+template <class Traits>
+__device__ __forceinline__ void gemm_keys_x_queries(float (&acc)[Traits::kBlockM / 2], const char* keys_w,
+                                                    const char* rows_tile) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const int panel = kk / 4, bytes = (kk % 4) * 32;
+    const uint64_t desc_a = smem_desc_sw128(keys_w + panel * Traits::kKVPanelBytes + bytes, 16, 1024);
+    const uint64_t desc_b = smem_desc_sw128(rows_tile + panel * Traits::kQPanelBytes + bytes, 16, 1024);
+    wgmma_ss<Traits::kBlockM, typename Traits::T>(acc, desc_a, desc_b, kk > 0);
+  }
+  wgmma_commit();
+}
+
+// acc += Aᵀ-fragments · rows (dV += Pᵀ dO, dK += dSᵀ Q), 64 keys x head_dim: kBlockM / 16 k-steps, step kk the query
+// rows 16·kk .. 16·kk + 15, i.e. 2048·kk bytes into every panel of the tile, read MN-major (head_dim along its rows;
+// the forward's O += P V with dO or Q for V). Issued, not committed.
+template <class Traits>
+__device__ __forceinline__ void gemm_keys_x_dim(float (&acc)[Traits::kHeadDim / 2],
+                                                const uint32_t (&a)[Traits::kBlockM / 16][4], const char* rows_tile) {
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
+    const uint64_t desc = smem_desc_sw128(rows_tile + kk * 16 * Traits::kRowBytes, Traits::kQPanelBytes, 1024);
+    wgmma_rs<Traits::kHeadDim, typename Traits::T>(acc, a[kk], desc, 1);
+  }
+}
+
+// dQ block = dS K_j, 64 queries x 64 columns of head_dim, over the block's kBlockN keys: kBlockN / 16 k-steps, step kk
+// the keys 16·kk .. 16·kk + 15, i.e. 2048·kk bytes into dSᵀ's panel of these 64 queries and into K's panel of these
+// 64 columns; both MN-major (keys along K, the 64 queries, or columns, along the 128-byte rows). Issued and committed.
+template <class Traits>
+__device__ __forceinline__ void gemm_dq(float (&dq)[32], const char* ds_panel, const char* k_panel) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    const uint64_t desc_ds = smem_desc_sw128(ds_panel + kk * 16 * Traits::kRowBytes, Traits::kDsPanelBytes, 1024);
+    const uint64_t desc_k = smem_desc_sw128(k_panel + kk * 16 * Traits::kRowBytes, Traits::kKVPanelBytes, 1024);
+    wgmma_ss_mn<64, typename Traits::T>(dq, desc_ds, desc_k, kk > 0);
+  }
+  wgmma_commit();
+}
+
+// ---- the consumers' elementwise steps, on the accumulator fragment (ptx.cuh) ------------------------------------------
+// Each thread holds two key rows of its warp's 16: r = 0 (key g) in x[4j], x[4j+1], r = 1 (key g + 8) in x[4j+2],
+// x[4j+3], at query columns 8j + 2t, 8j + 2t + 1 (g = lane / 4, t = lane % 4).
+
+// Where a step's tile needs a mask, and the mask in tile coordinates: key kj (0 .. kBlockN − 1) is visible to query
+// row qi (0 .. kBlockM − 1) iff kj < keys_valid, qi < rows_valid and (causal) kj − qi <= diag.
+struct TileMask {
+  bool needed;
+  int keys_valid, rows_valid, diag;
+  __device__ bool visible(int kj, int qi, bool causal) const {
+    return kj < keys_valid && qi < rows_valid && (!causal || kj - qi <= diag);
+  }
+};
+template <class Traits, bool kIsCausal>
+__device__ __forceinline__ TileMask tile_mask(const AttentionParams& p, int64_t n0, int64_t m0) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  TileMask mask;
+  mask.keys_valid = static_cast<int>(min64(kBlockN, p.kv_len - n0));
+  mask.rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
+  const int64_t diag = m0 + p.causal_offset - n0;
+  mask.diag = static_cast<int>(max64(-(kBlockM + kBlockN), min64(diag, kBlockM + kBlockN)));
+  mask.needed = mask.keys_valid < kBlockN || mask.rows_valid < kBlockM || (kIsCausal && diag < kBlockN - 1);
+  return mask;
+}
+
+// Pᵀ = exp2(scale·log2e · Sᵀ − lse2), in place; with kMasked, masked entries 0 (a select: the statistics of rows past
+// q_len are never written, and may be anything). key0: the tile key of the thread's row g.
+template <class Traits, bool kIsCausal, bool kMasked>
+__device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2], const float* lse2,
+                                                const TileMask& mask, int key0, float scale_log2, int lane) {
+#pragma unroll
+  for (int j = 0; j < Traits::kBlockM / 8; ++j) {
+    const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * (lane % 4));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = exp2_approx(fmaf(s[4 * j + e], scale_log2, -(e % 2 ? l.y : l.x)));
+      const int qi = 8 * j + 2 * (lane % 4) + e % 2;
+      s[4 * j + e] = !kMasked || mask.visible(key0 + 8 * (e / 2), qi, kIsCausal) ? x : 0.f;
+    }
+  }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − D), in place of dPᵀ; where Pᵀ was masked, 0 (its D may be anything).
+template <class Traits>
+__device__ __forceinline__ void probs_to_dscores(float (&dp)[Traits::kBlockM / 2],
+                                                 const float (&pt)[Traits::kBlockM / 2], const float* delta,
+                                                 const TileMask& mask, int lane) {
+#pragma unroll
+  for (int j = 0; j < Traits::kBlockM / 8; ++j) {
+    const float2 d = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * (lane % 4));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float ds = pt[4 * j + e] * (dp[4 * j + e] - (e % 2 ? d.y : d.x));
+      dp[4 * j + e] = !mask.needed || pt[4 * j + e] != 0.f ? ds : 0.f;
+    }
+  }
+}
+
+// A fragment in T, as the A operand of a product over the queries: k-slice kk (queries 16kk .. 16kk + 15) is
+// x[8kk .. 8kk + 7], two at a time (ptx.cuh).
+template <class Traits>
+__device__ __forceinline__ void to_a_frags(uint32_t (&a)[Traits::kBlockM / 16][4], const float (&x)[Traits::kBlockM / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[kk][r] = pack2<typename Traits::T>(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
+}
+
+// The warpgroup's 64 key rows of dSᵀ (its A fragments) into the shared dSᵀ tile: a[kk][r] is (key g + 8·(r % 2),
+// queries 16kk + 8·(r / 2) + 2t, +1); query q of key row `key` lives in panel q / 64, at chunk ((q % 64) / 8) ^ (key % 8)
+// of the row (the 128-byte swizzle wgmma reads): a quad's 4-byte stores hit 32 different banks.
+template <class Traits>
+__device__ __forceinline__ void store_dscores(char* ds_tile, const uint32_t (&a)[Traits::kBlockM / 16][4], int key0,
+                                              int lane) {
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int key = key0 + 8 * (r % 2), q = 16 * kk + 8 * (r / 2) + 2 * (lane % 4);
+      char* at = ds_tile + (q / 64) * Traits::kDsPanelBytes + key * Traits::kRowBytes +
+                 ((((q % 64) / 8) ^ (key % 8)) * 16) + (q % 8) * 2;
+      *reinterpret_cast<uint32_t*>(at) = a[kk][r];
+    }
+}
+
+// dq_accum[i, :] += the warpgroup's 64 x 64 dQ block (a wgmma accumulator fragment), rows past q_len dropped: one
+// 16-byte reduction per 4 columns. Lanes t and t ^ 1 of a quad swap halves (as flash_bwd.cuh's add_dq): the even lane
+// then holds row g, columns 8j + 4(t / 2) .. + 3, the odd lane row g + 8, the same columns.
+__device__ __forceinline__ void add_dq_block(float* dq_rows, int64_t q_len, int64_t head_dim, int64_t row0, int col0,
+                                             const float (&dq)[32], int lane) {
+  const bool odd = lane % 2;
+  const int64_t i = row0 + lane / 4 + (odd ? 8 : 0);
+  float* dst = dq_rows + i * head_dim + col0 + (lane % 4 / 2) * 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float send0 = odd ? dq[4 * j] : dq[4 * j + 2], send1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
+    const float got0 = __shfl_xor_sync(0xffffffff, send0, 1), got1 = __shfl_xor_sync(0xffffffff, send1, 1);
+    const float4 v = odd ? make_float4(got0, got1, dq[4 * j + 2], dq[4 * j + 3])
+                         : make_float4(dq[4 * j], dq[4 * j + 1], got0, got1);
+    if (i < q_len) atomic_add4(dst + 8 * j, v);
+  }
+}
+
+// dK·scale (or dV) of the warpgroup's 64 keys, from its accumulator fragment, rows past kv_len dropped.
+template <class Traits>
+__device__ __forceinline__ void write_dkv(typename Traits::T* out, int64_t row_stride, int64_t kv_len, int64_t key0,
+                                          const float (&acc)[Traits::kHeadDim / 2], float scale, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = key0 + 8 * r;
+    if (key < kv_len) {
+      typename Traits::T* row = out + key * row_stride + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < Traits::kHeadDim / 8; ++j)
+        *reinterpret_cast<uint32_t*>(row + 8 * j) =
+            pack2<typename Traits::T>(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+    }
+  }
+}
+
+// Named barrier (id; 0 is __syncthreads'): both consumer warpgroups have written their halves of a step's dSᵀ.
+constexpr int kDsWrittenBarrier = 1;
+
+// ---- the consumers' mainloop --------------------------------------------------------------------------------------------
+// Per step (query head h, query tile at m0), the products in five groups: {Sᵀ}, {dPᵀ}, {dV}, then after the barrier
+// {dQ}, {dK}. The exponentials of Pᵀ run while dPᵀ is on the tensor cores, the stores of dSᵀ and the barrier while dV
+// is, and dQ's reductions to global memory while dK is (FlashAttention-3's order).
+template <class Traits, bool kIsCausal>
+__device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& sm, const AttentionParams& p,
+                                                  const BwdSteps& steps, float* dq_accum, int64_t b, int64_t n0, int wg,
+                                                  float (&dk)[Traits::kHeadDim / 2], float (&dv)[Traits::kHeadDim / 2]) {
+  constexpr int kBlockM = Traits::kBlockM;
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int key0 = wg * 64 + warp * 16 + lane / 4;  // the tile key of the thread's row g
+  const float scale_log2 = p.scale * kLog2e;
+  const char* k_w = sm.k + wg * 64 * Traits::kRowBytes;  // the warpgroup's 64 keys of every K (V) panel
+  const char* v_w = sm.v + wg * 64 * Traits::kRowBytes;
+  // The warpgroup's dQ block: query rows dq_row0 .. + 63 of the tile, head_dim columns dq_col0 .. + 63.
+  const int dq_row0 = Traits::kDqSplitByRows ? wg * 64 : 0;
+  const int dq_col0 = Traits::kDqSplitByRows ? 0 : wg * 64;
+  const int64_t head_dim = Traits::kHeadDim;
+
+  mbarrier_wait(sm.kv_full, 0);
+  for (int s = 0; s < steps.count; ++s) {
+    const int stage = bwd_stage<Traits>(s);
+    const uint32_t phase = bwd_phase<Traits>(s);
+    const int64_t h = steps.head(s);
+    const int64_t m0 = static_cast<int64_t>(steps.m_tile(s)) * kBlockM;
+    const TileMask mask = tile_mask<Traits, kIsCausal>(p, n0, m0);
+    const char* q_tile = sm.q_tile(stage);
+    const char* do_tile = sm.do_tile(stage);
+
+    // Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ, both in flight.
+    float st[kBlockM / 2], dpt[kBlockM / 2];
+#pragma unroll
+    for (int i = 0; i < kBlockM / 2; ++i) st[i] = dpt[i] = 0.f;
+    mbarrier_wait(&sm.q_full[stage], phase);
+    gemm_keys_x_queries<Traits>(st, k_w, q_tile);
+    mbarrier_wait(&sm.do_full[stage], phase);
+    gemm_keys_x_queries<Traits>(dpt, v_w, do_tile);
+
+    // Pᵀ (under dPᵀ's product), then dSᵀ.
+    wgmma_wait<1>();
+    fence_fragment(st);
+    if (mask.needed) scores_to_probs<Traits, kIsCausal, true>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
+    else scores_to_probs<Traits, kIsCausal, false>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
+    wgmma_wait<0>();
+    fence_fragment(dpt);
+    probs_to_dscores<Traits>(dpt, st, sm.delta_rows(stage), mask, lane);
+    uint32_t pt16[kBlockM / 16][4], dst16[kBlockM / 16][4];
+    to_a_frags<Traits>(pt16, st);
+    to_a_frags<Traits>(dst16, dpt);
+
+    // dV += Pᵀ dO, under the stores of dSᵀ and the barrier.
+    wgmma_fence();
+    gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
+    wgmma_commit();
+
+    // dSᵀ to shared memory for dQ. Its buffer was last read by the dQ product of step s − 2, which both warpgroups
+    // waited for before they reached the barrier of step s − 1.
+    char* ds_tile = sm.ds_tile(s);
+    store_dscores<Traits>(ds_tile, dst16, key0, lane);
+    fence_proxy_async();  // the tensor cores read what these stores wrote
+    named_barrier_sync(kDsWrittenBarrier, 256);
+
+    // The warpgroup's dQ block = dS K_j, then dK += dSᵀ Q; dQ's reductions run under the latter.
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+    gemm_dq<Traits>(dq, ds_tile + (dq_row0 / 64) * Traits::kDsPanelBytes,
+                    sm.k + (dq_col0 / 64) * Traits::kKVPanelBytes);
+    wgmma_fence();
+    gemm_keys_x_dim<Traits>(dk, dst16, q_tile);
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ are done (groups complete in order): dO is free
+    fence_fragment(dq);
+    fence_fragment(dv);
+    fence_fragment(pt16);
+    if (lane == 0) mbarrier_arrive(&sm.do_empty[stage]);
+    add_dq_block(dq_accum + (b * p.num_heads + h) * p.q_len * head_dim, p.q_len, head_dim,
+                 m0 + dq_row0 + warp * 16, dq_col0, dq, lane);
+    wgmma_wait<0>();  // dK is done: Q is free
+    fence_fragment(dk);
+    fence_fragment(dst16);
+    if (lane == 0) mbarrier_arrive(&sm.q_empty[stage]);
+  }
+}
+
+// ---- the kernel -------------------------------------------------------------------------------------------------------
+// Grid and GQA as flash_bwd.cuh: (key blocks, batch x kv heads), or with kPerQueryHead (key blocks, batch x query
+// heads), each block then writing its query head's share of dK, dV; under a causal mask one dimension in
+// grouped_heavy_first's order (a head's first key block sees the most query tiles).
+template <class Traits, bool kIsCausal, bool kPerQueryHead>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_hopper_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                            const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                            const AttentionBackwardParams bp, const float* stats, float* dq_accum, int heads_per_group) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
+  const AttentionParams& p = bp.fwd;
+  extern __shared__ char smem_raw[];
+  char* base = smem_raw + (1024 - smem_u32(smem_raw) % 1024) % 1024;
+  const BwdSharedTiles<Traits> sm(base);
+
+  const int64_t heads_here = kPerQueryHead ? p.num_heads : p.num_kv_heads;
+  int n_block, bh;
+  if constexpr (kIsCausal) {
+    const int n_blocks = static_cast<int>((p.kv_len + kBlockN - 1) / kBlockN);
+    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * heads_here), n_blocks,
+                                            heads_per_group);
+    n_block = ht.tile_rank;
+    bh = ht.head;
+  } else {
+    n_block = blockIdx.x;
+    bh = blockIdx.y;
+  }
+  const int64_t b = bh / heads_here, head = bh % heads_here;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t hk = kPerQueryHead ? head / group : head;
+  const int64_t n0 = static_cast<int64_t>(n_block) * kBlockN;
+
+  // The query tiles that see some key of this block: all, or under the causal mask those with a row
+  // i >= n0 − causal_offset; for each query head of the block (one, or the kv head's group).
+  BwdSteps steps;
+  const int m_tiles_all = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
+  steps.m_first = kIsCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM)) : 0;
+  steps.m_tiles = m_tiles_all - steps.m_first;
+  steps.h_first = kPerQueryHead ? head : hk * group;
+  steps.count = (kPerQueryHead ? 1 : static_cast<int>(group)) * steps.m_tiles;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < Traits::kStages; ++s) {
+      mbarrier_init(&sm.q_full[s], 1);
+      mbarrier_init(&sm.do_full[s], 1);
+      mbarrier_init(&sm.q_empty[s], 4 * Traits::kConsumerWarpgroups);  // lane 0 of every consumer warp
+      mbarrier_init(&sm.do_empty[s], 4 * Traits::kConsumerWarpgroups);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---- producer ----
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (threadIdx.x == 0 && steps.count > 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_do);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      load_bwd_tiles<Traits>(sm, &tm_q, &tm_do, &tm_k, &tm_v, p, stats, steps, b, hk, static_cast<int>(n0));
+    }
+  } else {
+    // ---- consumers ----
+    setmaxnreg_inc<Traits::kConsumerRegs>();
+    const int wg = warpgroup - 1;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    float dk[kD / 2], dv[kD / 2];  // the warpgroup's 64 keys x head_dim
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
+    if (steps.count > 0) consumer_mainloop<Traits, kIsCausal>(sm, p, steps, dq_accum, b, n0, wg, dk, dv);
+
+    // dK (scaled) and dV of the warpgroup's keys, summed over the query heads the block visited; 0 where none saw them.
+    using T = typename Traits::T;
+    const int64_t key0 = n0 + wg * 64 + warp * 16 + lane / 4;
+    write_dkv<Traits>(head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, b, head), bp.dk_strides[2], p.kv_len, key0, dk,
+                      p.scale, lane);
+    write_dkv<Traits>(head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, b, head), bp.dv_strides[2], p.kv_len, key0, dv,
+                      1.f, lane);
+  }
+#endif
+}
+
+// ---- host launch -------------------------------------------------------------------------------------------------------
+template <class Traits>
+cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* stats, float* dq_accum,
+                                    bool per_query_head, cudaStream_t stream) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t rows = p.batch * p.num_heads * p.q_len;
+  if (rows > 0) {
+    flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
+        <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const unsigned heads = static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads));
+  const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
+  if (heads == 0 || n_blocks == 0) return cudaSuccess;  // no keys: dK, dV are empty, dQ stays 0
+  auto kernel = p.is_causal ? (per_query_head ? flash_bwd_hopper_kernel<Traits, true, true>
+                                              : flash_bwd_hopper_kernel<Traits, true, false>)
+                            : (per_query_head ? flash_bwd_hopper_kernel<Traits, false, true>
+                                              : flash_bwd_hopper_kernel<Traits, false, false>);
+
+  CUtensorMap tm_q, tm_do, tm_k, tm_v;
+  cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, p.q_len, p.num_heads, p.batch,
+                                       p.q_strides, Traits::kBlockM);
+  if (err == cudaSuccess)
+    err = make_head_rows_map(&tm_do, p.dtype, bp.dout, Traits::kHeadDim, p.q_len, p.num_heads, p.batch,
+                             bp.dout_strides, Traits::kBlockM);
+  if (err == cudaSuccess)
+    err = make_head_rows_map(&tm_k, p.dtype, p.k, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.k_strides,
+                             Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = make_head_rows_map(&tm_v, p.dtype, p.v, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.v_strides,
+                             Traits::kBlockN);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+
+  const dim3 grid = p.is_causal ? dim3(heads * n_blocks) : dim3(n_blocks, heads);
+  int heads_per_group = 1;
+  if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, n_blocks, &heads_per_group);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_do, tm_k, tm_v, bp, stats, dq_accum,
+                                                                  heads_per_group);
+  return cudaGetLastError();
+}
+
+}  // namespace hopper
+}  // namespace cuda
+}  // namespace cs149gpt

@@ -1,0 +1,14 @@
+// The Hopper backward for head_dim 64, fp16 (one file per head dim and dtype, so they compile in parallel).
+#include "flash_bwd_hopper.cuh"
+
+namespace cs149gpt {
+namespace cuda {
+namespace hopper {
+template <>
+cudaError_t flash_bwd_run<64, __half>(const AttentionBackwardParams& p, float* delta, float* dq_accum,
+                                   bool per_query_head, cudaStream_t stream) {
+  return launch_flash_bwd_hopper<BwdTraits<64, __half>>(p, delta, dq_accum, per_query_head, stream);
+}
+}  // namespace hopper
+}  // namespace cuda
+}  // namespace cs149gpt
