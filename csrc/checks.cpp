@@ -63,8 +63,9 @@ DType parse_dtype(const at::Tensor& q, Impl impl) {
   }
 }
 
-// A plain dense tensor of at least 2 dims. Sparse, nested and quantized tensors are refused here, by name, rather
-// than left to the dispatcher's "Could not run ... with arguments from the 'SparseCPU' backend".
+// A plain dense tensor (check_tensor: of at least 2 dims; check_varlen checks its own ranks). Sparse, nested and
+// quantized tensors are refused here, by name, rather than left to the dispatcher's "Could not run ... with arguments
+// from the 'SparseCPU' backend".
 static void check_plain(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got layout ", t.layout());
