@@ -223,8 +223,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Args:
         q: (total_q, heads, head_dim), the batch's query sequences one after another; sequence b is rows
             [cu_seqlens_q[b], cu_seqlens_q[b + 1]). k, v: (total_k, heads_kv, head_dim), likewise with cu_seqlens_k.
-        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets. max_seqlen_q, max_seqlen_k: at least the longest
-            sequence's length (ValueError otherwise).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets, batch >= 1; sequences may be empty, all of them too
+            (total 0), as in FlashAttention. max_seqlen_q, max_seqlen_k: at least the longest sequence's length
+            (ValueError otherwise). Errors name the argument and show its shape as passed.
         dropout_p, softmax_scale, causal (bottom-right in each sequence), window_size: as in the module docstring.
         return_attn_probs: also return softmax_lse (heads, total_q) float32 and S_dmask, the attention probabilities
             (batch, heads, max_seqlen_q, max_seqlen_k) before dropout, zero past each sequence, negated where dropout

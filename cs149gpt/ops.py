@@ -365,8 +365,9 @@ def varlen_attention(
     Args:
         q: (total_q, Hq, d); k, v: (total_k, Hkv, d), Hq a multiple of Hkv (GQA/MQA). float32, bfloat16 or float16;
             any strides with the head_dim contiguous (else one copy is made).
-        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 offsets, never decreasing, within total_q / total_k (rows outside
-            every sequence get 0 out and 0 gradient).
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 offsets, B >= 1, never decreasing, within total_q / total_k (rows
+            outside every sequence get 0 out and 0 gradient). Sequences may be empty, all of them too (total_q or
+            total_k 0: an empty out, or zeros with lse −inf; zero gradients), as in FlashAttention.
         max_seqlen_q, max_seqlen_k: bounds on the sequences' lengths (ValueError if a sequence is longer); the kernel
             sizes its work from the actual longest.
         scale: multiplies q·k; None means 1/sqrt(d).
@@ -904,8 +905,9 @@ def _register_python_parts() -> None:
     @torch.library.register_fake(lib + "varlen_attention_backward")
     def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=None, causal=False,
           window_left=-1, window_right=-1, dropout_p=0.0, dropout_seed=None, softcap=0.0, alibi_slopes=None):
-        checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                            window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes)
+        checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     scale, causal, window_left, window_right, dropout_p, dropout_seed, softcap,
+                                     alibi_slopes)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)

@@ -14,6 +14,8 @@
 #include <sstream>
 #include <tuple>
 
+#include <c10/util/FunctionRef.h>
+
 #include "heuristics.h"
 #include "mask_ranges.h"
 
@@ -61,13 +63,17 @@ DType parse_dtype(const at::Tensor& q, Impl impl) {
   }
 }
 
-// A plain dense tensor of at least 2 dims. Sparse, nested and quantized tensors are refused here, by name, rather
-// than left to the dispatcher's "Could not run ... with arguments from the 'SparseCPU' backend".
-void check_tensor(const at::Tensor& t, const char* name) {
+// A plain dense tensor (check_tensor: of at least 2 dims; check_varlen checks its own ranks). Sparse, nested and
+// quantized tensors are refused here, by name, rather than left to the dispatcher's "Could not run ... with arguments
+// from the 'SparseCPU' backend".
+static void check_plain(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, name, " must be a dense (strided) tensor, got layout ", t.layout());
   TORCH_CHECK_TYPE(!t.is_nested(), name, " must be a dense (strided) tensor, not a nested tensor");
   TORCH_CHECK_TYPE(!t.is_quantized(), name, " must be a float tensor, not quantized; got ", t.scalar_type());
+}
+void check_tensor(const at::Tensor& t, const char* name) {
+  check_plain(t, name);
   TORCH_CHECK_VALUE(t.dim() >= 2, name, " must have shape (..., N, d), at least 2 dims; got shape ", t.sym_sizes());
 }
 
@@ -122,62 +128,29 @@ void check_mask(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k
   check_devices({{"q", &q}, {"attn_mask", &mask}});
 }
 
-// Every check of an attention call that needs no data: dtypes, devices, ranks, shapes (GQA divisibility included),
-// scale, causal mode, tiles. Written on symbolic sizes, so one function serves the CPU kernels (run_attention) and
-// the fake/meta implementations in ops.py (the module's check_attention, called with FakeTensors whose sizes are
-// SymInts under torch.compile): eager, meta, FakeTensorMode and torch.compile refuse the same inputs with the same
-// message. Returns the dtype of the call.
-DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
-                      std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
-                      std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
-                      int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed, double softcap,
-                      const OptionalTensor& alibi_slopes) {
-  check_tensor(q, "q");
-  check_tensor(k, "k");
-  check_tensor(v, "v");
+// q, k and v on one device, of one dtype that impl takes. Returns it.
+static DType check_dtypes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl) {
   check_devices({{"q", &q}, {"k", &k}, {"v", &v}});
   const DType dtype = parse_dtype(q, impl);
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                    "q, k and v must share one dtype, got q ", q.scalar_type(), ", k ", k.scalar_type(), ", v ",
                    v.scalar_type());
-  TORCH_CHECK_VALUE(k.dim() == q.dim() && v.dim() == q.dim(), "q, k and v must have the same number of dims, got q ",
-                    q.sym_sizes(), ", k ", k.sym_sizes(), ", v ", v.sym_sizes());
-  const int64_t rank = q.dim();
-  const c10::SymInt d = q.sym_size(-1), q_len = q.sym_size(-2), kv_len = k.sym_size(-2);
-  CHECK_SIZES(d.sym_ge(1), "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
-  CHECK_SIZES(q_len.sym_ge(1), "q must have at least one query row (dim -2), got shape ", q.sym_sizes());
-  CHECK_SIZES(kv_len.sym_ge(1), "k must have at least one key row (dim -2), got shape ", k.sym_sizes());
-  CHECK_SIZES(k.sym_size(-1).sym_eq(d).sym_and(v.sym_size(-1).sym_eq(d)), "k and v must have head dim d = ", d,
-              " (the last dim of q), got k ", k.sym_sizes(), ", v ", v.sym_sizes());
-  CHECK_SIZES(v.sym_size(-2).sym_eq(kv_len), "k and v must have the same length (dim -2), got k ", k.sym_sizes(),
-              ", v ", v.sym_sizes());
-  const auto lead = q.sym_sizes().slice(0, std::max<int64_t>(rank - 3, 0));
-  CHECK_SIZES(equal_sizes(k.sym_sizes().slice(0, lead.size()), lead)
-                  .sym_and(equal_sizes(v.sym_sizes().slice(0, lead.size()), lead)),
-              "q, k and v must have the same leading dims, got q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ",
-              v.sym_sizes());
-  if (rank >= 3) {
-    const c10::SymInt hq = q.sym_size(-3), hkv = k.sym_size(-3);
-    CHECK_SIZES(v.sym_size(-3).sym_eq(hkv), "k and v must have the same number of heads (dim -3), got k ",
-                k.sym_sizes(), ", v ", v.sym_sizes());
-    // First: hq % 0 must never be evaluated.
-    CHECK_SIZES(hkv.sym_ge(1), "k and v must have at least one head (dim -3), got k ", k.sym_sizes(), ", v ",
-                v.sym_sizes());
-    CHECK_SIZES((hq % hkv).sym_eq(0), "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
-                q.sym_sizes(), ", k ", k.sym_sizes());
-  }
+  return dtype;
+}
+
+static void check_scale(std::optional<double> scale) {
   if (scale)
     TORCH_CHECK_VALUE(std::isfinite(*scale) && std::fabs(*scale) < kFloat32Overflow,
                       "scale must be a finite float32, got ", *scale);
-  TORCH_CHECK_VALUE(causal == "none" || causal == "top_left" || causal == "bottom_right",
-                    "causal must be 'none', 'top_left' or 'bottom_right'; got '", causal, "'");
-  // Tile sizes are checked whatever the impl, so a typo is never silently ignored.
-  if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
-  if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
-  if (is_given(attn_mask)) {
-    TORCH_CHECK_VALUE(impl == Impl::flash, "attn_mask needs impl='flash', got impl='", impl_name(impl), "'");
-    check_mask(*attn_mask, q, k);
-  }
+}
+
+// The options a dense call (check_attention) and a varlen one (check_varlen) check alike, once their shapes have
+// passed: window, dropout, softcap, alibi_slopes (its shape by slopes_shape, which knows the call's layout), then what
+// CUDA tensors cannot take. q's last dim is d in both layouts.
+static void check_options(const at::Tensor& q, Impl impl, DType dtype, bool has_mask, int64_t window_left,
+                          int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                          const OptionalTensor& alibi_slopes,
+                          c10::function_ref<void(const at::Tensor&)> slopes_shape) {
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "window must be (left, right) with each >= 0, or -1 "
                     "for no bound on that side; got (", window_left, ", ", window_right, ")");
   TORCH_CHECK_VALUE(impl == Impl::flash || (window_left == -1 && window_right == -1), "window needs impl='flash', "
@@ -207,13 +180,7 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     check_devices({{"q", &q}, {"alibi_slopes", &s}});
     TORCH_CHECK_VALUE(!s.requires_grad(), "alibi_slopes gets no gradient: pass it with requires_grad=False "
                       "(alibi_slopes.detach())");
-    // (Hq,), or q's leading dims then Hq: (B, Hq) for q of shape (B, Hq, Nq, d).
-    const c10::SymInt hq = rank >= 3 ? q.sym_size(-3) : c10::SymInt(1);
-    const auto heads_lead = q.sym_sizes().slice(0, std::max<int64_t>(rank - 2, 0));
-    const bool per_head = s.dim() == 1 && s.sym_size(0) == hq;
-    CHECK_SIZES(c10::SymBool(per_head).sym_or(equal_sizes(s.sym_sizes(), heads_lead)),
-                "alibi_slopes must have shape (", hq, ",) (one slope per query head) or ", heads_lead,
-                " (q's leading dims: one per batch element and head); got ", s.sym_sizes());
+    slopes_shape(s);
   }
   // What only the CPU kernels run, refused here for CUDA tensors (fake ones too), so that eager mode,
   // FakeTensorMode and torch.compile refuse a call alike, before anything is traced or launched.
@@ -222,16 +189,80 @@ DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       "impl='flash' (float32: the one-thread-per-row teaching kernel; bfloat16/float16: "
                       "FlashAttention-2)");
     TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
-    TORCH_CHECK_NOT_IMPLEMENTED(!is_given(attn_mask), "attn_mask is not supported on CUDA yet (CPU only)");
+    TORCH_CHECK_NOT_IMPLEMENTED(!has_mask, "attn_mask is not supported on CUDA yet (CPU only)");
     TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1,
                                 "window is not supported on CUDA yet (CPU only)");
     TORCH_CHECK_VALUE(softcap == 0.0, "softcap is not supported on CUDA yet (CPU only); pass softcap=0");
     TORCH_CHECK_VALUE(!is_given(alibi_slopes), "alibi_slopes is not supported on CUDA yet (CPU only); pass None");
     // The tensor-core kernels are instantiated for these head dims (csrc/cuda/flash_launch.cuh).
+    const c10::SymInt d = q.sym_size(-1);
     if (dtype != DType::f32)
       CHECK_SIZES(d.sym_eq(64).sym_or(d.sym_eq(128)), "CUDA flash attention in ", q.scalar_type(),
                   " supports head dim d = 64 or 128, got d = ", d, " (float32 runs the teaching kernel, for any d)");
   }
+}
+
+// Every check of an attention call that needs no data: dtypes, devices, ranks, shapes (GQA divisibility included),
+// scale, causal mode, tiles. Written on symbolic sizes, so one function serves the CPU kernels (run_attention) and
+// the fake/meta implementations in ops.py (the module's check_attention, called with FakeTensors whose sizes are
+// SymInts under torch.compile): eager, meta, FakeTensorMode and torch.compile refuse the same inputs with the same
+// message. Returns the dtype of the call.
+DType check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl,
+                      std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
+                      std::optional<int64_t> block_k, const OptionalTensor& attn_mask, int64_t window_left,
+                      int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                      const OptionalTensor& alibi_slopes) {
+  check_tensor(q, "q");
+  check_tensor(k, "k");
+  check_tensor(v, "v");
+  const DType dtype = check_dtypes(q, k, v, impl);
+  TORCH_CHECK_VALUE(k.dim() == q.dim() && v.dim() == q.dim(), "q, k and v must have the same number of dims, got q ",
+                    q.sym_sizes(), ", k ", k.sym_sizes(), ", v ", v.sym_sizes());
+  const int64_t rank = q.dim();
+  const c10::SymInt d = q.sym_size(-1), q_len = q.sym_size(-2), kv_len = k.sym_size(-2);
+  CHECK_SIZES(d.sym_ge(1), "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
+  CHECK_SIZES(q_len.sym_ge(1), "q must have at least one query row (dim -2), got shape ", q.sym_sizes());
+  CHECK_SIZES(kv_len.sym_ge(1), "k must have at least one key row (dim -2), got shape ", k.sym_sizes());
+  CHECK_SIZES(k.sym_size(-1).sym_eq(d).sym_and(v.sym_size(-1).sym_eq(d)), "k and v must have head dim d = ", d,
+              " (the last dim of q), got k ", k.sym_sizes(), ", v ", v.sym_sizes());
+  CHECK_SIZES(v.sym_size(-2).sym_eq(kv_len), "k and v must have the same length (dim -2), got k ", k.sym_sizes(),
+              ", v ", v.sym_sizes());
+  const auto lead = q.sym_sizes().slice(0, std::max<int64_t>(rank - 3, 0));
+  CHECK_SIZES(equal_sizes(k.sym_sizes().slice(0, lead.size()), lead)
+                  .sym_and(equal_sizes(v.sym_sizes().slice(0, lead.size()), lead)),
+              "q, k and v must have the same leading dims, got q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ",
+              v.sym_sizes());
+  if (rank >= 3) {
+    const c10::SymInt hq = q.sym_size(-3), hkv = k.sym_size(-3);
+    CHECK_SIZES(v.sym_size(-3).sym_eq(hkv), "k and v must have the same number of heads (dim -3), got k ",
+                k.sym_sizes(), ", v ", v.sym_sizes());
+    // First: hq % 0 must never be evaluated.
+    CHECK_SIZES(hkv.sym_ge(1), "k and v must have at least one head (dim -3), got k ", k.sym_sizes(), ", v ",
+                v.sym_sizes());
+    CHECK_SIZES((hq % hkv).sym_eq(0), "the heads of q (dim -3) must be a multiple of those of k and v, got q ",
+                q.sym_sizes(), ", k ", k.sym_sizes());
+  }
+  check_scale(scale);
+  TORCH_CHECK_VALUE(causal == "none" || causal == "top_left" || causal == "bottom_right",
+                    "causal must be 'none', 'top_left' or 'bottom_right'; got '", causal, "'");
+  // Tile sizes are checked whatever the impl, so a typo is never silently ignored.
+  if (block_q) TORCH_CHECK_VALUE(*block_q >= 1, "block_q must be >= 1, got ", *block_q);
+  if (block_k) TORCH_CHECK_VALUE(*block_k >= 1, "block_k must be >= 1, got ", *block_k);
+  if (is_given(attn_mask)) {
+    TORCH_CHECK_VALUE(impl == Impl::flash, "attn_mask needs impl='flash', got impl='", impl_name(impl), "'");
+    check_mask(*attn_mask, q, k);
+  }
+  // (Hq,), or q's leading dims then Hq: (B, Hq) for q of shape (B, Hq, Nq, d).
+  const auto slopes_shape = [&](const at::Tensor& s) {
+    const c10::SymInt hq = rank >= 3 ? q.sym_size(-3) : c10::SymInt(1);
+    const auto heads_lead = q.sym_sizes().slice(0, std::max<int64_t>(rank - 2, 0));
+    const bool per_head = s.dim() == 1 && s.sym_size(0) == hq;
+    CHECK_SIZES(c10::SymBool(per_head).sym_or(equal_sizes(s.sym_sizes(), heads_lead)),
+                "alibi_slopes must have shape (", hq, ",) (one slope per query head) or ", heads_lead,
+                " (q's leading dims: one per batch element and head); got ", s.sym_sizes());
+  };
+  check_options(q, impl, dtype, is_given(attn_mask), window_left, window_right, dropout_p, dropout_seed, softcap,
+                alibi_slopes, slopes_shape);
   return dtype;
 }
 
@@ -380,7 +411,7 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const OptionalTensor& alibi_slopes, const OptionalTensor& block_table) {
   const bool paged = is_given(block_table);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}}) {
-    check_tensor(*t, name);
+    check_plain(*t, name);
     if (paged && t != &q) {
       TORCH_CHECK_VALUE(t->dim() == 4, name, " must be (num_blocks, page_block_size, heads_kv, head_dim), a paged KV "
                         "cache (block_table is given), got shape ", t->sym_sizes());
@@ -415,20 +446,58 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check_devices({{"q", &q}, {"cu_seqlens_q", &cu_seqlens_q}, {"cu_seqlens_k", &cu_seqlens_k}});
   TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q and max_seqlen_k must be >= 0, got ",
                     max_seqlen_q, " and ", max_seqlen_k);
-  // ALiBi slopes: (Hq,) or (batch, Hq), one row per sequence.
-  OptionalTensor per_head = alibi_slopes;
-  if (is_given(alibi_slopes) && alibi_slopes->dim() == 2) {
-    CHECK_SIZES(alibi_slopes->sym_size(0).sym_eq(cu_seqlens_q.sym_size(0) - 1), "alibi_slopes must be (heads,) or "
-                "(batch, heads) with batch = len(cu_seqlens_q) - 1 = ", cu_seqlens_q.sym_size(0) - 1, "; got shape ",
-                alibi_slopes->sym_sizes());
-    per_head = alibi_slopes->select(0, 0);  // its heads, dtype and device are checked below as (Hq,) slopes'
-  }
-  // The rest as a dense call on (heads, tokens, d) views: dtypes, devices, head dims, GQA, scale, window, dropout,
-  // softcap and the slopes. (A paged cache's first row of each block stands for its tokens.)
-  const at::Tensor k3 = paged ? k.select(1, 0) : k, v3 = paged ? v.select(1, 0) : v;
-  return check_attention(q.transpose(0, 1), k3.transpose(0, 1), v3.transpose(0, 1), Impl::flash, scale,
-                         causal ? "bottom_right" : "none", std::nullopt, std::nullopt, {}, window_left, window_right,
-                         dropout_p, dropout_seed, softcap, per_head);
+  const DType dtype = check_dtypes(q, k, v, Impl::flash);
+  // Shapes in the caller's layout: q (total_q, Hq, d); k and v (total_k, Hkv, d), or a paged cache's
+  // (num_blocks, page_block_size, Hkv, d). No token is needed: total_q or total_k 0 (sequences all empty) gives empty
+  // or zero outputs, as FlashAttention's.
+  const int64_t kv_heads_dim = paged ? 2 : 1;
+  const c10::SymInt d = q.sym_size(2), hq = q.sym_size(1), hkv = k.sym_size(kv_heads_dim);
+  CHECK_SIZES(d.sym_ge(1), "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
+  CHECK_SIZES(k.sym_size(-1).sym_eq(d).sym_and(v.sym_size(-1).sym_eq(d)), "k and v must have head dim d = ", d,
+              " (the last dim of q), got k ", k.sym_sizes(), ", v ", v.sym_sizes());
+  if (!paged)  // (a paged v has k's shape, checked above)
+    CHECK_SIZES(v.sym_size(0).sym_eq(k.sym_size(0)), "k and v must have the same number of tokens total_k (dim 0), "
+                "got k ", k.sym_sizes(), ", v ", v.sym_sizes());
+  CHECK_SIZES(v.sym_size(kv_heads_dim).sym_eq(hkv), "k and v must have the same number of heads (dim ", kv_heads_dim,
+              "), got k ", k.sym_sizes(), ", v ", v.sym_sizes());
+  // First: hq % 0 must never be evaluated.
+  CHECK_SIZES(hkv.sym_ge(1), "k and v must have at least one head (dim ", kv_heads_dim, "), got k ", k.sym_sizes(),
+              ", v ", v.sym_sizes());
+  CHECK_SIZES((hq % hkv).sym_eq(0), "the heads of q (dim 1) must be a multiple of those of k and v (dim ",
+              kv_heads_dim, "), got q ", q.sym_sizes(), ", k ", k.sym_sizes());
+  check_scale(scale);
+  // ALiBi slopes: (Hq,), or (batch, Hq), a row per sequence.
+  const auto slopes_shape = [&](const at::Tensor& s) {
+    const c10::SymInt batch = cu_seqlens_q.sym_size(0) - 1;
+    const c10::SymBool per_head = s.dim() == 1 ? s.sym_size(0).sym_eq(hq) : c10::SymBool(false);
+    const c10::SymBool per_sequence =
+        s.dim() == 2 ? s.sym_size(0).sym_eq(batch).sym_and(s.sym_size(1).sym_eq(hq)) : c10::SymBool(false);
+    CHECK_SIZES(per_head.sym_or(per_sequence), "alibi_slopes must be (heads,) or (batch, heads) with batch = "
+                "len(cu_seqlens_q) - 1 = ", batch, " and heads = ", hq, " (q's dim 1); got shape ", s.sym_sizes());
+  };
+  check_options(q, Impl::flash, dtype, false, window_left, window_right, dropout_p, dropout_seed, softcap,
+                alibi_slopes, slopes_shape);
+  return dtype;
+}
+
+DType check_varlen_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                            std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+                            double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                            const OptionalTensor& alibi_slopes) {
+  const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                   window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
+  check_like(dout, "dout", q, "q");
+  check_like(out, "out", q, "q");
+  TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
+  TORCH_CHECK_TYPE(lse.layout() == at::kStrided, "lse must be a dense (strided) tensor, got layout ", lse.layout());
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+  const c10::SymInt heads = q.sym_size(1), total_q = q.sym_size(0);
+  CHECK_SIZES(equal_sizes(lse.sym_sizes(), {heads, total_q}),
+              "lse must be (heads, total_q) = (", heads, ", ", total_q, "), got shape ", lse.sym_sizes());
+  check_devices({{"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
+  return dtype;
 }
 
 std::pair<int64_t, int64_t> varlen_lengths(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
@@ -497,6 +566,34 @@ void fill_params(AttentionParams& p, const at::Tensor& q4, const at::Tensor& k4,
   p.causal_offset = parse_causal(causal, q_len, kv_len, &p.is_causal);
 }
 
+at::Tensor fill_options(AttentionParams& p, int64_t q_len_plus_kv_len, int64_t window_left, int64_t window_right,
+                        double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                        const OptionalTensor& alibi_slopes) {
+  p.num_threads = std::max(1, at::get_num_threads());
+  p.f32_products = g_float32_products;
+  // A bound that reaches past every key leaves its side unbounded (−1): row i's band is i + offset ± bound in int64
+  // (attention.h), which a bound near INT64_MAX — sys.maxsize meaning "no bound" — would overflow. Exact: with
+  // |offset| < q_len + kv_len, a bound beyond q_len + kv_len hides no key.
+  const auto bound_or_none = [&](int64_t bound) { return bound > q_len_plus_kv_len ? int64_t{-1} : bound; };
+  p.window_left = bound_or_none(window_left);
+  p.window_right = bound_or_none(window_right);
+  if (dropout_p > 0.0) {
+    p.dropout_p = static_cast<float>(dropout_p);
+    const at::Tensor seed = dropout_seed->contiguous();
+    p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
+    p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
+  }
+  p.softcap = static_cast<float>(softcap);
+  if (!is_given(alibi_slopes)) return {};
+  // (Hq,): stride 0 over the batch; else the batch's dims (q's leading dims, or a varlen call's sequences) as one.
+  const at::Tensor& s = *alibi_slopes;
+  at::Tensor slopes = s.dim() == 1 ? s : s.reshape({p.batch, p.num_heads});
+  p.alibi_slopes = slopes.data_ptr<float>();
+  p.alibi_strides[0] = s.dim() == 1 ? 0 : slopes.stride(0);
+  p.alibi_strides[1] = slopes.stride(-1);
+  return slopes;
+}
+
 // Fills the params of a call whose arguments check_attention has passed (it returned dtype).
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Impl impl, DType dtype,
                  std::optional<double> scale, const std::string& causal, std::optional<int64_t> block_q,
@@ -510,8 +607,6 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   Prepared prep{as_4d(q, "q"), as_4d(k, "k"), as_4d(v, "v"), {}, {}};
   AttentionParams& p = prep.p;
   fill_params(p, prep.q4, prep.k4, prep.v4, dtype, scale, causal);
-  p.num_threads = std::max(1, at::get_num_threads());
-  p.f32_products = g_float32_products;
   if (is_given(attn_mask)) {
     prep.mask4 = mask_as_4d(*attn_mask, q, kv_len);
     p.mask = prep.mask4.data_ptr();
@@ -533,27 +628,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       }
     }
   }
-  // A bound that reaches past every key leaves its side unbounded (−1): row i's band is i + offset ± bound in int64
-  // (attention.h), which a bound near INT64_MAX — sys.maxsize meaning "no bound" — would overflow. Exact: with
-  // |offset| < q_len + kv_len, a bound beyond q_len + kv_len hides no key.
-  const auto bound_or_none = [&](int64_t bound) { return bound > q_len + kv_len ? int64_t{-1} : bound; };
-  p.window_left = bound_or_none(window_left);
-  p.window_right = bound_or_none(window_right);
+  prep.alibi = fill_options(p, q_len + kv_len, window_left, window_right, dropout_p, dropout_seed, softcap,
+                            alibi_slopes);
   p.window_offset = kv_len - q_len;
-  if (dropout_p > 0.0) {
-    p.dropout_p = static_cast<float>(dropout_p);
-    const at::Tensor seed = dropout_seed->contiguous();
-    p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
-    p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
-  }
-  p.softcap = static_cast<float>(softcap);
-  if (is_given(alibi_slopes)) {  // (Hq,): stride 0 over the batch; else q's leading dims flattened as q4's are
-    const at::Tensor& s = *alibi_slopes;
-    prep.alibi = s.dim() == 1 ? s : s.reshape({p.batch, p.num_heads});
-    p.alibi_slopes = prep.alibi.data_ptr<float>();
-    p.alibi_strides[0] = s.dim() == 1 ? 0 : prep.alibi.stride(0);
-    p.alibi_strides[1] = prep.alibi.stride(-1);
-  }
   switch (impl) {
     case Impl::naive:
     case Impl::fused:

@@ -63,8 +63,9 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
                                const OptionalTensor& dropout_seed = {}, double softcap = 0.0,
                                const OptionalTensor& alibi_slopes = {});
 // varlen_attention's checks on sizes (symbolic: the fake calls it too): q (total_q, Hq, d), k and v (total_k, Hkv, d),
-// cu_seqlens_q and cu_seqlens_k int32 of one size B + 1, max_seqlen_q/k >= 0, and the options check_attention checks on
-// q, k, v seen as (heads, tokens, d). Returns the dtype of the call. The sequences' lengths are checked when the data is
+// cu_seqlens_q and cu_seqlens_k int32 of one size B + 1 >= 2, max_seqlen_q/k >= 0, and the options check_attention
+// checks too (the same code); messages show the shapes as passed. total_q and total_k may be 0 (FlashAttention's: empty
+// out, zero gradients). Returns the dtype of the call. The sequences' lengths are checked when the data is
 // read (varlen_lengths).
 // With block_table (B, max_blocks) int32, a paged KV cache: k and v are (num_blocks, page_block_size, Hkv, d) instead.
 DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
@@ -72,6 +73,14 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
                    double dropout_p, const OptionalTensor& dropout_seed, double softcap,
                    const OptionalTensor& alibi_slopes, const OptionalTensor& block_table = {});
+// The varlen backward's: check_varlen's checks, then dout and out shaped like q, lse (heads, total_q) float32; all six on
+// one device.
+DType check_varlen_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                            std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+                            double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                            const OptionalTensor& alibi_slopes);
 // The longest query and key sequences of cu_seqlens_q/k, after checking them against the packed tensors: each starts at
 // >= 0, never decreases, ends within total_q/total_k rows, and no sequence is longer than max_seqlen_q/k. `covers` is
 // set to whether the sequences cover every row of q and of k (else the rows outside them get zeros).
@@ -132,6 +141,14 @@ void fill_strides(int64_t (&strides)[3], const at::Tensor& t4);
 // (1/√d unless given) and the causal mask. The CPU's prepare and the CUDA one both start here.
 void fill_params(AttentionParams& p, const at::Tensor& q4, const at::Tensor& k4, const at::Tensor& v4, DType dtype,
                  std::optional<double> scale, const std::string& causal);
+
+// The params of the options, alike for a dense call (prepare) and a varlen one (module.cpp, prepare_varlen), set after
+// p.batch and p.num_heads: threads, float32's products, the window (a bound past q_len + kv_len, the longest sequences'
+// for varlen, is none), dropout's seed, softcap and the ALiBi slopes, seen as (batch, Hq) (returned: p.alibi_slopes
+// points into it; undefined without slopes). Not the window's offset: a dense call's own, a varlen call's per sequence.
+at::Tensor fill_options(AttentionParams& p, int64_t q_len_plus_kv_len, int64_t window_left, int64_t window_right,
+                        double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                        const OptionalTensor& alibi_slopes);
 
 // How the CPU forward multiplies float32 on AMX (the module's set_float32_products).
 extern F32Products g_float32_products;

@@ -249,24 +249,9 @@ VarlenCall prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Te
   p.cu_seqlens_k = c.cu_k.data_ptr<int32_t>();
   p.is_causal = causal;  // bottom-right in each sequence (sequence_view sets the offsets)
   p.block_q = p.block_k = 0;  // the kernels' tiles (heuristics.h)
-  const auto bound_or_none = [&](int64_t bound) { return bound > longest_q + longest_k ? int64_t{-1} : bound; };
-  p.window_left = bound_or_none(window_left);
-  p.window_right = bound_or_none(window_right);
-  p.num_threads = std::max(1, at::get_num_threads());
-  p.f32_products = g_float32_products;
-  if (dropout_p > 0.0) {
-    p.dropout_p = static_cast<float>(dropout_p);
-    const at::Tensor seed = dropout_seed->contiguous();
-    p.dropout_seed = static_cast<uint64_t>(seed.data_ptr<int64_t>()[0]);
-    p.dropout_offset = static_cast<uint64_t>(seed.data_ptr<int64_t>()[1]);
-  }
-  p.softcap = static_cast<float>(softcap);
-  if (is_given(alibi_slopes)) {  // (Hq,): stride 0 over the sequences; (batch, Hq): a row each
-    c.alibi = *alibi_slopes;
-    p.alibi_slopes = c.alibi.data_ptr<float>();
-    p.alibi_strides[0] = c.alibi.dim() == 1 ? 0 : c.alibi.stride(0);
-    p.alibi_strides[1] = c.alibi.stride(-1);
-  }
+  // (Hq,) slopes: stride 0 over the sequences; (batch, Hq): a row each.
+  c.alibi = fill_options(p, longest_q + longest_k, window_left, window_right, dropout_p, dropout_seed, softcap,
+                         alibi_slopes);
   return c;
 }
 
@@ -414,14 +399,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
     double dropout_p, const OptionalTensor& dropout_seed, double softcap, const OptionalTensor& alibi_slopes) {
-  const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                                   window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
-  check_like(dout, "dout", q, "q");
-  check_like(out, "out", q, "q");
-  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
-  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
-                    "lse must be (heads, total_q) = (", q.size(1), ", ", q.size(0), "), got shape ", lse.sizes());
-  check_devices({{"q", &q}, {"dout", &dout}, {"out", &out}, {"lse", &lse}});
+  const DType dtype = check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, scale, causal, window_left, window_right, dropout_p,
+                                            dropout_seed, softcap, alibi_slopes);
   VarlenCall c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale, causal,
                                 window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   AttentionBackwardParams bp;
@@ -999,6 +979,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
      py::arg("window_right"), py::arg("dropout_p"), py::arg("dropout_seed"), py::arg("softcap"),
      py::arg("alibi_slopes"), py::arg("block_table") = py::none(),
      "raises what torch.ops.cs149gpt.varlen_attention would for these arguments, on sizes alone");
+  m.def("check_varlen_backward", [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                    const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                                    std::optional<double> scale, bool causal, int64_t window_left,
+                                    int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed,
+                                    double softcap, const OptionalTensor& alibi_slopes) {
+    check_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right,
+                          dropout_p, dropout_seed, softcap, alibi_slopes);
+  }, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+     py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
+     py::arg("scale"), py::arg("causal"), py::arg("window_left"), py::arg("window_right"), py::arg("dropout_p"),
+     py::arg("dropout_seed"), py::arg("softcap"), py::arg("alibi_slopes"),
+     "raises what torch.ops.cs149gpt.varlen_attention_backward would for these arguments, on sizes alone");
   m.def("check_attention_with_kvcache", [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                            const at::Tensor& cache_seqlens, const OptionalTensor& k_new,
                                            const OptionalTensor& v_new, const OptionalTensor& block_table,

@@ -321,3 +321,175 @@ def test_skewed_lengths_run_in_groups(dtype):
     grad = torch.randn(out.shape).to(dtype)
     for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q64, k64, v64), grad.double())):
         assert (g.double() - w).abs().max().item() <= 5 * TOLS[dtype]
+
+
+def _int32(*offsets):
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+# (name, (q, k, v) shapes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, keywords, exception, message): each message names
+# the argument as passed and shows its shape in the packed layout (total, heads, d), never the kernels' (heads, total, d).
+BAD_SHAPES = [
+    ("q rank", ((1, 10, 4, 16), (10, 2, 16), (10, 2, 16)), None, None, 6, {}, ValueError,
+     r"q must be \(total_tokens, heads, head_dim\), the sequences packed one after another, got shape \[1, 10, 4, 16\]"),
+    ("v rank", ((10, 4, 16), (10, 2, 16), (10, 32)), None, None, 6, {}, ValueError,
+     r"v must be \(total_tokens, heads, head_dim\), the sequences packed one after another, got shape \[10, 32\]"),
+    ("heads not dividing", ((10, 3, 16), (10, 2, 16), (10, 2, 16)), None, None, 6, {}, ValueError,
+     r"the heads of q \(dim 1\) must be a multiple of those of k and v \(dim 1\), got q \[10, 3, 16\], k \[10, 2, 16\]"),
+    ("k head dim", ((10, 4, 16), (10, 2, 8), (10, 2, 16)), None, None, 6, {}, ValueError,
+     r"k and v must have head dim d = 16 \(the last dim of q\), got k \[10, 2, 8\], v \[10, 2, 16\]"),
+    ("v head dim", ((10, 4, 16), (10, 2, 16), (10, 2, 8)), None, None, 6, {}, ValueError,
+     r"k and v must have head dim d = 16 \(the last dim of q\), got k \[10, 2, 16\], v \[10, 2, 8\]"),
+    ("head dim 0", ((10, 4, 0), (10, 2, 0), (10, 2, 0)), None, None, 6, {}, ValueError,
+     r"head dim d \(the last dim of q\) must be >= 1, got q of shape \[10, 4, 0\]"),
+    ("k and v totals", ((10, 4, 16), (10, 2, 16), (9, 2, 16)), None, None, 6, {}, ValueError,
+     r"k and v must have the same number of tokens total_k \(dim 0\), got k \[10, 2, 16\], v \[9, 2, 16\]"),
+    ("k and v heads", ((10, 4, 16), (10, 2, 16), (10, 1, 16)), None, None, 6, {}, ValueError,
+     r"k and v must have the same number of heads \(dim 1\), got k \[10, 2, 16\], v \[10, 1, 16\]"),
+    ("no kv heads", ((10, 4, 16), (10, 0, 16), (10, 0, 16)), None, None, 6, {}, ValueError,
+     r"k and v must have at least one head \(dim 1\), got k \[10, 0, 16\], v \[10, 0, 16\]"),
+    ("cu_seqlens dtype", None, _int32(0, 4, 10).long(), None, 6, {}, TypeError,
+     r"cu_seqlens_q must be int32 \(FlashAttention's\), got Long"),
+    ("cu_seqlens 2-D", None, None, _int32(0, 4, 10)[None], 6, {}, ValueError,
+     r"cu_seqlens_k must be 1-D, \(batch \+ 1,\), got shape \[1, 3\]"),
+    ("batch 0", None, _int32(0), _int32(0), 6, {}, ValueError,
+     r"cu_seqlens_q must hold batch \+ 1 >= 2 offsets, got shape \[1\]"),
+    ("cu_seqlens lengths", None, None, _int32(0, 10), 6, {}, ValueError,
+     r"cu_seqlens_q and cu_seqlens_k must both be \(batch \+ 1,\), got \[3\] and \[2\]"),
+    ("cu_seqlens decreasing", None, None, _int32(0, 6, 4), 6, {}, ValueError,
+     r"cu_seqlens_k must not decrease, got cu_seqlens_k\[1\] = 6 > cu_seqlens_k\[2\] = 4"),
+    ("cu_seqlens past the tensor", None, _int32(0, 4, 11), None, 7, {}, ValueError,
+     r"cu_seqlens_q\[-1\] = 11 reaches past the 10 rows of q"),
+    ("max_seqlen_q too small", None, None, None, 5, {}, ValueError,
+     r"max_seqlen_q = 5 is less than the longest sequence of cu_seqlens_q, 6"),
+    ("alibi_slopes heads", None, None, None, 6, {"alibi_slopes": torch.ones(3)}, ValueError,
+     r"alibi_slopes must be \(heads,\) or \(batch, heads\) with batch = len\(cu_seqlens_q\) - 1 = 2 and heads = 4 "
+     r"\(q's dim 1\); got shape \[3\]"),
+    ("alibi_slopes batch", None, None, None, 6, {"alibi_slopes": torch.ones(3, 4)}, ValueError,
+     r"alibi_slopes must be \(heads,\) or \(batch, heads\) with batch = len\(cu_seqlens_q\) - 1 = 2 and heads = 4 "
+     r"\(q's dim 1\); got shape \[3, 4\]"),
+]
+
+
+@pytest.mark.parametrize("entry", ["varlen_attention", "flash_attn_varlen_func"])
+@pytest.mark.parametrize("case", BAD_SHAPES, ids=[c[0] for c in BAD_SHAPES])
+def test_bad_shapes_name_the_argument_in_its_layout(case, entry):
+    _, shapes, cu_q, cu_k, max_q, kwargs, error, message = case
+    q, k, v = (torch.randn(s) for s in shapes or ((10, 4, 16), (10, 2, 16), (10, 2, 16)))
+    cu_q = _int32(0, 4, 10) if cu_q is None else cu_q
+    cu_k = _int32(0, 4, 10) if cu_k is None else cu_k
+    f = cs149gpt.varlen_attention if entry == "varlen_attention" else flash_attn_varlen_func
+    with pytest.raises(error, match=message if entry == "varlen_attention" or "rank" not in case[0] else
+                       message.split(" must be")[0] + r": expected \(total_tokens, heads, head_dim\)"):
+        f(q, k, v, cu_q, cu_k, max_q, 6, **kwargs)
+
+
+@pytest.mark.parametrize("entry", ["varlen_attention", "flash_attn_varlen_func"])
+def test_bad_paged_shapes_name_the_argument_in_its_layout(entry):
+    """A paged cache's messages show k and v as passed, (num_blocks, page_block_size, heads_kv, d); a block id out of
+    range names block_table (IndexError; from flash_attn_varlen_func a RuntimeError too, as FlashAttention's)."""
+    f = cs149gpt.varlen_attention if entry == "varlen_attention" else flash_attn_varlen_func
+    q, cache, table, cu = torch.randn(10, 3, 16), torch.randn(4, 8, 2, 16), _int32(0, 1, 2, 3, 4)[None], _int32(0, 10)
+    with pytest.raises(ValueError, match=r"the heads of q \(dim 1\) must be a multiple of those of k and v \(dim 2\), "
+                                         r"got q \[10, 3, 16\], k \[4, 8, 2, 16\]"):
+        f(q, cache, cache, cu, cu, 10, 10, block_table=table)
+    q = torch.randn(10, 4, 16)
+    with pytest.raises(ValueError, match=r"k and v must have head dim d = 16 \(the last dim of q\), got k "
+                                         r"\[4, 8, 2, 8\], v \[4, 8, 2, 8\]"):
+        f(q, cache[..., :8], cache[..., :8], cu, cu, 10, 10, block_table=table)
+    bad = table.clone()
+    bad[0, 1] = 4
+    errors = (IndexError, RuntimeError) if entry == "flash_attn_varlen_func" else (IndexError,)
+    for error in errors:
+        with pytest.raises(error, match=r"block_table\[0, 1\] = 4 is not a block of the cache: block ids must be in "
+                                        r"\[0, num_blocks = 4\)"):
+            f(q, cache, cache, cu, cu, 10, 10, block_table=bad)
+
+
+@pytest.mark.parametrize("empty", ["queries", "keys", "both"])
+def test_empty_packed_batch(empty):
+    """total_q or total_k 0 (every sequence empty) runs, as FlashAttention's varlen_fwd/bwd do (they refuse a batch of
+    0 sequences only): out (total_q, Hq, d) of zeros where no key is seen, lse −inf there (flash_attn's +inf), zero
+    gradients; the forward, the backward and their fakes agree on the shapes."""
+    n_q = 0 if empty in ("queries", "both") else 10
+    n_k = 0 if empty in ("keys", "both") else 10
+    cu_q = _int32(0, 0, 0) if n_q == 0 else _int32(0, 4, 10)
+    cu_k = _int32(0, 0, 0) if n_k == 0 else _int32(0, 4, 10)
+    q, k, v = torch.randn(n_q, 4, 16), torch.randn(n_k, 2, 16), torch.randn(n_k, 2, 16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = cs149gpt.varlen_attention(q, k, v, cu_q, cu_k, 6, 6, is_causal=True, return_lse=True)
+    ref_out, ref_lse = reference(q.detach(), k.detach(), v.detach(), cu_q.tolist(), cu_k.tolist(), scale=0.25,
+                                 causal=True)
+    assert out.shape == (n_q, 4, 16) and lse.shape == (4, n_q)
+    assert torch.equal(out.double(), ref_out) and torch.equal(lse.double(), ref_lse)
+    assert torch.all(lse == -math.inf)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert not (dq.any() or dk.any() or dv.any())
+    _, fa_lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, return_attn_probs=True)
+    assert torch.all(fa_lse == math.inf) and fa_lse.shape == (4, n_q)
+    meta = [t.detach().to("meta") for t in (q, k, v, cu_q, cu_k)]
+    m_out, m_lse = torch.ops.cs149gpt.varlen_attention(*meta, 6, 6, causal=True)
+    assert m_out.shape == out.shape and m_lse.shape == lse.shape
+    grads = torch.ops.cs149gpt.varlen_attention_backward(m_out, *meta[:3], m_out, m_lse, *meta[3:], 6, 6, causal=True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    torch.library.opcheck(torch.ops.cs149gpt.varlen_attention.default, (q, k, v, cu_q, cu_k, 6, 6),
+                          {"causal": True})
+
+
+# The backward op: dout, out and lse are checked by the fake (and meta kernel) as by the CPU kernel, one C++ check.
+BAD_VARLEN_BACKWARD = [
+    ("dout shape", {"dout": (10, 4, 8)}, ValueError, "dout must have the shape of q, [10, 4, 16]; got [10, 4, 8]"),
+    ("dout dtype", {"dout_dtype": torch.float64}, TypeError, "dout must have the dtype of q, Float; got Double"),
+    ("out shape", {"out": (9, 4, 16)}, ValueError, "out must have the shape of q, [10, 4, 16]; got [9, 4, 16]"),
+    ("lse shape", {"lse": (10, 4)}, ValueError, "lse must be (heads, total_q) = (4, 10), got shape [10, 4]"),
+    ("lse rank", {"lse": (4, 10, 1)}, ValueError, "lse must be (heads, total_q) = (4, 10), got shape [4, 10, 1]"),
+    ("lse dtype", {"lse_dtype": torch.float16}, TypeError, "lse must be float32, got Half"),
+    ("k head dim", {"k": (10, 2, 8)}, ValueError, "k and v must have head dim d = 16 (the last dim of q), got k [10, 2, 8]"),
+]
+
+
+def _varlen_backward_args(spec, device="cpu"):
+    shapes = {"dout": (10, 4, 16), "q": (10, 4, 16), "k": (10, 2, 16), "v": (10, 2, 16), "out": (10, 4, 16),
+              "lse": (4, 10)}
+    shapes.update({key: value for key, value in spec.items() if key in shapes})
+    t = {name: torch.randn(shape, device=device) for name, shape in shapes.items()}
+    t["dout"] = t["dout"].to(spec.get("dout_dtype", torch.float32))
+    t["lse"] = t["lse"].to(spec.get("lse_dtype", torch.float32))
+    cu = _int32(0, 4, 10).to(device)
+    return [t[name] for name in ("dout", "q", "k", "v", "out", "lse")] + [cu, cu]
+
+
+def _raised(f, *args):
+    try:
+        f(*args)
+    except Exception as e:  # noqa: BLE001 - the test compares whatever was raised
+        return e
+    return None
+
+
+@pytest.mark.parametrize("mode", ["eager", "meta", "fake"])
+@pytest.mark.parametrize("case", BAD_VARLEN_BACKWARD, ids=[c[0] for c in BAD_VARLEN_BACKWARD])
+def test_backward_fake_checks_dout_out_and_lse(case, mode):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, spec, error, message = case
+    op = torch.ops.cs149gpt.varlen_attention_backward
+    args = _varlen_backward_args(spec, "meta" if mode == "meta" else "cpu")
+    if mode == "fake":
+        with FakeTensorMode() as fake:
+            e = _raised(op, *(fake.from_tensor(t) for t in args), 6, 6)
+    else:
+        e = _raised(op, *args, 6, 6)
+    assert type(e) is error, repr(e)
+    assert message in str(e)
+    assert str(e) == str(_raised(op, *_varlen_backward_args(spec), 6, 6))  # word for word
+
+
+def test_backward_opcheck():
+    """The backward op's fake gives the CPU kernel's shapes, strides and dtypes."""
+    q, k, v, cu_q, cu_k = packed([(12, 12), (5, 9)], 2, 1, 16, torch.float32)
+    out, lse = call(q, k, v, cu_q, cu_k, is_causal=True)
+    args = (torch.randn(out.shape), q, k, v, out, lse, _int32(*cu_q), _int32(*cu_k), 12, 12)
+    torch.library.opcheck(torch.ops.cs149gpt.varlen_attention_backward.default, args, {"causal": True},
+                          test_utils=("test_schema", "test_faketensor"))
