@@ -426,29 +426,6 @@ struct AlibiLogit {
   }
 };
 
-// Σ 2^(u(x[c], c)) over c < n, x[c] = 2^(u(x[c], c)) (exp2_shifted_sum's loop with any exponent map u of the
-// vector at column c: TanhLogit, AlibiLogit).
-template <class U>
-inline float exp2_sum_with(const U& u, float* x, int64_t n) {
-  constexpr int W = Vec::width;
-  Vec sum0 = Vec::zero(), sum1 = Vec::zero();
-  int64_t c = 0;
-  for (; c + 2 * W <= n; c += 2 * W) {
-    const Vec e0 = exp2(u(Vec::load(x + c), c)), e1 = exp2(u(Vec::load(x + c + W), c + W));
-    e0.store(x + c);
-    e1.store(x + c + W);
-    sum0 = sum0 + e0;
-    sum1 = sum1 + e1;
-  }
-  for (; c < n; c += W) {
-    const int64_t lanes = std::min<int64_t>(W, n - c);
-    const Vec e = exp2(u(Vec::load_partial(x + c, lanes), c));
-    e.store_partial(x + c, lanes);
-    sum0 = sum0 + Vec::load_partial(x + c, lanes);  // (masked lanes are not 0)
-  }
-  return reduce_add(sum0 + sum1);
-}
-
 // x[c] = tanh(x[c])
 inline void tanh_row(float* x, int64_t n) {
   constexpr int W = Vec::width;
@@ -457,29 +434,42 @@ inline void tanh_row(float* x, int64_t n) {
   if (c < n) tanh(Vec::load_partial(x + c, n - c)).store_partial(x + c, n - c);
 }
 
-// x[c] = 2^(scale·x[c] − shift); returns Σ x[c]: exp_shifted_sum for logits in base 2.
-inline float exp2_shifted_sum(float* x, float shift, int64_t n, float scale = 1.0f) {
+// Σ 2^(u(x[c], c)) over c < n, x[c] = 2^(u(x[c], c)): the base-2 exp pass with any exponent map u of the vector at
+// column c (ShiftedLogit below; TanhLogit, AlibiLogit above).
+template <class U>
+inline float exp2_sum_with(const U& u, float* x, int64_t n) {
   constexpr int W = Vec::width;
-  const Vec s = Vec::broadcast(-shift), a = Vec::broadcast(scale);
   Vec sum0 = Vec::zero(), sum1 = Vec::zero();  // two chains hide the add latency
   int64_t c = 0;
   for (; c + 2 * W <= n; c += 2 * W) {
-    const Vec e0 = exp2(fmadd(Vec::load(x + c), a, s)), e1 = exp2(fmadd(Vec::load(x + c + W), a, s));
+    const Vec e0 = exp2(u(Vec::load(x + c), c)), e1 = exp2(u(Vec::load(x + c + W), c + W));
     e0.store(x + c);
     e1.store(x + c + W);
     sum0 = sum0 + e0;
     sum1 = sum1 + e1;
   }
   for (; c + W <= n; c += W) {
-    const Vec e = exp2(fmadd(Vec::load(x + c), a, s));
+    const Vec e = exp2(u(Vec::load(x + c), c));
     e.store(x + c);
     sum0 = sum0 + e;
   }
   if (c < n) {
-    exp2(fmadd(Vec::load_partial(x + c, n - c), a, s)).store_partial(x + c, n - c);
-    sum1 = sum1 + Vec::load_partial(x + c, n - c);  // masked lanes of the 2^ hold 2^(0 − s), not 0
+    exp2(u(Vec::load_partial(x + c, n - c), c)).store_partial(x + c, n - c);
+    sum1 = sum1 + Vec::load_partial(x + c, n - c);  // masked lanes of the 2^ are not 0
   }
   return reduce_add(sum0 + sum1);
+}
+
+// The plain softmax's exponent scale·x − shift.
+struct ShiftedLogit {
+  Vec a, s;
+  ShiftedLogit(float scale, float shift) : a(Vec::broadcast(scale)), s(Vec::broadcast(-shift)) {}
+  Vec operator()(Vec x, int64_t) const { return fmadd(x, a, s); }
+};
+
+// x[c] = 2^(scale·x[c] − shift); returns Σ x[c]: exp_shifted_sum for logits in base 2.
+inline float exp2_shifted_sum(float* x, float shift, int64_t n, float scale = 1.0f) {
+  return exp2_sum_with(ShiftedLogit(scale, shift), x, n);
 }
 
 // ---------------------------------------------------------------------------------------------------
