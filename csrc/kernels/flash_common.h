@@ -151,11 +151,8 @@ struct FusedLogit {
 
 struct PInPlace {
   static constexpr bool kBase2 = false;
-  FusedLogit logit;  // softcap only
+  FusedLogit logit;  // none: its user (flash_decode.cpp) applies softcap and ALiBi in a pass of their own
   float exp_sum(int64_t, float* s, float shift, int64_t n, float scale) const {
-    using exp_constants::kLog2e;
-    const float cap = logit.cap;
-    if (cap > 0.0f) return exp2_sum_with(TanhLogit(scale / cap, cap * kLog2e, -shift * kLog2e), s, n);
     return exp_shifted_sum(s, shift, n, scale);
   }
   void zero(int64_t, float* s, int64_t n) const { fill_row(0.0f, s, n); }
