@@ -32,7 +32,7 @@ def shapes(args) -> list[tuple]:
         return [(b, h, h, n, d) for b, h, n, d in args.shapes]
     if args.quick:
         return [(TOKENS // 4096, MODEL_DIM // 128, MODEL_DIM // 128, 4096, 128)]
-    rows = [(TOKENS // n, MODEL_DIM // d, MODEL_DIM // d, n, d) for d in (64, 128) for n in (2048, 4096, 8192)]
+    rows = [(TOKENS // n, MODEL_DIM // d, MODEL_DIM // d, n, d) for d in (64, 128) for n in (2048, 4096, 8192, 16384)]
     return rows + [(4, 16, 4, 4096, 128)]  # GQA: 4 query heads per kv head
 
 
@@ -52,11 +52,18 @@ def backend_fn(name: str, gqa: bool):
     return attend
 
 
+def matmul_peak() -> float:
+    """TFLOP/s of a plain bf16 8192³ matrix product on this GPU: the ceiling each row is put against."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    times = interleave({"mm": lambda: a @ b}, 3, 0.5, sync=torch.cuda.synchronize)
+    return 2.0 * 8192 ** 3 / times["mm"].median / 1e12
+
+
 def rel_err(a, ref) -> float:
     return ((a.float() - ref).norm() / ref.norm()).item()
 
 
-def case_rows(dtype: str, shape: tuple, causal: bool, args) -> list[Row]:
+def case_rows(dtype: str, shape: tuple, causal: bool, args, peak: float) -> list[Row]:
     b, hq, hkv, n, d = shape
     group = hq // hkv
     g = torch.Generator(device="cuda").manual_seed(n + d)
@@ -130,7 +137,8 @@ def case_rows(dtype: str, shape: tuple, causal: bool, args) -> list[Row]:
             row.ours_ms, row.peer_ms, row.ratio = ours.median * 1e3, t.median * 1e3, t.median / ours.median
             row.rate = factor * work / ours.median / 1e12
             row.err = errors["ours"]
-            row.add_note(f"peer {factor * work / t.median / 1e12:.0f} TFLOP/s")
+            row.add_note(f"peer {factor * work / t.median / 1e12:.0f} TFLOP/s; ours {100 * row.rate / peak:.0f}% of "
+                         f"the bf16 matmul's {peak:.0f}")
             if wrong:
                 row.status = "wrong"
                 row.add_note(f"WRONG: rel. error {errors['ours']:.3g} vs the backends' best {best:.3g}")
@@ -190,8 +198,10 @@ def run_cuda(args) -> list[Row]:
     if args.configs:
         return config_rows(args)
     causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal or "both"]
+    peak = matmul_peak()
+    print(f"cuda: a bf16 8192³ matmul runs at {peak:.0f} TFLOP/s on this GPU", file=sys.stderr)
     return [row for dtype in args.dtype or ["bfloat16"] for shape in shapes(args) for causal in causals
-            for row in case_rows(dtype, shape, causal, args)]
+            for row in case_rows(dtype, shape, causal, args, peak)]
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
