@@ -33,12 +33,11 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 
 @pytest.fixture(params=["hopper", "fa2"])
 def forward_path(request, monkeypatch):
-    """Each forward test on both kernels: Hopper's wgmma/TMA one (csrc/cuda/hopper/, the default on sm_90) and
-    FlashAttention-2's (CS149GPT_HOPPER=0, the path of every other GPU)."""
+    """Each test on both kernel families, forward and backward: Hopper's wgmma/TMA ones (csrc/cuda/hopper/, the
+    default on sm_90) and FlashAttention-2's (CS149GPT_HOPPER=0, the path of every other GPU)."""
     if request.param == "hopper" and not HOPPER:
         pytest.skip("not a Hopper GPU")
     monkeypatch.setenv("CS149GPT_HOPPER", "1" if request.param == "hopper" else "0")
-    monkeypatch.setenv("CS149GPT_HOPPER_BWD", "1" if request.param == "hopper" else "0")  # opt-in for now
     return request.param
 
 
@@ -142,13 +141,12 @@ def test_fast_forward_and_lse(dtype, d, causal, shape, forward_path):
 @pytest.mark.skipif(not HOPPER, reason="not a Hopper GPU")
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_kernel_is_the_one_that_runs(d, monkeypatch):
-    """On sm_90 the bf16/fp16 forward of head dim 64/128 runs the Hopper kernel, and so does the backward with
-    CS149GPT_HOPPER_BWD=1 (profiler count); with CS149GPT_HOPPER=0, FlashAttention-2's."""
+    """On sm_90 the bf16/fp16 forward and backward of head dim 64/128 run the Hopper kernels (profiler count); with
+    CS149GPT_HOPPER=0, FlashAttention-2's."""
     q, k, v = make_qkv(2, 4, 2, 300, 300, d, torch.bfloat16)
     names = kernels_run(lambda: cs149gpt.attention(q, k, v, is_causal=True))
     assert sum("flash_fwd_hopper" in n for n in names) == 1, names
     qg = q.clone().requires_grad_()
-    monkeypatch.setenv("CS149GPT_HOPPER_BWD", "1")
     names = kernels_run(lambda: cs149gpt.attention(qg, k, v, is_causal=True).sum().backward())
     assert sum("flash_bwd_hopper" in n for n in names) == 1, names
     monkeypatch.setenv("CS149GPT_HOPPER", "0")

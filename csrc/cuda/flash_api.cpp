@@ -211,10 +211,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   at::Tensor dq_accum = at::zeros({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len, bp.fwd.head_dim}, f32);
   at::Tensor delta = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
   if (bp.fwd.batch * bp.fwd.num_heads > 0) {
-    // Hopper's wgmma/TMA backward where it takes the call, same contract; opt-in (CS149GPT_HOPPER_BWD=1) until the
-    // CUDA test suite has run it: its standalone check passed on an H200 (24 cases against float32).
-    const bool hopper = config_flag("CS149GPT_HOPPER", true) && config_flag("CS149GPT_HOPPER_BWD", false) &&
-                        hopper_bwd_supports(bp);
+    // Hopper's wgmma/TMA backward where it takes the call, same contract (CS149GPT_HOPPER=0: FA2's everywhere).
+    const bool hopper = config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     if (hopper)
       check_launch(flash_bwd_hopper(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, stream),
