@@ -1,4 +1,5 @@
-"""The ring subcommand of bench.py: cs149gpt.distributed.ring_attention over W processes of one host.
+"""The ring subcommand of bench.py: cs149gpt.distributed.ring_attention (and, --algorithm ulysses, its all-to-all
+twin ulysses_attention) over W processes of one host.
 
 CPU (gloo): W processes, each pinned to its own usable CPUs with threads // W threads, on one sequence of N tokens,
 against one process with all threads on the whole sequence (strong scaling at equal total cores: peer/ours >= 0.8
@@ -136,17 +137,19 @@ def rank_run(rank: int, world_size: int, spec: dict, store_path: str) -> dict:
     q, k, v, dout = (tokens(kind, spec, ranges, device) for kind in range(4))
     for t in (q, k, v):
         t.requires_grad_()
-    call = lambda q, k, v: cp.ring_attention(q, k, v, is_causal=spec["causal"], layout=spec["layout"])  # noqa: E731
     barrier = torch.distributed.barrier
     report = {}
-    for phase, fn in phases(call, (q, k, v), dout).items():
-        report[phase] = median_seconds(fn, spec["rounds"], device, barrier)
-    report["peak_mib"] = peak_mib(phases(call, (q, k, v), dout)["fwd+bwd"], device)
-    with torch.no_grad():
-        out = call(q, k, v)
-    buffer = io.BytesIO()
-    torch.save(out.cpu(), buffer)
-    report["out"] = buffer.getvalue()
+    for algorithm in spec["algorithms"]:
+        attend = getattr(cp, f"{algorithm}_attention")
+        call = lambda q, k, v: attend(q, k, v, is_causal=spec["causal"], layout=spec["layout"])  # noqa: E731
+        for phase, fn in phases(call, (q, k, v), dout).items():
+            report[f"{algorithm} {phase}"] = median_seconds(fn, spec["rounds"], device, barrier)
+        report[f"{algorithm} peak_mib"] = peak_mib(phases(call, (q, k, v), dout)["fwd+bwd"], device)
+        with torch.no_grad():
+            out = call(q, k, v)
+        buffer = io.BytesIO()
+        torch.save(out.cpu(), buffer)
+        report[f"{algorithm} out"] = buffer.getvalue()
     if cuda and spec["torch_cp"]:
         report.update(torch_context_parallel(spec, world_size, device, barrier))
     torch.distributed.destroy_process_group()
@@ -201,7 +204,8 @@ def run_ranks(world_size: int, spec: dict) -> dict:
     for key, value in reports[0].items():
         if isinstance(value, float):  # times and peak memory: the slowest, the largest rank
             merged[key] = max(r[key] for r in reports.values())
-    merged["outs"] = [torch.load(io.BytesIO(reports[r]["out"])) for r in range(world_size)]
+    for algorithm in spec["algorithms"]:
+        merged[f"{algorithm} outs"] = [torch.load(io.BytesIO(reports[r][f"{algorithm} out"])) for r in range(world_size)]
     return merged
 
 
@@ -235,12 +239,25 @@ def ring_rows(spec: dict, world_size: int, args) -> list[Row]:
         torch.cuda.empty_cache()
     else:
         peer_times, peer_mib, reference = one_device(spec, n, device, threads)
-    ring = run_ranks(world_size, spec)
+    ranks = run_ranks(world_size, spec)
+    rows = []
+    for algorithm in spec["algorithms"]:
+        rows += algorithm_rows(spec, world_size, args, algorithm, ranks, peer_times, peer_mib, reference)
+    return rows
+
+
+def algorithm_rows(spec, world_size, args, algorithm, ranks, peer_times, peer_mib, reference) -> list[Row]:
+    cuda = spec["device"] == "cuda"
+    n, threads = spec["n"], spec["threads"]
+    mode = "causal " if spec["causal"] else ""
+    ring = {key[len(algorithm) + 1:]: value for key, value in ranks.items() if key.startswith(algorithm + " ")}
+    ring.update({key: value for key, value in ranks.items() if key.startswith("torch_cp")})
     err = None
     if reference is not None:
         whole = cp.unshard_sequence(ring["outs"], 2, layout=spec["layout"])
         err = max_err(whole, reference)
     rows = []
+    ours = f"{algorithm} {world_size} GPUs" if cuda else f"{algorithm} {world_size} × {max(1, threads // world_size)} threads"
     for phase, work_factor in (("fwd", 1.0), ("fwd+bwd", 3.5)):
         case = (f"{phase} W={world_size} ({spec['b']},{spec['h']},{n},{spec['d']}) {mode}{spec['layout']}")
         work = flops(spec, n) * work_factor / (1e12 * world_size if cuda else 1e9)
@@ -249,8 +266,7 @@ def ring_rows(spec: dict, world_size: int, args) -> list[Row]:
         else:
             peer, peer_ms = f"1 process × {threads} threads", peer_times[phase] * 1e3
         ours_ms = ring[phase] * 1e3
-        row = Row("ring", case, spec["dtype"], None if cuda else threads,
-                  f"ring {world_size} GPUs" if cuda else f"ring {world_size} × {max(1, threads // world_size)} threads", peer,
+        row = Row("ring", case, spec["dtype"], None if cuda else threads, ours, peer,
                   ours_ms=ours_ms, peer_ms=peer_ms, ratio=peer_ms / ours_ms, rate=work / ring[phase],
                   unit="TFLOP/s a GPU" if cuda else "GFLOP/s", err=err)
         if err is None:
@@ -264,7 +280,7 @@ def ring_rows(spec: dict, world_size: int, args) -> list[Row]:
         rows.append(row)
         if cuda and spec["torch_cp"]:
             theirs = ring.get(f"torch_cp {phase}")
-            row = Row("ring", case, spec["dtype"], None, f"ring {world_size} GPUs", "torch context_parallel + SDPA",
+            row = Row("ring", case, spec["dtype"], None, ours, "torch context_parallel + SDPA",
                       ours_ms=ours_ms, err=err)
             if theirs is None:
                 row.status, row.note = "skipped", ring.get("torch_cp error", "did not run")
@@ -294,7 +310,7 @@ def run_ring(args) -> list[Row]:
                 print(f"warning: {threads} threads do not split evenly over {world_size} processes", file=sys.stderr)
             spec = dict(device=args.device, dtype=dtype, b=b, h=h, n=n, d=d, chunks=chunks,
                         causal=(args.causal or "on") == "on", layout=args.layout, threads=threads,
-                        rounds=args.rounds, torch_cp=cuda and not args.no_torch_cp)
+                        rounds=args.rounds, torch_cp=cuda and not args.no_torch_cp, algorithms=args.algorithm)
             try:
                 rows += ring_rows(spec, world_size, args)
             except RuntimeError as e:
@@ -318,6 +334,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=None, help="H (default 8; --quick 2)")
     p.add_argument("--head-dim", type=int, default=None, help="d (default 128; --quick 64)")
     p.add_argument("--layout", choices=cp.LAYOUTS, default="zigzag")
+    p.add_argument("--algorithm", type=lambda t: t.split(","), default=["ring"],
+                   help="comma list of ring,ulysses (default ring)")
     p.add_argument("--check-max", type=int, default=65536,
                    help="CUDA: check the ring against one GPU on the whole sequence up to this many tokens")
     p.add_argument("--no-torch-cp", action="store_true", help="CUDA: skip torch's context_parallel")

@@ -87,7 +87,7 @@ import torch.distributed as dist
 
 import cs149gpt  # noqa: F401  (loads the extension: torch.ops.cs149gpt.*)
 
-__all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "shard_positions", "LAYOUTS"]
+__all__ = ["ring_attention", "ulysses_attention", "shard_sequence", "unshard_sequence", "shard_positions", "LAYOUTS"]
 
 LAYOUTS = ("contiguous", "zigzag")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -272,28 +272,28 @@ def _causal_mode(is_causal) -> Optional[str]:
     return None
 
 
-def _local_error(q, k, v) -> Optional[Exception]:
+def _local_error(q, k, v, who: str = "ring_attention") -> Optional[Exception]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            return TypeError(f"ring_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+            return TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            return ValueError(f"ring_attention: {name} must be 4-D (batch, heads, local length, head dim), got shape "
+            return ValueError(f"{who}: {name} must be 4-D (batch, heads, local length, head dim), got shape "
                               f"{tuple(t.shape)}")
     if q.dtype not in _DTYPES[:3] or k.dtype != q.dtype or v.dtype != q.dtype:
-        return TypeError(f"ring_attention: q, k, v must share one dtype among float32, bfloat16, float16; got "
+        return TypeError(f"{who}: q, k, v must share one dtype among float32, bfloat16, float16; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
-        return ValueError(f"ring_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        return ValueError(f"{who}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
-        return ValueError(f"ring_attention: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        return ValueError(f"{who}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != q.shape[0]:
-        return ValueError(f"ring_attention: k's batch {k.shape[0]} differs from q's {q.shape[0]}")
+        return ValueError(f"{who}: k's batch {k.shape[0]} differs from q's {q.shape[0]}")
     if k.shape[3] != q.shape[3]:
-        return ValueError(f"ring_attention: k's head dim {k.shape[3]} differs from q's {q.shape[3]}")
+        return ValueError(f"{who}: k's head dim {k.shape[3]} differs from q's {q.shape[3]}")
     if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
-        return ValueError(f"ring_attention: k's heads ({k.shape[1]}) must divide q's ({q.shape[1]}) (GQA)")
+        return ValueError(f"{who}: k's heads ({k.shape[1]}) must divide q's ({q.shape[1]}) (GQA)")
     if min(q.shape) < 1 or min(k.shape) < 1:
-        return ValueError(f"ring_attention: empty q {tuple(q.shape)} or k {tuple(k.shape)}")
+        return ValueError(f"{who}: empty q {tuple(q.shape)} or k {tuple(k.shape)}")
     return None
 
 
@@ -317,7 +317,7 @@ def _describe(field: int, value: int) -> str:
     return str(value)
 
 
-def _agree(group, world_size: int, device, local_error, fields: List[int]) -> None:
+def _agree(group, world_size: int, device, local_error, fields: List[int], who: str = "ring_attention") -> None:
     """One all_gather of (status, *fields) from every rank; raises on every rank unless all are fine and equal."""
     mine = torch.tensor([0 if local_error is None else 1, *fields], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
@@ -327,15 +327,15 @@ def _agree(group, world_size: int, device, local_error, fields: List[int]) -> No
         raise local_error
     bad = [r for r, row in enumerate(table) if row[0]]
     if bad:
-        raise ValueError(f"ring_attention: rank(s) {bad} of the group rejected their local input (their error names "
-                         "the argument); no rank started the ring")
+        raise ValueError(f"{who}: rank(s) {bad} of the group rejected their local input (their error names "
+                         "the argument); no rank started a transfer")
     wrong = []
     for f in range(len(_FIELDS)):
         values = [row[1 + f] for row in table]
         if len(set(values)) > 1:
             wrong.append(f"{_FIELDS[f]}: " + ", ".join(f"rank {r}: {_describe(f, x)}" for r, x in enumerate(values)))
     if wrong:
-        raise ValueError("ring_attention: the ranks disagree on " + "; ".join(wrong))
+        raise ValueError(f"{who}: the ranks disagree on " + "; ".join(wrong))
 
 
 # ------------------------------------------------------------------------------------------------- the ring
@@ -456,6 +456,46 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
+def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_rank=False):
+    """The checks both algorithms make, then the agreement of every rank (_agree): (group, rank, world size, q, k,
+    v (in autocast's dtype where it is on), causal mode, scale). heads_per_rank: the query heads must divide over
+    the ranks (ulysses_attention)."""
+    group, rank, world_size = _resolve_group(group, mesh_dim)
+    error = _local_error(q, k, v, who)
+    if error is None and heads_per_rank and q.shape[1] % world_size:
+        error = ValueError(f"{who}: q's {q.shape[1]} heads do not divide over the group's {world_size} ranks (each "
+                           "rank attends over the whole sequence for H / W of them)")
+    if error is None and torch.is_autocast_enabled(q.device.type):  # torch SDPA's rule: inputs in autocast's dtype
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    causal = _causal_mode(is_causal)
+    if error is None and causal is None:
+        error = ValueError(f"{who}: is_causal must be False, True, 'top_left' or 'bottom_right'; got "
+                           f"{is_causal!r}")
+    if error is None and layout not in LAYOUTS:
+        error = ValueError(f"{who}: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
+    if error is None and layout == "zigzag" and (q.shape[2] % 2 or k.shape[2] % 2):
+        error = ValueError(f"{who}: layout='zigzag' needs even local lengths (two chunks a rank); got "
+                           f"q.shape[2] = {q.shape[2]}, k.shape[2] = {k.shape[2]}")
+    if error is None and scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        error = ValueError(f"{who}: scale must be a finite float or None, got {scale!r}")
+    if error is None:
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        fields = [*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
+                  LAYOUTS.index(layout), ("none", "top_left", "bottom_right").index(causal),
+                  struct.unpack("<q", struct.pack("<d", scale))[0], int(needs_grad)]
+        device = q.device
+    else:
+        fields = [0] * len(_FIELDS)
+        device = next((t.device for t in (q, k, v) if isinstance(t, torch.Tensor)), None)
+        if device is None:  # the device the group's collectives take
+            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
+                      else torch.device("cpu"))
+    _agree(group, world_size, device, error, fields, who)
+    return group, rank, world_size, q, k, v, causal, scale
+
+
 @torch.compiler.disable  # a graph break: point-to-point transfers cannot be traced
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, mesh_dim=None,
                    is_causal: Union[bool, str] = False, scale: Optional[float] = None, layout: str = "contiguous",
@@ -479,36 +519,112 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     Returns:
         out (B, H, n_q, d) in q's dtype (differentiable in q, k and v), or (out, lse).
     """
-    group, rank, world_size = _resolve_group(group, mesh_dim)
-    error = _local_error(q, k, v)
-    if error is None and torch.is_autocast_enabled(q.device.type):  # torch SDPA's rule: inputs in autocast's dtype
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = (t.to(dtype) for t in (q, k, v))
-    causal = _causal_mode(is_causal)
-    if error is None and causal is None:
-        error = ValueError(f"ring_attention: is_causal must be False, True, 'top_left' or 'bottom_right'; got "
-                           f"{is_causal!r}")
-    if error is None and layout not in LAYOUTS:
-        error = ValueError(f"ring_attention: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
-    if error is None and layout == "zigzag" and (q.shape[2] % 2 or k.shape[2] % 2):
-        error = ValueError(f"ring_attention: layout='zigzag' needs even local lengths (two chunks a rank); got "
-                           f"q.shape[2] = {q.shape[2]}, k.shape[2] = {k.shape[2]}")
-    if error is None and scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        error = ValueError(f"ring_attention: scale must be a finite float or None, got {scale!r}")
-    if error is None:
-        scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        fields = [*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
-                  LAYOUTS.index(layout), ("none", "top_left", "bottom_right").index(causal),
-                  struct.unpack("<q", struct.pack("<d", scale))[0], int(needs_grad)]
-        device = q.device
-    else:
-        fields = [0] * len(_FIELDS)
-        device = next((t.device for t in (q, k, v) if isinstance(t, torch.Tensor)), None)
-        if device is None:  # the device the group's collectives take
-            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
-                      else torch.device("cpu"))
-    _agree(group, world_size, device, error, fields)
+    group, rank, world_size, q, k, v, causal, scale = _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout,
+                                                               "ring_attention")
     ring = _Ring(group, rank, world_size, scale, causal, layout, q.shape[2], k.shape[2])
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------- all-to-all
+def _all_to_all(group, sends: List[torch.Tensor], what: str) -> List[torch.Tensor]:
+    """sends[j] goes to rank j; returns what each rank i sent here, in rank order (shapes as sends')."""
+    received = [torch.empty_like(t) for t in sends]
+    try:
+        dist.all_to_all(received, sends, group=group)
+    except Exception as e:  # (a timeout or a peer gone: which exchange)
+        raise RuntimeError(f"ulysses_attention: {what} failed: {e}") from e
+    return received
+
+
+def _by_length(fn):
+    """fn over the tensors in groups of one sequence length (q's may differ from k and v's), in their order."""
+    def apply(group, world_size, layout, tensors, what):
+        out = [None] * len(tensors)
+        for n in dict.fromkeys(t.shape[2] for t in tensors):
+            idx = [i for i, t in enumerate(tensors) if t.shape[2] == n]
+            for i, r in zip(idx, fn(group, world_size, layout, [tensors[i] for i in idx], what)):
+                out[i] = r
+        return out
+    return apply
+
+
+@_by_length
+def _seq_to_heads(group, world_size: int, layout: str, tensors: Sequence[torch.Tensor], what: str):
+    """Each (B, Ht, n, d) tensor sharded over the sequence → (B, Ht / W, W·n, d): this rank's share of the heads
+    over the whole sequence in order. Tensors of one length travel in one all-to-all (a message a pair of ranks)."""
+    heads = [t.shape[1] // world_size for t in tensors]
+    sends = [torch.cat([t[:, j * h:(j + 1) * h] for t, h in zip(tensors, heads)], 1) for j in range(world_size)]
+    received = [r.split(heads, 1) for r in _all_to_all(group, sends, what)]
+    return [unshard_sequence([received[i][t] for i in range(world_size)], 2, layout=layout)
+            for t in range(len(tensors))]
+
+
+@_by_length
+def _heads_to_seq(group, world_size: int, layout: str, tensors: Sequence[torch.Tensor], what: str):
+    """The inverse of _seq_to_heads: (B, Ht / W, N, d) → (B, Ht, N / W, d), this rank's tokens of every head."""
+    heads = [t.shape[1] for t in tensors]
+    sends = [torch.cat([shard_sequence(t, 2, world_size=world_size, rank=j, layout=layout) for t in tensors], 1)
+             for j in range(world_size)]
+    received = [r.split(heads, 1) for r in _all_to_all(group, sends, what)]
+    return [torch.cat([received[i][t] for i in range(world_size)], 1) for t in range(len(tensors))]
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """_seq_to_heads, whose gradient is _heads_to_seq of the incoming gradients (and the reverse)."""
+
+    @staticmethod
+    def forward(ctx, group, world_size, layout, *tensors):
+        ctx.args = (group, world_size, layout)
+        return tuple(_seq_to_heads(group, world_size, layout, tensors, "the forward's all-to-all of q, k, v"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g.contiguous() for g in grads]
+        return (None, None, None, *_heads_to_seq(*ctx.args, grads, "the backward's all-to-all of dq, dk, dv"))
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, world_size, layout, *tensors):
+        ctx.args = (group, world_size, layout)
+        return tuple(_heads_to_seq(group, world_size, layout, tensors, "the forward's all-to-all of out"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g.contiguous() for g in grads]
+        return (None, None, None, *_seq_to_heads(*ctx.args, grads, "the backward's all-to-all of dout"))
+
+
+@torch.compiler.disable  # a graph break: collectives on a process group are not traced here
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, mesh_dim=None,
+                      is_causal: Union[bool, str] = False, scale: Optional[float] = None, layout: str = "contiguous",
+                      return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """ring_attention's contract by the all-to-all (DeepSpeed-Ulysses) route: one all-to-all turns every rank's
+    slice of the sequence for all heads into the whole sequence for H / W heads, each rank runs one
+    cs149gpt.attention call on that, and a second all-to-all returns every rank its own tokens (the backward: the
+    same two exchanges in reverse). Four messages a pair of ranks per forward and backward, of the local q, k, v and
+    out sizes, instead of the ring's W − 1 K/V hops; the kernel sees the whole sequence (no merge, no plan, one
+    causal call, so its result is one process's). q's heads must divide over the ranks; k and v's heads are
+    repeated up to a multiple of W where they do not (GQA with Hkv < W). Arguments, layouts, causal modes, checks
+    and errors as ring_attention's; a failed or timed-out exchange raises RuntimeError naming it."""
+    group, rank, world_size, q, k, v, causal, scale = _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout,
+                                                               "ulysses_attention", heads_per_rank=True)
+    repeat = world_size // math.gcd(k.shape[1], world_size)  # kv heads up to a multiple of W (H is one already)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    if world_size == 1:
+        qh, kh, vh = q, k, v
+    else:
+        qh, kh, vh = _SeqToHeads.apply(group, world_size, layout, q.contiguous(), k.contiguous(), v.contiguous())
+    mode = {"none": False, "top_left": True, "bottom_right": "bottom_right"}[causal]
+    out, lse = cs149gpt.attention(qh, kh, vh, is_causal=mode, scale=scale, return_lse=True)
+    if world_size == 1:
+        return (out, lse) if return_lse else out
+    (out,) = _HeadsToSeq.apply(group, world_size, layout, out.contiguous())
+    if not return_lse:
+        return out
+    with torch.no_grad():
+        lse = _heads_to_seq(group, world_size, layout, [lse.unsqueeze(-1).contiguous()],
+                            "the all-to-all of lse")[0].squeeze(-1)
+    return out, lse

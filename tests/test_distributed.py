@@ -75,11 +75,13 @@ def inputs(c):
 
 
 # ------------------------------------------------------------------------------------------------- the processes
-def ring_run(c, q, k, v, dout):
-    """One distributed call on this rank's slices; the whole sequence's out, lse and gradients."""
+def ring_run(c, q, k, v, dout, algorithm=None):
+    """One distributed call on this rank's slices (cp.ring_attention, or cp.ulysses_attention); the whole
+    sequence's out, lse and gradients."""
     shard = dict(layout=c["layout"])
     ql, kl, vl = (cp.shard_sequence(t, 2, **shard).detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = cp.ring_attention(ql, kl, vl, is_causal=c["causal"], layout=c["layout"], return_lse=True)
+    out, lse = (algorithm or cp.ring_attention)(ql, kl, vl, is_causal=c["causal"], layout=c["layout"],
+                                                 return_lse=True)
     out.backward(cp.shard_sequence(dout, 2, **shard))
     return {name: cp.unshard_sequence(t, 2, **shard)
             for name, t in (("out", out), ("lse", lse), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
@@ -106,15 +108,18 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                                              world_size=world_size, timeout=timedelta(seconds=60))
         for c in (CUDA_CASES if cuda else CASES)[world_size]:
             q, k, v, dout = (t.to(device) for t in inputs(c))
-            got = ring_run(c, q, k, v, dout)
-            got = {name: t.cpu() for name, t in got.items()}
-            if c["repeat"]:
-                again = ring_run(c, q, k, v, dout)
-                got["same_bits"] = torch.tensor(all(torch.equal(got[n], again[n].cpu()) for n in again))
-            if rank == 0:
-                buffer = io.BytesIO()
-                torch.save(got, buffer)
-                results.put(("case", c["name"], rank, buffer.getvalue()))
+            for algorithm, suffix in ((cp.ring_attention, ""), (cp.ulysses_attention, "/ulysses")):
+                if algorithm is cp.ulysses_attention and c["h"] % world_size:
+                    continue  # Ulysses spreads the query heads over the ranks
+                got = ring_run(c, q, k, v, dout, algorithm)
+                got = {name: t.cpu() for name, t in got.items()}
+                if c["repeat"]:
+                    again = ring_run(c, q, k, v, dout, algorithm)
+                    got["same_bits"] = torch.tensor(all(torch.equal(got[n], again[n].cpu()) for n in again))
+                if rank == 0:
+                    buffer = io.BytesIO()
+                    torch.save(got, buffer)
+                    results.put(("case", c["name"] + suffix, rank, buffer.getvalue()))
         if world_size == 2 and not cuda:
             for name, q, k, v, kwargs in error_cases(rank):
                 try:
@@ -122,6 +127,12 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                     results.put(("error", name, rank, "no error"))
                 except Exception as e:  # every rank reports what it raised
                     results.put(("error", name, rank, f"{type(e).__name__}: {e}"))
+            x3 = torch.randn(1, 3, 8, 16)  # 3 query heads over 2 ranks
+            try:
+                cp.ulysses_attention(x3, x3, x3)
+                results.put(("error", "ulysses_heads", rank, "no error"))
+            except Exception as e:  # noqa: BLE001
+                results.put(("error", "ulysses_heads", rank, f"{type(e).__name__}: {e}"))
             # Last: rank 1 stops sending its K/V; rank 0's receive ends at this group's 3 s timeout
             group = torch.distributed.new_group([0, 1], timeout=timedelta(seconds=3))
             if rank == 1:
@@ -256,6 +267,15 @@ def test_ring_four_ranks(world4, c):
     check(c, cases[c["name"]])
 
 
+@pytest.mark.parametrize("c", [c for c in CASES[2] + CASES[4] if c["h"] % 2 == 0],
+                         ids=[f"{w}-{c['name']}" for w in (2, 4) for c in CASES[w] if c["h"] % 2 == 0])
+def test_ulysses(world2, world4, c):
+    """The all-to-all route: the same results as one process, forward and backward, in every layout and mode."""
+    w = 2 if c in CASES[2] else 4
+    cases, _ = world2 if w == 2 else world4
+    check(c, cases[c["name"] + "/ulysses"])
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_nccl(world_size, tmp_path):
     """One process a GPU over NCCL (NVLink multicast off): out, lse and gradients as one GPU's call and float64."""
@@ -265,6 +285,7 @@ def test_ring_nccl(world_size, tmp_path):
     cases, _ = spawn(world_size, tmp_path, "cuda")
     for c in CUDA_CASES[world_size]:
         check(c, cases[c["name"]], "cuda")
+        check(c, cases[c["name"] + "/ulysses"], "cuda")
 
 
 @pytest.mark.slow
@@ -282,6 +303,7 @@ def test_ring_three_ranks_longer(world3, c):
                          "rank 0: 8, rank 1: 6"] * 2),
     ("bad_local_rank", ["ValueError: ring_attention: rank(s) [1]", "ValueError: ring_attention: q must be 4-D"]),
     ("bad_local_heads", ["ValueError: ring_attention: rank(s) [1]", "ValueError: ring_attention: k's heads (3)"]),
+    ("ulysses_heads", ["ValueError: ulysses_attention: q's 3 heads do not divide over the group's 2 ranks"] * 2),
 ])
 def test_ring_errors_on_every_rank(world2, name, expect):
     """Ranks that disagree, or one rank's bad input: an error on every rank, naming the argument; no hang."""
@@ -320,7 +342,8 @@ def test_one_rank_is_one_kernel_call(world1):
     results = []
     for fn in (lambda: cs149gpt.attention(q, k, v, is_causal=True),
                lambda: cp.ring_attention(q, k, v, is_causal=True, layout="zigzag"),
-               lambda: cp.ring_attention(q, k, v, group=init_device_mesh("cpu", (1,)), is_causal=True)):
+               lambda: cp.ring_attention(q, k, v, group=init_device_mesh("cpu", (1,)), is_causal=True),
+               lambda: cp.ulysses_attention(q, k, v, is_causal=True, layout="zigzag")):
         q.grad = k.grad = v.grad = None
         out = fn()
         out.backward(dout)
