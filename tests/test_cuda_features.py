@@ -399,6 +399,20 @@ def test_sdpa_with_masks_and_dropout_runs_ours(mask_name, dropout_p):
         check_forward(out, None, reference(q, k, v, attn_mask=mask)[0], None, dtype, str(mask_name))
 
 
+def test_sdpa_under_autocast_runs_ours():
+    """torch.autocast("cuda", bfloat16) over float32 inputs and a float32 additive mask: as torch's SDPA, all cast to
+    bfloat16, then ours (a float32 call on CUDA would be torch's), out in bfloat16."""
+    q, k, v = make_qkv(torch.float32, 64, seed=69)
+    mask = masks(torch.float32)["(1,H,Nq,Nk) additive float32"]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert cs149gpt.uses_our_kernel(q, k, v, attn_mask=mask, enable_gqa=True)
+        names = kernel_names(lambda: cs149gpt.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+        out = cs149gpt.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert any(ours(n) for n in names) and not any(torch_attention(n) for n in names), names
+    bf = [t.to(torch.bfloat16) for t in (q, k, v, mask)]
+    check_forward(out, None, reference(*bf[:3], attn_mask=bf[3])[0], None, torch.bfloat16, "autocast")
+
+
 def test_sdpa_falls_back_to_torch_where_ours_does_not_take_the_call():
     """float32 (the teaching kernel: torch's is faster), head dims but 64/128, a learned mask, a mask on another
     device, dropout 1: torch's SDPA, with torch's result."""
