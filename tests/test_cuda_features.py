@@ -2,7 +2,7 @@
 softcap, ALiBi, dropout, the non-finite rule and the SDPA drop-in's routing — forward and backward, bfloat16 and
 float16, head dim 64 and 128 (the tensor-core kernels' instantiations). Skipped where torch sees no GPU.
 
-The definitions are the CPU suites' (test_masks.py, test_window of test_flash.py, test_softcap_alibi.py,
+The definitions are the CPU suites' (test_masks.py and its windows, test_softcap_alibi.py,
 test_dropout.py, test_nonfinite.py, test_sdpa_contract.py); the reference is written out from them in float64 on the
 GPU. Bars: test_cuda.py's for 16-bit inputs of unit scale (out within 3e-2 for bfloat16, 4e-3 for float16; gradients
 within 4e-2 / 1e-2 of the largest reference gradient). Dropout: the CUDA kernels draw the CPU's keep mask for the same
