@@ -23,7 +23,8 @@ Subcommands:
     train     training steps of cs149gpt/model.py, flash vs sdpa
     trainpacked  padding-free training steps of a Llama (DataCollatorWithFlattening, our varlen through
               transformers' flash path) vs "sdpa" on the same sequences padded, tokens/s of real tokens
-    cuda      the CUDA kernels vs each torch SDPA backend (cuDNN, flash, efficient, math); skipped without a GPU
+    cuda      the CUDA kernels vs each torch SDPA backend (cuDNN, flash, efficient, math); skipped without a GPU;
+              --suite masked,varlen,decode: masked prefill, packed sequences, KV-cache decoding (bench_cuda.py)
     ring      context-parallel ring attention (cs149gpt.distributed) over W gloo processes vs one process with all
               threads; --device cuda: W GPUs (NCCL) vs one GPU at the same per-GPU length, and vs torch's
               context_parallel
@@ -83,7 +84,7 @@ def summary_cuda(args) -> list[Row]:
         return bench_cuda.run_cuda(args)
     shape = (4, 16, 16, 1024, 128) if args.quick else (4, 16, 16, 4096, 128)
     args.backends = list(bench_cuda.BACKENDS)
-    return bench_cuda.case_rows("bfloat16", shape, False, args)
+    return bench_cuda.case_rows("bfloat16", shape, False, args, bench_cuda.matmul_peak())
 
 
 def summary_flash_attn(args) -> list[Row]:

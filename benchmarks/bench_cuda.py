@@ -1,5 +1,16 @@
 """The cuda subcommand of bench.py: our CUDA flash kernels (csrc/cuda/) against each of torch SDPA's backends.
 
+--suite picks the row groups (comma list; default plain):
+  plain    the rows below: plain and causal attention, fwd and bwd, vs each backend;
+  masked   masked prefill, bf16, d 128, N 2048-8192: a (B, 1, 1, N) bool key padding mask and a (B, 1, N, N) padded
+           causal mask, ours vs torch SDPA's default backend given the same mask;
+  varlen   packed sequences (16 of N/8..N, causal): flash_attn_varlen_func vs our own padded call (key padding mask +
+           is_causal) and vs cuDNN (else SDPA's default) on the padded batch with its (B, 1, N, N) mask;
+  decode   one query row per sequence against a KV cache (Hq 32, Hkv 8, d 128, bf16, 1k-32k cached keys, batch
+           1-64): attention_with_kvcache vs torch SDPA's best backend (each that runs is timed, the fastest kept), and
+           GB/s (K and V read once) as a share of a device-to-device copy's bandwidth measured in the same run.
+A row whose kernel this build lacks says skipped, with the error.
+
 For every (dtype, shape, causal) and pass (fwd, bwd: the backward of a forward recorded once), ours and every
 backend this torch and GPU offer (cuDNN, flash = FlashAttention-2, efficient = memory-efficient, math) are timed in
 the same interleaved rounds; a row per backend gives the ratio backend time / our time. TFLOP/s: forward
@@ -12,13 +23,15 @@ error): ours must be within 2× (+ 2e-3) of the best backend's own error, else t
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from _timing import DTYPES, Row, first_line, interleave
+from _timing import DTYPES, MATCH_TOLERANCE, Row, first_line, interleave, measured_rows
 
 import cs149gpt
 
@@ -190,6 +203,212 @@ def config_rows(args) -> list[Row]:
     return rows
 
 
+def _ours_or_skip(fn, bench: str, case: str, dtype: str, ours: str, peers: Sequence[str]) -> Optional[list[Row]]:
+    """None if fn() (our kernel, once) runs; else a skipped row per peer saying why (a kernel this build lacks)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001  (NotImplementedError of a missing CUDA kernel, a refusing check, ...)
+        note = f"ours not available: {type(e).__name__}: {first_line(e)}"
+        return [Row(bench, case, dtype, None, ours, peer, status="skipped", note=note) for peer in peers]
+
+
+def _sync_rows(rows: list[Row], rate_of=None) -> list[Row]:
+    """The rows measured_rows returned, their rate set by rate_of(row) where timed."""
+    for row in rows:
+        if rate_of is not None and row.ours_ms:
+            row.rate = rate_of(row)
+    return rows
+
+
+def masked_rows(args) -> list[Row]:
+    """Masked prefill: ours vs torch SDPA's default backend given the same mask, bf16, d 128."""
+    rows = []
+    sizes = (2048,) if args.quick else (2048, 4096, 8192)
+    for dtype in args.dtype or ["bfloat16"]:
+        for n in sizes:
+            b, h, d = max(TOKENS // n, 1), MODEL_DIM // 128, 128
+            g = torch.Generator(device="cuda").manual_seed(n)
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g).to(DTYPES[dtype]) for _ in range(3))
+            # Row i keeps its first lengths[i] keys: from all N down to N/2 (right padding, as a training batch).
+            lengths = torch.linspace(n, n // 2, b, device="cuda").round().long()
+            keys = torch.arange(n, device="cuda")
+            padding = (keys[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, N)
+            causal = keys[None, :] <= keys[:, None]
+            for name, mask, work in (("key padding (B,1,1,N)", padding, 1.0),
+                                     ("padded causal (B,1,N,N)", padding & causal, 0.5)):
+                case = f"masked fwd ({b},{h},{n},{d}) {name}"
+                print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
+                ours = lambda mask=mask: cs149gpt.attention(q, k, v, attn_mask=mask)  # noqa: E731
+                skipped = _ours_or_skip(ours, "cuda", case, dtype, "ours", ["sdpa default"])
+                if skipped:
+                    rows += skipped
+                    continue
+                peer = lambda mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+                flop = 4.0 * b * h * n * n * d * work
+                rows += _sync_rows(measured_rows("cuda", case, dtype, None, {"ours": ours}, ("sdpa default", peer),
+                                                 args, unit="TFLOP/s", sync=torch.cuda.synchronize),
+                                   lambda row, flop=flop: flop / (row.ours_ms * 1e-3) / 1e12)
+                for row in rows[-1:]:
+                    row.add_note("TFLOP/s of the dense" + (" causal" if work < 1 else "") + " N² product")
+            del q, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _packed_to_padded_rows(lengths: list[int], longest: int) -> torch.Tensor:
+    """Row indices, into a (B·longest) flattening of the padded batch, of the packed tokens in order."""
+    return torch.cat([b * longest + torch.arange(n) for b, n in enumerate(lengths)]).cuda()
+
+
+def varlen_rows(args) -> list[Row]:
+    """Packed sequences (flash_attn_varlen_func, causal) vs the padded batch: ours padded, cuDNN (else SDPA default)."""
+    from cs149gpt.flash_attn import flash_attn_varlen_func
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench_cpu import varlen_lengths
+
+    rows = []
+    sizes = (2048,) if args.quick else (2048, 4096, 8192)
+    for dtype in args.dtype or ["bfloat16"]:
+        for n in sizes:
+            h, d = MODEL_DIM // 128, 128
+            lengths = varlen_lengths(16, n // 8, n)
+            b, longest, total = len(lengths), max(lengths), sum(lengths)
+            g = torch.Generator(device="cuda").manual_seed(n)
+            q, k, v = (torch.randn(total, h, d, device="cuda", generator=g).to(DTYPES[dtype]) for _ in range(3))
+            cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+            rows_of = _packed_to_padded_rows(lengths, longest)
+
+            def padded(t):  # (total, H, d) -> (B, H, longest, d), zeros past each sequence
+                out = t.new_zeros(b * longest, h, d)
+                out[rows_of] = t
+                return out.view(b, longest, h, d).transpose(1, 2)
+
+            qp, kp, vp = padded(q), padded(k), padded(v)
+            keys = torch.arange(longest, device="cuda")
+            keep = (keys[None, :] < torch.tensor(lengths, device="cuda")[:, None])[:, None, None, :]  # (B, 1, 1, L)
+            full = keep & (keys[None, :] <= keys[:, None])  # (B, 1, L, L): padding and causal in one mask
+
+            def unpadded(out):  # (B, H, L, d) -> (total, H, d)
+                return out.transpose(1, 2).reshape(b * longest, h, d)[rows_of]
+
+            case = f"varlen fwd {b} seqs {min(lengths)}..{longest} ({total} tokens, H {h}, d {d}) causal"
+            print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
+            ours = {"varlen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)}
+            skipped = _ours_or_skip(ours["varlen"], "cuda", case, dtype, "varlen", ["ours padded", "sdpa cudnn"])
+            if skipped:
+                rows += skipped
+                continue
+            check = lambda out, ref: (out.float() - unpadded(ref).float()).abs().max().item()  # noqa: E731
+            flop = sum(4.0 * h * m * m * d * 0.5 for m in lengths)
+            rate = lambda row: flop / (row.ours_ms * 1e-3) / 1e12  # noqa: E731
+            own = lambda: cs149gpt.attention(qp, kp, vp, attn_mask=keep, is_causal=True)  # noqa: E731
+            if _ours_or_skip(own, "cuda", case, dtype, "varlen", ["ours padded"]) is None:
+                rows += _sync_rows(measured_rows("cuda", case, dtype, None, ours, ("ours padded", own), args,
+                                                 unit="TFLOP/s", check=check, sync=torch.cuda.synchronize), rate)
+            else:
+                rows.append(Row("cuda", case, dtype, None, "varlen", "ours padded", status="skipped",
+                                note="our padded masked call is not available in this build"))
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=full)
+
+            peer = ("sdpa cudnn", cudnn)
+            try:
+                cudnn()
+            except RuntimeError:  # cuDNN refuses this mask or shape here: SDPA's own choice of backend
+                peer = ("sdpa default", lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=full))
+            rows += _sync_rows(measured_rows("cuda", case, dtype, None, ours, peer, args, unit="TFLOP/s",
+                                             check=check, sync=torch.cuda.synchronize), rate)
+            del q, k, v, qp, kp, vp, full
+            torch.cuda.empty_cache()
+    return rows
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a device-to-device copy of 2 GiB (read + write counted): the bandwidth decode is put against."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    times = interleave({"copy": lambda: dst.copy_(src)}, 3, 0.5, sync=torch.cuda.synchronize)
+    return 2 * src.numel() * src.element_size() / times["copy"].median / 1e9
+
+
+def decode_rows(args, bandwidth: float) -> list[Row]:
+    """attention_with_kvcache, one query row per sequence, vs torch SDPA's fastest backend on the same cache."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d = 32, 8, 128
+    cases = ([(1, 1024), (8, 8192)] if args.quick else
+             [(1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (8, 32768), (64, 1024), (64, 8192),
+              (64, 16384)])
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    rows = []
+    for dtype in args.dtype or ["bfloat16"]:
+        for b, n in cases:
+            g = torch.Generator(device="cuda").manual_seed(b * n)
+            q = torch.randn(b, hq, 1, d, device="cuda", generator=g).to(DTYPES[dtype])
+            k_cache, v_cache = (torch.randn(b, hkv, n, d, device="cuda", generator=g).to(DTYPES[dtype])
+                                for _ in range(2))
+            seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+            case = f"decode B {b}, {n} keys (Hq {hq}, Hkv {hkv}, d {d})"
+            print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
+            ours = lambda: cs149gpt.attention_with_kvcache(q, k_cache, v_cache, seqlens)  # noqa: E731
+            skipped = _ours_or_skip(ours, "cuda", case, dtype, "ours kvcache", ["sdpa best"])
+            if skipped:
+                rows += skipped
+                continue
+            calls, errors, expanded = {"ours": ours}, {}, []
+            reference = F.scaled_dot_product_attention(q.float(), k_cache.float(), v_cache.float(), enable_gqa=True)
+            for name, backend in backends.items():
+                def attend(backend=backend, k=k_cache, v=v_cache, gqa=True):
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+                try:
+                    attend()
+                    calls[name] = attend
+                except RuntimeError as e:  # a backend without enable_gqa: the cache expanded once, beforehand
+                    if name == "math":
+                        errors[name] = first_line(e)
+                        continue
+                    if not expanded:
+                        expanded += [t.repeat_interleave(hq // hkv, 1) for t in (k_cache, v_cache)]
+                    ke, ve = expanded
+                    try:
+                        attend(k=ke, v=ve, gqa=False)
+                        calls[name] = lambda attend=attend, ke=ke, ve=ve: attend(k=ke, v=ve, gqa=False)
+                    except RuntimeError as e2:
+                        errors[name] = first_line(e2)
+            err = (ours().float() - reference).abs().max().item()
+            times = interleave(calls, args.rounds, args.seconds, sync=torch.cuda.synchronize)
+            best = min((name for name in calls if name != "ours"), key=lambda name: times[name].median)
+            t, tb = times["ours"], times[best]
+            row = Row("cuda", case, dtype, None, "ours kvcache", f"sdpa best ({best})", t.median * 1e3,
+                      tb.median * 1e3, tb.median / t.median, unit="GB/s", err=err)
+            kv_bytes = 2 * b * hkv * n * d * k_cache.element_size()
+            row.rate = kv_bytes / t.median / 1e9
+            row.add_note(f"{100 * row.rate / bandwidth:.0f}% of the {bandwidth:.0f} GB/s copy; sdpa " +
+                         ", ".join(f"{name} {times[name].median * 1e3:.3f} ms" for name in calls if name != "ours"))
+            if errors:
+                row.add_note("refused: " + ", ".join(errors))
+            if not err <= MATCH_TOLERANCE[DTYPES[dtype]]:
+                row.status = "wrong"
+                row.add_note(f"WRONG: error {err:.3g} against float32 SDPA")
+            for who, tt in (("ours", t), (best, tb)):
+                if tt.noisy:
+                    row.add_note(f"noisy: {who} IQR {100 * tt.iqr / tt.median:.0f}% of median")
+            rows.append(row)
+            del q, k_cache, v_cache, calls, expanded
+            torch.cuda.empty_cache()
+    return rows
+
+
+SUITES = ("plain", "masked", "varlen", "decode")
+
+
 def run_cuda(args) -> list[Row]:
     if not torch.cuda.is_available():
         print("cuda: skipped: no CUDA GPU here (torch.cuda.is_available() is False; this torch is "
@@ -197,11 +416,30 @@ def run_cuda(args) -> list[Row]:
         return [Row("cuda", "all", "", None, "ours", "sdpa", status="skipped", note="no CUDA GPU on this machine")]
     if args.configs:
         return config_rows(args)
-    causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal or "both"]
-    peak = matmul_peak()
-    print(f"cuda: a bf16 8192³ matmul runs at {peak:.0f} TFLOP/s on this GPU", file=sys.stderr)
-    return [row for dtype in args.dtype or ["bfloat16"] for shape in shapes(args) for causal in causals
-            for row in case_rows(dtype, shape, causal, args, peak)]
+    rows = []
+    if "plain" in args.suite:
+        causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal or "both"]
+        peak = matmul_peak()
+        print(f"cuda: a bf16 8192³ matmul runs at {peak:.0f} TFLOP/s on this GPU", file=sys.stderr)
+        rows += [row for dtype in args.dtype or ["bfloat16"] for shape in shapes(args) for causal in causals
+                 for row in case_rows(dtype, shape, causal, args, peak)]
+    if "masked" in args.suite:
+        rows += masked_rows(args)
+    if "varlen" in args.suite:
+        rows += varlen_rows(args)
+    if "decode" in args.suite:
+        bandwidth = copy_bandwidth()
+        print(f"cuda: a device-to-device copy runs at {bandwidth:.0f} GB/s on this GPU", file=sys.stderr)
+        rows += decode_rows(args, bandwidth)
+    return rows
+
+
+def parse_suites(text: str) -> list[str]:
+    names = text.split(",")
+    for name in names:
+        if name not in SUITES:
+            raise argparse.ArgumentTypeError(f"unknown suite {name!r}: choose among {', '.join(SUITES)}")
+    return names
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
@@ -210,3 +448,5 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", type=lambda t: t.split(","), default=list(BACKENDS),
                    help=f"comma list of {','.join(BACKENDS)}")
     p.add_argument("--configs", action="store_true", help="time each compiled tile configuration of ours instead")
+    p.add_argument("--suite", type=parse_suites, default=["plain"],
+                   help=f"comma list of row groups: {','.join(SUITES)} (default plain; the module docstring says each)")

@@ -45,7 +45,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from cs149gpt import _ext
-from cs149gpt.ops import attention, attention_with_kvcache, varlen_attention
+from cs149gpt.ops import _next_dropout_seed, attention, attention_with_kvcache, varlen_attention
 
 __all__ = [
     "flash_attn_func",
@@ -103,9 +103,9 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
             raise ValueError(f"{name}: expected (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, N, d) views
     window = tuple(max(int(w), -1) for w in window_size)  # FlashAttention: any negative side is unbounded
-    # The call's dropout (seed, offset) is the next draw of torch's default generator (ops._dropout_seed): a copy of
-    # its state draws it again, for the keep mask.
-    rng = torch.Generator().set_state(torch.get_rng_state()) if return_attn_probs and dropout_p > 0.0 else None
+    # The call's dropout (seed, offset) is the next draw of torch's default generator of q's device
+    # (ops._dropout_seed): read before the call, for the keep mask.
+    drawn = _next_dropout_seed(q.device) if return_attn_probs and dropout_p > 0.0 else None
     out, lse = attention(qt, kt, vt, scale=softmax_scale, is_causal="bottom_right" if causal else False,
                          window=window if window != (-1, -1) else None, dropout_p=dropout_p, softcap=softcap,
                          alibi_slopes=alibi_slopes, return_lse=True)
@@ -114,8 +114,8 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
         return out
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     probs = _attention_probs(qt, kt, scale, causal, window, lse.detach(), softcap, alibi_slopes)
-    if rng is not None:
-        seed, offset = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=rng).tolist()
+    if drawn is not None:
+        seed, offset = drawn
         keep = _ext._module._testing.dropout_keep_mask(seed, offset, list(probs.shape), float(dropout_p))
         probs = torch.where(keep, probs, -probs)  # FlashAttention's S_dmask: negative where dropped
     lse = torch.where(lse == float("-inf"), float("inf"), lse)  # FlashAttention's value for a row with no key
@@ -173,7 +173,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             raise ValueError(f"{name}: expected {expected}, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     window = tuple(max(int(w), -1) for w in window_size)  # FlashAttention: any negative side is unbounded
-    rng = torch.Generator().set_state(torch.get_rng_state()) if return_attn_probs and dropout_p > 0.0 else None
+    drawn = _next_dropout_seed(q.device) if return_attn_probs and dropout_p > 0.0 else None
     with _block_table_errors_as_runtime_errors():
         out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                     scale=softmax_scale, is_causal=bool(causal),
@@ -194,8 +194,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         p = _attention_probs(qs.unsqueeze(0), ks.unsqueeze(0), scale, causal, window,
                              lse[:, cu_q[b]:cu_q[b + 1]].detach().unsqueeze(0), softcap, slopes)
         probs[b, :, :qs.shape[1], :ks.shape[1]] = p[0]
-    if rng is not None:  # sequence b's keep mask: the dense one at offset + cu_seqlens_q[b]·H·(longest key sequence)
-        seed, offset = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=rng).tolist()
+    if drawn is not None:  # sequence b's keep mask: the dense one at offset + cu_seqlens_q[b]·H·(longest key sequence)
+        seed, offset = drawn
         longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
         for b in range(len(cu_q) - 1):
             shift = (offset + cu_q[b] * q.shape[1] * longest_k + 2**63) % 2**64 - 2**63  # the kernel's uint64 sum

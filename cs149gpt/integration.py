@@ -8,8 +8,8 @@
     cs149gpt.register_transformers()         # once; then
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cs149gpt")
 
-Either way a call our kernel cannot compute exactly as torch would (dropout, CUDA masks, float64, ...) goes to
-torch's own SDPA: `cs149gpt.uses_our_kernel(...)` says which. The installed function keeps the rest of torch's
+Either way a call our kernel cannot compute exactly as torch would (a learned mask, float64, float32 on CUDA, ...)
+goes to torch's own SDPA: `cs149gpt.uses_our_kernel(...)` says which. The installed function keeps the rest of torch's
 contract (cs149gpt.scaled_dot_product_attention's docstring): CausalBias masks run our kernel's causal alignments;
 torch.nn.attention.sdpa_kernel is honoured, ours being the FLASH_ATTENTION backend (a selection without it gets
 torch's function); torch.autocast casts the inputs as for torch's SDPA, and ours runs on them; torch.jit.script

@@ -117,9 +117,13 @@ def attention(
         dropout_p: (flash only) dropout on the attention weights, in [0, 1): each weight is zeroed with that
             probability, the others scaled by 1 / (1 - dropout_p); lse stays that of the undropped weights. The
             keep mask is counter-based (csrc/attention.h, dropout_keep: splitmix64's finalizer of a seed-keyed
-            Weyl counter over (batch, head, i, j), not Philox), its (seed, offset) drawn per call from torch's
-            default generator, so torch.manual_seed reproduces a call for any thread count; the backward
-            regenerates the mask instead of storing it. Equal to torch's dropout in distribution, not in bits.
+            Weyl counter over (batch, head, i, j), not Philox), its (seed, offset) drawn per call: on the CPU
+            from torch's default generator; on CUDA from torch's default CUDA generator of q's device, as torch's
+            CUDA SDPA takes its Philox pair (its seed and offset, the offset then advanced past the call's
+            B·H·Nq·Nk counters). torch.manual_seed reproduces a call for any thread count; the backward
+            regenerates the mask instead of storing it; a CUDA call and a CPU call given the same pair keep the
+            same entries. Equal to torch's dropout in distribution, not in bits. Not inside CUDA graph capture
+            (RuntimeError: torch's generator cannot be read there).
             cs149gpt._ext.load()._testing.dropout_keep_mask(seed, offset, shape, p) returns the mask (a test hook).
         softcap: (flash only) > 0: each scaled logit s becomes c(s) = softcap · tanh(s / softcap) (Gemma 2's and
             FlashAttention's softcap), before ALiBi and attn_mask are added; 0 (the default) leaves the logits as
@@ -142,6 +146,11 @@ def attention(
 
     dtypes: float32 with every impl; bfloat16 and float16 with impl="flash" (arithmetic in float32, the output in
     the input dtype; cs149gpt.isa() says which kernel takes them). Other dtypes, or mixed ones: TypeError (under autocast, see below).
+
+    CUDA tensors: impl="flash" only. bfloat16/float16 with head dim 64 or 128 run the tensor-core kernels (Hopper's
+    where they take the call, else FlashAttention-2's), with every argument above — attn_mask, window, dropout_p,
+    softcap, alibi_slopes, forward and backward — as on the CPU. float32 runs the teaching kernel: plain and
+    causal attention, forward only; other arguments there are a NotImplementedError/ValueError from the op's check.
 
     Autograd: impl="flash" is differentiable in q, k and v (FlashAttention-2's backward from the saved lse; nothing
     N×N is saved). The other impls raise on backward rather than return missing gradients. The operators behind
@@ -227,7 +236,9 @@ def attention(
         # the other layouts themselves: the check names the argument (TypeError) for every one of them.
         _ext._module.check_attention(q, k, v, impl, scale, causal, block_q, block_k, attn_mask, window_left,
                                      window_right)
-    seed = _dropout_seed() if dropout_p > 0.0 else None
+    # Dropout's counters: (batch, head, query row, key) of the scores, whose keep mask they number.
+    seed = (_dropout_seed(q.device, (q.numel() // max(q.shape[-1], 1)) * k.shape[-2]) if dropout_p > 0.0
+            else None)
     with _below_autograd_unless_needed(q, k, v):
         if impl == "flash":
             out, lse = torch.ops.cs149gpt.flash_attention(q, k, v, scale, causal, block_q, block_k, attn_mask,
@@ -305,6 +316,10 @@ def attention_with_kvcache(
     splits' partial softmaxes merged exactly in a fixed order, so results are bitwise the same for any thread
     count; calls that read less than 256 KB and do fewer than 2^19 multiply-adds run on the calling thread, larger
     ones on all of torch's threads.
+
+    CUDA tensors (q, caches, cache_seqlens, block_table, ... on one GPU): the same operator, arguments and meaning,
+    on the CUDA decoding kernel (bfloat16/float16, head dim 64 or 128; split-KV across the SMs for long caches);
+    the Python wrapper is the same.
 
     Not differentiable: it has no backward, so a q, k_new or v_new (or cache) that requires grad, with grad mode
     on, is refused with a ValueError naming it (call it under torch.no_grad(), or pass .detach()).
@@ -394,17 +409,59 @@ def varlen_attention(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     left, right = _window(window)
     _load()
-    seed = _dropout_seed() if dropout_p > 0.0 else None
+    # Dropout's counters: sequence b's rows start at cu_seqlens_q[b] · Hq · max_seqlen_k (csrc/attention.h).
+    seed = (_dropout_seed(q.device, q.shape[0] * q.shape[1] * max(int(max_seqlen_k), 1)) if dropout_p > 0.0
+            else None)
     out, lse = torch.ops.cs149gpt.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    scale, bool(is_causal), left, right, float(dropout_p), seed,
                                                    float(softcap), alibi_slopes, block_table)
     return (out, lse) if return_lse else out
 
 
-def _dropout_seed() -> torch.Tensor:
-    """(seed, offset) for one call's dropout, drawn from torch's default CPU generator (torch.manual_seed
-    reproduces them; a traced graph draws them afresh on every run)."""
-    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
+def _dropout_seed(device: Optional[torch.device] = None, counters: int = 0) -> torch.Tensor:
+    """(seed, offset) for one call's dropout, an int64 tensor of 2 on the CPU (the operators' dropout_seed), for a
+    call on `device` whose keep mask numbers `counters` entries (csrc/attention.h, dropout_keep).
+
+    CPU tensors: drawn from torch's default CPU generator (torch.manual_seed reproduces them; a traced graph draws
+    them afresh on every run). CUDA tensors: torch's default CUDA generator of that device, as torch's own CUDA
+    dropout and SDPA take their Philox (seed, offset): seed its seed, offset its offset, which is then advanced
+    past the call's counters (rounded up to a multiple of 4, torch's rule for that offset), so torch.manual_seed
+    (or torch.cuda.manual_seed) reproduces the call, the next call of ours draws past it, and a CUDA call keeps
+    the same bits as a CPU call given the same pair. Under torch.compile the CPU draw, which is traced (the CUDA
+    generator's offset cannot be). Not during CUDA graph capture: torch lets no one read the offset then
+    (RuntimeError)."""
+    if device is None or torch.device(device).type != "cuda" or torch.compiler.is_compiling():
+        return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
+    seed, offset = _cuda_dropout_state(device)
+    generator = torch.cuda.default_generators[_cuda_index(device)]
+    generator.set_offset(offset + (max(int(counters), 1) + 3) // 4 * 4)
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
+def _cuda_index(device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _cuda_dropout_state(device) -> Tuple[int, int]:
+    """(seed, offset) the next CUDA dropout call on `device` draws (_dropout_seed), as int64 values, without
+    drawing them: what a test or return_attn_probs replays the keep mask from."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("dropout_p > 0 on CUDA tensors draws its (seed, offset) from torch's CUDA generator, "
+                           "which cannot be read during CUDA graph capture; capture with dropout_p=0, or use "
+                           "torch's scaled_dot_product_attention inside the graph")
+    generator = torch.cuda.default_generators[_cuda_index(device)]
+    seed = generator.initial_seed()  # uint64: as int64, the bits the kernels read back as uint64
+    return (seed - 2**64 if seed >= 2**63 else seed), generator.get_offset()
+
+
+def _next_dropout_seed(device) -> Tuple[int, int]:
+    """(seed, offset) the next _dropout_seed(device, ...) returns, without drawing it (the keep mask's replay)."""
+    if torch.device(device).type == "cuda":
+        return _cuda_dropout_state(device)
+    rng = torch.Generator().set_state(torch.get_rng_state())
+    seed, offset = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=rng).tolist()
+    return seed, offset
 
 
 def _check_number(name: str, value, kind: type) -> None:
@@ -468,11 +525,13 @@ def scaled_dot_product_attention(
     """torch.nn.functional.scaled_dot_product_attention, with its signature and meaning, on our flash kernel.
 
     Our kernel runs when it computes what torch would: an attn_mask torch takes (bool, float32 or q's dtype,
-    broadcastable to (..., Nq, Nk); CPU only, not requiring grad), 0 <= dropout_p < 1 (CPU: our dropout, the same
-    distribution as torch's, not the same bits; CUDA: 0 only), CPU tensors of one dtype among
+    broadcastable to (..., Nq, Nk), on q's device, not requiring grad), 0 <= dropout_p < 1 (our dropout, the same
+    distribution as torch's, not the same bits: attention()'s dropout_p; on CUDA its (seed, offset) comes from
+    torch's CUDA generator, and inside CUDA graph capture the call is torch's), tensors of one dtype among
     float32/bfloat16/float16 and at least 3 dims, no empty dim, k and v with q's head dim, equal head counts unless
-    enable_gqa=True, a scale that is a finite float32, no forward-AD tangent; CUDA tensors only in
-    bfloat16/float16 with head dim 64 or 128 (float32 there is the teaching kernel, slower than torch's).
+    enable_gqa=True, a scale that is a finite float32, no forward-AD tangent. CUDA tensors: bfloat16/float16 with
+    head dim 64 or 128 (the tensor-core kernels, which take masks and dropout as the CPU's do); float32 there is
+    the teaching kernel (plain and causal only, slower than torch's), so torch keeps those calls.
     Every other call goes to torch's own function, captured at import (so installing this one as
     torch.nn.functional.scaled_dot_product_attention never recurses): for any input torch accepts it returns what
     torch returns (zeros for no keys, an empty tensor for no heads, nested tensors, a learned mask's gradient,
@@ -594,9 +653,10 @@ def _sdpa_causal_bias(query, key, value, bias, dropout_p, is_causal, scale, enab
 
 def _mask_is_ours(attn_mask, query, key) -> bool:
     """Whether our kernel computes what torch computes with this attn_mask: one torch accepts (bool, float32 or
-    query's dtype, broadcastable to the scores (..., Nq, Nk)), a plain CPU tensor, and no gradient wanted for it."""
+    query's dtype, broadcastable to the scores (..., Nq, Nk)), a plain tensor on query's device (CPU or CUDA), and
+    no gradient wanted for it."""
     if not (isinstance(attn_mask, torch.Tensor) and attn_mask.layout == torch.strided and not attn_mask.is_nested
-            and attn_mask.device == query.device and attn_mask.device.type == "cpu"):
+            and attn_mask.device == query.device and attn_mask.device.type in ("cpu", "cuda")):
         return False
     if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
         return False
@@ -630,9 +690,11 @@ def _ours(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     tensors = (query, key, value)
     if not isinstance(is_causal, bool):
         return False
-    if dropout_p != 0.0 and not (isinstance(dropout_p, (int, float)) and 0.0 < dropout_p < 1.0
-                                 and query.device.type == "cpu"):
-        return False  # torch's answer for p = 1, NaN, ...; our CUDA kernels have no dropout
+    if dropout_p != 0.0 and not (isinstance(dropout_p, (int, float)) and 0.0 < dropout_p < 1.0):
+        return False  # torch's answer for p = 1, NaN, ...
+    if (dropout_p != 0.0 and isinstance(query, torch.Tensor) and query.device.type == "cuda"
+            and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()):
+        return False  # CUDA graph capture: torch's dropout reads its generator graph-safely, ours cannot
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
                                   and abs(scale) < _FLOAT32_OVERFLOW):
         return False  # torch computes something (NaN, inf, ...) where our check refuses: torch's answer

@@ -817,11 +817,11 @@ py::object attention_fast(const at::Tensor& q, const at::Tensor& k, const at::Te
   return call_below_autograd(q, k, v, impl, scale, causal, block_q, block_k, return_lse);
 }
 
-// Whether our kernel reads this attn_mask as torch's SDPA would (ops._mask_is_ours): a plain CPU tensor of bool,
-// float32 or q's dtype, broadcastable to the scores (..., Nq, Nk), for which no gradient (reverse or forward) is
-// wanted — torch computes that one.
+// Whether our kernel reads this attn_mask as torch's SDPA would (ops._mask_is_ours): a plain tensor on q's device
+// (CPU or CUDA) of bool, float32 or q's dtype, broadcastable to the scores (..., Nq, Nk), for which no gradient
+// (reverse or forward) is wanted — torch computes that one.
 bool mask_is_ours(const at::Tensor& mask, const at::Tensor& q, const at::Tensor& k) {
-  if (!plain_dense(mask) || !mask.device().is_cpu() || mask.device() != q.device()) return false;
+  if (!plain_dense(mask) || mask.device() != q.device()) return false;
   const auto type = mask.scalar_type();
   if (!(type == at::kBool || type == at::kFloat || type == q.scalar_type())) return false;
   if ((at::GradMode::is_enabled() && mask.requires_grad()) || mask._fw_grad(/*level=*/0).defined()) return false;
