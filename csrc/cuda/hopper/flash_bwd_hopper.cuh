@@ -9,7 +9,8 @@
 //                             Pᵀ = exp2(scale·log2e · Sᵀ − lse_i·log2e);  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)   (keys x queries)
 //                             dV_w += Pᵀ dO_i                                   (wgmma, Pᵀ from registers)
 //                             dSᵀ -> shared memory;  both warpgroups' halves written (a named barrier)
-//                             dQ_i += dS K_j   (one 64 x 64 block of dQ_i per warpgroup, float32 reductions to dq_accum)
+//                             dQ_i += dS K_j   (one 64 x 64 block of dQ_i per warpgroup, float32 reductions to dq_accum:
+//                                               from registers, or with kDqTma two bulk tensor reductions from shared memory)
 //                             dK_w += dSᵀ Q_i                                   (wgmma, dSᵀ from registers)
 //                             hand the stage back to the producer
 //     dK_w·scale, dV_w -> dk, dv
@@ -211,6 +212,13 @@ __device__ __forceinline__ TileMask tile_mask(const AttentionParams& p, int64_t 
   return mask;
 }
 
+// Whether column group j (queries 8j .. 8j + 7) of Pᵀ takes its exponentials from exp2_poly (Traits::kPolyExpEvery).
+template <class Traits>
+__device__ __forceinline__ constexpr bool poly_exp_group(int j) {
+  constexpr int every = Traits::kPolyExpEvery;
+  return every > 0 && (j + 1) % (every > 0 ? every : 1) == 0;
+}
+
 // Pᵀ = exp2(scale·log2e · Sᵀ − lse2), in place; with kMasked, masked entries 0 (a select: the statistics of rows past
 // q_len are never written, and may be anything). key0: the tile key of the thread's row g.
 template <class Traits, bool kIsCausal, bool kMasked>
@@ -221,7 +229,8 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2],
     const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * (lane % 4));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float x = exp2_approx(fmaf(s[4 * j + e], scale_log2, -(e % 2 ? l.y : l.x)));
+      const float arg = fmaf(s[4 * j + e], scale_log2, -(e % 2 ? l.y : l.x));
+      const float x = poly_exp_group<Traits>(j) ? exp2_poly(arg) : exp2_approx(arg);
       const int qi = 8 * j + 2 * (lane % 4) + e % 2;
       s[4 * j + e] = !kMasked || mask.visible(key0 + 8 * (e / 2), qi, kIsCausal) ? x : 0.f;
     }

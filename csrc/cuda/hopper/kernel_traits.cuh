@@ -81,7 +81,10 @@ using DefaultFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*
 // registers of every thread (8 per thread and step, with their shuffles).
 // kDvEarly: dV += Pᵀ dO is issued as soon as Pᵀ is ready, before dPᵀ is waited for, so that dSᵀ = Pᵀ ∘ (dPᵀ − D) is
 // computed while dV is on the tensor cores; false: dV is issued after dSᵀ, under dSᵀ's stores and the barrier.
-template <int kHeadDim_, class T_, bool kDqTma_ = false, bool kDvEarly_ = false,
+// kPolyExpEvery: 0, or every kPolyExpEvery-th group of 8 query columns of Pᵀ takes its exponentials from a polynomial
+// on the FMA pipe instead of the MUFU unit (16 results per clock per SM: 1024 clocks a step at d 64, more than dPᵀ's
+// product they hide under), so that both units share the work.
+template <int kHeadDim_, class T_, bool kDqTma_ = false, bool kDvEarly_ = false, int kPolyExpEvery_ = 0,
           int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
 struct BwdTraits {
   using T = T_;
@@ -98,6 +101,7 @@ struct BwdTraits {
   static constexpr bool kDqSplitByRows = kBlockM == 128;  // else by columns of head_dim
   static constexpr bool kDqTma = kDqTma_;
   static constexpr bool kDvEarly = kDvEarly_;
+  static constexpr int kPolyExpEvery = kPolyExpEvery_;
 
   static constexpr int kPanelCols = 64;
   static constexpr int kPanels = kHeadDim / kPanelCols;
@@ -138,7 +142,7 @@ struct BwdTraits {
 
 // The shipped backward per head dim: FlashAttention-3's tiles, dQ by register reductions, dV after dSᵀ.
 template <int kHeadDim, class T>
-using DefaultBwdTraits = BwdTraits<kHeadDim, T, /*kDqTma=*/false, /*kDvEarly=*/false>;
+using DefaultBwdTraits = BwdTraits<kHeadDim, T, /*kDqTma=*/false, /*kDvEarly=*/false, /*kPolyExpEvery=*/0>;
 
 }  // namespace hopper
 }  // namespace cuda

@@ -120,6 +120,23 @@ template <int kRegs> __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// ---- exponentials on the FMA pipe ------------------------------------------------------------------------------------
+// 2^x for x <= 0 without the MUFU unit: x = n + f (n = round(x) by the 1.5·2^23 shift, |f| <= 1/2), 2^f by its
+// degree-4 Taylor polynomial in f·ln2 (relative error under 6e-5, below a 16-bit rounding), n added to the exponent
+// bits. x is clamped at -126, where the result (about 1e-38) stands for 0.
+__device__ __forceinline__ float exp2_poly(float x) {
+  constexpr float kShift = 12582912.f;  // 1.5·2^23: x + kShift holds round(x) in its low mantissa bits
+  x = fmaxf(x, -126.f);
+  const float t = x + kShift;
+  const float f = x - (t - kShift);
+  float p = 9.6181291e-3f;        // ln2^4 / 4!
+  p = fmaf(p, f, 5.5504109e-2f);  // ln2^3 / 3!
+  p = fmaf(p, f, 0.24022651f);    // ln2^2 / 2!
+  p = fmaf(p, f, 0.69314718f);    // ln2
+  p = fmaf(p, f, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 // ---- wgmma: shared-memory matrix descriptors -------------------------------------------------------------------------
 // A 64-bit descriptor of an operand tile in shared memory, 128-byte swizzle (the layout TMA's
 // CU_TENSOR_MAP_SWIZZLE_128B writes: rows of 128 bytes, 8-row atoms of 1024 bytes, the 16-byte chunk c of row r stored
