@@ -544,6 +544,43 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif
 }
 
+// ---- the per-row statistics ----------------------------------------------------------------------------------------------
+// flash_bwd_delta_kernel's D_i = rowsum(dO_i ∘ O_i) and lse_i·log2e, into the same workspace, with 16-byte loads: head_dim / 8
+// lanes a row, each summing 8 products, then a shuffle reduction among them (out and dout rows are 16-byte aligned:
+// hopper_bwd_supports).
+template <class T, int kHeadDim>
+__global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams bp, float* stats) {
+  constexpr int kLanesPerRow = kHeadDim / 8;
+  static_assert(32 % kLanesPerRow == 0, "a row's lanes within one warp");
+  const AttentionParams& p = bp.fwd;
+  const int64_t rows = p.batch * p.num_heads * p.q_len;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;
+  const int chunk = threadIdx.x % kLanesPerRow;
+  const bool valid = row < rows;
+  const int64_t i = valid ? row % p.q_len : 0, bh = valid ? row / p.q_len : 0;
+  const int64_t b = bh / p.num_heads, h = bh % p.num_heads;
+  float sum = 0.f;
+  if (valid) {
+    const T* o = head_ptr(static_cast<const T*>(p.out), p.out_strides, b, h) + i * p.out_strides[2] + chunk * 8;
+    const T* dout = head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + i * bp.dout_strides[2] + chunk * 8;
+    const uint4 a = *reinterpret_cast<const uint4*>(o), g = *reinterpret_cast<const uint4*>(dout);
+    const uint32_t av[4] = {a.x, a.y, a.z, a.w}, gv[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 x = unpack2<T>(av[k]), y = unpack2<T>(gv[k]);
+      sum = fmaf(x.x, y.x, fmaf(x.y, y.y, sum));
+    }
+  }
+#pragma unroll
+  for (int off = kLanesPerRow / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (valid && chunk == 0) {
+    const int64_t q_pad = q_padded(p.q_len), at = bh * q_pad + i;
+    const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
+    stats[at] = sum;
+    stats[p.batch * p.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+  }
+}
+
 // ---- host launch -------------------------------------------------------------------------------------------------------
 template <class Traits>
 cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* stats, float* dq_accum,
@@ -551,8 +588,12 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
   const AttentionParams& p = bp.fwd;
   const int64_t rows = p.batch * p.num_heads * p.q_len;
   if (rows > 0) {
-    flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
-        <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
+    if constexpr (Traits::kDeltaVec)
+      flash_bwd_delta_vec_kernel<typename Traits::T, Traits::kHeadDim>
+          <<<static_cast<unsigned>((rows * (Traits::kHeadDim / 8) + 255) / 256), 256, 0, stream>>>(bp, stats);
+    else
+      flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
+          <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -84,8 +84,10 @@ using DefaultFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*
 // kPolyExpEvery: 0, or every kPolyExpEvery-th group of 8 query columns of Pᵀ takes its exponentials from a polynomial
 // on the FMA pipe instead of the MUFU unit (16 results per clock per SM: 1024 clocks a step at d 64, more than dPᵀ's
 // product they hide under), so that both units share the work.
+// kDeltaVec: D = rowsum(dO ∘ O) by flash_bwd_delta_vec_kernel (16-byte loads, head_dim / 8 lanes a row); false: by
+// flash_bwd.cuh's flash_bwd_delta_kernel (4-byte loads, a warp a row).
 template <int kHeadDim_, class T_, bool kDqTma_ = false, bool kDvEarly_ = false, int kPolyExpEvery_ = 0,
-          int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
+          bool kDeltaVec_ = false, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
 struct BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -102,6 +104,7 @@ struct BwdTraits {
   static constexpr bool kDqTma = kDqTma_;
   static constexpr bool kDvEarly = kDvEarly_;
   static constexpr int kPolyExpEvery = kPolyExpEvery_;
+  static constexpr bool kDeltaVec = kDeltaVec_;
 
   static constexpr int kPanelCols = 64;
   static constexpr int kPanels = kHeadDim / kPanelCols;
@@ -142,7 +145,8 @@ struct BwdTraits {
 
 // The shipped backward per head dim: FlashAttention-3's tiles, dQ by register reductions, dV after dSᵀ.
 template <int kHeadDim, class T>
-using DefaultBwdTraits = BwdTraits<kHeadDim, T, /*kDqTma=*/false, /*kDvEarly=*/false, /*kPolyExpEvery=*/0>;
+using DefaultBwdTraits =
+    BwdTraits<kHeadDim, T, /*kDqTma=*/false, /*kDvEarly=*/false, /*kPolyExpEvery=*/0, /*kDeltaVec=*/false>;
 
 }  // namespace hopper
 }  // namespace cuda
