@@ -9,7 +9,8 @@
 //                             Pᵀ = exp2(scale·log2e · Sᵀ − lse_i·log2e);  dSᵀ = Pᵀ ∘ (dPᵀ − D_i)   (keys x queries)
 //                             dV_w += Pᵀ dO_i                                   (wgmma, Pᵀ from registers)
 //                             dSᵀ -> shared memory;  both warpgroups' halves written (a named barrier)
-//                             dQ_i += dS K_j   (one 64 x 64 block of dQ_i per warpgroup, float32 reductions to dq_accum)
+//                             dQ_i += dS K_j   (one 64 x 64 block of dQ_i per warpgroup, float32 reductions to dq_accum:
+//                                               from registers, or with kDqTma two bulk tensor reductions from shared memory)
 //                             dK_w += dSᵀ Q_i                                   (wgmma, dSᵀ from registers)
 //                             hand the stage back to the producer
 //     dK_w·scale, dV_w -> dk, dv
@@ -47,6 +48,7 @@ struct BwdSharedTiles {
   char* q;       // [kStages] tiles of kPanels panels of kBlockM rows x 128 bytes
   char* dout;    // the same
   char* ds;      // [2] dSᵀ tiles: kBlockM / 64 panels of kBlockN keys x 64 queries
+  char* dq;      // kDqTma: [kConsumerWarpgroups] dQ blocks, two boxes of 64 rows x 32 float32 columns
   float* lse2;   // [kStages][kBlockM] lse·log2e of the stage's query rows
   float* delta;  // [kStages][kBlockM] D
   uint64_t* kv_full;   // K and V have arrived
@@ -61,6 +63,7 @@ struct BwdSharedTiles {
         q(base + Traits::kSmemQ),
         dout(base + Traits::kSmemDo),
         ds(base + Traits::kSmemDs),
+        dq(base + Traits::kSmemDq),
         lse2(reinterpret_cast<float*>(base + Traits::kSmemLse)),
         delta(reinterpret_cast<float*>(base + Traits::kSmemDelta)),
         kv_full(reinterpret_cast<uint64_t*>(base + Traits::kSmemBarriers)),
@@ -71,6 +74,7 @@ struct BwdSharedTiles {
   __device__ char* q_tile(int stage) const { return q + stage * Traits::kQBytes; }
   __device__ char* do_tile(int stage) const { return dout + stage * Traits::kQBytes; }
   __device__ char* ds_tile(int step) const { return ds + (step % 2) * Traits::kDsBytes; }
+  __device__ char* dq_block(int wg) const { return dq + wg * Traits::kDqBytes; }
   __device__ float* lse2_rows(int stage) const { return lse2 + stage * Traits::kBlockM; }
   __device__ float* delta_rows(int stage) const { return delta + stage * Traits::kBlockM; }
 };
@@ -208,6 +212,13 @@ __device__ __forceinline__ TileMask tile_mask(const AttentionParams& p, int64_t 
   return mask;
 }
 
+// Whether column group j (queries 8j .. 8j + 7) of Pᵀ takes its exponentials from exp2_poly (Traits::kPolyExpEvery).
+template <class Traits>
+__device__ __forceinline__ constexpr bool poly_exp_group(int j) {
+  constexpr int every = Traits::kPolyExpEvery;
+  return every > 0 && (j + 1) % (every > 0 ? every : 1) == 0;
+}
+
 // Pᵀ = exp2(scale·log2e · Sᵀ − lse2), in place; with kMasked, masked entries 0 (a select: the statistics of rows past
 // q_len are never written, and may be anything). key0: the tile key of the thread's row g.
 template <class Traits, bool kIsCausal, bool kMasked>
@@ -218,7 +229,8 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2],
     const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * (lane % 4));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float x = exp2_approx(fmaf(s[4 * j + e], scale_log2, -(e % 2 ? l.y : l.x)));
+      const float arg = fmaf(s[4 * j + e], scale_log2, -(e % 2 ? l.y : l.x));
+      const float x = poly_exp_group<Traits>(j) ? exp2_poly(arg) : exp2_approx(arg);
       const int qi = 8 * j + 2 * (lane % 4) + e % 2;
       s[4 * j + e] = !kMasked || mask.visible(key0 + 8 * (e / 2), qi, kIsCausal) ? x : 0.f;
     }
@@ -286,6 +298,21 @@ __device__ __forceinline__ void add_dq_block(float* dq_rows, int64_t q_len, int6
   }
 }
 
+// The warpgroup's 64 x 64 dQ block (a wgmma accumulator fragment) into its shared-memory boxes, as TMA lays out a
+// (32 columns, 64 rows) float32 box under the 128-byte swizzle: column c of row r in box c / 32, at chunk
+// ((c % 32) / 4) ^ (r % 8) of the 128-byte row. Each 8-byte store of a warp covers every bank twice (no conflict).
+template <class Traits>
+__device__ __forceinline__ void store_dq_block(char* dq_block, const float (&dq)[32], int warp, int lane) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * warp + lane / 4 + 8 * r, c = 8 * (j % 4) + 2 * (lane % 4);
+      char* at = dq_block + (j / 4) * Traits::kDqBoxBytes + row * 128 + (((c / 4) ^ (row % 8)) * 16) + (c % 4) * 4;
+      *reinterpret_cast<float2*>(at) = make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+    }
+}
+
 // dK·scale (or dV) of the warpgroup's 64 keys, from its accumulator fragment, rows past kv_len dropped.
 template <class Traits>
 __device__ __forceinline__ void write_dkv(typename Traits::T* out, int64_t row_stride, int64_t kv_len, int64_t key0,
@@ -303,17 +330,20 @@ __device__ __forceinline__ void write_dkv(typename Traits::T* out, int64_t row_s
   }
 }
 
-// Named barrier (id; 0 is __syncthreads'): both consumer warpgroups have written their halves of a step's dSᵀ.
+// Named barriers (id; 0 is __syncthreads'): both consumer warpgroups have written their halves of a step's dSᵀ; the
+// four warps of consumer warpgroup w have written its dQ block (kDqWrittenBarrier + w).
 constexpr int kDsWrittenBarrier = 1;
+constexpr int kDqWrittenBarrier = 2;
 
 // ---- the consumers' mainloop --------------------------------------------------------------------------------------------
 // Per step (query head h, query tile at m0), the products in five groups: {Sᵀ}, {dPᵀ}, {dV}, then after the barrier
 // {dQ}, {dK}. The exponentials of Pᵀ run while dPᵀ is on the tensor cores, the stores of dSᵀ and the barrier while dV
-// is, and dQ's reductions to global memory while dK is (FlashAttention-3's order).
+// is (with kDvEarly also dSᵀ's arithmetic), and dQ's way to global memory while dK is (FlashAttention-3's order).
 template <class Traits, bool kIsCausal>
 __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& sm, const AttentionParams& p,
-                                                  const BwdSteps& steps, float* dq_accum, int64_t b, int64_t n0, int wg,
-                                                  float (&dk)[Traits::kHeadDim / 2], float (&dv)[Traits::kHeadDim / 2]) {
+                                                  const BwdSteps& steps, float* dq_accum, const CUtensorMap* tm_dq,
+                                                  int64_t b, int64_t n0, int wg, float (&dk)[Traits::kHeadDim / 2],
+                                                  float (&dv)[Traits::kHeadDim / 2]) {
   constexpr int kBlockM = Traits::kBlockM;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   const int key0 = wg * 64 + warp * 16 + lane / 4;  // the tile key of the thread's row g
@@ -349,23 +379,38 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     fence_fragment(st);
     if (mask.needed) scores_to_probs<Traits, kIsCausal, true>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
     else scores_to_probs<Traits, kIsCausal, false>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
-    wgmma_wait<0>();
-    fence_fragment(dpt);
-    probs_to_dscores<Traits>(dpt, st, sm.delta_rows(stage), mask, lane);
     uint32_t pt16[kBlockM / 16][4], dst16[kBlockM / 16][4];
-    to_a_frags<Traits>(pt16, st);
-    to_a_frags<Traits>(dst16, dpt);
+    if constexpr (Traits::kDvEarly) {
+      // dV += Pᵀ dO now, under dSᵀ's arithmetic, its stores and the barrier; dPᵀ's group completes before it.
+      to_a_frags<Traits>(pt16, st);
+      wgmma_fence();
+      gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_fragment(dpt);
+      probs_to_dscores<Traits>(dpt, st, sm.delta_rows(stage), mask, lane);
+      to_a_frags<Traits>(dst16, dpt);
+    } else {
+      wgmma_wait<0>();
+      fence_fragment(dpt);
+      probs_to_dscores<Traits>(dpt, st, sm.delta_rows(stage), mask, lane);
+      to_a_frags<Traits>(pt16, st);
+      to_a_frags<Traits>(dst16, dpt);
 
-    // dV += Pᵀ dO, under the stores of dSᵀ and the barrier.
-    wgmma_fence();
-    gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
-    wgmma_commit();
+      // dV += Pᵀ dO, under the stores of dSᵀ and the barrier.
+      wgmma_fence();
+      gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
+      wgmma_commit();
+    }
 
     // dSᵀ to shared memory for dQ. Its buffer was last read by the dQ product of step s − 2, which both warpgroups
     // waited for before they reached the barrier of step s − 1.
     char* ds_tile = sm.ds_tile(s);
     store_dscores<Traits>(ds_tile, dst16, key0, lane);
     fence_proxy_async();  // the tensor cores read what these stores wrote
+    // kDqTma: the reduction of step s − 1 has read the dQ block before any thread of the warpgroup passes this barrier
+    // and writes it again.
+    if (Traits::kDqTma && threadIdx.x % 128 == 0) bulk_wait_group_read<0>();
     named_barrier_sync(kDsWrittenBarrier, 256);
 
     // The warpgroup's dQ block = dS K_j, then dK += dSᵀ Q; dQ's reductions run under the latter.
@@ -382,13 +427,33 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     fence_fragment(dv);
     fence_fragment(pt16);
     if (lane == 0) mbarrier_arrive(&sm.do_empty[stage]);
-    add_dq_block(dq_accum + (b * p.num_heads + h) * p.q_len * head_dim, p.q_len, head_dim,
-                 m0 + dq_row0 + warp * 16, dq_col0, dq, lane);
+    if constexpr (Traits::kDqTma) {
+      // The block to shared memory; once all four warps have written it, one thread adds it into dq_accum.
+      store_dq_block<Traits>(sm.dq_block(wg), dq, warp, lane);
+      fence_proxy_async();  // the copy engine reads what these stores wrote
+      if (warp == 0) {
+        named_barrier_sync(kDqWrittenBarrier + wg, 128);
+        if (lane == 0) {
+#pragma unroll
+          for (int box = 0; box < 2; ++box)
+            tma_reduce_add_4d(tm_dq, sm.dq_block(wg) + box * Traits::kDqBoxBytes, dq_col0 + 32 * box,
+                              static_cast<int>(m0) + dq_row0, static_cast<int>(h), static_cast<int>(b));
+          bulk_commit_group();
+        }
+      } else {
+        named_barrier_arrive(kDqWrittenBarrier + wg, 128);
+      }
+    } else {
+      add_dq_block(dq_accum + (b * p.num_heads + h) * p.q_len * head_dim, p.q_len, head_dim,
+                   m0 + dq_row0 + warp * 16, dq_col0, dq, lane);
+    }
     wgmma_wait<0>();  // dK is done: Q is free
     fence_fragment(dk);
     fence_fragment(dst16);
     if (lane == 0) mbarrier_arrive(&sm.q_empty[stage]);
   }
+  // The block's shared memory outlives the last reductions' reads.
+  if (Traits::kDqTma && threadIdx.x % 128 == 0) bulk_wait_group<0>();
 }
 
 // ---- the kernel -------------------------------------------------------------------------------------------------------
@@ -399,7 +464,8 @@ template <class Traits, bool kIsCausal, bool kPerQueryHead>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_hopper_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                             const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                            const AttentionBackwardParams bp, const float* stats, float* dq_accum, int heads_per_group) {
+                            const __grid_constant__ CUtensorMap tm_dq, const AttentionBackwardParams bp,
+                            const float* stats, float* dq_accum, int heads_per_group) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   const AttentionParams& p = bp.fwd;
@@ -465,7 +531,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float dk[kD / 2], dv[kD / 2];  // the warpgroup's 64 keys x head_dim
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
-    if (steps.count > 0) consumer_mainloop<Traits, kIsCausal>(sm, p, steps, dq_accum, b, n0, wg, dk, dv);
+    if (steps.count > 0) consumer_mainloop<Traits, kIsCausal>(sm, p, steps, dq_accum, &tm_dq, b, n0, wg, dk, dv);
 
     // dK (scaled) and dV of the warpgroup's keys, summed over the query heads the block visited; 0 where none saw them.
     using T = typename Traits::T;
@@ -478,6 +544,43 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif
 }
 
+// ---- the per-row statistics ----------------------------------------------------------------------------------------------
+// flash_bwd_delta_kernel's D_i = rowsum(dO_i ∘ O_i) and lse_i·log2e, into the same workspace, with 16-byte loads: head_dim / 8
+// lanes a row, each summing 8 products, then a shuffle reduction among them (out and dout rows are 16-byte aligned:
+// hopper_bwd_supports).
+template <class T, int kHeadDim>
+__global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams bp, float* stats) {
+  constexpr int kLanesPerRow = kHeadDim / 8;
+  static_assert(32 % kLanesPerRow == 0, "a row's lanes within one warp");
+  const AttentionParams& p = bp.fwd;
+  const int64_t rows = p.batch * p.num_heads * p.q_len;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;
+  const int chunk = threadIdx.x % kLanesPerRow;
+  const bool valid = row < rows;
+  const int64_t i = valid ? row % p.q_len : 0, bh = valid ? row / p.q_len : 0;
+  const int64_t b = bh / p.num_heads, h = bh % p.num_heads;
+  float sum = 0.f;
+  if (valid) {
+    const T* o = head_ptr(static_cast<const T*>(p.out), p.out_strides, b, h) + i * p.out_strides[2] + chunk * 8;
+    const T* dout = head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + i * bp.dout_strides[2] + chunk * 8;
+    const uint4 a = *reinterpret_cast<const uint4*>(o), g = *reinterpret_cast<const uint4*>(dout);
+    const uint32_t av[4] = {a.x, a.y, a.z, a.w}, gv[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 x = unpack2<T>(av[k]), y = unpack2<T>(gv[k]);
+      sum = fmaf(x.x, y.x, fmaf(x.y, y.y, sum));
+    }
+  }
+#pragma unroll
+  for (int off = kLanesPerRow / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (valid && chunk == 0) {
+    const int64_t q_pad = q_padded(p.q_len), at = bh * q_pad + i;
+    const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
+    stats[at] = sum;
+    stats[p.batch * p.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+  }
+}
+
 // ---- host launch -------------------------------------------------------------------------------------------------------
 template <class Traits>
 cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* stats, float* dq_accum,
@@ -485,8 +588,12 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
   const AttentionParams& p = bp.fwd;
   const int64_t rows = p.batch * p.num_heads * p.q_len;
   if (rows > 0) {
-    flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
-        <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
+    if constexpr (Traits::kDeltaVec)
+      flash_bwd_delta_vec_kernel<typename Traits::T, Traits::kHeadDim>
+          <<<static_cast<unsigned>((rows * (Traits::kHeadDim / 8) + 255) / 256), 256, 0, stream>>>(bp, stats);
+    else
+      flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
+          <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -498,7 +605,7 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
                             : (per_query_head ? flash_bwd_hopper_kernel<Traits, false, true>
                                               : flash_bwd_hopper_kernel<Traits, false, false>);
 
-  CUtensorMap tm_q, tm_do, tm_k, tm_v;
+  CUtensorMap tm_q, tm_do, tm_k, tm_v, tm_dq{};
   cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, p.q_len, p.num_heads, p.batch,
                                        p.q_strides, Traits::kBlockM);
   if (err == cudaSuccess)
@@ -510,6 +617,8 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
   if (err == cudaSuccess)
     err = make_head_rows_map(&tm_v, p.dtype, p.v, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.v_strides,
                              Traits::kBlockN);
+  if (err == cudaSuccess && Traits::kDqTma)
+    err = make_dq_accum_map(&tm_dq, dq_accum, Traits::kHeadDim, p.q_len, p.num_heads, p.batch);
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -518,8 +627,8 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
   int heads_per_group = 1;
   if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, n_blocks, &heads_per_group);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_do, tm_k, tm_v, bp, stats, dq_accum,
-                                                                  heads_per_group);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_do, tm_k, tm_v, tm_dq, bp, stats,
+                                                                  dq_accum, heads_per_group);
   return cudaGetLastError();
 }
 

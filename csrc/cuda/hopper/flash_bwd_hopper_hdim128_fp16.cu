@@ -7,7 +7,7 @@ namespace hopper {
 template <>
 cudaError_t flash_bwd_run<128, __half>(const AttentionBackwardParams& p, float* delta, float* dq_accum,
                                    bool per_query_head, cudaStream_t stream) {
-  return launch_flash_bwd_hopper<BwdTraits<128, __half>>(p, delta, dq_accum, per_query_head, stream);
+  return launch_flash_bwd_hopper<DefaultBwdTraits<128, __half>>(p, delta, dq_accum, per_query_head, stream);
 }
 }  // namespace hopper
 }  // namespace cuda

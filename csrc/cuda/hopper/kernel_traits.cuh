@@ -75,7 +75,19 @@ using DefaultFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*
 // is split into two 64 x 64 blocks, one per consumer warpgroup: by rows at Br 128 (d 64), by columns at Br 64 (d 128).
 // Every (rows x 64 columns) panel is 128-byte swizzled as in the forward; dS is stored as dSᵀ, (keys, queries) in panels
 // of 64 queries, the layout its fragments write with 4-byte stores and dQ's wgmma reads MN-major.
-template <int kHeadDim_, class T_, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
+//
+// kDqTma: a warpgroup's dQ block goes to shared memory, and one of its threads adds it into dq_accum with two bulk
+// tensor reductions of the copy engine (FlashAttention-3's dQ path); false: 16-byte float32 reductions from the
+// registers of every thread (8 per thread and step, with their shuffles).
+// kDvEarly: dV += Pᵀ dO is issued as soon as Pᵀ is ready, before dPᵀ is waited for, so that dSᵀ = Pᵀ ∘ (dPᵀ − D) is
+// computed while dV is on the tensor cores; false: dV is issued after dSᵀ, under dSᵀ's stores and the barrier.
+// kPolyExpEvery: 0, or every kPolyExpEvery-th group of 8 query columns of Pᵀ takes its exponentials from a polynomial
+// on the FMA pipe instead of the MUFU unit (16 results per clock per SM: 1024 clocks a step at d 64, more than dPᵀ's
+// product they hide under), so that both units share the work.
+// kDeltaVec: D = rowsum(dO ∘ O) by flash_bwd_delta_vec_kernel (16-byte loads, head_dim / 8 lanes a row); false: by
+// flash_bwd.cuh's flash_bwd_delta_kernel (4-byte loads, a warp a row).
+template <int kHeadDim_, class T_, bool kDqTma_ = false, bool kDvEarly_ = false, int kPolyExpEvery_ = 0,
+          bool kDeltaVec_ = false, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
 struct BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -89,6 +101,10 @@ struct BwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr bool kDqSplitByRows = kBlockM == 128;  // else by columns of head_dim
+  static constexpr bool kDqTma = kDqTma_;
+  static constexpr bool kDvEarly = kDvEarly_;
+  static constexpr int kPolyExpEvery = kPolyExpEvery_;
+  static constexpr bool kDeltaVec = kDeltaVec_;
 
   static constexpr int kPanelCols = 64;
   static constexpr int kPanels = kHeadDim / kPanelCols;
@@ -100,15 +116,20 @@ struct BwdTraits {
   static constexpr int kDsPanelBytes = kBlockN * kRowBytes;  // 64 queries of every key
   static constexpr int kDsBytes = (kBlockM / kPanelCols) * kDsPanelBytes;
   static constexpr int kStatBytes = kBlockM * 4;  // lse·log2e (or D) of a query tile
+  // kDqTma: a warpgroup's 64 x 64 float32 dQ block, as two boxes of 32 columns (128-byte swizzled rows of 64 rows).
+  static constexpr int kDqBoxBytes = 64 * 128;
+  static constexpr int kDqBytes = kDqTma ? 2 * kDqBoxBytes : 0;
   // Layout (byte offsets from a 1024-byte aligned base):
-  //   K | V | Q[kStages] | dO[kStages] | dS[2] | lse2[kStages] | D[kStages] | mbarriers
-  // dS is double-buffered: a warpgroup writes dS_{i+1} while the other may still read dS_i in its dQ product.
+  //   K | V | Q[kStages] | dO[kStages] | dS[2] | dQ[kConsumerWarpgroups] | lse2[kStages] | D[kStages] | mbarriers
+  // dS is double-buffered: a warpgroup writes dS_{i+1} while the other may still read dS_i in its dQ product. dQ is
+  // not: its reduction of step i has a whole step to read it before step i + 1 writes it.
   static constexpr int kSmemK = 0;
   static constexpr int kSmemV = kSmemK + kKVBytes;
   static constexpr int kSmemQ = kSmemV + kKVBytes;
   static constexpr int kSmemDo = kSmemQ + kStages * kQBytes;
   static constexpr int kSmemDs = kSmemDo + kStages * kQBytes;
-  static constexpr int kSmemLse = kSmemDs + 2 * kDsBytes;
+  static constexpr int kSmemDq = kSmemDs + 2 * kDsBytes;
+  static constexpr int kSmemLse = kSmemDq + kConsumerWarpgroups * kDqBytes;
   static constexpr int kSmemDelta = kSmemLse + kStages * kStatBytes;
   static constexpr int kSmemBarriers = kSmemDelta + kStages * kStatBytes;
   static constexpr int kBarriers = 1 + 4 * kStages;  // K and V full; Q full, dO full, Q empty, dO empty per stage
@@ -121,6 +142,11 @@ struct BwdTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 block");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536, "the SM's registers");
 };
+
+// The shipped backward per head dim: FlashAttention-3's tiles, dQ by register reductions, dV after dSᵀ.
+template <int kHeadDim, class T>
+using DefaultBwdTraits =
+    BwdTraits<kHeadDim, T, /*kDqTma=*/false, /*kDvEarly=*/false, /*kPolyExpEvery=*/0, /*kDeltaVec=*/false>;
 
 }  // namespace hopper
 }  // namespace cuda

@@ -4,6 +4,7 @@
 //   mbarrier            shared-memory barriers that count arrivals and, with expect_tx, bytes the copy engine delivers
 //   cp.async.bulk.tensor  the copy engine (TMA): a box of a tensor map, global -> shared, completing on an mbarrier
 //   cp.async.bulk       the same engine's plain copy of contiguous bytes
+//   cp.reduce.async.bulk.tensor  the copy engine adding a shared-memory box into a tensor map's box (float32 dQ)
 //   wgmma.mma_async     a warpgroup's (4 warps, 128 threads) asynchronous matrix product, accumulators in registers
 //   setmaxnreg          moves registers between warpgroups (the producer gives, the consumers take)
 //   fence.proxy.async   orders ordinary shared-memory accesses against the copy engine's and the tensor cores'
@@ -74,6 +75,26 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
+// Adds the box of shared memory at src (1024-byte aligned, laid out as tma_load_4d writes it) into the box of `map` at
+// (c0, c1, c2, c3), element by element, with the copy engine (float32 maps: dQ's accumulator); elements past the
+// tensor's bounds are dropped. Asynchronous: the reduction joins this thread's open bulk group (bulk_commit_group).
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2,
+                                                  int c3) {
+  asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
+               : "memory");
+}
+// Closes this thread's bulk copies to global memory issued so far into a group.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's bulk groups are still reading their shared-memory source (the source may then
+// be overwritten).
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most N of this thread's bulk groups are pending at all (before the block exits).
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -97,6 +118,23 @@ template <int kRegs> __device__ __forceinline__ void setmaxnreg_inc() {
 }
 template <int kRegs> __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---- exponentials on the FMA pipe ------------------------------------------------------------------------------------
+// 2^x for x <= 0 without the MUFU unit: x = n + f (n = round(x) by the 1.5·2^23 shift, |f| <= 1/2), 2^f by its
+// degree-4 Taylor polynomial in f·ln2 (relative error under 6e-5, below a 16-bit rounding), n added to the exponent
+// bits. x is clamped at -126, where the result (about 1e-38) stands for 0.
+__device__ __forceinline__ float exp2_poly(float x) {
+  constexpr float kShift = 12582912.f;  // 1.5·2^23: x + kShift holds round(x) in its low mantissa bits
+  x = fmaxf(x, -126.f);
+  const float t = x + kShift;
+  const float f = x - (t - kShift);
+  float p = 9.6181291e-3f;        // ln2^4 / 4!
+  p = fmaf(p, f, 5.5504109e-2f);  // ln2^3 / 3!
+  p = fmaf(p, f, 0.24022651f);    // ln2^2 / 2!
+  p = fmaf(p, f, 0.69314718f);    // ln2
+  p = fmaf(p, f, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
 // ---- wgmma: shared-memory matrix descriptors -------------------------------------------------------------------------

@@ -71,6 +71,26 @@ inline cudaError_t make_head_rows_map(CUtensorMap* map, DType dtype, const void*
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The map of the backward's dq_accum, (batch, heads, rows, head_dim) float32 and contiguous, over (head_dim, rows,
+// heads, batch) innermost first, in boxes of (32 columns, 64 rows, 1, 1): 128-byte rows, swizzled as the 16-bit maps'.
+// The kernel adds shared-memory boxes into it (tma_reduce_add_4d); rows past `rows` are dropped.
+inline cudaError_t make_dq_accum_map(CUtensorMap* map, float* dq_accum, int64_t head_dim, int64_t rows, int64_t heads,
+                                     int64_t batch) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const int64_t row_bytes = head_dim * 4, r = rows > 0 ? rows : 1;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(r),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t byte_strides[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(r * row_bytes),
+                                      static_cast<cuuint64_t>(heads * r * row_bytes)};
+  const cuuint32_t box[4] = {32, 64, 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, dq_accum, dims, byte_strides, box,
+                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 }  // namespace hopper
 }  // namespace cuda
 }  // namespace cs149gpt
