@@ -49,5 +49,37 @@ bool hopper_bwd_supports(const AttentionBackwardParams& p);
 cudaError_t flash_bwd_hopper(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
                              cudaStream_t stream);
 
+
+// Decoding against a KV cache (flash_decode.cu): attention_with_kvcache on CUDA. p is the call as the CPU op fills it,
+// with device pointers for cache_seqlens, cache_leftpad, cache_batch_idx and block_table (read on the device only);
+// k_new, v_new (if any) are appended into the caches first, by a kernel of their own. Any dtype, head_dim 64 or 128;
+// q, k_new, v_new and the caches' rows 16-byte aligned (base pointers and strides multiples of 16 bytes).
+struct DecodeParams {
+  AttentionParams p;
+  int64_t capacity = 0;    // rows a sequence's cache has: k_cache dim 2, or max_blocks x page_size (paged)
+  int64_t cache_rows = 0;  // rows of a contiguous cache (dim 0), which cache_batch_idx entries are clamped to
+  int rows_per_block = 1;  // R query rows of one (batch, kv head) per block: 1, 2, 4 or 8 (decode_rows_per_block)
+  int row_tiles = 1;       // blocks along the G x q_len rows of a (batch, kv head), each reading the keys once
+  int splits = 1;          // blocks along the keys (decode_splits); > 1: partials in part_o, part_ml, then merged
+  float* part_o = nullptr;   // (batch x Hkv, splits, G x q_len, head_dim) float32
+  float* part_ml = nullptr;  // (batch x Hkv, splits, G x q_len, 2) float32: m_s, l_s (base 2)
+};
+// Tile and split constants. The reasons are the intended ones, the numbers are not yet measured (H100/H200: bench_cuda.py
+// decode rows): 128 threads, so that 3+ blocks fit on an SM and their loads overlap; splits of at least 256 keys, so a
+// split's partial (d + 2 floats per row) stays under 1/64 of the K and V it reads; 4 blocks per SM wanted, enough
+// bytes in flight (about 16-32 KB a block) to reach the copy bandwidth; at most 128 splits, so the merge stays small.
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeMinSplitKeys = 256;
+constexpr int kDecodeMaxRowsPerBlock = 8;
+constexpr int kDecodeBlocksPerSm = 4;
+constexpr int kDecodeMaxSplits = 128;
+// R: the G x q_len rows of a (batch, kv head) rounded up to 1, 2, 4 or 8 (more rows: several row tiles, each reading
+// the keys again; a GQA group of 4 at q_len 1 is one read).
+int decode_rows_per_block(const AttentionParams& p);
+// Splits along the keys: enough blocks for kDecodeBlocksPerSm per SM, none shorter than kDecodeMinSplitKeys keys of the
+// capacity (the lengths are on the device; a split past a shorter sequence's keys writes an empty partial).
+int decode_splits(const AttentionParams& p, int64_t capacity, int rows_per_block, int sms);
+cudaError_t flash_decode(const DecodeParams& dp, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace cs149gpt
