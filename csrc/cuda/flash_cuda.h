@@ -64,15 +64,13 @@ struct DecodeParams {
   float* part_o = nullptr;   // (batch x Hkv, splits, G x q_len, head_dim) float32
   float* part_ml = nullptr;  // (batch x Hkv, splits, G x q_len, 2) float32: m_s, l_s (base 2)
 };
-// Tile and split constants. The reasons are the intended ones, the numbers are not yet measured (H100/H200: bench_cuda.py
-// decode rows): 128 threads, so that 3+ blocks fit on an SM and their loads overlap; splits of at least 256 keys, so a
-// split's partial (d + 2 floats per row) stays under 1/64 of the K and V it reads; 4 blocks per SM wanted, enough
-// bytes in flight (about 16-32 KB a block) to reach the copy bandwidth; at most 128 splits, so the merge stays small.
-constexpr int kDecodeThreads = 128;
-constexpr int kDecodeMinSplitKeys = 256;
-constexpr int kDecodeMaxRowsPerBlock = 8;
-constexpr int kDecodeBlocksPerSm = 4;
-constexpr int kDecodeMaxSplits = 128;
+// Tile and split constants: each line gives the intended reason; the numbers are not yet measured (to measure on
+// H100/H200 with bench_cuda.py's decode rows: Hq 32, Hkv 8, d 128, bf16, 1k-32k keys, batch 1-64).
+constexpr int kDecodeThreads = 128;         // small blocks: 2+ fit on an SM (about 250 registers a thread at R = 4)
+constexpr int kDecodeMinSplitKeys = 128;    // a split's partial (d + 2 floats a row) under 1/32 of the K and V it reads
+constexpr int kDecodeMaxRowsPerBlock = 8;   // q and O rows in registers: 8 rows x 8 columns of each, per lane
+constexpr int kDecodeBlocksPerSm = 4;       // 2 resident x 2 waves: 32 KB of loads in flight a block, 64 KB an SM
+constexpr int kDecodeMaxSplits = 128;       // bounds the merge's reads (128 partials a row)
 // R: the G x q_len rows of a (batch, kv head) rounded up to 1, 2, 4 or 8 (more rows: several row tiles, each reading
 // the keys again; a GQA group of 4 at q_len 1 is one read).
 int decode_rows_per_block(const AttentionParams& p);
