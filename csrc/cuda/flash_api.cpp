@@ -355,6 +355,7 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   if (B * p.num_heads == 0) return out;
   TORCH_CHECK_VALUE(k_cache.size(0) > 0, "k_cache has no ", paged ? "blocks" : "rows", " (dim 0 is 0)");
   dp.capacity = capacity;
+  if (paged && (page_size & (page_size - 1)) == 0) dp.page_shift = __builtin_ctzll(static_cast<uint64_t>(page_size));
   dp.cache_rows = k_cache.size(0);
   dp.rows_per_block = decode_rows_per_block(p);
   const int64_t rows = p.num_heads / p.num_kv_heads * Nq;

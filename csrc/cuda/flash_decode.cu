@@ -98,9 +98,11 @@ __device__ __forceinline__ T* cache_row(const DecodeParams& dp, const void* base
   T* at = const_cast<T*>(static_cast<const T*>(base)) + kvh * strides[1];
   if (!p.block_table) return at + s.row * strides[0] + static_cast<int64_t>(t) * strides[2];
   const uint32_t page_size = static_cast<uint32_t>(p.page_size), row = static_cast<uint32_t>(t);
-  const int32_t entry = p.block_table[b * p.block_table_stride + row / page_size];
+  const uint32_t block = dp.page_shift >= 0 ? row >> dp.page_shift : row / page_size;
+  const uint32_t within = dp.page_shift >= 0 ? row & (page_size - 1) : row % page_size;
+  const int32_t entry = p.block_table[b * p.block_table_stride + block];
   const int64_t page = min64(max64(entry, 0), p.num_pages - 1);
-  return at + page * strides[0] + static_cast<int64_t>(row % page_size) * strides[2];
+  return at + page * strides[0] + static_cast<int64_t>(within) * strides[2];
 }
 
 // ---- appending k_new, v_new -------------------------------------------------------------------------
