@@ -68,6 +68,9 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float (&x)[kVec]) {
   for (int c = 0; c < kVec; ++c) x[c] = to_float(e[c]);
 }
 
+// Asks L2 for the 128-byte line at p (no register written; a later load finds it there).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // A max that keeps NaN (fmaxf drops it): a NaN logit must turn its row NaN, as on the CPU.
 __device__ __forceinline__ float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
@@ -223,6 +226,19 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
         const int t = seq.leftpad + j;
         kraw[u] = __ldg(reinterpret_cast<const uint4*>(cache_row<const T>(dp, p.k, p.k_strides, b, seq, kvh, t) + col));
         vraw[u] = __ldg(reinterpret_cast<const uint4*>(cache_row<const T>(dp, p.v, p.v_strides, b, seq, kvh, t) + col));
+      }
+    }
+    // The next step's keys into L2 while this one is worked on (a lane per 128-byte line), as the CPU kernel prefetches
+    // its next block: the loads of the next step then wait on L2, not on memory.
+    if (col * static_cast<int>(sizeof(T)) % 128 == 0) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = base + Tr::kStepKeys + u * kGroups + group;
+        if (j < k_end) {
+          const int t = seq.leftpad + j;
+          prefetch_l2(cache_row<const T>(dp, p.k, p.k_strides, b, seq, kvh, t) + col);
+          prefetch_l2(cache_row<const T>(dp, p.v, p.v_strides, b, seq, kvh, t) + col);
+        }
       }
     }
     // S = Q Kᵀ: this lane's kVec products, summed over the key's kLanes lanes (a butterfly: every lane gets the sum).
