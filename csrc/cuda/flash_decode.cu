@@ -7,7 +7,8 @@
 //   G = Hq / Hkv), so every query head of a group reads each key and value once, from the same registers;
 // - lanes read keys with 16-byte loads, kLanes lanes per key row (d = 128 in bf16: 16 lanes, two keys per warp-load),
 //   kGroups key groups side by side, kUnroll keys each in flight before any is used: a block has
-//   kGroups · kUnroll keys of K and V loading at once (32 KB at d = 128, bf16, R <= 4);
+//   kGroups · kUnroll keys of K and V loading at once (32 KB at d = 128, bf16, R <= 4), the next step's prefetched
+//   into L2 meanwhile;
 // - the keys of a sequence are split over gridDim.y blocks (split-KV, FlashDecoding): each split runs the online
 //   softmax over its keys and writes its partial (O_s, m_s, l_s); decode_combine merges them exactly:
 //     M = max_s m_s,   l = Σ_s 2^(m_s − M) l_s,   O = Σ_s 2^(m_s − M) O_s / l,   lse = (M + log2 l) · ln 2.
