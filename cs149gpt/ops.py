@@ -317,9 +317,10 @@ def attention_with_kvcache(
     count; calls that read less than 256 KB and do fewer than 2^19 multiply-adds run on the calling thread, larger
     ones on all of torch's threads.
 
-    CUDA tensors (q, caches, cache_seqlens, block_table, ... on one GPU): the same operator, arguments and meaning,
-    on the CUDA decoding kernel (bfloat16/float16, head dim 64 or 128; split-KV across the SMs for long caches);
-    the Python wrapper is the same.
+    On CUDA tensors (csrc/cuda/flash_decode.cu; any of the three dtypes, head dim 64 or 128, the caches' rows 16-byte
+    aligned) the same call, split over the GPU's SMs along the keys and merged through lse. There cache_seqlens,
+    cache_leftpad, cache_batch_idx and block_table stay on the GPU (no synchronisation per step): their values are not
+    checked as on the CPU but clamped into the cache, so a bad one gives a wrong answer, never an access outside it.
 
     Not differentiable: it has no backward, so a q, k_new or v_new (or cache) that requires grad, with grad mode
     on, is refused with a ValueError naming it (call it under torch.no_grad(), or pass .detach()).

@@ -709,7 +709,7 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
                       "alibi_slopes must have shape (Hq,) or (B, Hq); got ", alibi_slopes->sym_sizes());
   if (is_given(lse)) check_dense(*lse, "lse", 3, "(B, Hq, Nq)");
 
-  // One device: the CPU (or meta, for tracing).
+  // One device: the CPU or a CUDA GPU (csrc/cuda/flash_decode.cu), or meta, for tracing.
   std::vector<std::pair<const char*, const at::Tensor*>> all = {
       {"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"cache_seqlens", &cache_seqlens}};
   if (has_k_new) {
@@ -723,8 +723,8 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   if (is_given(lse)) all.push_back({"lse", &*lse});
   const size_t tensors_of_q_dtype = has_k_new ? 6 : 4;  // q, k_cache, v_cache, cache_seqlens (skipped), k_new, v_new
   for (const auto& [name, t] : all) {
-    TORCH_CHECK_VALUE(t->device().is_cpu() || t->device().is_meta(), "attention_with_kvcache runs on the CPU: ", name,
-                      " is on ", t->device());
+    TORCH_CHECK_VALUE(t->device().is_cpu() || t->device().is_cuda() || t->device().is_meta(),
+                      "attention_with_kvcache runs on the CPU or a CUDA GPU: ", name, " is on ", t->device());
     TORCH_CHECK_VALUE(t->device() == q.device(), "q and ", name, " must be on one device, got q on ", q.device(), ", ",
                       name, " on ", t->device());
   }
@@ -754,6 +754,9 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   const c10::SymInt Hkv = k_cache.sym_size(1);
   CHECK_SIZES(d.sym_ge(1), "head dim d (the last dim of q) must be >= 1, got q of shape ", q.sym_sizes());
   CHECK_SIZES(Nq.sym_ge(1), "q must have at least one query row (dim 2), got shape ", q.sym_sizes());
+  if (q.device().is_cuda())  // the CUDA decode kernel's rows are whole 16-byte loads per lane (flash_decode.cu)
+    CHECK_SIZES(d.sym_eq(64).sym_or(d.sym_eq(128)), "attention_with_kvcache on CUDA takes head dim d = 64 or 128, "
+                "got q of shape ", q.sym_sizes(), " (other head dims run on the CPU)");
   CHECK_SIZES(equal_sizes(v_cache.sym_sizes(), k_cache.sym_sizes()), "v_cache must have k_cache's shape ",
               k_cache.sym_sizes(), "; got ", v_cache.sym_sizes());
   CHECK_SIZES(k_cache.sym_size(3).sym_eq(d), "k_cache and v_cache must have head dim d = ", d,

@@ -241,3 +241,140 @@ TORCH_LIBRARY_IMPL(cs149gpt, CUDA, m) {
   m.impl("flash_attention", &cs149gpt::cuda::flash_attention);
   m.impl("flash_attention_backward", &cs149gpt::cuda::flash_attention_backward);
 }
+
+// ---------------------------------------------------------------------------------------------------
+// attention_with_kvcache on CUDA (flash_decode.cu): the CPU op's contract (module.cpp), the same shared checks
+// (check_kvcache). The per-sequence data (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) stays on the GPU,
+// read by the kernels alone: no copy to the host and no synchronisation in a decoding step. So the checks of their
+// values that the CPU op makes before reading (a length past the capacity, a block id or cache row outside the cache,
+// two sequences appending into one row) are not made here; the kernels clamp every such index into the cache instead,
+// so a bad entry gives a wrong answer, never an access outside the cache.
+// ---------------------------------------------------------------------------------------------------
+#include <ATen/MemoryOverlap.h>
+
+namespace cs149gpt {
+namespace cuda {
+namespace {
+
+// A tensor whose rows the decode kernels read with 16-byte loads: base and strides multiples of 16 bytes.
+bool rows_aligned_16(const at::Tensor& t) {
+  const int64_t vec = 16 / static_cast<int64_t>(t.element_size());
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && (t.size(-1) <= 1 || t.stride(-1) == 1);
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) ok = ok && (t.size(i) == 1 || t.stride(i) % vec == 0);
+  return ok;
+}
+
+// q, k_new, v_new: a view where aligned, else a contiguous copy (they are read, never written).
+at::Tensor aligned_input(const at::Tensor& t) { return rows_aligned_16(t) ? t : t.contiguous(); }
+
+}  // namespace
+
+at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                                  const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
+                                  std::optional<double> scale, bool is_causal, const OptionalTensor& cache_batch_idx,
+                                  const OptionalTensor& cache_leftpad, int64_t window_left, int64_t window_right,
+                                  double softcap, const OptionalTensor& alibi_slopes, const OptionalTensor& lse) {
+  const DType dtype = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale,
+                                    cache_batch_idx, cache_leftpad, window_left, window_right, softcap, alibi_slopes,
+                                    lse);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int device = q.device().index();
+  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, device);
+  TORCH_CHECK(major >= 8, "attention_with_kvcache on CUDA needs a GPU of compute capability 8.0 or newer; this one is ",
+              major, ".x");
+  const bool paged = block_table.has_value() && block_table->defined();
+  const bool append = k_new.has_value() && k_new->defined();
+  if (append) {  // as the CPU op: one memory for both caches would take v_new over k_new
+    const at::MemOverlapStatus overlap = at::get_overlap_status(k_cache, v_cache);
+    TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                      "k_cache and v_cache share memory, so k_new and v_new would be written over each other; pass "
+                      "two caches");
+  }
+  for (const auto& [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}})
+    TORCH_CHECK_VALUE(rows_aligned_16(*t), "attention_with_kvcache on CUDA reads ", name, " in 16-byte loads: its data "
+                      "pointer and strides must be multiples of 16 bytes, got strides ", t->strides(),
+                      " (the cache is written in place, so no aligned copy can stand in for it)");
+  const int64_t B = q.size(0), Nq = q.size(2), d = q.size(3);
+  const int64_t page_size = k_cache.size(2);
+  const int64_t capacity = paged ? checked_product({block_table->size(1), page_size}) : k_cache.size(2);
+  const int64_t added = append ? k_new->size(2) : 0;
+  TORCH_CHECK_VALUE(capacity >= 0 && capacity <= INT32_MAX, "attention_with_kvcache on CUDA takes caches of at most ",
+                    INT32_MAX, " keys per sequence, got ", capacity);
+  TORCH_CHECK_VALUE(added <= capacity, "k_new has ", added, " new keys, more than the cache's capacity of ", capacity,
+                    " keys");
+
+  const at::Tensor q4 = aligned_input(q);
+  const at::Tensor seqlens = cache_seqlens.contiguous();
+  const at::Tensor table = paged ? block_table->contiguous() : at::Tensor();
+  const at::Tensor batch_idx = is_given(cache_batch_idx) ? cache_batch_idx->contiguous() : at::Tensor();
+  const at::Tensor leftpad = is_given(cache_leftpad) ? cache_leftpad->contiguous() : at::Tensor();
+  at::Tensor k_new4, v_new4;
+  DecodeParams dp;
+  AttentionParams& p = dp.p;
+  fill_params(p, q4, k_cache, v_cache, dtype, scale, "none");
+  p.kv_len = capacity;  // an upper bound: each sequence's own length is read on the device
+  p.is_causal = is_causal;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.softcap = static_cast<float>(softcap);
+  at::Tensor slopes;
+  if (is_given(alibi_slopes)) {
+    slopes = *alibi_slopes;
+    p.alibi_slopes = slopes.data_ptr<float>();
+    p.alibi_strides[0] = slopes.dim() == 2 ? slopes.stride(0) : 0;
+    p.alibi_strides[1] = slopes.stride(slopes.dim() - 1);
+  }
+  p.cache_seqlens = seqlens.data_ptr();
+  p.cache_seqlens_int64 = seqlens.scalar_type() == at::kLong;
+  if (leftpad.defined()) p.cache_leftpad = leftpad.data_ptr<int32_t>();
+  if (batch_idx.defined()) p.cache_batch_idx = batch_idx.data_ptr<int32_t>();
+  if (paged) {
+    p.block_table = table.data_ptr<int32_t>();
+    p.block_table_stride = table.size(1);
+    p.page_size = page_size;
+    p.num_pages = k_cache.size(0);
+  }
+  if (append) {
+    k_new4 = aligned_input(*k_new);
+    v_new4 = aligned_input(*v_new);
+    p.k_new = k_new4.data_ptr();
+    p.v_new = v_new4.data_ptr();
+    p.new_len = added;
+    fill_strides(p.k_new_strides, k_new4);
+    fill_strides(p.v_new_strides, v_new4);
+  }
+  at::Tensor out = at::empty({B, p.num_heads, Nq, d}, q.options());
+  p.out = out.data_ptr();
+  fill_strides(p.out_strides, out);
+  if (is_given(lse)) {
+    p.lse = lse->data_ptr<float>();
+    p.lse_strides[0] = lse->stride(0);
+    p.lse_strides[1] = lse->stride(1);
+  }
+  if (B * p.num_heads == 0) return out;
+  TORCH_CHECK_VALUE(k_cache.size(0) > 0, "k_cache has no ", paged ? "blocks" : "rows", " (dim 0 is 0)");
+  dp.capacity = capacity;
+  if (paged && (page_size & (page_size - 1)) == 0) dp.page_shift = __builtin_ctzll(static_cast<uint64_t>(page_size));
+  dp.cache_rows = k_cache.size(0);
+  dp.rows_per_block = decode_rows_per_block(p);
+  const int64_t rows = p.num_heads / p.num_kv_heads * Nq;
+  dp.row_tiles = static_cast<int>((rows + dp.rows_per_block - 1) / dp.rows_per_block);
+  dp.splits = decode_splits(p, capacity, dp.rows_per_block, device_attribute(cudaDevAttrMultiProcessorCount, device));
+  at::Tensor parts;
+  if (dp.splits > 1) {  // the splits' partials: O_s (d floats), then m_s, l_s, per (batch, kv head, split, row)
+    const int64_t count = B * p.num_kv_heads * dp.splits * rows;
+    parts = at::empty({count * (d + 2)}, q.options().dtype(at::kFloat));
+    dp.part_o = parts.data_ptr<float>();
+    dp.part_ml = dp.part_o + count * d;
+  }
+  check_launch(flash_decode(dp, c10::cuda::getCurrentCUDAStream()), "decode (attention_with_kvcache)");
+  return out;
+}
+
+}  // namespace cuda
+}  // namespace cs149gpt
+
+TORCH_LIBRARY_IMPL(cs149gpt, CUDA, m) {
+  m.impl("attention_with_kvcache", &cs149gpt::cuda::attention_with_kvcache);
+}

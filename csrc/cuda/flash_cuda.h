@@ -49,5 +49,36 @@ bool hopper_bwd_supports(const AttentionBackwardParams& p);
 cudaError_t flash_bwd_hopper(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
                              cudaStream_t stream);
 
+
+// Decoding against a KV cache (flash_decode.cu): attention_with_kvcache on CUDA. p is the call as the CPU op fills it,
+// with device pointers for cache_seqlens, cache_leftpad, cache_batch_idx and block_table (read on the device only);
+// k_new, v_new (if any) are appended into the caches first, by a kernel of their own. Any dtype, head_dim 64 or 128;
+// q, k_new, v_new and the caches' rows 16-byte aligned (base pointers and strides multiples of 16 bytes).
+struct DecodeParams {
+  AttentionParams p;
+  int64_t capacity = 0;    // rows a sequence's cache has: k_cache dim 2, or max_blocks x page_size (paged)
+  int64_t cache_rows = 0;  // rows of a contiguous cache (dim 0), which cache_batch_idx entries are clamped to
+  int rows_per_block = 1;  // R query rows of one (batch, kv head) per block: 1, 2, 4 or 8 (decode_rows_per_block)
+  int row_tiles = 1;       // blocks along the G x q_len rows of a (batch, kv head), each reading the keys once
+  int splits = 1;          // blocks along the keys (decode_splits); > 1: partials in part_o, part_ml, then merged
+  int page_shift = -1;     // paged: log2(page_size) where it is a power of two (a shift per key, not a division)
+  float* part_o = nullptr;   // (batch x Hkv, splits, G x q_len, head_dim) float32
+  float* part_ml = nullptr;  // (batch x Hkv, splits, G x q_len, 2) float32: m_s, l_s (base 2)
+};
+// Tile and split constants: each line gives the intended reason; the numbers are not yet measured (to measure on
+// H100/H200 with bench_cuda.py's decode rows: Hq 32, Hkv 8, d 128, bf16, 1k-32k keys, batch 1-64).
+constexpr int kDecodeThreads = 128;         // small blocks: 2+ fit on an SM (about 250 registers a thread at R = 4)
+constexpr int kDecodeMinSplitKeys = 128;    // a split's partial (d + 2 floats a row) under 1/32 of the K and V it reads
+constexpr int kDecodeMaxRowsPerBlock = 8;   // q and O rows in registers: 8 rows x 8 columns of each, per lane
+constexpr int kDecodeBlocksPerSm = 4;       // 2 resident x 2 waves: 32 KB of loads in flight a block, 64 KB an SM
+constexpr int kDecodeMaxSplits = 128;       // bounds the merge's reads (128 partials a row)
+// R: the G x q_len rows of a (batch, kv head) rounded up to 1, 2, 4 or 8 (more rows: several row tiles, each reading
+// the keys again; a GQA group of 4 at q_len 1 is one read).
+int decode_rows_per_block(const AttentionParams& p);
+// Splits along the keys: enough blocks for kDecodeBlocksPerSm per SM, none shorter than kDecodeMinSplitKeys keys of the
+// capacity (the lengths are on the device; a split past a shorter sequence's keys writes an empty partial).
+int decode_splits(const AttentionParams& p, int64_t capacity, int rows_per_block, int sms);
+cudaError_t flash_decode(const DecodeParams& dp, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace cs149gpt
