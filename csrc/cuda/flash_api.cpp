@@ -228,7 +228,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     at::sum_out(dk, grouped(dk_heads), {2});
     at::sum_out(dv, grouped(dv_heads), {2});
   }
-  at::Tensor dq = dq_accum.mul_(bp.fwd.scale).to(q.scalar_type());
+  at::Tensor dq = at::empty(dq_accum.sizes(), q.options());
+  check_launch(dq_convert(dq_accum.data_ptr<float>(), dq.data_ptr(), dq.numel(), bp.fwd.scale, bp.fwd.dtype,
+                          c10::cuda::getCurrentCUDAStream()),
+               "dQ conversion");
   return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
 }
 

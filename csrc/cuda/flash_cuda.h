@@ -41,6 +41,10 @@ inline int64_t bwd_row_stats_floats(const AttentionParams& p) {
 cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
                       cudaStream_t stream);
 
+// dq = scale · dq_accum (n float32, contiguous, n a multiple of 4, 16-byte aligned) written to dq in dtype (bf16 or
+// f16, contiguous): the backward's last step, one pass.
+cudaError_t dq_convert(const float* dq_accum, void* dq, int64_t n, float scale, DType dtype, cudaStream_t stream);
+
 // The backward in FlashAttention-3's design on Hopper (hopper/flash_bwd_hopper.cuh), with flash_bwd's contract: the
 // same workspace, dq_accum and outputs. hopper_bwd_supports: the forward's conditions (hopper_fwd_supports) on
 // p.fwd, plus lse given, dout 16-byte aligned with strides multiples of 8 elements, dk and dv 4-byte aligned.
