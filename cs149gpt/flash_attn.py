@@ -1,4 +1,4 @@
-"""FlashAttention-2's Python API over cs149gpt's kernels, on the CPU.
+"""FlashAttention-2's Python API over cs149gpt's kernels, on the CPU and on CUDA tensors.
 
 Code written for the flash-attn package runs on cs149gpt by changing its import:
 
@@ -31,6 +31,11 @@ Supported:
   lengths packed into (total_tokens, heads, head_dim) with cu_seqlens offsets, forward and backward, with everything
   flash_attn_func takes; one kernel call over all sequences (cs149gpt.varlen_attention). flash_attn_varlen_func
   also reads a paged KV cache (block_table), forward only: a serving step's prefills and decodes in one call.
+
+CUDA tensors run the same functions on the GPU kernels (bfloat16/float16 with head_dim 64 or 128 on tensor cores,
+forward and backward; float32 forward only), the varlen ones in one launch over all sequences, each reading its own;
+an argument the CUDA kernels do not take yet is refused with an error naming it (a paged varlen call's block_table
+among them).
 
 Every argument of these functions is honoured. Differences: S_dmask (return_attn_probs) holds the normalised
 probabilities (FlashAttention's are scaled per block: "possibly with different scaling"); a paged varlen call has no
@@ -79,13 +84,13 @@ def _attention_probs(q, k, scale, causal, window_size, lse, softcap=0.0, alibi_s
         if softcap > 0.0:
             s = softcap * torch.tanh(s / softcap)
         n_q, n_k = q.shape[-2], k.shape[-2]
-        i = torch.arange(n_q).unsqueeze(1) + (n_k - n_q)  # each query's diagonal, bottom-right aligned
-        j = torch.arange(n_k).unsqueeze(0)
+        i = torch.arange(n_q, device=q.device).unsqueeze(1) + (n_k - n_q)  # each query's diagonal, bottom-right
+        j = torch.arange(n_k, device=q.device).unsqueeze(0)
         if alibi_slopes is not None:
             slopes = alibi_slopes.float().reshape(-1 if alibi_slopes.dim() == 2 else 1, q.shape[1], 1, 1)
             s = s - slopes * (i - j).abs()
         left, right = window_size
-        visible = torch.ones(n_q, n_k, dtype=torch.bool)
+        visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
         if causal:
             visible &= j <= i
         if left >= 0:
@@ -117,7 +122,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     if drawn is not None:
         seed, offset = drawn
         keep = _ext._module._testing.dropout_keep_mask(seed, offset, list(probs.shape), float(dropout_p))
-        probs = torch.where(keep, probs, -probs)  # FlashAttention's S_dmask: negative where dropped
+        probs = torch.where(keep.to(probs.device), probs, -probs)  # FlashAttention's S_dmask: negative where dropped
     lse = torch.where(lse == float("-inf"), float("inf"), lse)  # FlashAttention's value for a row with no key
     return out, lse, probs
 
@@ -201,7 +206,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             shift = (offset + cu_q[b] * q.shape[1] * longest_k + 2**63) % 2**64 - 2**63  # the kernel's uint64 sum
             n_q, n_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
             keep = _ext._module._testing.dropout_keep_mask(seed, shift, [1, q.shape[1], n_q, n_k], float(dropout_p))
-            probs[b, :, :n_q, :n_k] = torch.where(keep[0], probs[b, :, :n_q, :n_k], -probs[b, :, :n_q, :n_k])
+            block = probs[b, :, :n_q, :n_k]
+            probs[b, :, :n_q, :n_k] = torch.where(keep[0].to(probs.device), block, -block)
     lse = torch.where(lse == float("-inf"), float("inf"), lse)  # FlashAttention's value for a row with no key
     return out, lse, probs
 
@@ -210,7 +216,7 @@ def _gather_pages(cache, block_table, cu_seqlens_k):
     """A paged cache's keys (num_blocks, page, H, d) as a packed (total_k, H, d) copy, sequence after sequence."""
     page, rows = cache.shape[1], []
     for b, (a, e) in enumerate(zip(cu_seqlens_k.tolist(), cu_seqlens_k.tolist()[1:])):
-        t = torch.arange(e - a)
+        t = torch.arange(e - a, device=block_table.device)
         rows.append(cache[block_table[b, t // page].long(), t % page])
     return torch.cat(rows) if rows else cache.new_empty((0,) + tuple(cache.shape[2:]))
 

@@ -9,6 +9,13 @@
 #include <cstdint>
 #include <type_traits>
 
+// What the CUDA kernels call too (sequence_view: a block finds its sequence's rows as a CPU task does).
+#ifdef __CUDACC__
+#define CS149GPT_HOST_DEVICE __host__ __device__
+#else
+#define CS149GPT_HOST_DEVICE
+#endif
+
 namespace cs149gpt {
 
 enum class DType { f32, bf16, f16 };  // q, k, v and out share one; arithmetic is always float32
@@ -153,13 +160,14 @@ inline int64_t seq_kv_len(const AttentionParams& p, int64_t b) {
 // (h, i, j) of sequence b gets ((cu_seqlens_q[b] · num_heads) · kv_len + (h · q_len_b + i) · kv_len_b + j) + offset,
 // kv_len being the batch's longest key sequence (dropout_key_stride; attention.h's numbering below, with the offset
 // moved), whatever group of the batch's sequences a call runs. A dense call is its own view.
-inline int64_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+// The CUDA kernels take it in each block's prologue (cu_seqlens, seq_end and block_table then in device memory).
+CS149GPT_HOST_DEVICE inline int64_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
 template <class P>
-inline P* rows_on(P* base, DType t, int64_t rows, int64_t row_stride) {
+CS149GPT_HOST_DEVICE inline P* rows_on(P* base, DType t, int64_t rows, int64_t row_stride) {
   using Byte = std::conditional_t<std::is_const_v<P>, const char, char>;
   return base ? reinterpret_cast<P*>(reinterpret_cast<Byte*>(base) + rows * row_stride * element_bytes(t)) : base;
 }
-inline AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
+CS149GPT_HOST_DEVICE inline AttentionParams sequence_view(const AttentionParams& p, int64_t b) {
   if (!p.cu_seqlens_q) return p;
   AttentionParams s = p;
   const int64_t q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
@@ -300,7 +308,7 @@ struct AttentionBackwardParams {
 };
 
 // The backward's view of sequence b (sequence_view): dout and dq moved to its first query row, dk and dv to its first key.
-inline AttentionBackwardParams sequence_view(const AttentionBackwardParams& bp, int64_t b) {
+CS149GPT_HOST_DEVICE inline AttentionBackwardParams sequence_view(const AttentionBackwardParams& bp, int64_t b) {
   if (!bp.fwd.cu_seqlens_q) return bp;
   AttentionBackwardParams s = bp;
   s.fwd = sequence_view(bp.fwd, b);

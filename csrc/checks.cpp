@@ -477,6 +477,15 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   };
   check_options(q, Impl::flash, dtype, false, window_left, window_right, dropout_p, dropout_seed, softcap,
                 alibi_slopes, slopes_shape);
+  // What the CUDA varlen kernels do not take yet (csrc/cuda/flash_api.cpp), whatever dense calls on CUDA take.
+  if (q.device().is_cuda()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!paged, "block_table (a paged KV cache) in varlen_attention is not supported on CUDA "
+                                "yet (CPU only); pass k and v packed, (total_k, heads_kv, head_dim)");
+    TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1 && dropout_p == 0.0 && softcap == 0.0 &&
+                                    !is_given(alibi_slopes),
+                                "varlen_attention on CUDA takes no window, dropout_p, softcap or alibi_slopes yet "
+                                "(CPU only)");
+  }
   return dtype;
 }
 
@@ -488,6 +497,8 @@ DType check_varlen_backward(const at::Tensor& dout, const at::Tensor& q, const a
                             const OptionalTensor& alibi_slopes) {
   const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                                    window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
+  TORCH_CHECK_TYPE(!q.device().is_cuda() || dtype != DType::f32, "the CUDA flash backward takes bfloat16 or float16; "
+                   "float32 on CUDA has the teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
   check_like(dout, "dout", q, "q");
   check_like(out, "out", q, "q");
   TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");

@@ -1,12 +1,13 @@
 // The CUDA face of the operators: checks, shape decisions, launches. The only CUDA file that touches a Tensor.
 //
-// The same three operators as csrc/module.cpp (schemas declared there, once), registered for the CUDA
+// The operators of csrc/module.cpp (schemas declared there, once) that run on the GPU, registered for the CUDA
 // dispatch key, so autograd, fake tensors and torch.compile (cs149gpt/ops.py) work unchanged:
 //   attention / flash_attention     impl="flash" only (the other rungs are CPU teaching kernels):
 //       bfloat16, float16 -> FlashAttention-2 on tensor cores (flash_fwd.cuh), head_dim 64 or 128, sm_80+;
 //       float32           -> the teaching kernel, one thread per query row (flash_teaching.cu), any head_dim
 //                            whose tiles fit in shared memory; block_q x block_k is its Br x Bc.
 //   flash_attention_backward        bfloat16, float16 (flash_bwd.cuh).
+//   varlen_attention / _backward    packed sequences (cu_seqlens) through the same kernels, one launch for all.
 // The argument checks are the CPU ops' own (checks.h: the same function, so the same words); this file adds only
 // the GPU's limits.
 #include <ATen/ATen.h>
@@ -16,6 +17,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -150,6 +152,74 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
   return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};
 }
 
+// A varlen call's tensors and params, checked (check_varlen has passed; it returned dtype): q (total_q, Hq, d), k and v
+// (total_k, Hkv, d) seen as (1, heads, total, d), sequence b at rows [cu_seqlens[b], cu_seqlens[b + 1]) (attention.h);
+// batch counts the sequences and q_len, kv_len are the longest's. cu_seqlens are read on the host once (one small
+// device-to-host copy) to check them as the CPU does (varlen_lengths: the same errors) and to size the grid; the
+// kernels read them in device memory, each block its own sequence's (sequence_view).
+struct VarlenPrepared {
+  at::Tensor q4, k4, v4, cu_q, cu_k;
+  AttentionParams p;
+  bool fast;    // tensor cores (bf16/f16) rather than the teaching kernel (f32)
+  bool covers;  // the sequences cover every row of q and k (else the rows outside them get zeros)
+};
+at::Tensor packed_as_4d(const at::Tensor& t, bool aligned_rows) {  // (total, heads, d) -> (1, heads, total, d)
+  return as_4d_aligned(t.transpose(0, 1).unsqueeze(0), aligned_rows);
+}
+void point_at_packed(void*& ptr, int64_t (&strides)[3], const at::Tensor& t4) {  // (1, heads, total, d): [0, head, row]
+  ptr = t4.data_ptr();
+  fill_strides(strides, t4);
+  strides[0] = 0;
+}
+VarlenPrepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                              int64_t max_seqlen_k, DType dtype, std::optional<double> scale, bool causal) {
+  const bool fast = dtype != DType::f32;
+  if (fast) {
+    const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, q.device().index());
+    TORCH_CHECK(major >= 8, "CUDA flash attention in ", c10::toString(q.scalar_type()),
+                " needs a GPU of compute capability 8.0 or newer (tensor-core mma.sync, cp.async); this one is ", major,
+                ".x");
+  }
+  VarlenPrepared c{packed_as_4d(q, fast), packed_as_4d(k, fast), packed_as_4d(v, fast), cu_seqlens_q.contiguous(),
+                   cu_seqlens_k.contiguous(), {}, fast, true};
+  const int64_t n = c.cu_q.size(0);
+  const at::Tensor host = at::cat({c.cu_q, c.cu_k}).cpu();
+  const auto [longest_q, longest_k] = varlen_lengths(host.narrow(0, 0, n), host.narrow(0, n, n), q.size(0), k.size(0),
+                                                     max_seqlen_q, max_seqlen_k, &c.covers);
+  AttentionParams& p = c.p;
+  fill_params(p, c.q4, c.k4, c.v4, dtype, scale, "none");
+  p.batch = n - 1;
+  p.q_len = longest_q;
+  p.kv_len = longest_k;
+  p.cu_seqlens_q = c.cu_q.data_ptr<int32_t>();
+  p.cu_seqlens_k = c.cu_k.data_ptr<int32_t>();
+  p.is_causal = causal;  // bottom-right in each sequence (sequence_view sets the offsets)
+  // Grids: (query or key blocks, heads, sequences), or one dimension of all three under the causal mask.
+  TORCH_CHECK_VALUE(p.batch <= 65535 && p.num_heads <= 65535, "CUDA varlen attention takes at most 65535 sequences "
+                    "and 65535 heads, got ", p.batch, " and ", p.num_heads);
+  TORCH_CHECK_VALUE(p.batch * p.num_heads * ((std::max(p.q_len, p.kv_len) + 15) / 16) < (int64_t{1} << 31),
+                    "CUDA varlen attention: sequences x heads x tiles of the longest sequence exceed a grid's 2^31 "
+                    "blocks; split the batch");
+  if (!fast) {  // the teaching kernel, as prepare() sets it up
+    TORCH_CHECK_VALUE(p.batch * p.num_heads <= 65535, "the CUDA float32 teaching kernel takes at most 65535 "
+                      "(sequences x heads), got ", p.batch * p.num_heads);
+    p.block_q = std::max<int64_t>(1, std::min<int64_t>(kTeachingBlockQ, std::min<int64_t>(p.q_len, 1024)));
+    p.block_k = std::max<int64_t>(1, std::min<int64_t>(kTeachingBlockK, p.kv_len));
+    const size_t smem_limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, q.device().index());
+    while (teaching_smem_bytes(p) > smem_limit && p.block_k > 1) p.block_k /= 2;
+    TORCH_CHECK_VALUE(teaching_smem_bytes(p) <= smem_limit, "the float32 teaching kernel's tiles (block_q ",
+                      p.block_q, " x block_k ", p.block_k, ", d = ", p.head_dim, ") need ", teaching_smem_bytes(p),
+                      " bytes of shared memory, more than this GPU's ", smem_limit);
+  }
+  return c;
+}
+
+// (total, heads, d) rows, zeros where the sequences leave rows out.
+at::Tensor packed_output(at::IntArrayRef sizes, bool covers, const at::TensorOptions& options) {
+  return covers ? at::empty(sizes, options) : at::zeros(sizes, options);
+}
+
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& impl,
@@ -235,6 +305,104 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
 }
 
+// varlen_attention on CUDA: one launch over every sequence (flash_fwd.cuh: a block per (query tile of the longest
+// sequence, head, sequence), exiting at once past its sequence's end). out (total_q, Hq, d), lse (Hq, total_q).
+std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                    int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                                    std::optional<double> scale, bool causal, int64_t window_left,
+                                                    int64_t window_right, double dropout_p,
+                                                    const std::optional<at::Tensor>& dropout_seed, double softcap,
+                                                    const std::optional<at::Tensor>& alibi_slopes,
+                                                    const std::optional<at::Tensor>& block_table) {
+  const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                   window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes,
+                                   block_table);
+  const c10::cuda::CUDAGuard guard(q.device());
+  VarlenPrepared c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale,
+                                    causal);
+  AttentionParams& p = c.p;
+  const at::Tensor out = packed_output(q.sizes(), c.covers, q.options());
+  point_at_packed(p.out, p.out_strides, out.transpose(0, 1).unsqueeze(0));
+  const at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  if (!c.covers) lse.fill_(-std::numeric_limits<float>::infinity());
+  p.lse = lse.data_ptr<float>();
+  p.lse_strides[0] = 0;
+  p.lse_strides[1] = lse.stride(0);
+  if (p.q_len > 0 && p.num_heads > 0) {  // a sequence without keys: out 0, lse −inf (the kernels write them)
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    check_launch(c.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
+                 c.fast ? "varlen flash forward" : "varlen teaching flash forward");
+  }
+  return {out, lse};
+}
+
+// varlen_attention_backward on CUDA: flash_bwd.cuh's kernels over every sequence at once (a block per (key tile of the
+// longest sequence, head, sequence)); dQ accumulates in float32 rows (heads, total_q, d), dK and dV are written in the
+// packed layout. GQA as flash_attention_backward: one share per query head, the group's summed here.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, std::optional<double> scale, bool causal, int64_t window_left, int64_t window_right,
+    double dropout_p, const std::optional<at::Tensor>& dropout_seed, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  const DType dtype = check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, scale, causal, window_left, window_right, dropout_p,
+                                            dropout_seed, softcap, alibi_slopes);
+  const c10::cuda::CUDAGuard guard(q.device());
+  VarlenPrepared c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale,
+                                    causal);
+  AttentionBackwardParams bp;
+  bp.fwd = c.p;
+  const int64_t total_q = q.size(0), total_k = k.size(0), heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
+  const at::Tensor out4 = packed_as_4d(out, true), dout4 = packed_as_4d(dout, true);
+  point_at_packed(bp.fwd.out, bp.fwd.out_strides, out4);
+  void* dout_ptr = nullptr;
+  point_at_packed(dout_ptr, bp.dout_strides, dout4);
+  bp.dout = dout_ptr;
+  // lse with rows total_q apart: dq_accum's rows are laid out alike (flash_bwd.cuh, dq_accum_offset).
+  const at::Tensor lse_rows = lse.stride(1) == 1 && lse.stride(0) == total_q
+                                  ? lse
+                                  : at::empty(lse.sizes(), lse.options()).copy_(lse);
+  bp.fwd.lse = const_cast<float*>(lse_rows.data_ptr<float>());
+  bp.fwd.lse_strides[0] = 0;
+  bp.fwd.lse_strides[1] = total_q;
+  const int64_t group = heads / kv_heads;
+  const bool per_query_head = group > 1 && config_flag("CS149GPT_BWD_GQA_SPLIT", true);
+  at::Tensor dk = packed_output(k.sizes(), c.covers, k.options()), dv = packed_output(v.sizes(), c.covers, v.options());
+  at::Tensor dk_heads = dk, dv_heads = dv;  // what the kernel writes: (total_k, Hkv or Hq, d)
+  if (per_query_head) {
+    dk_heads = packed_output({total_k, heads, d}, c.covers, k.options());
+    dv_heads = packed_output({total_k, heads, d}, c.covers, v.options());
+  }
+  void* dk_ptr = nullptr;
+  void* dv_ptr = nullptr;
+  point_at_packed(dk_ptr, bp.dk_strides, dk_heads.transpose(0, 1).unsqueeze(0));
+  point_at_packed(dv_ptr, bp.dv_strides, dv_heads.transpose(0, 1).unsqueeze(0));
+  bp.dk = dk_ptr;
+  bp.dv = dv_ptr;
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = at::zeros({heads, total_q, d}, f32);
+  const bool launch = bp.fwd.q_len > 0 && bp.fwd.kv_len > 0 && heads > 0;
+  if (launch) {
+    at::Tensor stats = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
+    check_launch(flash_bwd(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head,
+                           c10::cuda::getCurrentCUDAStream()),
+                 "varlen flash backward");
+    if (per_query_head) {  // (total_k, kv heads, group, d) summed over the group
+      at::sum_out(dk, dk_heads.view({total_k, kv_heads, group, d}), {2});
+      at::sum_out(dv, dv_heads.view({total_k, kv_heads, group, d}), {2});
+    }
+  } else {  // no query sees a key: zero gradients
+    dk.zero_();
+    dv.zero_();
+  }
+  const at::Tensor dq = at::empty(q.sizes(), q.options());
+  if (launch) dq.copy_(dq_accum.mul_(bp.fwd.scale).transpose(0, 1));
+  else dq.zero_();
+  return {dq, dk, dv};
+}
+
 }  // namespace cuda
 }  // namespace cs149gpt
 
@@ -243,6 +411,8 @@ TORCH_LIBRARY_IMPL(cs149gpt, CUDA, m) {
   m.impl("attention", &cs149gpt::cuda::attention);
   m.impl("flash_attention", &cs149gpt::cuda::flash_attention);
   m.impl("flash_attention_backward", &cs149gpt::cuda::flash_attention_backward);
+  m.impl("varlen_attention", &cs149gpt::cuda::varlen_attention);
+  m.impl("varlen_attention_backward", &cs149gpt::cuda::varlen_attention_backward);
 }
 
 // ---------------------------------------------------------------------------------------------------

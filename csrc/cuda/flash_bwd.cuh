@@ -29,12 +29,15 @@ __device__ __forceinline__ int64_t q_padded(int64_t q_len) { return (q_len + 3) 
 
 // D_i = sum_d dO[i, d] O[i, d] and lse_i·log2(e), one warp per row; rows past q_len are never read.
 template <class T, int kHeadDim>
-__global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* stats) {
-  const AttentionParams& p = bp.fwd;
+__global__ void flash_bwd_delta_kernel(const AttentionBackwardParams params, float* stats) {
+  const AttentionParams& all = params.fwd;  // packed sequences: the longest one's rows, sequence b's below
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= p.batch * p.num_heads * p.q_len) return;
-  const int64_t i = row % p.q_len, bh = row / p.q_len, b = bh / p.num_heads, h = bh % p.num_heads;
+  if (row >= all.batch * all.num_heads * all.q_len) return;
+  const int64_t i = row % all.q_len, bh = row / all.q_len, b = bh / all.num_heads, h = bh % all.num_heads;
+  const AttentionBackwardParams bp = sequence_view(params, b);
+  const AttentionParams& p = bp.fwd;
+  if (i >= p.q_len) return;
   const T* o = head_ptr(static_cast<const T*>(p.out), p.out_strides, b, h) + i * p.out_strides[2];
   const T* dout = head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + i * bp.dout_strides[2];
   float sum = 0.f;
@@ -47,10 +50,10 @@ __global__ void flash_bwd_delta_kernel(const AttentionBackwardParams bp, float* 
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
   if (lane == 0) {
-    const int64_t q_pad = q_padded(p.q_len), at = bh * q_pad + i;
+    const int64_t q_pad = q_padded(all.q_len), at = bh * q_pad + i;
     const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
     stats[at] = sum;
-    stats[p.batch * p.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    stats[all.batch * all.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
   }
 }
 
@@ -76,6 +79,13 @@ __device__ __forceinline__ void add_dq(float* dq_accum, int64_t q_len, int64_t r
   }
 }
 
+// The first row of (batch b, query head h) in dq_accum (flash_cuda.h): (batch, heads, q_len, d), or for packed
+// sequences (heads, total_q, d), total_q = lse_strides[1] (lse's (heads, total_q)), sequence b at cu_seqlens_q[b].
+__device__ __forceinline__ int64_t dq_accum_offset(const AttentionParams& all, int64_t b, int64_t h, int kHeadDim) {
+  if (all.cu_seqlens_q) return (h * all.lse_strides[1] + all.cu_seqlens_q[b]) * kHeadDim;
+  return (b * all.num_heads + h) * all.q_len * kHeadDim;
+}
+
 // Writes a warp's C fragments (kMi m16 x kNj n8, rounded to T) into a row-major shared-memory tile.
 template <class T, int kLd, int kMi, int kNj>
 __device__ __forceinline__ void store_c_frags(T* tile, const float (&c)[kMi][kNj][4], int lane) {
@@ -89,19 +99,18 @@ __device__ __forceinline__ void store_c_frags(T* tile, const float (&c)[kMi][kNj
             pack2<T>(c[mi][n][2 * r], c[mi][n][2 * r + 1]);
 }
 
-// Grid: (key blocks, batch x kv heads), or with kPerQueryHead (key blocks, batch x query heads): a block then takes
+// Grid: (key blocks, kv heads, batch), or with kPerQueryHead (key blocks, query heads, batch): a block then takes
 // one query head of its kv head's group and writes that head's share of dK, dV at the query head's index (the
 // caller sums the group), so that GQA has as many blocks as plain attention. Without a mask the key blocks of a
 // head run side by side and share its Q, dO in L2; under a causal mask the grid is one dimension in
 // grouped_heavy_first's order (flash_common.cuh).
 template <class Traits, bool kIsCausal, bool kPerQueryHead>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    flash_bwd_kernel(const AttentionBackwardParams bp, const float* stats, float* dq_accum, int heads_per_group) {
+    flash_bwd_kernel(const AttentionBackwardParams params, const float* stats, float* dq_accum, int heads_per_group) {
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kNThreads = Traits::kNThreads;
   constexpr int kLdKV = Traits::KVTile::kStride, kLdQ = Traits::QTile::kStride, kLdP = Traits::PTile::kStride;
-  const AttentionParams& p = bp.fwd;
   extern __shared__ __align__(16) char smem[];
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + Traits::KVTile::kElems;
@@ -112,19 +121,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float* sLse = reinterpret_cast<float*>(sdSt + Traits::PTile::kElems);  // [2][kBlockM], in exp2 units
   float* sDelta = sLse + 2 * kBlockM;                                    // [2][kBlockM]
 
-  const int64_t heads_here = kPerQueryHead ? p.num_heads : p.num_kv_heads;
+  const AttentionParams& all = params.fwd;  // packed sequences: batch counts them, the key blocks are the longest's
+  const int64_t heads_here = kPerQueryHead ? all.num_heads : all.num_kv_heads;
   int n_block, bh;
   if constexpr (kIsCausal) {  // grouped_heavy_first: a head's first key block is its costliest
-    const int n_blocks = static_cast<int>((p.kv_len + kBlockN - 1) / kBlockN);
-    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * heads_here), n_blocks,
+    const int n_blocks = static_cast<int>((all.kv_len + kBlockN - 1) / kBlockN);
+    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(all.batch * heads_here), n_blocks,
                                             heads_per_group);
     n_block = ht.tile_rank;
     bh = ht.head;
   } else {
     n_block = blockIdx.x;
-    bh = blockIdx.y;
+    bh = blockIdx.z * heads_here + blockIdx.y;
   }
   const int64_t b = bh / heads_here, head = bh % heads_here;
+  // Sequence b of packed sequences as a call of its own (its rows, lengths, causal offset); a dense call as it is.
+  const AttentionBackwardParams bp = sequence_view(params, b);
+  const AttentionParams& p = bp.fwd;
+  if (static_cast<int64_t>(n_block) * kBlockN >= p.kv_len) return;  // (packed: a block past its sequence's keys)
   const int64_t hk = kPerQueryHead ? head / (p.num_heads / p.num_kv_heads) : head;
   // The query heads this block visits: h_first .. h_first + group - 1.
   const int group = kPerQueryHead ? 1 : static_cast<int>(p.num_heads / p.num_kv_heads);
@@ -157,9 +171,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], keys_valid);
   copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], keys_valid);
 
-  const int64_t q_pad = q_padded(p.q_len);
+  const int64_t q_pad = q_padded(all.q_len);
   const float* delta_rows = stats + b * p.num_heads * q_pad;
-  const float* lse2_rows = stats + (p.batch + b) * p.num_heads * q_pad;
+  const float* lse2_rows = stats + (all.batch + b) * p.num_heads * q_pad;
   // Copies the step (query head h, query rows m0 ..) into buffer buf, asynchronously: Q, dO, lse·log2e, D.
   auto load_step = [&](int h, int64_t m0, int buf) {
     const int rows = static_cast<int>(min64(kBlockM, p.q_len - m0));
@@ -250,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float dq[kDqMi][kDqNj][4];
     zero_frags(dq);
     warp_gemm_ss<T, kDqMi, kDqNj, kBlockN, kLdP, true, kLdKV, true>(dq, sdSt + dq_row0, sK + dq_col0, lane);
-    add_dq<kD>(dq_accum + (b * p.num_heads + h) * p.q_len * kD, p.q_len, m0 + dq_row0, dq_col0, dq, lane);
+    add_dq<kD>(dq_accum + dq_accum_offset(all, b, h, kD), p.q_len, m0 + dq_row0, dq_col0, dq, lane);
     h = h_next;
     mt = mt_next;
   }
@@ -287,10 +301,11 @@ cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* stats, fl
       <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const unsigned heads = static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads));
+  const unsigned heads_here = static_cast<unsigned>(per_query_head ? p.num_heads : p.num_kv_heads);
+  const unsigned heads = static_cast<unsigned>(p.batch) * heads_here;
   const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
   if (heads == 0 || n_blocks == 0) return cudaSuccess;  // no keys: dK, dV are empty, dQ stays 0
-  const dim3 grid = p.is_causal ? dim3(heads * n_blocks) : dim3(n_blocks, heads);
+  const dim3 grid = p.is_causal ? dim3(heads * n_blocks) : dim3(n_blocks, heads_here, static_cast<unsigned>(p.batch));
   auto kernel = p.is_causal
                     ? (per_query_head ? flash_bwd_kernel<Traits, true, true> : flash_bwd_kernel<Traits, true, false>)
                     : (per_query_head ? flash_bwd_kernel<Traits, false, true> : flash_bwd_kernel<Traits, false, false>);

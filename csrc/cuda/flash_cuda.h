@@ -17,7 +17,8 @@ cudaError_t flash_teaching_fwd(const AttentionParams& p, cudaStream_t stream);
 
 // FlashAttention-2 on tensor cores (sm_80+): bfloat16 / float16 in and out, float32 accumulation.
 // head_dim must be one of kFastHeadDims; q, k, v, out rows 16-byte aligned (base pointers and strides
-// multiples of 8 elements). Writes out and, if p.lse, lse.
+// multiples of 8 elements). Writes out and, if p.lse, lse. Packed sequences (p.cu_seqlens_q, in device memory; no
+// seq_end, block_table): one launch over all, each block on its own sequence (attention.h, sequence_view).
 constexpr int kFastHeadDims[] = {64, 128};
 inline bool fast_path_supports(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 cudaError_t flash_fwd(const AttentionParams& p, cudaStream_t stream);
@@ -35,6 +36,8 @@ cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream);
 // q_len, head_dim) float32, contiguous, zeroed by the caller: dq = scale * dq_accum afterwards (the caller
 // converts). Writes dk, dv, already scaled: summed over the query heads of each kv head's group, or with
 // dkv_per_query_head one share per query head (dk, dv then have num_heads heads; the caller sums each group's).
+// Packed sequences as flash_fwd (batch counts them; the stats' rows are the longest's): dq_accum is then
+// (num_heads, total_q, head_dim), total_q = lse_strides[1], and dk, dv are packed like k and v.
 inline int64_t bwd_row_stats_floats(const AttentionParams& p) {
   return 2 * p.batch * p.num_heads * ((p.q_len + 3) / 4 * 4);
 }

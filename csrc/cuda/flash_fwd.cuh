@@ -78,8 +78,11 @@ __device__ __forceinline__ void rescale_o(float (&o)[Traits::kMi][Traits::kHeadD
     }
 }
 
-template <class Traits, bool kIsCausal>
-__global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const AttentionParams p, int heads_per_group) {
+// kPacked: packed sequences (params.cu_seqlens_q set), a kernel of its own so that a dense call keeps every size in
+// the kernel's parameter space (the view's sizes take registers: d 128 spilled 80 bytes instead of 20).
+template <class Traits, bool kIsCausal, bool kPacked>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_kernel(const AttentionParams params, int heads_per_group) {
   using T = typename Traits::T;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   constexpr int kNThreads = Traits::kNThreads;
@@ -88,24 +91,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) flash_fwd_kernel(const A
   T* sK = sQ + Traits::QTile::kElems;  // [2] buffers
   T* sV = sK + 2 * Traits::KVTile::kElems;
 
-  // Grid (launch_flash_fwd): without a mask (query blocks, batch x heads): the blocks of one head run side by side
+  // Grid (launch_flash_fwd): without a mask (query blocks, heads, batch): the blocks of one head run side by side
   // and share its K, V in L2. Causal: one dimension in grouped_heavy_first's order (the last query block of a head
-  // is its costliest).
+  // is its costliest). Packed sequences: batch counts sequences, and the query blocks are the longest one's.
   int m_block, bh;
   if constexpr (kIsCausal) {
-    const int m_blocks = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
-    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * p.num_heads), m_blocks,
+    const int m_blocks = static_cast<int>((params.q_len + kBlockM - 1) / kBlockM);
+    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(params.batch * params.num_heads), m_blocks,
                                             heads_per_group);
     m_block = m_blocks - 1 - ht.tile_rank;
     bh = ht.head;
   } else {
     m_block = blockIdx.x;
-    bh = blockIdx.y;
+    bh = blockIdx.z * params.num_heads + blockIdx.y;
   }
-  const int64_t b = bh / p.num_heads, h = bh % p.num_heads;
+  const int64_t b = bh / params.num_heads, h = bh % params.num_heads;
+  // Sequence b of packed sequences as a call of its own (its rows, lengths, causal offset); a dense call as it is.
+  const AttentionParams p = kPacked ? sequence_view(params, b) : params;
+  const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
+  if (kPacked && m0 >= p.q_len) return;  // a block past its sequence's end
   const int64_t hk = h / (p.num_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
   const int rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
 
   const T* q = head_ptr(static_cast<const T*>(p.q), p.q_strides, b, h) + m0 * p.q_strides[2];
@@ -209,8 +215,11 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
   const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
   const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
   if (heads == 0 || m_blocks == 0) return cudaSuccess;  // no query rows: nothing to write
-  const dim3 grid = p.is_causal ? dim3(heads * m_blocks) : dim3(m_blocks, heads);
-  auto kernel = p.is_causal ? flash_fwd_kernel<Traits, true> : flash_fwd_kernel<Traits, false>;
+  const dim3 grid = p.is_causal ? dim3(heads * m_blocks)
+                                : dim3(m_blocks, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
+  const bool packed = p.cu_seqlens_q != nullptr;
+  auto kernel = p.is_causal ? (packed ? flash_fwd_kernel<Traits, true, true> : flash_fwd_kernel<Traits, true, false>)
+                            : (packed ? flash_fwd_kernel<Traits, false, true> : flash_fwd_kernel<Traits, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
   int heads_per_group = 1;

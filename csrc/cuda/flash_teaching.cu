@@ -18,15 +18,18 @@ namespace cs149gpt {
 namespace cuda {
 namespace {
 
-__global__ void flash_teaching_kernel(const AttentionParams p) {
-  const int Br = static_cast<int>(p.block_q), Bc = static_cast<int>(p.block_k), d = static_cast<int>(p.head_dim);
+__global__ void flash_teaching_kernel(const AttentionParams params) {
+  const int Br = static_cast<int>(params.block_q), Bc = static_cast<int>(params.block_k);
+  const int d = static_cast<int>(params.head_dim);
   extern __shared__ float smem_f[];
   float* Qi = smem_f;          // Br x d
   float* Kj = Qi + Br * d;     // Bc x d
   float* Vj = Kj + Bc * d;     // Bc x d
   float* Sij = Vj + Bc * d;    // Br x Bc
 
-  const int64_t b = blockIdx.y / p.num_heads, h = blockIdx.y % p.num_heads;
+  const int64_t b = blockIdx.y / params.num_heads, h = blockIdx.y % params.num_heads;
+  const AttentionParams p = sequence_view(params, b);  // packed sequences: sequence b as a call of its own
+  if (static_cast<int64_t>(blockIdx.x) * Br >= p.q_len) return;
   const int64_t hk = h / (p.num_heads / p.num_kv_heads);
   const int tid = threadIdx.x;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * Br + tid;  // this thread's query row

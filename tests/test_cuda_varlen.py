@@ -1,0 +1,447 @@
+"""Packed variable-length sequences on CUDA: cs149gpt.varlen_attention and cs149gpt.flash_attn's functions on GPU
+tensors, through the FlashAttention-2 kernels (one launch over every sequence, each block on its own sequence).
+Skipped where torch sees no GPU.
+
+References are float64 on the GPU, computed sequence by sequence from the definition (causal bottom-right in each
+sequence, FlashAttention's). For bfloat16/float16 the bar is tests/test_cuda.py's: our error against float64 at most a
+small multiple of torch SDPA's in the same dtype (run on each sequence alone), and under an absolute cap.
+"""
+import math
+
+import pytest
+import torch
+
+import cs149gpt
+from cs149gpt.flash_attn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                 flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                 flash_attn_varlen_qkvpacked_func)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+
+CUDA = "cuda"
+FAST_DTYPES = (torch.bfloat16, torch.float16)
+CAPS = {torch.bfloat16: 3e-2, torch.float16: 4e-3}  # forward; the gradients' (relative to their largest): x4/3, x2.5
+# (Nq, Nk) per sequence: lengths 0, 1, 77, 300 and 1000 mixed; Nq > Nk (causal rows that see no key) and Nq < Nk;
+# sequences without queries, without keys, without either.
+MIXED = [(77, 77), (0, 5), (1, 1), (300, 300), (1000, 1000), (5, 0), (0, 0), (300, 77), (77, 300), (1, 1000),
+         (1000, 1), (1, 77)]
+HEADS = [(4, 4), (8, 2), (4, 1)]  # (Hq, Hkv): MHA, GQA, MQA
+
+
+def offsets(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def int32(cu):
+    return torch.tensor(cu, dtype=torch.int32, device=CUDA)
+
+
+def rand(shape, dtype, seed):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=CUDA, dtype=torch.float32).to(dtype)
+
+
+def packed(lengths, heads_q, heads_kv, d, dtype, seed=0):
+    """q (total_q, Hq, d), k and v (total_k, Hkv, d) on the GPU, and the offsets as lists."""
+    cu_q, cu_k = offsets([a for a, _ in lengths]), offsets([b for _, b in lengths])
+    return (rand((cu_q[-1], heads_q, d), dtype, seed), rand((cu_k[-1], heads_kv, d), dtype, seed + 1),
+            rand((cu_k[-1], heads_kv, d), dtype, seed + 2), cu_q, cu_k)
+
+
+def call(q, k, v, cu_q, cu_k, **kw):
+    longest = lambda cu: max(b - a for a, b in zip(cu, cu[1:]))  # noqa: E731
+    return cs149gpt.varlen_attention(q, k, v, int32(cu_q), int32(cu_k), longest(cu_q), longest(cu_k),
+                                     return_lse=True, **kw)
+
+
+def shown(n_q, n_k, causal):
+    """(n_q, n_k) bool: key j visible to query i (causal: bottom-right, j <= i + n_k - n_q)."""
+    i = torch.arange(n_q, device=CUDA)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k, device=CUDA)[None, :]
+    return j <= i if causal else torch.ones(n_q, n_k, dtype=torch.bool, device=CUDA)
+
+
+def sequence_reference(qs, ks, vs, causal, scale):
+    """One sequence, (H, N, d) float64 with kv heads repeated: (out, lse); a row that sees no key gets 0, lse -inf."""
+    n_q, n_k = qs.shape[1], ks.shape[1]
+    mask = shown(n_q, n_k, causal)
+    seen = mask.any(-1)[:, None]
+    s = (scale * qs @ ks.transpose(-1, -2)).masked_fill(~mask & seen, -math.inf).masked_fill(~seen, 0.0)
+    out = (torch.softmax(s, -1) @ vs) * seen if n_k > 0 else qs.new_zeros(qs.shape[0], n_q, vs.shape[-1])
+    lse = torch.logsumexp(s, -1).masked_fill(~seen[:, 0], -math.inf) if n_k > 0 else \
+        qs.new_full((qs.shape[0], n_q), -math.inf)
+    return out, lse
+
+
+def sequence_sdpa(qs, ks, vs, causal, scale):
+    """torch's SDPA on one sequence in its dtype (the yardstick); rows that see no key 0."""
+    if qs.shape[1] == 0 or ks.shape[1] == 0:
+        return qs.new_zeros(qs.shape[0], qs.shape[1], vs.shape[-1])
+    mask = shown(qs.shape[1], ks.shape[1], causal)
+    out = torch.nn.functional.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
+                                                           scale=scale)[0]
+    return out.masked_fill(~mask.any(-1)[:, None], 0.0)
+
+
+def per_sequence(fn, q, k, v, cu_q, cu_k, causal, scale=None):
+    """fn over each sequence ((H, N, d) views, kv heads repeated), packed back: out (total_q, Hq, d) and, when fn
+    returns it, lse (Hq, total_q)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
+        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(group, 0)
+        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(group, 0)
+        result = fn(qs, ks, vs, causal, scale)
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        outs.append(out.transpose(0, 1))
+        lses.append(lse)
+    out = torch.cat(outs)
+    return (out, torch.cat(lses, -1)) if lses[0] is not None else out
+
+
+def reference(q, k, v, cu_q, cu_k, causal, scale=None):
+    return per_sequence(sequence_reference, q.double(), k.double(), v.double(), cu_q, cu_k, causal, scale)
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def poison_allocator():
+    """Memory the caching allocator hands out next full of NaN: an output row left unwritten fails the checks."""
+    x = torch.full((64 << 20,), float("nan"), device=CUDA)
+    del x
+
+
+def check_forward(out, lse, q, k, v, cu_q, cu_k, causal, what, scale=None):
+    ref, ref_lse = reference(q, k, v, cu_q, cu_k, causal, scale)
+    assert out.dtype == q.dtype and out.shape == ref.shape, what
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    sdpa = per_sequence(sequence_sdpa, q, k, v, cu_q, cu_k, causal, scale)
+    ours_err, sdpa_err, cap = max_err(out, ref), max_err(sdpa, ref), CAPS[q.dtype]
+    assert ours_err <= max(2 * sdpa_err, cap / 4) and ours_err <= cap, \
+        f"{what}: max abs error {ours_err:.3g} vs SDPA's {sdpa_err:.3g} (cap {cap})"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse -inf exactly where a row sees no key"
+    assert (lse[~finite] == -math.inf).all(), what
+    assert max_err(lse[finite], ref_lse[finite]) < 1e-3, what
+    assert (out.transpose(0, 1)[~finite] == 0).all(), f"{what}: a row that sees no key is 0"
+
+
+def grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def check_backward(fn, q, k, v, cu_q, cu_k, causal, dout, what):
+    """Gradients of fn (q, k, v) -> out against float64's, SDPA's error per sequence as the yardstick."""
+    ours = grads(fn, q, k, v, dout)
+    ref = grads(lambda a, b, c: reference(a, b, c, cu_q, cu_k, causal)[0], q.double(), k.double(), v.double(),
+                dout.double())
+    sdpa = grads(lambda a, b, c: per_sequence(sequence_sdpa, a, b, c, cu_q, cu_k, causal), q, k, v, dout)
+    scale = max(g.abs().max().item() for g in ref if g.numel()) + 1e-6
+    cap = 4e-2 if q.dtype == torch.bfloat16 else 1e-2
+    for name, got, want, theirs in zip(("dq", "dk", "dv"), ours, ref, sdpa):
+        assert got.dtype == q.dtype and got.shape == want.shape, f"{what}: {name}"
+        assert torch.isfinite(got).all(), f"{what}: {name} non-finite"
+        e_ours, e_sdpa = max_err(got, want) / scale, max_err(theirs.nan_to_num(0.0), want) / scale
+        assert e_ours <= max(2 * e_sdpa, cap / 4) and e_ours <= cap, \
+            f"{what}: {name} relative max error {e_ours:.3g} vs SDPA's {e_sdpa:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# varlen_attention: forward, lse, backward
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_forward_and_lse(dtype, d, causal, heads):
+    q, k, v, cu_q, cu_k = packed(MIXED, *heads, d, dtype, seed=d + heads[0])
+    poison_allocator()
+    out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
+    check_forward(out, lse, q, k, v, cu_q, cu_k, causal, f"{dtype} d={d} causal={causal} heads={heads}")
+
+
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_backward(dtype, d, causal, heads):
+    q, k, v, cu_q, cu_k = packed(MIXED, *heads, d, dtype, seed=3 * d + heads[1])
+    dout = rand(q.shape, dtype, 99)
+    poison_allocator()
+    check_backward(lambda a, b, c: call(a, b, c, cu_q, cu_k, is_causal=causal)[0], q, k, v, cu_q, cu_k, causal, dout,
+                   f"{dtype} d={d} causal={causal} heads={heads}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_gqa_one_block_per_kv_head(causal, monkeypatch):
+    """CS149GPT_BWD_GQA_SPLIT=0 (each block sums its kv head's group) and the default (a block per query head, the
+    group's shares summed afterwards) agree, both against float64."""
+    q, k, v, cu_q, cu_k = packed(MIXED, 6, 2, 128, torch.bfloat16, seed=11)
+    dout = rand(q.shape, torch.bfloat16, 12)
+    fn = lambda a, b, c: call(a, b, c, cu_q, cu_k, is_causal=causal)[0]  # noqa: E731
+    split = grads(fn, q, k, v, dout)
+    monkeypatch.setenv("CS149GPT_BWD_GQA_SPLIT", "0")
+    check_backward(fn, q, k, v, cu_q, cu_k, causal, dout, "one block per kv head")
+    whole = grads(fn, q, k, v, dout)
+    scale = max(g.abs().max().item() for g in whole)
+    for name, a, b in zip(("dq", "dk", "dv"), split, whole):
+        assert max_err(a, b) / scale < 1e-2, f"{name}: split and whole differ"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_sequence_gets_its_dense_call(causal, monkeypatch):
+    """A packed call's sequence b is a dense call on that sequence alone (FlashAttention-2's kernel both): the same
+    bits, out and lse."""
+    monkeypatch.setenv("CS149GPT_HOPPER", "0")
+    lengths = [(96, 96), (33, 70), (200, 200), (70, 33)]
+    q, k, v, cu_q, cu_k = packed(lengths, 4, 2, 128, torch.bfloat16, seed=4)
+    out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
+    for b in range(len(lengths)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        dense, dense_lse = cs149gpt.attention(q[rows].transpose(0, 1), k[keys].transpose(0, 1),
+                                              v[keys].transpose(0, 1), is_causal="bottom_right" if causal else False,
+                                              return_lse=True)
+        assert torch.equal(out[rows], dense.transpose(0, 1)), f"sequence {b}"
+        assert torch.equal(lse[:, rows], dense_lse), f"sequence {b}: lse"
+
+
+def test_many_short_sequences():
+    """3000 sequences x 32 heads: more (sequence, head) pairs than a grid's y dimension holds (65535)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [(int(a), int(b)) for a, b in torch.randint(0, 24, (3000, 2), generator=g)]
+    q, k, v, cu_q, cu_k = packed(lengths, 32, 8, 64, torch.bfloat16, seed=6)
+    dout = rand(q.shape, torch.bfloat16, 7)
+    for causal in (False, True):
+        out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
+        ref, ref_lse = reference(q, k, v, cu_q, cu_k, causal)
+        assert max_err(out, ref) < CAPS[torch.bfloat16], f"causal={causal}"
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite) and max_err(lse[finite], ref_lse[finite]) < 1e-3
+        ours = grads(lambda a, b, c: call(a, b, c, cu_q, cu_k, is_causal=causal)[0], q, k, v, dout)
+        want = grads(lambda a, b, c: reference(a, b, c, cu_q, cu_k, causal)[0], q.double(), k.double(), v.double(),
+                     dout.double())
+        scale = max(w.abs().max().item() for w in want)
+        for name, a, b in zip(("dq", "dk", "dv"), ours, want):
+            assert max_err(a, b) / scale < 4e-2, f"causal={causal}: {name}"
+
+
+def test_one_launch_for_every_sequence():
+    """The forward is one kernel launch over all sequences, the backward one launch (and its row statistics'); no
+    Hopper kernel takes packed sequences."""
+    q, k, v, cu_q, cu_k = packed(MIXED, 4, 2, 64, torch.bfloat16)
+    q.requires_grad_()
+
+    def kernels_run(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    names = kernels_run(lambda: call(q, k, v, cu_q, cu_k, is_causal=True))
+    assert sum("flash_fwd_kernel" in n for n in names) == 1, names
+    names = kernels_run(lambda: call(q, k, v, cu_q, cu_k, is_causal=True)[0].sum().backward())
+    assert sum("flash_bwd_kernel" in n for n in names) == 1, names
+    assert sum("flash_bwd_delta_kernel" in n for n in names) == 1, names
+    assert not any("hopper" in n for n in names), names
+
+
+def test_strided_views_read_in_place():
+    """q, k, v as views into one (total, 3, H, d) projection, the layout of a fused qkv Linear; and kv packed."""
+    lengths = [(100, 100), (1, 1), (110, 110)]
+    cu = offsets([a for a, _ in lengths])
+    qkv = rand((cu[-1], 3, 4, 64), torch.bfloat16, 8)
+    out = flash_attn_varlen_qkvpacked_func(qkv, int32(cu), 110, causal=True)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    check_forward(out, call(q, k, v, cu, cu, is_causal=True)[1], q, k, v, cu, cu, True, "qkv packed")
+    kv = rand((150, 2, 2, 64), torch.bfloat16, 9)
+    cu_k = [0, 50, 100, 150]
+    out = flash_attn_varlen_kvpacked_func(q, kv, int32(cu), int32(cu_k), 110, 50)
+    check_forward(out, call(q, kv[:, 0], kv[:, 1], cu, cu_k)[1], q, kv[:, 0], kv[:, 1], cu, cu_k, False, "kv packed")
+
+
+def test_rows_outside_every_sequence_get_zeros():
+    q, k, v, _, _ = packed([(10, 10)], 2, 2, 64, torch.float16, seed=10)
+    cu = [2, 6, 8]  # rows 0, 1 and 8, 9 belong to no sequence
+    poison_allocator()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = cs149gpt.varlen_attention(q, k, v, int32(cu), int32(cu), 4, 4, return_lse=True)
+    assert torch.all(out[:2] == 0) and torch.all(out[8:] == 0) and torch.all(lse[:, :2] == -math.inf)
+    assert torch.all(lse[:, 8:] == -math.inf)
+    ref, _ = reference(q.detach(), k.detach(), v.detach(), cu, cu, False)
+    assert max_err(out[2:8], ref) < CAPS[torch.float16]
+    dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v))
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all() and torch.all(g[:2] == 0) and torch.all(g[8:] == 0)
+
+
+@pytest.mark.parametrize("empty", ["queries", "keys", "both"])
+def test_empty_packed_batch(empty):
+    """total_q or total_k 0: out of zeros where no key is seen, lse -inf, zero gradients, as on the CPU."""
+    n_q = 0 if empty in ("queries", "both") else 10
+    n_k = 0 if empty in ("keys", "both") else 10
+    cu_q = [0, 0, 0] if n_q == 0 else [0, 4, 10]
+    cu_k = [0, 0, 0] if n_k == 0 else [0, 4, 10]
+    q, k, v = (rand((n, h, 64), torch.bfloat16, i) for i, (n, h) in enumerate([(n_q, 4), (n_k, 2), (n_k, 2)]))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = cs149gpt.varlen_attention(q, k, v, int32(cu_q), int32(cu_k), 6, 6, is_causal=True, return_lse=True)
+    assert out.shape == (n_q, 4, 64) and lse.shape == (4, n_q)
+    assert not out.any() and torch.all(lse == -math.inf)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert not (dq.any() or dk.any() or dv.any())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_forward_runs_the_teaching_kernel(causal):
+    """float32 packed sequences run the teaching kernel (forward only, as dense float32 on CUDA)."""
+    q, k, v, cu_q, cu_k = packed(MIXED[:10], 4, 2, 48, torch.float32, seed=13)
+    out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
+    ref, ref_lse = reference(q, k, v, cu_q, cu_k, causal)
+    assert out.dtype == torch.float32 and max_err(out, ref) < 1e-4
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and max_err(lse[finite], ref_lse[finite]) < 1e-4
+    q.requires_grad_()
+    with pytest.raises(TypeError, match="CUDA flash backward takes bfloat16 or float16"):
+        call(q, k, v, cu_q, cu_k, is_causal=causal)[0].sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cs149gpt.flash_attn on CUDA tensors
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_func(dtype, causal):
+    q, k, v, cu_q, cu_k = packed(MIXED, 8, 2, 128, dtype, seed=14)
+    out, lse, probs = flash_attn_varlen_func(q, k, v, int32(cu_q), int32(cu_k), 1000, 1000, causal=causal,
+                                             return_attn_probs=True)
+    ours_lse = torch.where(lse == math.inf, -math.inf, lse)  # FlashAttention's +inf for a row that sees no key
+    check_forward(out, ours_lse, q, k, v, cu_q, cu_k, causal, "flash_attn_varlen_func")
+    assert probs.shape == (len(MIXED), 8, 1000, 1000) and probs.device.type == "cuda"
+    b = 3  # (300, 300): the probabilities times v give the output
+    vs = v[cu_k[b]:cu_k[b + 1]].double().transpose(0, 1).repeat_interleave(4, 0)
+    assert max_err(probs[b, :, :300, :300].double() @ vs, out[cu_q[b]:cu_q[b + 1]].transpose(0, 1)) < CAPS[dtype]
+    dout = rand(q.shape, dtype, 15)
+    check_backward(lambda a, b, c: flash_attn_varlen_func(a, b, c, int32(cu_q), int32(cu_k), 1000, 1000,
+                                                          causal=causal),
+                   q, k, v, cu_q, cu_k, causal, dout, "flash_attn_varlen_func backward")
+
+
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_dense_functions(dtype, causal):
+    """flash_attn_func and its packed variants, (batch, seqlen, heads, d) on the GPU: each batch row is a sequence."""
+    B, n_q, n_k = 3, 77, 300
+    q, k, v = rand((B, n_q, 8, 64), dtype, 16), rand((B, n_k, 2, 64), dtype, 17), rand((B, n_k, 2, 64), dtype, 18)
+    cu_q, cu_k = offsets([n_q] * B), offsets([n_k] * B)
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    ours_lse = torch.where(lse == math.inf, -math.inf, lse).transpose(0, 1).reshape(8, -1)
+    check_forward(flat(out), ours_lse, flat(q), flat(k), flat(v), cu_q, cu_k, causal, "flash_attn_func")
+    kv = torch.stack((k, v), dim=2)
+    torch.testing.assert_close(flash_attn_kvpacked_func(q, kv, causal=causal), out, atol=0, rtol=0)
+    qkv = torch.stack((q, k[:, :n_q].repeat_interleave(4, 2), v[:, :n_q].repeat_interleave(4, 2)), dim=2)
+    out = flash_attn_qkvpacked_func(qkv, causal=causal)
+    cu = offsets([n_q] * B)
+    q2, k2, v2 = (flat(qkv[:, :, i]) for i in range(3))
+    check_forward(flat(out), call(q2, k2, v2, cu, cu, is_causal=causal)[1], q2, k2, v2, cu, cu, causal,
+                  "flash_attn_qkvpacked_func")
+    dout = rand(q.shape, dtype, 19)
+    check_backward(lambda a, b, c: flat(flash_attn_func(a.view(q.shape), b.view(k.shape), c.view(v.shape),
+                                                        causal=causal)),
+                   flat(q), flat(k), flat(v), cu_q, cu_k, causal, flat(dout), "flash_attn_func backward")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the operators: opcheck, torch.compile, errors
+# ---------------------------------------------------------------------------------------------------------
+def test_opcheck():
+    ops = torch.ops.cs149gpt
+    q, k, v, cu_q, cu_k = packed([(12, 12), (5, 9), (0, 3)], 4, 2, 64, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(ops.varlen_attention.default, (q, k, v, int32(cu_q), int32(cu_k), 12, 12),
+                          {"causal": True})
+    out, lse = ops.varlen_attention(q, k, v, int32(cu_q), int32(cu_k), 12, 12, causal=True)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, int32(cu_q), int32(cu_k),
+            12, 12)
+    torch.library.opcheck(ops.varlen_attention_backward.default, args, {"causal": True},
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compile_fullgraph_forward_backward():
+    torch._dynamo.reset()
+    q, k, v, cu_q, cu_k = packed(MIXED, 8, 2, 64, torch.bfloat16, seed=20)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    w = rand(q.shape, torch.bfloat16, 21)
+    t_q, t_k = int32(cu_q), int32(cu_k)
+
+    def fn(q, k, v):
+        return (flash_attn_varlen_func(q, k, v, t_q, t_k, 1000, 1000, causal=True) * w).float().sum()
+
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        loss = f(q, k, v)
+        results.append((loss.detach(), torch.autograd.grad(loss, (q, k, v))))
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_what_cuda_does_not_take_is_refused_alike_in_eager_and_fake():
+    """A paged KV cache (block_table) and window/softcap/ALiBi/dropout in varlen calls are refused on CUDA, by the check
+    the fake shares: the same error in eager mode and in FakeTensorMode (so torch.compile refuses it while tracing)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, cu_q, cu_k = packed([(12, 12), (5, 9)], 4, 2, 64, torch.bfloat16)
+    cache = rand((4, 16, 2, 64), torch.bfloat16, 3)
+    table = torch.tensor([[0], [1]], dtype=torch.int32, device=CUDA)
+    slopes = torch.ones(4, device=CUDA)
+    cases = [
+        (lambda q, k, v, cq, ck, t: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, block_table=t),
+         (q, cache, cache, int32(cu_q), int32(cu_k), table), NotImplementedError, "block_table"),
+        (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, window=(4, 0)),
+         (q, k, v, int32(cu_q), int32(cu_k)), (NotImplementedError, ValueError), "window.*CUDA|CUDA.*window"),
+        (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, softcap=30.0),
+         (q, k, v, int32(cu_q), int32(cu_k)), (NotImplementedError, ValueError), "softcap.*CUDA|CUDA.*softcap"),
+        (lambda q, k, v, cq, ck, s: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, alibi_slopes=s),
+         (q, k, v, int32(cu_q), int32(cu_k), slopes), (NotImplementedError, ValueError),
+         "alibi_slopes.*CUDA|CUDA.*alibi_slopes"),
+        (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, dropout_p=0.1),
+         (q, k, v, int32(cu_q), int32(cu_k)), (NotImplementedError, ValueError), "dropout_p.*CUDA|CUDA.*dropout_p"),
+    ]
+    for fn, args, error, match in cases:
+        with pytest.raises(error, match=match) as eager:
+            fn(*args)
+        with FakeTensorMode() as mode:
+            fake = [mode.from_tensor(t) for t in args]
+            with pytest.raises(error, match=match) as traced:
+                fn(*fake)
+        assert type(eager.value) is type(traced.value) and str(eager.value) == str(traced.value)
+
+
+@pytest.mark.parametrize("cu_q, cu_k, max_q, error, match", [
+    ([0, 5, 3], [0, 5, 9], 5, ValueError, r"cu_seqlens_q must not decrease"),
+    ([0, 5, 11], [0, 5, 9], 6, ValueError, r"cu_seqlens_q\[-1\] = 11 reaches past the 10 rows of q"),
+    ([0, 5, 10], [0, 5, 9], 4, ValueError, r"max_seqlen_q = 4 is less than the longest sequence"),
+])
+def test_bad_offsets_are_refused_as_on_the_cpu(cu_q, cu_k, max_q, error, match):
+    """cu_seqlens are read once on the host and checked as the CPU checks them: the same errors, no kernel launched."""
+    q, k, v = rand((10, 2, 64), torch.bfloat16, 0), rand((9, 2, 64), torch.bfloat16, 1), rand((9, 2, 64),
+                                                                                             torch.bfloat16, 2)
+    with pytest.raises(error, match=match) as on_gpu:
+        cs149gpt.varlen_attention(q, k, v, int32(cu_q), int32(cu_k), max_q, 9)
+    with pytest.raises(error) as on_cpu:
+        cs149gpt.varlen_attention(q.cpu(), k.cpu(), v.cpu(), int32(cu_q).cpu(), int32(cu_k).cpu(), max_q, 9)
+    assert str(on_gpu.value) == str(on_cpu.value)
+    with pytest.raises(ValueError, match="one device"):
+        cs149gpt.varlen_attention(q, k, v, int32(cu_q).cpu(), int32(cu_k), max_q, 9)
