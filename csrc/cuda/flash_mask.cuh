@@ -88,13 +88,16 @@ struct Logits {
   // read_mask: whether i's span leaves attn_mask's entries to read (KeySpan::exact false).
   __device__ __forceinline__ float operator()(const AttentionParams& p, float s, int64_t i, int64_t j, bool read_mask,
                                               float* d_cap = nullptr) const {
-    float x = s * p.scale;
+    // (in base 2 throughout: every term times log2 e, so that the plain case is one multiply)
+    float x;
     if (p.softcap > 0.f) {
-      const float t = tanhf(x / p.softcap);
-      x = p.softcap * t;
+      const float t = tanhf(s * p.scale / p.softcap);
+      x = p.softcap * kLog2e * t;
       if (d_cap != nullptr) *d_cap = 1.f - t * t;
+    } else {
+      x = s * (p.scale * kLog2e);
     }
-    if (p.alibi_slopes != nullptr) x -= slope * fabsf(static_cast<float>(i + p.kv_len - p.q_len - j));
+    if (p.alibi_slopes != nullptr) x -= slope * kLog2e * fabsf(static_cast<float>(i + p.kv_len - p.q_len - j));
     if (mask != nullptr && read_mask) {
       const char* at = mask + i * mask_row + j * mask_key;
       if (p.mask_kind == MaskKind::boolean) {
@@ -104,10 +107,10 @@ struct Logits {
                         : p.mask_dtype == DType::bf16 ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at))
                                                       : __half2float(*reinterpret_cast<const __half*>(at));
         if (m == -INFINITY) return -INFINITY;
-        x += m;
+        x = fmaf(m, kLog2e, x);
       }
     }
-    return x * kLog2e;
+    return x;
   }
 };
 
