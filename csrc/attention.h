@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
-// What the CUDA kernels call too (sequence_view: a block finds its sequence's rows as a CPU task does).
+// What the CUDA kernels share with the CPU's (sequence_view, dropout's generator): host and device functions under nvcc.
 #ifdef __CUDACC__
 #define CS149GPT_HOST_DEVICE __host__ __device__
 #else
@@ -245,18 +245,18 @@ inline int64_t visible_keys(const AttentionParams& p, int64_t i) {
 // ((b · heads + h) · q_len + i) · kv_len + j; its 32-bit uniform is the high half of splitmix64's finalizer of
 // seed_key + (counter + offset) · γ (a Weyl sequence keyed by the seed), and it is kept when that is >= p · 2³².
 // The same distribution as torch's dropout (independent Bernoulli(1 − p) keeps), not the same bits.
-inline uint64_t mix64(uint64_t z) {
+CS149GPT_HOST_DEVICE inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
-inline uint64_t dropout_threshold(float p) {  // keep u (32 bits) iff u >= threshold
+CS149GPT_HOST_DEVICE inline uint64_t dropout_threshold(float p) {  // keep u (32 bits) iff u >= threshold
   return static_cast<uint64_t>(static_cast<double>(p) * 4294967296.0);
 }
-inline bool dropout_keep(uint64_t seed_key, uint64_t counter, uint64_t threshold) {
+CS149GPT_HOST_DEVICE inline bool dropout_keep(uint64_t seed_key, uint64_t counter, uint64_t threshold) {
   return (mix64(seed_key + counter * 0x9E3779B97F4A7C15ull) >> 32) >= threshold;
 }
-inline uint64_t dropout_seed_key(uint64_t seed) { return mix64(seed + 0x632BE59BD9B4E019ull); }
+CS149GPT_HOST_DEVICE inline uint64_t dropout_seed_key(uint64_t seed) { return mix64(seed + 0x632BE59BD9B4E019ull); }
 
 // A window: the sliding window, attn_mask's key ranges, or both.
 inline bool has_window(const AttentionParams& p) {

@@ -166,7 +166,7 @@ static void check_options(const at::Tensor& q, Impl impl, DType dtype, bool has_
     TORCH_CHECK_VALUE(dropout_seed->device().is_cpu() || dropout_seed->device().is_meta(),
                       "dropout_seed must be on the CPU, got ", dropout_seed->device());
   }
-  // softcap and ALiBi: the flash kernel's, on the CPU (the other rungs and CUDA refuse them below).
+  // softcap and ALiBi: the flash kernel's (the other rungs refuse them; on CUDA, float32 below).
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0 && softcap < kFloat32Overflow / 2,
                     "softcap must be a finite float32 >= 0 (0: no softcap), got ", softcap);
   TORCH_CHECK_VALUE(softcap == 0.0 || impl == Impl::flash, "softcap needs impl='flash', got impl='", impl_name(impl),
@@ -188,12 +188,14 @@ static void check_options(const at::Tensor& q, Impl impl, DType dtype, bool has_
     TORCH_CHECK_VALUE(impl == Impl::flash, "impl='", impl_name(impl), "' runs on the CPU only; on CUDA tensors use "
                       "impl='flash' (float32: the one-thread-per-row teaching kernel; bfloat16/float16: "
                       "FlashAttention-2)");
-    TORCH_CHECK_NOT_IMPLEMENTED(dropout_p == 0.0, "dropout_p is not supported on CUDA yet (CPU only)");
-    TORCH_CHECK_NOT_IMPLEMENTED(!has_mask, "attn_mask is not supported on CUDA yet (CPU only)");
-    TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1,
-                                "window is not supported on CUDA yet (CPU only)");
-    TORCH_CHECK_VALUE(softcap == 0.0, "softcap is not supported on CUDA yet (CPU only); pass softcap=0");
-    TORCH_CHECK_VALUE(!is_given(alibi_slopes), "alibi_slopes is not supported on CUDA yet (CPU only); pass None");
+    // The tensor-core kernels take every option (their general path); the float32 teaching kernel none.
+    const char* teaching = " on CUDA needs bfloat16 or float16 (float32 runs the teaching kernel, plain and causal "
+                           "attention only)";
+    TORCH_CHECK_NOT_IMPLEMENTED(dtype != DType::f32 || dropout_p == 0.0, "dropout_p", teaching);
+    TORCH_CHECK_NOT_IMPLEMENTED(dtype != DType::f32 || !has_mask, "attn_mask", teaching);
+    TORCH_CHECK_NOT_IMPLEMENTED(dtype != DType::f32 || (window_left == -1 && window_right == -1), "window", teaching);
+    TORCH_CHECK_NOT_IMPLEMENTED(dtype != DType::f32 || softcap == 0.0, "softcap", teaching);
+    TORCH_CHECK_NOT_IMPLEMENTED(dtype != DType::f32 || !is_given(alibi_slopes), "alibi_slopes", teaching);
     // The tensor-core kernels are instantiated for these head dims (csrc/cuda/flash_launch.cuh).
     const c10::SymInt d = q.sym_size(-1);
     if (dtype != DType::f32)

@@ -352,8 +352,8 @@ def test_compile_fullgraph_forward_backward():
 
 
 def test_cpu_only_arguments_refused_alike_in_eager_fake_and_compile():
-    """What runs on the CPU only (attn_mask, window, dropout, other rungs, bf16 head dims but 64/128, the float32
-    backward) is refused by the one shared check: the same error in eager mode and in FakeTensorMode, so
+    """What runs on the CPU only (attn_mask, window, dropout in float32, other rungs, bf16 head dims but 64/128, the
+    float32 backward) is refused by the one shared check: the same error in eager mode and in FakeTensorMode, so
     torch.compile refuses it while tracing, before any kernel is launched."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -361,13 +361,14 @@ def test_cpu_only_arguments_refused_alike_in_eager_fake_and_compile():
     mask = torch.ones(16, 16, dtype=torch.bool, device=q.device)
     d96 = make_qkv(1, 2, 2, 16, 16, 96, torch.bfloat16)
     f32 = [t.float().requires_grad_() for t in (q, k, v)]
+    f32_plain = [t.float() for t in (q, k, v)]
     cases = [
-        (lambda q, k, v, m: cs149gpt.attention(q, k, v, attn_mask=m), (q, k, v, mask), NotImplementedError,
-         "attn_mask is not supported on CUDA"),
-        (lambda q, k, v: cs149gpt.attention(q, k, v, window=(4, 0)), (q, k, v), NotImplementedError,
-         "window is not supported on CUDA"),
-        (lambda q, k, v: cs149gpt.attention(q, k, v, dropout_p=0.1), (q, k, v), NotImplementedError,
-         "dropout_p is not supported on CUDA"),
+        (lambda q, k, v, m: cs149gpt.attention(q, k, v, attn_mask=m), (*f32_plain, mask), NotImplementedError,
+         "attn_mask on CUDA needs bfloat16 or float16"),
+        (lambda q, k, v: cs149gpt.attention(q, k, v, window=(4, 0)), f32_plain, NotImplementedError,
+         "window on CUDA needs bfloat16 or float16"),
+        (lambda q, k, v: cs149gpt.attention(q, k, v, dropout_p=0.1), f32_plain, NotImplementedError,
+         "dropout_p on CUDA needs bfloat16 or float16"),
         (lambda q, k, v: cs149gpt.attention(q, k, v, impl="flash_teaching"), [t.float() for t in (q, k, v)],
          ValueError, "runs on the CPU only"),
         (lambda q, k, v: cs149gpt.attention(q, k, v), d96, ValueError, "d = 64 or 128"),

@@ -76,6 +76,7 @@ struct Prepared {
   at::Tensor q4, k4, v4;
   AttentionParams p;
   bool fast;  // tensor cores (bf16/f16) rather than the teaching kernel (f32)
+  at::Tensor mask4, key_bounds, alibi;  // what p.mask, p.key_ranges, p.alibi_slopes point into
 };
 
 // The params of a call whose arguments the shared checks passed (they returned dtype), after the GPU's own limits.
@@ -114,6 +115,36 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   return prep;
 }
 
+// attn_mask, window, dropout, softcap and ALiBi into the params (the tensor-core kernels' general path; checks.cpp
+// refuses them for float32, the teaching kernel). attn_mask is read in place (expanded: stride 0 where broadcast), and
+// its rows' key bounds are found on the GPU (mask_key_bounds) so that the kernels skip the tiles outside them, and
+// read no entry of a row that shows one run of keys adding nothing (padding, padded causal masks). The
+// dropout seed tensor is read on the host (checks.cpp: an int64 CPU tensor, as the CPU ops take it), so the same
+// (seed, offset) drops the same elements on both devices.
+void fill_features(Prepared& prep, const at::Tensor& q, const OptionalTensor& attn_mask, int64_t window_left,
+                   int64_t window_right, double dropout_p, const OptionalTensor& dropout_seed, double softcap,
+                   const OptionalTensor& alibi_slopes) {
+  AttentionParams& p = prep.p;
+  prep.alibi = fill_options(p, p.q_len + p.kv_len, window_left, window_right, dropout_p, dropout_seed, softcap,
+                            alibi_slopes);
+  p.window_offset = p.kv_len - p.q_len;
+  if (!is_given(attn_mask)) return;
+  prep.mask4 = mask_as_4d(*attn_mask, q, p.kv_len);
+  p.mask = prep.mask4.data_ptr();
+  const at::ScalarType mt = attn_mask->scalar_type();
+  p.mask_kind = mt == at::kBool ? MaskKind::boolean : MaskKind::additive;
+  p.mask_dtype = mt == at::kBFloat16 ? DType::bf16 : mt == at::kHalf ? DType::f16 : DType::f32;
+  int64_t distinct[3];  // the mask's rows: 1 along the dims it is broadcast over
+  for (int i = 0; i < 4; ++i) p.mask_strides[i] = prep.mask4.size(i) == 1 ? 0 : prep.mask4.stride(i);
+  for (int i = 0; i < 3; ++i) distinct[i] = p.mask_strides[i] == 0 ? 1 : prep.mask4.size(i);
+  prep.key_bounds = at::empty({distinct[0], distinct[1], distinct[2], 3}, q.options().dtype(at::kLong));
+  check_launch(mask_key_bounds(p, distinct[0], distinct[1], distinct[2], prep.key_bounds.data_ptr<int64_t>(),
+                               c10::cuda::getCurrentCUDAStream()),
+               "attn_mask's key bounds");
+  p.key_ranges = prep.key_bounds.data_ptr<int64_t>();
+  for (int i = 0; i < 3; ++i) p.key_range_strides[i] = distinct[i] == 1 ? 0 : prep.key_bounds.stride(i);
+}
+
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::string& impl, std::optional<double> scale,
                                                const std::string& causal, std::optional<int64_t> block_q,
@@ -127,6 +158,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
                                       window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   const c10::cuda::CUDAGuard guard(q.device());
   Prepared prep = prepare(q, k, v, dtype, scale, causal, block_q, block_k);
+  fill_features(prep, q, attn_mask, window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
   AttentionParams& p = prep.p;
   at::Tensor out = at::empty({p.batch, p.num_heads, p.q_len, p.head_dim}, q.options());
   p.out = out.data_ptr();
@@ -250,6 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
                                                alibi_slopes);
   const c10::cuda::CUDAGuard guard(q.device());
   Prepared prep = prepare(q, k, v, dtype, scale, causal, block_q, block_k);
+  fill_features(prep, q, attn_mask, window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
 
   AttentionBackwardParams bp;
   bp.fwd = prep.p;

@@ -10,11 +10,15 @@
 //       dQ_i += dS K_j                                             (float32 atomics: blocks share dQ_i)
 //   dK *= scale (here); dQ = scale·dQ (flash_api.cpp, when it converts dQ to the input dtype).
 // Working on Sᵀ (keys as rows) keeps dK and dV, which stay in registers for the whole block, row-major in keys.
+// kGeneral: attn_mask, window, softcap, ALiBi, dropout (flash_mask.cuh's pipeline recomputes the forward's P and its
+// dropout bits); query tiles outside the window's band are never visited, and a step whose rows' key spans miss this
+// block's keys is skipped.
 #pragma once
 
 #include <cmath>
 
 #include "flash_common.cuh"
+#include "flash_mask.cuh"
 #include "kernel_traits.cuh"
 #include "warp_gemm.cuh"
 
@@ -104,7 +108,7 @@ __device__ __forceinline__ void store_c_frags(T* tile, const float (&c)[kMi][kNj
 // caller sums the group), so that GQA has as many blocks as plain attention. Without a mask the key blocks of a
 // head run side by side and share its Q, dO in L2; under a causal mask the grid is one dimension in
 // grouped_heavy_first's order (flash_common.cuh).
-template <class Traits, bool kIsCausal, bool kPerQueryHead>
+template <class Traits, bool kIsCausal, bool kPerQueryHead, bool kGeneral = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_kernel(const AttentionBackwardParams params, const float* stats, float* dq_accum, int heads_per_group) {
   using T = typename Traits::T;
@@ -120,6 +124,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   T* sdSt = sPt + Traits::PTile::kElems;
   float* sLse = reinterpret_cast<float*>(sdSt + Traits::PTile::kElems);  // [2][kBlockM], in exp2 units
   float* sDelta = sLse + 2 * kBlockM;                                    // [2][kBlockM]
+  int4* sSpan = reinterpret_cast<int4*>(sDelta + 2 * kBlockM);  // kGeneral: [2][kBlockM] rows' key spans
 
   const AttentionParams& all = params.fwd;  // packed sequences: batch counts them, the key blocks are the longest's
   const int64_t heads_here = kPerQueryHead ? all.num_heads : all.num_kv_heads;
@@ -162,8 +167,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // The query tiles that see some key of this block: all, or under the causal mask those with a row
   // i >= n0 - causal_offset.
   const int m_tiles_all = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
-  const int m_first = kIsCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM)) : 0;
-  const int m_tiles = m_tiles_all - m_first;
+  int m_first = kIsCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM)) : 0;
+  int m_end = m_tiles_all;  // query tiles m_first .. m_end - 1
+  if constexpr (kGeneral) {  // rows [row_first, row_end) may see a key of n0 .. n0 + keys_valid - 1
+    int64_t row_first = 0, row_end = p.q_len;
+    if (p.is_causal) row_first = max64(row_first, n0 - p.causal_offset);
+    if (p.window_right >= 0) row_first = max64(row_first, n0 - p.window_offset - p.window_right);
+    if (p.window_left >= 0) row_end = min64(row_end, n0 + keys_valid - p.window_offset + p.window_left);
+    m_first = static_cast<int>(min64(m_tiles_all, row_first / kBlockM));
+    m_end = static_cast<int>(max64(m_first, min64(m_tiles_all, (row_end + kBlockM - 1) / kBlockM)));
+  }
+  const int m_tiles = m_end - m_first;
   const int steps = group * m_tiles;  // (query head of the group, query tile) pairs, query tiles fastest
 
   const T* k = head_ptr(static_cast<const T*>(p.k), p.k_strides, b, hk) + n0 * p.k_strides[2];
@@ -187,6 +201,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // (rows past q_len read 0 here; the mask zeroes their P)
     copy_floats_async<kBlockM>(sLse + buf * kBlockM, lse2_rows + h * q_pad + m0, rows);
     copy_floats_async<kBlockM>(sDelta + buf * kBlockM, delta_rows + h * q_pad + m0, rows);
+    if constexpr (kGeneral)
+      if (threadIdx.x < kBlockM) {
+        const KeySpan span = key_span(p, b, h, m0 + threadIdx.x);
+        sSpan[buf * kBlockM + threadIdx.x] = make_int4(span.lo, span.hi, span.exact, 0);
+      }
   };
   // The step's query head and tile, advanced without a division: (h, mt) now, (h_next, mt_next) one step ahead.
   int h = static_cast<int>(h_first);
@@ -197,17 +216,32 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float dk[kKvMi][kKvNj][4], dv[kKvMi][kKvNj][4];
   zero_frags(dk);
   zero_frags(dv);
+  [[maybe_unused]] const bool dropout = kGeneral && p.dropout_p > 0.f;
 
   for (int s = 0; s < steps; ++s) {
     const int buf = s % 2;
     const int64_t m0 = static_cast<int64_t>(mt) * kBlockM;
-    const bool last_tile = mt + 1 == m_tiles_all;
+    const bool last_tile = mt + 1 == m_end;
     const int h_next = last_tile ? h + 1 : h;
     const int mt_next = last_tile ? m_first : mt + 1;
     cp_async_wait<0>();
-    __syncthreads();  // step s is in buffer s % 2; every warp is done with the other buffer and with sPt, sdSt
+    // step s is in buffer s % 2; every warp is done with the other buffer and with sPt, sdSt. kGeneral: whether some
+    // row of the step may see a key of this block (each thread reads the span it wrote itself).
+    bool seen = true;
+    if constexpr (kGeneral) {
+      const int t = threadIdx.x;
+      const int4 span = t < kBlockM ? sSpan[buf * kBlockM + t] : make_int4(0, 0, 1, 0);
+      seen = __syncthreads_or(span.x < span.y && span.x < n0 + keys_valid && span.y > n0);
+    } else {
+      __syncthreads();
+    }
     if (s + 1 < steps) load_step(h_next, static_cast<int64_t>(mt_next) * kBlockM, buf ^ 1);
     cp_async_commit();
+    if (!seen) {
+      h = h_next;
+      mt = mt_next;
+      continue;
+    }
     const T* sQs = sQ + buf * Traits::QTile::kElems;
     const T* sdOs = sdO + buf * Traits::QTile::kElems;
     const float* lse2 = sLse + buf * kBlockM;
@@ -218,38 +252,49 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     zero_frags(pt);
     warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(pt, sK + sdp_key0 * kLdKV, sQs + sdp_q0 * kLdQ,
                                                                    lane);
-    // In tile coordinates: key kj (< keys_valid) is visible to query qi (< rows_valid) iff kj - qi <= diag.
-    const int rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
-    const int64_t diag64 = m0 + p.causal_offset - n0;
-    const bool needs_mask = keys_valid < kBlockN || rows_valid < kBlockM || (kIsCausal && diag64 < kBlockN - 1);
-    const int diag = static_cast<int>(max64(-2 * kBlockN, min64(diag64, 2 * kBlockN)));
-#pragma unroll
-    for (int mi = 0; mi < kSdpMi; ++mi)
-#pragma unroll
-      for (int n = 0; n < kSdpNj; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = sdp_q0 + n * 8 + (lane % 4) * 2 + (e % 2);  // query within the tile
-          float x = exp2_approx(fmaf(pt[mi][n][e], scale_log2, -lse2[qi]));
-          if (needs_mask) {
-            const int kj = sdp_key0 + mi * 16 + lane / 4 + (e / 2) * 8;  // key within the block
-            if (!(qi < rows_valid && kj < keys_valid && (!kIsCausal || kj - qi <= diag))) x = 0.f;
-          }
-          pt[mi][n][e] = x;
-        }
-
-    // dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − D), in place.
     float dst[kSdpMi][kSdpNj][4];
-    zero_frags(dst);
-    warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(dst, sV + sdp_key0 * kLdKV, sdOs + sdp_q0 * kLdQ,
-                                                                   lane);
+    if constexpr (kGeneral) {
+      // dPᵀ = V dOᵀ; then P, dS and the dropped Pᵀ in one pass over both (flash_mask.cuh).
+      zero_frags(dst);
+      warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(dst, sV + sdp_key0 * kLdKV,
+                                                                     sdOs + sdp_q0 * kLdQ, lane);
+      const Logits logits(p, b, h);
+      const Dropout z = dropout ? Dropout(p, b, h) : Dropout();
+      tile_backward(pt, dst, p, logits, z, dropout, sSpan + buf * kBlockM, lse2, d_row, m0, n0, sdp_key0, sdp_q0,
+                    lane);
+    } else {
+      // In tile coordinates: key kj (< keys_valid) is visible to query qi (< rows_valid) iff kj - qi <= diag.
+      const int rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
+      const int64_t diag64 = m0 + p.causal_offset - n0;
+      const bool needs_mask = keys_valid < kBlockN || rows_valid < kBlockM || (kIsCausal && diag64 < kBlockN - 1);
+      const int diag = static_cast<int>(max64(-2 * kBlockN, min64(diag64, 2 * kBlockN)));
 #pragma unroll
-    for (int mi = 0; mi < kSdpMi; ++mi)
+      for (int mi = 0; mi < kSdpMi; ++mi)
 #pragma unroll
-      for (int n = 0; n < kSdpNj; ++n)
+        for (int n = 0; n < kSdpNj; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          dst[mi][n][e] = pt[mi][n][e] * (dst[mi][n][e] - d_row[sdp_q0 + n * 8 + (lane % 4) * 2 + (e % 2)]);
+          for (int e = 0; e < 4; ++e) {
+            const int qi = sdp_q0 + n * 8 + (lane % 4) * 2 + (e % 2);  // query within the tile
+            float x = exp2_approx(fmaf(pt[mi][n][e], scale_log2, -lse2[qi]));
+            if (needs_mask) {
+              const int kj = sdp_key0 + mi * 16 + lane / 4 + (e / 2) * 8;  // key within the block
+              if (!(qi < rows_valid && kj < keys_valid && (!kIsCausal || kj - qi <= diag))) x = 0.f;
+            }
+            pt[mi][n][e] = x;
+          }
+
+      // dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − D), in place.
+      zero_frags(dst);
+      warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(dst, sV + sdp_key0 * kLdKV, sdOs + sdp_q0 * kLdQ,
+                                                                     lane);
+#pragma unroll
+      for (int mi = 0; mi < kSdpMi; ++mi)
+#pragma unroll
+        for (int n = 0; n < kSdpNj; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            dst[mi][n][e] = pt[mi][n][e] * (dst[mi][n][e] - d_row[sdp_q0 + n * 8 + (lane % 4) * 2 + (e % 2)]);
+    }
 
     // Pᵀ and dSᵀ to shared memory: the products below need other warps' keys and queries.
     store_c_frags<T, kLdP>(sPt + sdp_key0 * kLdP + sdp_q0, pt, lane);
@@ -315,6 +360,29 @@ cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* stats, fl
   if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, n_blocks, &heads_per_group);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(bp, stats, dq_accum, heads_per_group);
+  return cudaGetLastError();
+}
+
+// The general kernel (attn_mask, window, softcap, ALiBi, dropout), causal or not at run time: grid (key blocks,
+// heads, batch), with the rows' key spans in shared memory besides the plain kernel's tiles.
+template <class Traits>
+cudaError_t launch_flash_bwd_general(const AttentionBackwardParams& bp, float* stats, float* dq_accum,
+                                     bool per_query_head, cudaStream_t stream) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t rows = p.batch * p.num_heads * p.q_len;
+  flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
+      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const unsigned heads_here = static_cast<unsigned>(per_query_head ? p.num_heads : p.num_kv_heads);
+  const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
+  if (p.batch * heads_here == 0 || n_blocks == 0) return cudaSuccess;
+  auto kernel = per_query_head ? flash_bwd_kernel<Traits, false, true, true> : flash_bwd_kernel<Traits, false, false, true>;
+  const int smem = Traits::kSmemBytes + 2 * Traits::kBlockM * static_cast<int>(sizeof(int4));
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<dim3(n_blocks, heads_here, static_cast<unsigned>(p.batch)), Traits::kNThreads, smem, stream>>>(bp, stats,
+                                                                                                       dq_accum, 1);
   return cudaGetLastError();
 }
 

@@ -7,7 +7,7 @@ namespace cuda {
 template <>
 cudaError_t flash_bwd_run<128, __nv_bfloat16>(const AttentionBackwardParams& p, float* delta, float* dq_accum,
                                  bool per_query_head, cudaStream_t stream) {
-  return launch_bwd_config<128, __nv_bfloat16>(config_from_env("CS149GPT_BWD_CONFIG", kDefaultBwdConfig<128>), p, delta,
+  return launch_bwd<128, __nv_bfloat16>(config_from_env("CS149GPT_BWD_CONFIG", kDefaultBwdConfig<128>), p, delta,
                                      dq_accum, per_query_head, stream);
 }
 }  // namespace cuda

@@ -23,6 +23,15 @@ constexpr int kFastHeadDims[] = {64, 128};
 inline bool fast_path_supports(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 cudaError_t flash_fwd(const AttentionParams& p, cudaStream_t stream);
 
+// flash_fwd and flash_bwd take attn_mask, windows, softcap, ALiBi and dropout too (a general kernel, flash_mask.cuh).
+// With attn_mask, p.key_ranges must be mask_key_bounds' triples (their key_range_strides step over triples): the
+// kernels skip the key tiles outside a row's [first, end), and read the mask's entries within it only for a row that
+// is not exact. mask_key_bounds: for each distinct row (b, h, i) of p.mask (batch x heads x rows of them: 1 along a
+// broadcast dim), ranges[3·((b·heads + h)·rows + i)] .. + 2 = first key shown, last key shown + 1 ([0, 0) where none
+// is), and 1 when the row shows exactly those keys adding nothing (boolean all true there, additive all 0), else 0.
+cudaError_t mask_key_bounds(const AttentionParams& p, int64_t batch, int64_t heads, int64_t rows, int64_t* ranges,
+                            cudaStream_t stream);
+
 // FlashAttention-3's design on Hopper (hopper/): warp-specialized, TMA copies into a 2-stage shared-memory ring on
 // mbarriers, wgmma products, setmaxnreg. The same calls as flash_fwd without attn_mask, window, dropout, softcap,
 // ALiBi, packed sequences or a KV cache; hopper_fwd_supports says whether it takes p on the current device (an

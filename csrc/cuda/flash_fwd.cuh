@@ -8,11 +8,14 @@
 //   O /= l;   lse = scale·m + log l
 //
 // Everything below is in exp2: scale·log2(e) is folded into one multiply-add per score.
+// kGeneral: the same loop for calls with attn_mask, a window, softcap, ALiBi or dropout (flash_mask.cuh's pipeline on
+// S, in base 2, before the softmax), visiting only the key tiles some row of the block may see.
 #pragma once
 
 #include <cmath>
 
 #include "flash_common.cuh"
+#include "flash_mask.cuh"
 #include "kernel_traits.cuh"
 #include "warp_gemm.cuh"
 
@@ -79,8 +82,9 @@ __device__ __forceinline__ void rescale_o(float (&o)[Traits::kMi][Traits::kHeadD
 }
 
 // kPacked: packed sequences (params.cu_seqlens_q set), a kernel of its own so that a dense call keeps every size in
-// the kernel's parameter space (the view's sizes take registers: d 128 spilled 80 bytes instead of 20).
-template <class Traits, bool kIsCausal, bool kPacked>
+// the kernel's parameter space (the view's sizes take registers: d 128 spilled 80 bytes instead of 20). kGeneral: the
+// logit pipeline of flash_mask.cuh (attn_mask, window, softcap, ALiBi, dropout), causal or not at run time.
+template <class Traits, bool kIsCausal, bool kPacked, bool kGeneral = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const AttentionParams params, int heads_per_group) {
   using T = typename Traits::T;
@@ -94,6 +98,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Grid (launch_flash_fwd): without a mask (query blocks, heads, batch): the blocks of one head run side by side
   // and share its K, V in L2. Causal: one dimension in grouped_heavy_first's order (the last query block of a head
   // is its costliest). Packed sequences: batch counts sequences, and the query blocks are the longest one's.
+  // General: the same grid, the last query block first.
   int m_block, bh;
   if constexpr (kIsCausal) {
     const int m_blocks = static_cast<int>((params.q_len + kBlockM - 1) / kBlockM);
@@ -102,7 +107,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     m_block = m_blocks - 1 - ht.tile_rank;
     bh = ht.head;
   } else {
-    m_block = blockIdx.x;
+    m_block = kGeneral ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     bh = blockIdx.z * params.num_heads + blockIdx.y;
   }
   const int64_t b = bh / params.num_heads, h = bh % params.num_heads;
@@ -119,22 +124,51 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const T* v = head_ptr(static_cast<const T*>(p.v), p.v_strides, b, hk);
   T* out = head_ptr(static_cast<T*>(p.out), p.out_strides, b, h) + m0 * p.out_strides[2];
 
-  // Keys [0, n_end) are visible to some row of this block.
-  int64_t n_end = p.kv_len;
+  constexpr int kMi = Traits::kMi;
+  // The thread's rows within the block: g and g + 8 of each of its warp's kMi m16 tiles.
+  const int row0 = warp * 16 * kMi + lane / 4;
+
+  // Keys [n_begin, n_end) are visible to some row of this block.
+  int64_t n_begin = 0, n_end = p.kv_len;
   if (kIsCausal) n_end = max64(0, min64(p.kv_len, m0 + kBlockM + p.causal_offset));
-  const int n_tiles = static_cast<int>((n_end + kBlockN - 1) / kBlockN);
+  KeySpan span[kMi][2];  // kGeneral: the keys each of the thread's rows may see
+  if constexpr (kGeneral) {
+    int lo = INT_MAX, hi = 0;
+#pragma unroll
+    for (int mi = 0; mi < kMi; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        span[mi][r] = key_span(p, b, h, m0 + row0 + mi * 16 + r * 8);
+        if (span[mi][r].lo < span[mi][r].hi) {
+          lo = min(lo, span[mi][r].lo);
+          hi = max(hi, span[mi][r].hi);
+        }
+      }
+    int first, end;
+    block_key_range(lo, hi, &first, &end);
+    n_begin = first < end ? first : 0;
+    n_end = first < end ? end : 0;
+  }
+  const int j_begin = static_cast<int>(n_begin / kBlockN);
+  const int n_tiles = static_cast<int>((n_end + kBlockN - 1) / kBlockN);  // tiles j_begin .. n_tiles - 1
 
   // Tr x Tc: this block is one of the Tr; it walks the Tc key tiles.
-  if (n_tiles > 0) {
+  if (j_begin < n_tiles) {
     copy_tile_async<typename Traits::QTile, kNThreads>(sQ, q, p.q_strides[2], rows_valid);
-    const int first_keys = static_cast<int>(min64(kBlockN, p.kv_len));
-    copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], first_keys);
-    copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], first_keys);
+    const int64_t n1 = static_cast<int64_t>(j_begin) * kBlockN;
+    const int first_keys = static_cast<int>(min64(kBlockN, p.kv_len - n1));
+    const int buf = j_begin % 2;
+    copy_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k + n1 * p.k_strides[2],
+                                                        p.k_strides[2], first_keys);
+    copy_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v + n1 * p.v_strides[2],
+                                                        p.v_strides[2], first_keys);
     cp_async_commit();
   }
+  [[maybe_unused]] const Logits logits = kGeneral ? Logits(p, b, h) : Logits();
+  [[maybe_unused]] const bool dropout = kGeneral && p.dropout_p > 0.f;
 
-  constexpr int kMi = Traits::kMi;
-  const float scale_log2 = p.scale * kLog2e;
+  // (kGeneral: the pipeline's logits are in base 2 already)
+  const float scale_log2 = kGeneral ? 1.f : p.scale * kLog2e;
   float o[kMi][kD / 8][4];
   float m[kMi][2], l[kMi][2];
 #pragma unroll
@@ -147,13 +181,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   uint32_t q_frag[kMi][kD / 16][4];
   constexpr int kLdQ = Traits::QTile::kStride, kLdKV = Traits::KVTile::kStride;
   const T* sQw = sQ + warp * 16 * kMi * kLdQ;  // the warp's kMi x 16 query rows
-  // The thread's rows within the block: g and g + 8 of each of its warp's kMi m16 tiles.
-  const int row0 = warp * 16 * kMi + lane / 4;
 
-  for (int j = 0; j < n_tiles; ++j) {
+  for (int j = j_begin; j < n_tiles; ++j) {
     cp_async_wait<0>();
     __syncthreads();  // tile j is in buffer j % 2, and every warp is done with buffer (j + 1) % 2
-    if constexpr (Traits::kQInRegs) if (j == 0) load_a_frags<T, kMi, kD, kLdQ>(q_frag, sQw, lane);
+    if constexpr (Traits::kQInRegs) if (j == j_begin) load_a_frags<T, kMi, kD, kLdQ>(q_frag, sQw, lane);
     if (j + 1 < n_tiles) {  // copy tile j + 1 while tile j is multiplied
       const int64_t n1 = static_cast<int64_t>(j + 1) * kBlockN;
       const int keys = static_cast<int>(min64(kBlockN, p.kv_len - n1));
@@ -178,10 +210,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float alpha[kMi][2];
 #pragma unroll
     for (int mi = 0; mi < kMi; ++mi) {
-      if (needs_mask) mask_scores<Traits, kIsCausal>(s[mi], p, m0, row0 + mi * 16, n0, lane);
+      if constexpr (kGeneral)
+        tile_logits(s[mi], p, logits, span[mi], m0 + row0 + mi * 16, n0, lane);
+      else if (needs_mask)
+        mask_scores<Traits, kIsCausal>(s[mi], p, m0, row0 + mi * 16, n0, lane);
       online_softmax<Traits>(s[mi], m[mi], l[mi], alpha[mi], scale_log2);
     }
     rescale_o<Traits>(o, alpha);
+    if constexpr (kGeneral)
+      if (dropout) {  // P V with the dropped P; l keeps the undropped sum
+        const Dropout z(p, b, h);
+#pragma unroll
+        for (int mi = 0; mi < kMi; ++mi) tile_dropout(s[mi], p, z, m0 + row0 + mi * 16, n0, lane);
+      }
     // O += P V_j: P rounded to T at once (its float C fragments die here, which frees registers for the
     // product); V_j is (key, d) row-major, so B = V_j is stored k-major.
     uint32_t p_frag[kMi][kBlockN / 16][4];
@@ -205,7 +246,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               pack2<T>(o[mi][n][2 * r] * inv_l, o[mi][n][2 * r + 1] * inv_l);
         if (p.lse != nullptr && lane % 4 == 0)
           p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + m0 + row] =
-              row_l == 0.f ? -INFINITY : m[mi][r] * p.scale + logf(row_l);
+              row_l == 0.f ? -INFINITY : m[mi][r] * (kGeneral ? kLn2 : p.scale) + logf(row_l);
       }
     }
 }
@@ -226,6 +267,22 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
   if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, heads_per_group);
+  return cudaGetLastError();
+}
+
+// The general kernel (attn_mask, window, softcap, ALiBi, dropout): one instantiation per configuration it is
+// launched with, causal or not at run time.
+template <class Traits>
+cudaError_t launch_flash_fwd_general(const AttentionParams& p, cudaStream_t stream) {
+  const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
+  const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
+  if (heads == 0 || m_blocks == 0) return cudaSuccess;
+  auto kernel = flash_fwd_kernel<Traits, false, false, true>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(m_blocks, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, 1);
   return cudaGetLastError();
 }
 

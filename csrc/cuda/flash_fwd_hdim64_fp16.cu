@@ -6,7 +6,7 @@ namespace cs149gpt {
 namespace cuda {
 template <>
 cudaError_t flash_fwd_run<64, __half>(const AttentionParams& p, cudaStream_t stream) {
-  return launch_fwd_config<64, __half>(config_from_env("CS149GPT_FWD_CONFIG", kDefaultFwdConfig<64>), p, stream);
+  return launch_fwd<64, __half>(config_from_env("CS149GPT_FWD_CONFIG", kDefaultFwdConfig<64>), p, stream);
 }
 }  // namespace cuda
 }  // namespace cs149gpt

@@ -117,6 +117,35 @@ cudaError_t launch_bwd_config(int config, const AttentionBackwardParams& p, floa
   }
 }
 
+// A call with attn_mask, a window, softcap, ALiBi or dropout (needs_general_kernel, flash_mask.cuh) runs the general
+// kernel, compiled in one configuration per head dim: of those it could take, one whose general instantiation keeps
+// within 255 registers (ptxas, sm_90a; the defaults' spill 0.4-0.6 KB there): forward d 64 -> 5, d 128 -> 3;
+// backward 2 at both. Any other call runs configuration `config`.
+template <int kHeadDim> constexpr int kGeneralFwdConfig = kHeadDim == 64 ? 5 : 3;
+template <int kHeadDim> constexpr int kGeneralBwdConfig = 2;
+template <class Traits>
+cudaError_t launch_flash_fwd_general(const AttentionParams& p, cudaStream_t stream);
+template <class Traits>
+cudaError_t launch_flash_bwd_general(const AttentionBackwardParams& bp, float* delta, float* dq_accum,
+                                     bool per_query_head, cudaStream_t stream);
+inline bool needs_general_kernel(const AttentionParams& p) {
+  return has_mask_or_window(p) || has_logit_mods(p) || p.dropout_p > 0.0f;
+}
+template <int kHeadDim, class T>
+cudaError_t launch_fwd(int config, const AttentionParams& p, cudaStream_t stream) {
+  if (needs_general_kernel(p))
+    return launch_flash_fwd_general<FwdConfig<kHeadDim, kGeneralFwdConfig<kHeadDim>, T>>(p, stream);
+  return launch_fwd_config<kHeadDim, T>(config, p, stream);
+}
+template <int kHeadDim, class T>
+cudaError_t launch_bwd(int config, const AttentionBackwardParams& p, float* delta, float* dq_accum,
+                       bool per_query_head, cudaStream_t stream) {
+  if (needs_general_kernel(p.fwd))
+    return launch_flash_bwd_general<BwdConfig<kHeadDim, kGeneralBwdConfig<kHeadDim>, T>>(p, delta, dq_accum,
+                                                                                          per_query_head, stream);
+  return launch_bwd_config<kHeadDim, T>(config, p, delta, dq_accum, per_query_head, stream);
+}
+
 template <int kHeadDim, class T>
 cudaError_t flash_fwd_run(const AttentionParams& p, cudaStream_t stream);
 template <int kHeadDim, class T>

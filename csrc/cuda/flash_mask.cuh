@@ -1,0 +1,193 @@
+// The general kernels' logit pipeline: attn_mask, sliding window, attn_mask's key ranges, softcap, ALiBi and dropout
+// on a tile of scores in registers, as attention.h defines them (csrc/kernels/flash.cpp is the reference). For the
+// score s = q·k of row i (query head h, batch b) and key j:
+//   j outside row i's key span [lo, hi) (keys past kv_len, the causal mask, the window, the key ranges)   -> −inf
+//   x = scale · s;   x = cap · tanh(x / cap) (softcap);   x = x − slope · |i + kv_len − q_len − j| (ALiBi);
+//   x = x + M_ij (additive attn_mask; −inf there hides the key whatever x is), or −inf where a boolean one is 0;
+// the result in base 2 (x · log2 e) for the softmax's exp2. A hidden key's score is set, never added to, so a NaN or
+// inf in its k never reaches the row. Dropout (attention.h's generator, the CPU's bits) multiplies P after the
+// softmax has summed it: l and lse are those of the undropped P.
+// The plain and causal kernels (kGeneral = false) never include any of it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+
+#include "flash_common.cuh"
+
+namespace cs149gpt {
+namespace cuda {
+
+// The keys [lo, hi) row i may see before attn_mask's entries are read: within kv_len, the causal mask, the window and
+// attn_mask's key ranges; empty (lo = hi) for a row past q_len or one that sees none. exact: no attn_mask entry of the
+// row needs reading (there is none, or its key range says the row shows exactly its keys [first, end), adding
+// nothing: flash_cuda.h, mask_key_bounds).
+struct KeySpan {
+  int lo, hi;
+  bool exact;
+};
+__device__ __forceinline__ KeySpan key_span(const AttentionParams& p, int64_t b, int64_t h, int64_t i) {
+  if (i >= p.q_len) return {0, 0, true};
+  int64_t lo = 0, hi = p.kv_len;
+  bool exact = p.mask == nullptr;
+  if (p.is_causal) hi = min64(hi, i + p.causal_offset + 1);
+  if (p.window_left >= 0) lo = max64(lo, i + p.window_offset - p.window_left);
+  if (p.window_right >= 0) hi = min64(hi, i + p.window_offset + p.window_right + 1);
+  if (p.key_ranges != nullptr) {
+    const int64_t* r =
+        p.key_ranges + b * p.key_range_strides[0] + h * p.key_range_strides[1] + i * p.key_range_strides[2];
+    lo = max64(lo, r[0]);
+    hi = min64(hi, r[1]);
+    if (p.mask != nullptr) exact = r[2] != 0;  // (with a mask, ranges are mask_key_bounds' triples)
+  }
+  lo = min64(lo, p.kv_len);
+  return {static_cast<int>(lo), static_cast<int>(max64(lo, hi)), exact};
+}
+
+// The keys some row of the block sees: [*first, *end) over every thread's spans (lo, hi: the thread's own, over its
+// non-empty spans; lo = INT_MAX, hi = 0 when it has none). Every thread of the block must call it.
+__device__ __forceinline__ void block_key_range(int lo, int hi, int* first, int* end) {
+  __shared__ int s_first, s_end;
+  lo = __reduce_min_sync(0xffffffff, lo);
+  hi = __reduce_max_sync(0xffffffff, hi);
+  if (threadIdx.x == 0) {
+    s_first = INT_MAX;
+    s_end = 0;
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    atomicMin(&s_first, lo);
+    atomicMax(&s_end, hi);
+  }
+  __syncthreads();
+  *first = s_first;
+  *end = s_end;
+}
+
+// One (batch, query head)'s logit pipeline: everything after S = Q Kᵀ up to the base-2 logit (the top of this file).
+struct Logits {
+  const char* mask = nullptr;  // attn_mask's entry (b, h, 0, 0); null without one
+  int64_t mask_row = 0, mask_key = 0;  // its strides in bytes
+  float slope = 0.f;                   // ALiBi's (0: none)
+
+  __device__ __forceinline__ Logits() {}
+  __device__ __forceinline__ Logits(const AttentionParams& p, int64_t b, int64_t h) {
+    if (p.mask_kind != MaskKind::none) {
+      const int64_t bytes = p.mask_kind == MaskKind::boolean ? 1 : element_bytes_of(p.mask_dtype);
+      mask = static_cast<const char*>(p.mask) + (b * p.mask_strides[0] + h * p.mask_strides[1]) * bytes;
+      mask_row = p.mask_strides[2] * bytes;
+      mask_key = p.mask_strides[3] * bytes;
+    }
+    if (p.alibi_slopes != nullptr) slope = p.alibi_slopes[b * p.alibi_strides[0] + h * p.alibi_strides[1]];
+  }
+  __device__ __forceinline__ static int64_t element_bytes_of(DType t) { return t == DType::f32 ? 4 : 2; }
+
+  // The base-2 logit of raw score s at (i, j), a key of i's span; *d_cap (optional): softcap's derivative, 1 − tanh².
+  // read_mask: whether i's span leaves attn_mask's entries to read (KeySpan::exact false).
+  __device__ __forceinline__ float operator()(const AttentionParams& p, float s, int64_t i, int64_t j, bool read_mask,
+                                              float* d_cap = nullptr) const {
+    // (in base 2 throughout: every term times log2 e, so that the plain case is one multiply)
+    float x;
+    if (p.softcap > 0.f) {
+      const float t = tanhf(s * p.scale / p.softcap);
+      x = p.softcap * kLog2e * t;
+      if (d_cap != nullptr) *d_cap = 1.f - t * t;
+    } else {
+      x = s * (p.scale * kLog2e);
+    }
+    if (p.alibi_slopes != nullptr) x -= slope * kLog2e * fabsf(static_cast<float>(i + p.kv_len - p.q_len - j));
+    if (mask != nullptr && read_mask) {
+      const char* at = mask + i * mask_row + j * mask_key;
+      if (p.mask_kind == MaskKind::boolean) {
+        if (*reinterpret_cast<const uint8_t*>(at) == 0) return -INFINITY;
+      } else {
+        const float m = p.mask_dtype == DType::f32    ? *reinterpret_cast<const float*>(at)
+                        : p.mask_dtype == DType::bf16 ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at))
+                                                      : __half2float(*reinterpret_cast<const __half*>(at));
+        if (m == -INFINITY) return -INFINITY;
+        x = fmaf(m, kLog2e, x);
+      }
+    }
+    return x;
+  }
+};
+
+// Dropout's keep mask (attention.h): entry (b, h, i, j) has counter ((b·heads + h)·q_len + i)·kv_len + j + offset and
+// weighs 1 / (1 − p) where dropout_keep keeps it, else 0.
+struct Dropout {
+  uint64_t key = 0, threshold = 0, head_base = 0;
+  float keep_scale = 1.f;
+  __device__ __forceinline__ Dropout() {}
+  __device__ __forceinline__ Dropout(const AttentionParams& p, int64_t b, int64_t h) {
+    key = dropout_seed_key(p.dropout_seed);
+    threshold = dropout_threshold(p.dropout_p);
+    head_base = static_cast<uint64_t>(b * p.num_heads + h) * static_cast<uint64_t>(p.q_len) *
+                    static_cast<uint64_t>(p.kv_len) + p.dropout_offset;
+    keep_scale = 1.f / (1.f - p.dropout_p);
+  }
+  __device__ __forceinline__ float operator()(const AttentionParams& p, int64_t i, int64_t j) const {
+    const uint64_t counter = head_base + static_cast<uint64_t>(i) * static_cast<uint64_t>(p.kv_len) +
+                             static_cast<uint64_t>(j);
+    return dropout_keep(key, counter, threshold) ? keep_scale : 0.f;
+  }
+};
+
+// Forward: one m16 row tile's scores (C fragments: the thread's rows i0 and i0 + 8, spans span[0], span[1]) of the
+// key tile starting at n0, raw q·k in, base-2 logits out (−inf where hidden).
+template <int kNj>
+__device__ __forceinline__ void tile_logits(float (&s)[kNj][4], const AttentionParams& p, const Logits& logits,
+                                            const KeySpan (&span)[2], int64_t i0, int64_t n0, int lane) {
+#pragma unroll
+  for (int n = 0; n < kNj; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e / 2;
+      const int64_t j = n0 + n * 8 + (lane % 4) * 2 + (e % 2);
+      s[n][e] = j >= span[r].lo && j < span[r].hi ? logits(p, s[n][e], i0 + r * 8, j, !span[r].exact) : -INFINITY;
+    }
+}
+
+// Forward: P ∘ Z on the same fragments (after the softmax summed P).
+template <int kNj>
+__device__ __forceinline__ void tile_dropout(float (&s)[kNj][4], const AttentionParams& p, const Dropout& z,
+                                             int64_t i0, int64_t n0, int lane) {
+#pragma unroll
+  for (int n = 0; n < kNj; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] *= z(p, i0 + (e / 2) * 8, n0 + n * 8 + (lane % 4) * 2 + (e % 2));
+}
+
+// Backward, on a warp's transposed tiles (keys as rows, queries as columns): from raw Sᵀ = K Qᵀ (in pt) and
+// dPᵀ = V dOᵀ (in dst), for keys n0 + key0 + .. and queries m0 + q0 + .. (spans (lo, hi, exact), lse·log2 e and D of
+// the step's queries, indexed by query within the tile):
+//   P = exp2(x − lse·log2 e) (0 where hidden);   dS = P ∘ (Z ∘ dP − D) ∘ (1 − tanh²) (0 where hidden);   Pᵀ ∘ Z -> pt
+// (dS without softcap's scale: dK and dQ take it afterwards, as in the plain kernel).
+template <int kMi, int kNj>
+__device__ __forceinline__ void tile_backward(float (&pt)[kMi][kNj][4], float (&dst)[kMi][kNj][4],
+                                              const AttentionParams& p, const Logits& logits, const Dropout& z,
+                                              bool dropout, const int4* spans, const float* lse2,
+                                              const float* d_row, int64_t m0, int64_t n0, int key0, int q0,
+                                              int lane) {
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi)
+#pragma unroll
+    for (int n = 0; n < kNj; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = q0 + n * 8 + (lane % 4) * 2 + (e % 2);
+        const int64_t i = m0 + qi, j = n0 + key0 + mi * 16 + lane / 4 + (e / 2) * 8;
+        const int4 span = spans[qi];  // lo, hi, exact
+        float d_cap = 1.f;
+        const float x = j >= span.x && j < span.y ? logits(p, pt[mi][n][e], i, j, span.z == 0, &d_cap) : -INFINITY;
+        const bool hidden = x == -INFINITY;
+        const float prob = hidden ? 0.f : exp2_approx(x - lse2[qi]);
+        const float keep = dropout ? z(p, i, j) : 1.f;
+        dst[mi][n][e] = hidden ? 0.f : prob * (dst[mi][n][e] * keep - d_row[qi]) * d_cap;
+        pt[mi][n][e] = prob * keep;
+      }
+}
+
+}  // namespace cuda
+}  // namespace cs149gpt
