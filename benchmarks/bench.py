@@ -9,7 +9,7 @@
 Subcommands:
     summary   the README's rows: CPU forward (float32, bfloat16; causal or not), backward, decode vs torch SDPA; packed
               sequences (varlen), softcap and ALiBi;
-              with a GPU, the CUDA forward and backward vs each of torch SDPA's backends (at most 8 rows each)
+              with a GPU, the CUDA forward and backward vs cuDNN, masked prefill, packed sequences and decoding
     ladder    every rung (naive, blocked, fused, flash_teaching, flash) vs torch SDPA
     forward   the flash forward vs torch SDPA (--peer manual: the textbook softmax(q kᵀ) v)
     backward  the flash backward alone and forward + backward vs torch SDPA's
@@ -79,12 +79,18 @@ def summary_cpu(args) -> list[Row]:
 
 
 def summary_cuda(args) -> list[Row]:
-    """At most 8 rows: forward and backward, bfloat16, against each of torch SDPA's four backends."""
+    """10 rows, bfloat16: forward and backward, causal and not, vs cuDNN; masked prefill (key padding, padded causal)
+    vs SDPA's default given the mask; packed sequences vs cuDNN on the padded batch and vs our padded call; decoding
+    (batch 8 and 64, 8192 cached keys) vs SDPA's fastest backend."""
     if not torch.cuda.is_available():
         return bench_cuda.run_cuda(args)
-    shape = (4, 16, 16, 1024, 128) if args.quick else (4, 16, 16, 4096, 128)
-    args.backends = list(bench_cuda.BACKENDS)
-    return bench_cuda.case_rows("bfloat16", shape, False, args, bench_cuda.matmul_peak())
+    shape = (4, 16, 16, 1024, 128) if args.quick else (2, 16, 16, 8192, 128)
+    args.backends = ["cudnn"]
+    peak = bench_cuda.matmul_peak()
+    rows = [row for causal in (False, True) for row in bench_cuda.case_rows("bfloat16", shape, causal, args, peak)]
+    rows += bench_cuda.masked_rows(args, sizes=(4096,))
+    rows += bench_cuda.varlen_rows(args, sizes=(4096,))
+    return rows + bench_cuda.decode_rows(args, bench_cuda.copy_bandwidth(), cases=((8, 8192), (64, 8192)))
 
 
 def summary_flash_attn(args) -> list[Row]:
@@ -108,7 +114,7 @@ def run_summary(args) -> dict[str, list[Row]]:
         tables["CPU: forward, backward and decode vs torch SDPA"] = summary_cpu(args)
         tables["CPU: packed sequences, softcap and ALiBi vs torch SDPA"] = summary_flash_attn(args)
     if args.device in ("cuda", "all"):
-        tables["CUDA: forward and backward vs torch SDPA's backends"] = summary_cuda(args)
+        tables["CUDA: forward, backward, masks, packed sequences and decode vs torch SDPA"] = summary_cuda(args)
     return tables
 
 

@@ -222,10 +222,10 @@ def _sync_rows(rows: list[Row], rate_of=None) -> list[Row]:
     return rows
 
 
-def masked_rows(args) -> list[Row]:
+def masked_rows(args, sizes: Sequence[int] = ()) -> list[Row]:
     """Masked prefill: ours vs torch SDPA's default backend given the same mask, bf16, d 128."""
     rows = []
-    sizes = (2048,) if args.quick else (2048, 4096, 8192)
+    sizes = sizes or ((2048,) if args.quick else (2048, 4096, 8192))
     for dtype in args.dtype or ["bfloat16"]:
         for n in sizes:
             b, h, d = max(TOKENS // n, 1), MODEL_DIM // 128, 128
@@ -262,7 +262,7 @@ def _packed_to_padded_rows(lengths: list[int], longest: int) -> torch.Tensor:
     return torch.cat([b * longest + torch.arange(n) for b, n in enumerate(lengths)]).cuda()
 
 
-def varlen_rows(args) -> list[Row]:
+def varlen_rows(args, sizes: Sequence[int] = ()) -> list[Row]:
     """Packed sequences (flash_attn_varlen_func, causal) vs the padded batch: ours padded, cuDNN (else SDPA default)."""
     from cs149gpt.flash_attn import flash_attn_varlen_func
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -270,7 +270,7 @@ def varlen_rows(args) -> list[Row]:
     from bench_cpu import varlen_lengths
 
     rows = []
-    sizes = (2048,) if args.quick else (2048, 4096, 8192)
+    sizes = sizes or ((2048,) if args.quick else (2048, 4096, 8192))
     for dtype in args.dtype or ["bfloat16"]:
         for n in sizes:
             h, d = MODEL_DIM // 128, 128
@@ -336,12 +336,12 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / times["copy"].median / 1e9
 
 
-def decode_rows(args, bandwidth: float) -> list[Row]:
+def decode_rows(args, bandwidth: float, cases: Sequence[tuple] = ()) -> list[Row]:
     """attention_with_kvcache, one query row per sequence, vs torch SDPA's fastest backend on the same cache."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hq, hkv, d = 32, 8, 128
-    cases = ([(1, 1024), (8, 8192)] if args.quick else
+    cases = cases or ([(1, 1024), (8, 8192)] if args.quick else
              [(1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (8, 32768), (64, 1024), (64, 8192),
               (64, 16384)])
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,

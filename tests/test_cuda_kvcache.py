@@ -407,8 +407,9 @@ def test_refusals_alike_in_eager_and_fake():
     fn = lambda q, k, v, s: cs149gpt.attention_with_kvcache(q, k, v, s)
     with pytest.raises(ValueError, match="head dim d = 64 or 128"):
         fn(q, k, k.clone(), lengths)
+    real = (q, k, k.clone(), lengths)
     with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(t) for t in (q, k, k.clone(), lengths)]
+        fake = [mode.from_tensor(t) for t in real]
         with pytest.raises(ValueError, match="head dim d = 64 or 128"):
             fn(*fake)
     with pytest.raises(ValueError, match="one device"):

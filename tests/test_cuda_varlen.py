@@ -393,7 +393,9 @@ def test_compile_fullgraph_forward_backward():
         results.append((loss.detach(), torch.autograd.grad(loss, (q, k, v))))
     (l0, g0), (l1, g1) = results
     torch.testing.assert_close(l1, l0, rtol=0, atol=0)
-    for a, b in zip(g0, g1):
+    # dK, dV bit for bit; dQ is summed with float32 atomics in the order blocks finish: a bf16 ulp or two apart
+    torch.testing.assert_close(g1[0], g0[0], rtol=1e-2, atol=1e-4)
+    for a, b in zip(g0[1:], g1[1:]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
