@@ -528,13 +528,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
 
 # ------------------------------------------------------------------------------------------------- all-to-all
 def _all_to_all(group, sends: List[torch.Tensor], what: str) -> List[torch.Tensor]:
-    """sends[j] goes to rank j; returns what each rank i sent here, in rank order (shapes as sends')."""
-    received = [torch.empty_like(t) for t in sends]
+    """sends[j] goes to rank j; returns what each rank i sent here, in rank order (sends share one shape). One
+    all_to_all_single over the stacked messages: gloo has no list all_to_all in every torch this runs on."""
+    stacked = torch.stack(sends)
+    received = torch.empty_like(stacked)
     try:
-        dist.all_to_all(received, sends, group=group)
+        dist.all_to_all_single(received, stacked, group=group)
     except Exception as e:  # (a timeout or a peer gone: which exchange)
         raise RuntimeError(f"ulysses_attention: {what} failed: {e}") from e
-    return received
+    return list(received.unbind(0))
 
 
 def _by_length(fn):
