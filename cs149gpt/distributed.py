@@ -605,8 +605,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """ring_attention's contract by the all-to-all (DeepSpeed-Ulysses) route: one all-to-all turns every rank's
     slice of the sequence for all heads into the whole sequence for H / W heads, each rank runs one
     cs149gpt.attention call on that, and a second all-to-all returns every rank its own tokens (the backward: the
-    same two exchanges in reverse). Four messages a pair of ranks per forward and backward, of the local q, k, v and
-    out sizes, instead of the ring's W − 1 K/V hops; the kernel sees the whole sequence (no merge, no plan, one
+    same two exchanges in reverse). Two all-to-alls each way (q, k and v stacked into one, three where q's length
+    differs from k's; then out), of the local sizes, instead of the ring's W − 1 K/V hops; the kernel sees the whole sequence (no merge, no plan, one
     causal call, so its result is one process's). q's heads must divide over the ranks; k and v's heads are
     repeated up to a multiple of W where they do not (GQA with Hkv < W). Arguments, layouts, causal modes, checks
     and errors as ring_attention's; a failed or timed-out exchange raises RuntimeError naming it."""

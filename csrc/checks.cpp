@@ -584,12 +584,8 @@ at::Tensor fill_options(AttentionParams& p, int64_t q_len_plus_kv_len, int64_t w
                         const OptionalTensor& alibi_slopes) {
   p.num_threads = std::max(1, at::get_num_threads());
   p.f32_products = g_float32_products;
-  // A bound that reaches past every key leaves its side unbounded (−1): row i's band is i + offset ± bound in int64
-  // (attention.h), which a bound near INT64_MAX — sys.maxsize meaning "no bound" — would overflow. Exact: with
-  // |offset| < q_len + kv_len, a bound beyond q_len + kv_len hides no key.
-  const auto bound_or_none = [&](int64_t bound) { return bound > q_len_plus_kv_len ? int64_t{-1} : bound; };
-  p.window_left = bound_or_none(window_left);
-  p.window_right = bound_or_none(window_right);
+  p.window_left = window_bound(window_left, q_len_plus_kv_len);
+  p.window_right = window_bound(window_right, q_len_plus_kv_len);
   if (dropout_p > 0.0) {
     p.dropout_p = static_cast<float>(dropout_p);
     const at::Tensor seed = dropout_seed->contiguous();

@@ -146,6 +146,12 @@ void fill_params(AttentionParams& p, const at::Tensor& q4, const at::Tensor& k4,
 // p.batch and p.num_heads: threads, float32's products, the window (a bound past q_len + kv_len, the longest sequences'
 // for varlen, is none), dropout's seed, softcap and the ALiBi slopes, seen as (batch, Hq) (returned: p.alibi_slopes
 // points into it; undefined without slopes). Not the window's offset: a dense call's own, a varlen call's per sequence.
+// A window bound that reaches past every key leaves its side unbounded (−1): row i's band is i + offset ± bound in
+// int64 (attention.h), which a bound near INT64_MAX — sys.maxsize meaning "no bound" — would overflow. Exact: with
+// |offset| < q_len + kv_len, a bound beyond q_len + kv_len hides no key.
+inline int64_t window_bound(int64_t bound, int64_t q_len_plus_kv_len) {
+  return bound > q_len_plus_kv_len ? int64_t{-1} : bound;
+}
 at::Tensor fill_options(AttentionParams& p, int64_t q_len_plus_kv_len, int64_t window_left, int64_t window_right,
                         double dropout_p, const OptionalTensor& dropout_seed, double softcap,
                         const OptionalTensor& alibi_slopes);

@@ -534,8 +534,8 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   // block_size, d)): each sequence's keys end at its own length, bottom-right aligned (the kernel reads cache_seqlens).
   p.kv_len = max_len;
   p.is_causal = is_causal;
-  p.window_left = window_left;
-  p.window_right = window_right;
+  p.window_left = window_bound(window_left, p.q_len + max_len);
+  p.window_right = window_bound(window_right, p.q_len + max_len);
   p.softcap = static_cast<float>(softcap);
   if (is_given(alibi_slopes)) {
     p.alibi_slopes = alibi_slopes->data_ptr<float>();

@@ -521,8 +521,8 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   fill_params(p, q4, k_cache, v_cache, dtype, scale, "none");
   p.kv_len = capacity;  // an upper bound: each sequence's own length is read on the device
   p.is_causal = is_causal;
-  p.window_left = window_left;
-  p.window_right = window_right;
+  p.window_left = window_bound(window_left, p.q_len + capacity);
+  p.window_right = window_bound(window_right, p.q_len + capacity);
   p.softcap = static_cast<float>(softcap);
   at::Tensor slopes;
   if (is_given(alibi_slopes)) {

@@ -276,6 +276,7 @@ template <class Traits>
 cudaError_t launch_flash_fwd_general(const AttentionParams& p, cudaStream_t stream) {
   const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
   const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
+  if (p.cu_seqlens_q != nullptr) return cudaErrorNotSupported;  // packed sequences: checks.cpp refuses these options
   if (heads == 0 || m_blocks == 0) return cudaSuccess;
   auto kernel = flash_fwd_kernel<Traits, false, false, true>;
   const cudaError_t err =

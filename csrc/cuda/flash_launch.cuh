@@ -118,8 +118,8 @@ cudaError_t launch_bwd_config(int config, const AttentionBackwardParams& p, floa
 }
 
 // A call with attn_mask, a window, softcap, ALiBi or dropout (needs_general_kernel, flash_mask.cuh) runs the general
-// kernel, compiled in one configuration per head dim: of those it could take, one whose general instantiation keeps
-// within 255 registers (ptxas, sm_90a; the defaults' spill 0.4-0.6 KB there): forward d 64 -> 5, d 128 -> 3;
+// kernel, compiled in one configuration per head dim: of those it could take, the one whose general instantiation
+// spills least (ptxas, sm_90a: at most 80 bytes, where the defaults spill 0.4-0.6 KB): forward d 64 -> 5, d 128 -> 3;
 // backward 2 at both. Any other call runs configuration `config`.
 template <int kHeadDim> constexpr int kGeneralFwdConfig = kHeadDim == 64 ? 5 : 3;
 template <int kHeadDim> constexpr int kGeneralBwdConfig = 2;
