@@ -572,30 +572,23 @@ def _heads_to_seq(group, world_size: int, layout: str, tensors: Sequence[torch.T
     return [torch.cat([received[i][t] for i in range(world_size)], 1) for t in range(len(tensors))]
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """_seq_to_heads, whose gradient is _heads_to_seq of the incoming gradients (and the reverse)."""
+class _Exchange(torch.autograd.Function):
+    """One of the two all-to-alls (to_heads: _seq_to_heads, else _heads_to_seq); its gradient is the other one on the
+    incoming gradients. names: what travels, for the error message ("q, k, v"; the backward's "dq, dk, dv")."""
 
     @staticmethod
-    def forward(ctx, group, world_size, layout, *tensors):
-        ctx.args = (group, world_size, layout)
-        return tuple(_seq_to_heads(group, world_size, layout, tensors, "the forward's all-to-all of q, k, v"))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        grads = [g.contiguous() for g in grads]
-        return (None, None, None, *_heads_to_seq(*ctx.args, grads, "the backward's all-to-all of dq, dk, dv"))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, world_size, layout, *tensors):
-        ctx.args = (group, world_size, layout)
-        return tuple(_heads_to_seq(group, world_size, layout, tensors, "the forward's all-to-all of out"))
+    def forward(ctx, to_heads, names, group, world_size, layout, *tensors):
+        ctx.args = (to_heads, names, group, world_size, layout)
+        exchange = _seq_to_heads if to_heads else _heads_to_seq
+        return tuple(exchange(group, world_size, layout, tensors, f"the forward's all-to-all of {names}"))
 
     @staticmethod
     def backward(ctx, *grads):
+        to_heads, names, group, world_size, layout = ctx.args
+        exchange = _heads_to_seq if to_heads else _seq_to_heads
         grads = [g.contiguous() for g in grads]
-        return (None, None, None, *_seq_to_heads(*ctx.args, grads, "the backward's all-to-all of dout"))
+        what = "the backward's all-to-all of " + ", ".join("d" + n for n in names.split(", "))
+        return (None,) * 5 + tuple(exchange(group, world_size, layout, grads, what))
 
 
 @torch.compiler.disable  # a graph break: collectives on a process group are not traced here
@@ -618,12 +611,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     if world_size == 1:
         qh, kh, vh = q, k, v
     else:
-        qh, kh, vh = _SeqToHeads.apply(group, world_size, layout, q.contiguous(), k.contiguous(), v.contiguous())
+        qh, kh, vh = _Exchange.apply(True, "q, k, v", group, world_size, layout, q.contiguous(), k.contiguous(),
+                                     v.contiguous())
     mode = {"none": False, "top_left": True, "bottom_right": "bottom_right"}[causal]
     out, lse = cs149gpt.attention(qh, kh, vh, is_causal=mode, scale=scale, return_lse=True)
     if world_size == 1:
         return (out, lse) if return_lse else out
-    (out,) = _HeadsToSeq.apply(group, world_size, layout, out.contiguous())
+    (out,) = _Exchange.apply(False, "out", group, world_size, layout, out.contiguous())
     if not return_lse:
         return out
     with torch.no_grad():
