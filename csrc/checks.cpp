@@ -277,6 +277,18 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, c
                    like.scalar_type(), "; got ", t.scalar_type());
 }
 
+// What both backwards check after their forward's checks: dout and out like q, lse a dense tensor (its shape and
+// dtype are the caller's: dense and packed layouts differ); float32 on CUDA has no backward.
+static void check_backward_tensors(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
+                                   const at::Tensor& lse, DType dtype) {
+  TORCH_CHECK_TYPE(!q.device().is_cuda() || dtype != DType::f32, "the CUDA flash backward takes bfloat16 or float16; "
+                   "float32 on CUDA has the teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
+  check_like(dout, "dout", q, "q");
+  check_like(out, "out", q, "q");
+  TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
+  TORCH_CHECK_TYPE(lse.layout() == at::kStrided, "lse must be a dense (strided) tensor, got layout ", lse.layout());
+}
+
 // The backward's arguments: the forward's checks on q, k, v, then dout and out shaped like q, lse like q without
 // its last dim, float32; all six on one device.
 DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -288,12 +300,7 @@ DType check_attention_backward(const at::Tensor& dout, const at::Tensor& q, cons
                                const OptionalTensor& alibi_slopes) {
   const DType dtype = check_attention(q, k, v, Impl::flash, scale, causal, block_q, block_k, attn_mask, window_left,
                                       window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
-  TORCH_CHECK_TYPE(!q.device().is_cuda() || dtype != DType::f32, "the CUDA flash backward takes bfloat16 or float16; "
-                   "float32 on CUDA has the teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
-  check_like(dout, "dout", q, "q");
-  check_like(out, "out", q, "q");
-  TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
-  TORCH_CHECK_TYPE(lse.layout() == at::kStrided, "lse must be a dense (strided) tensor, got layout ", lse.layout());
+  check_backward_tensors(dout, q, out, lse, dtype);
   const auto lead = q.sym_sizes().slice(0, q.dim() - 1);
   CHECK_SIZES(equal_sizes(lse.sym_sizes(), lead), "lse must have shape ", lead, " (q's without the last dim); got ",
               lse.sym_sizes());
@@ -499,12 +506,7 @@ DType check_varlen_backward(const at::Tensor& dout, const at::Tensor& q, const a
                             const OptionalTensor& alibi_slopes) {
   const DType dtype = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                                    window_left, window_right, dropout_p, dropout_seed, softcap, alibi_slopes);
-  TORCH_CHECK_TYPE(!q.device().is_cuda() || dtype != DType::f32, "the CUDA flash backward takes bfloat16 or float16; "
-                   "float32 on CUDA has the teaching forward only (run the backward in bfloat16/float16, or on the CPU)");
-  check_like(dout, "dout", q, "q");
-  check_like(out, "out", q, "q");
-  TORCH_CHECK_VALUE(lse.defined(), "lse must be a tensor, got None");
-  TORCH_CHECK_TYPE(lse.layout() == at::kStrided, "lse must be a dense (strided) tensor, got layout ", lse.layout());
+  check_backward_tensors(dout, q, out, lse, dtype);
   TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
   const c10::SymInt heads = q.sym_size(1), total_q = q.sym_size(0);
   CHECK_SIZES(equal_sizes(lse.sym_sizes(), {heads, total_q}),

@@ -153,3 +153,17 @@ def scaled_scores(q, k, v, scale=None):
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
     return (q @ k.transpose(-1, -2)) * scale, v
+
+
+def padded_batch(vocab, lengths, n, side, seed=0, low=1):
+    """input_ids (B, n), ids in [low, vocab), and attention_mask with each row's `length` tokens on the right (left
+    padding) or the left (right padding); on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab, (len(lengths), n), generator=g)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for i, length in enumerate(lengths):
+        if side == "left":
+            mask[i, n - length:] = 1
+        else:
+            mask[i, :length] = 1
+    return ids, mask

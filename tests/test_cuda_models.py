@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import cs149gpt
+from tests._helpers import padded_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
 transformers = pytest.importorskip("transformers")
@@ -129,19 +130,6 @@ def run_counted(model, fn, backward_ops=0):
     return result
 
 
-def padded_batch(lengths, n, side, seed=0):
-    """input_ids (B, n) and attention_mask on the GPU, each row's tokens on the right (left padding) or left."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (len(lengths), n), generator=g)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for i, length in enumerate(lengths):
-        if side == "left":
-            mask[i, n - length:] = 1
-        else:
-            mask[i, :length] = 1
-    return ids.to(CUDA), mask.to(CUDA)
-
-
 def err(a, b, keep=None):
     d = (a.float() - b.float()).abs()
     return (d[keep] if keep is not None else d).max().item()
@@ -177,7 +165,7 @@ def check_tokens_teacher_forced(sequences, n_prompt, mask, eager, margin):
 def test_padded_batch_forward(name, dtype, side):
     make = {"llama": llama_config, "gpt2": gpt2_config}[name]
     ours, theirs, eager = trio(make, "cs149gpt", dtype)
-    ids, mask = padded_batch([77, 40, 1, 64], 77, side)
+    ids, mask = (t.to(CUDA) for t in padded_batch(VOCAB, [77, 40, 1, 64], 77, side, low=3))
     with torch.no_grad():
         got = run_counted(ours, lambda: ours(input_ids=ids, attention_mask=mask).logits)
         yardstick = theirs(input_ids=ids, attention_mask=mask).logits
@@ -191,7 +179,7 @@ def test_llama_padded_generate(dtype, cache):
     """Greedy generate on a left-padded batch: the prefill and every decode step (a (B, 1, 1, Nk) mask over the
     cache; the static cache's over its whole length) run ours."""
     ours, theirs, eager = trio(llama_config, "cs149gpt", dtype)
-    ids, mask = padded_batch([30, 12, 21], 30, "left", seed=1)
+    ids, mask = (t.to(CUDA) for t in padded_batch(VOCAB, [30, 12, 21], 30, "left", seed=1, low=3))
     new = 10
     kwargs = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                   output_logits=True, return_dict_in_generate=True)
@@ -214,7 +202,7 @@ def test_gpt2_training_steps_with_dropout():
     loss; and the dropout is real (a step's loss differs from the eval-mode one)."""
     dtype = torch.bfloat16
     model = build(lambda: gpt2_config(dropout=0.1), "cs149gpt", dtype).train()
-    ids, mask = padded_batch([64, 50], 64, "right", seed=4)
+    ids, mask = (t.to(CUDA) for t in padded_batch(VOCAB, [64, 50], 64, "right", seed=4, low=3))
     labels = ids.masked_fill(mask == 0, -100)
 
     def step():
@@ -251,7 +239,7 @@ def test_gpt2_training_steps_with_dropout():
 def test_gpt2_training_step_without_dropout_matches_eager(dtype):
     """A training step's loss and gradients against float32 eager, with torch's attention in dtype as yardstick."""
     ours, theirs, eager = trio(gpt2_config, "cs149gpt", dtype)
-    ids, mask = padded_batch([64, 37], 64, "right", seed=5)
+    ids, mask = (t.to(CUDA) for t in padded_batch(VOCAB, [64, 37], 64, "right", seed=5, low=3))
     labels = ids.masked_fill(mask == 0, -100)
 
     def step(model):

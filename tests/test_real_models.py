@@ -14,6 +14,7 @@ import torch
 from torch.profiler import profile
 
 import cs149gpt
+from tests._helpers import padded_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,20 +55,6 @@ def attention_calls(fn):
 
 def assert_all_ours(counts, expected):
     assert counts.get(OURS, 0) == expected and not any(counts.get(n) for n in TORCH_SDPA), counts
-
-
-def padded_batch(vocab, lengths, n, side, seed=0):
-    """input_ids (B, n) and attention_mask with each row's `length` tokens on the right (left padding) or the
-    left (right padding)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (len(lengths), n), generator=g)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for i, length in enumerate(lengths):
-        if side == "left":
-            mask[i, n - length:] = 1
-        else:
-            mask[i, :length] = 1
-    return ids, mask
 
 
 def llama_config():

@@ -337,14 +337,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
 }
 
+// D = rowsum(dO ∘ O) and lse·log2(e) per query row (flash_bwd_delta_kernel, a warp a row): both backwards' first step.
+template <class Traits>
+cudaError_t launch_row_stats(const AttentionBackwardParams& bp, float* stats, cudaStream_t stream) {
+  const int64_t rows = bp.fwd.batch * bp.fwd.num_heads * bp.fwd.q_len;
+  flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
+      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
+  return cudaGetLastError();
+}
+
 template <class Traits>
 cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* stats, float* dq_accum, bool per_query_head,
                              cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
-  const int64_t rows = p.batch * p.num_heads * p.q_len;
-  flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
-      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err = launch_row_stats<Traits>(bp, stats, stream);
   if (err != cudaSuccess) return err;
   const unsigned heads_here = static_cast<unsigned>(per_query_head ? p.num_heads : p.num_kv_heads);
   const unsigned heads = static_cast<unsigned>(p.batch) * heads_here;
@@ -369,10 +375,7 @@ template <class Traits>
 cudaError_t launch_flash_bwd_general(const AttentionBackwardParams& bp, float* stats, float* dq_accum,
                                      bool per_query_head, cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
-  const int64_t rows = p.batch * p.num_heads * p.q_len;
-  flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
-      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err = launch_row_stats<Traits>(bp, stats, stream);
   if (err != cudaSuccess) return err;
   const unsigned heads_here = static_cast<unsigned>(per_query_head ? p.num_heads : p.num_kv_heads);
   const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
