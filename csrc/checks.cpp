@@ -494,6 +494,9 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                                     !is_given(alibi_slopes),
                                 "varlen_attention on CUDA takes no window, dropout_p, softcap or alibi_slopes yet "
                                 "(CPU only)");
+    TORCH_CHECK_NOT_IMPLEMENTED(dtype == DType::f32 || !scale || *scale >= 0.0,
+                                "varlen_attention on CUDA takes scale >= 0 in bfloat16/float16 (its packed kernels "
+                                "take the max of raw scores), got scale = ", scale.value_or(0.0), " (CPU: any scale)");
   }
   return dtype;
 }

@@ -31,16 +31,6 @@ SHAPES = [
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=["hopper", "fa2"])
-def forward_path(request, monkeypatch):
-    """Each test on both kernel families, forward and backward: Hopper's wgmma/TMA ones (csrc/cuda/hopper/, the
-    default on sm_90) and FlashAttention-2's (CS149GPT_HOPPER=0, the path of every other GPU)."""
-    if request.param == "hopper" and not HOPPER:
-        pytest.skip("not a Hopper GPU")
-    monkeypatch.setenv("CS149GPT_HOPPER", "1" if request.param == "hopper" else "0")
-    return request.param
-
-
 def kernels_run(fn):
     """Names of the CUDA kernels fn() launches (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -166,12 +166,47 @@ MASK_NAMES = ["(Nq,Nk) bool scattered", "(B,1,1,Nk) bool key padding", "(B,1,Nq,
 @pytest.mark.parametrize("mask_name", MASK_NAMES)
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mask_forward(dtype, d, mask_name, causal):
+def test_mask_forward(dtype, d, mask_name, causal, forward_path):
     q, k, v = make_qkv(dtype, d, seed=d)
     mask = masks(dtype)[mask_name]
     out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=causal, return_lse=True)
     want, want_lse = reference(q, k, v, attn_mask=mask, causal=causal)
     check_forward(out, lse, want, want_lse, dtype, f"{mask_name} causal={causal}")
+    names = kernel_names(lambda: cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=causal))
+    assert any("hopper" in n for n in names) == (forward_path == "hopper"), names
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["bool", "additive", "bool (B,1,N,N)"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_key_padding_over_many_tiles(dtype, kind, causal, forward_path):
+    """A padded batch longer than the kernels' tiles: sequences ending inside a tile, on a tile's edge, past half the
+    keys, one key long; whole key tiles past a sequence's end are never visited, the rest read without a mask."""
+    B, H, N, d = 5, 4, 700, 128
+    q, k, v = make_qkv(dtype, d, seed=5, shape=(B, H, H, N, N))
+    lengths = torch.tensor([700, 512, 357, 129, 1], device=CUDA)
+    keep = torch.arange(N, device=CUDA)[None, :] < lengths[:, None]  # (B, N)
+    if kind == "bool (B,1,N,N)":
+        mask = keep[:, None, None, :].expand(B, 1, N, N).contiguous()
+    else:
+        mask = keep[:, None, None, :] if kind == "bool" else torch.where(keep, 0.0, NEG_INF)[:, None, None, :]
+    out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=causal, return_lse=True)
+    want, want_lse = reference(q, k, v, attn_mask=mask, causal=causal)
+    check_forward(out, lse, want, want_lse, dtype, f"{kind} causal={causal}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_negative_scale(dtype, causal, forward_path):
+    """scale < 0 (torch takes any float): the largest logit is then at the smallest q·k, which the plain kernels'
+    max of raw scores would miss, and the causal mask's −inf must stay hidden."""
+    q, k, v = make_qkv(dtype, 64, seed=8)
+    q = q * 4  # logits spread wide enough that a wrong max overflows float16's P
+    out, lse = cs149gpt.attention(q, k, v, scale=-0.5, is_causal=causal, return_lse=True)
+    want, want_lse = reference(q, k, v, scale=-0.5, causal=causal)
+    check_forward(out, lse, want, want_lse, dtype, f"scale -0.5 causal={causal}")
+    check_gradients(lambda a, b, c: cs149gpt.attention(a, b, c, scale=-0.5, is_causal=causal),
+                    lambda a, b, c: reference(a, b, c, scale=-0.5, causal=causal)[0], q, k, v, dtype, "scale -0.5")
 
 
 @pytest.mark.parametrize("mask_name", MASK_NAMES)
@@ -205,7 +240,7 @@ WINDOWS = [(16, 0), (40, 7), (0, 0), (-1, 30), (100, -1)]
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_window_forward_and_backward(dtype, d, window):
+def test_window_forward_and_backward(dtype, d, window, forward_path):
     q, k, v = make_qkv(dtype, d, seed=21)
     out, lse = cs149gpt.attention(q, k, v, window=window, return_lse=True)
     want, want_lse = reference(q, k, v, window=window)

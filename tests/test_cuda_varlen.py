@@ -400,7 +400,7 @@ def test_compile_fullgraph_forward_backward():
 
 
 def test_what_cuda_does_not_take_is_refused_alike_in_eager_and_fake():
-    """A paged KV cache (block_table) and window/softcap/ALiBi/dropout in varlen calls are refused on CUDA, by the check
+    """A paged KV cache (block_table), window/softcap/ALiBi/dropout and a negative scale in varlen calls are refused on CUDA, by the check
     the fake shares: the same error in eager mode and in FakeTensorMode (so torch.compile refuses it while tracing)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -420,6 +420,8 @@ def test_what_cuda_does_not_take_is_refused_alike_in_eager_and_fake():
          "alibi_slopes.*CUDA|CUDA.*alibi_slopes"),
         (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, dropout_p=0.1),
          (q, k, v, int32(cu_q), int32(cu_k)), (NotImplementedError, ValueError), "dropout_p.*CUDA|CUDA.*dropout_p"),
+        (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, scale=-0.5),
+         (q, k, v, int32(cu_q), int32(cu_k)), NotImplementedError, "CUDA takes scale >= 0"),
     ]
     for fn, args, error, match in cases:
         with pytest.raises(error, match=match) as eager:

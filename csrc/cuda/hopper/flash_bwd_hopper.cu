@@ -11,7 +11,8 @@
 namespace cs149gpt {
 namespace cuda {
 
-// The forward's conditions on q, k, v, out, the call and the device (out is read only by the delta kernel, but the
+// The forward's conditions on q, k, v, out, the call and the device (no attn_mask or window: the backward has no key
+// spans) (out is read only by the delta kernel, but the
 // same alignment costs nothing), plus: lse given, dout read by TMA like q, dk and dv written with 4-byte stores.
 bool hopper_bwd_supports(const AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
@@ -21,7 +22,7 @@ bool hopper_bwd_supports(const AttentionBackwardParams& bp) {
   };
   return p.lse != nullptr && hopper::aligned16(bp.dout) &&
          hopper::strides_ok(bp.dout_strides, p.batch, p.num_heads, p.q_len) && aligned4(bp.dk, bp.dk_strides) &&
-         aligned4(bp.dv, bp.dv_strides) && hopper_fwd_supports(p);
+         aligned4(bp.dv, bp.dv_strides) && !has_mask_or_window(p) && hopper_takes_shapes(p);
 }
 
 cudaError_t flash_bwd_hopper(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,

@@ -43,11 +43,12 @@ bool device_runs_sm90a() {
 using hopper::aligned16;
 using hopper::strides_ok;
 
-bool hopper_fwd_supports(const AttentionParams& p) {
+// The shapes, layout and device the Hopper kernels take (forward and backward alike). The max of raw scores they take
+// is the max of the logits only for scale >= 0 (a negative scale runs the general FA2 kernel, which scales first).
+bool hopper_takes_shapes(const AttentionParams& p) {
   constexpr int64_t kMaxRows = int64_t{1} << 30;  // TMA coordinates are int32
-  const bool plain = p.mask_kind == MaskKind::none && !has_window(p) && p.dropout_p == 0.0f && !has_logit_mods(p) &&
-                     p.cu_seqlens_q == nullptr && p.block_table == nullptr && p.cache_seqlens == nullptr &&
-                     p.k_new == nullptr;
+  const bool call = p.dropout_p == 0.0f && !has_logit_mods(p) && p.cu_seqlens_q == nullptr &&
+                    p.block_table == nullptr && p.cache_seqlens == nullptr && p.k_new == nullptr && p.scale >= 0.f;
   const bool shapes = (p.dtype == DType::bf16 || p.dtype == DType::f16) && (p.head_dim == 64 || p.head_dim == 128) &&
                       p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0 && p.q_len < kMaxRows &&
                       p.kv_len < kMaxRows && p.batch * p.num_heads <= 65535;
@@ -56,7 +57,14 @@ bool hopper_fwd_supports(const AttentionParams& p) {
                       strides_ok(p.k_strides, p.batch, p.num_kv_heads, p.kv_len) &&
                       strides_ok(p.v_strides, p.batch, p.num_kv_heads, p.kv_len) &&
                       strides_ok(p.out_strides, p.batch, p.num_heads, p.q_len);
-  return plain && shapes && layout && device_runs_sm90a();
+  return call && shapes && layout && device_runs_sm90a();
+}
+
+bool hopper_fwd_supports(const AttentionParams& p) {
+  // attn_mask (through mask_key_bounds' key ranges), windows and causal: key spans; an additive mask's entries are
+  // added in raw-score units (divided by scale), so it needs scale > 0.
+  const bool spans_ok = p.mask_kind != MaskKind::additive || p.scale > 0.f;
+  return spans_ok && (p.mask == nullptr || p.key_ranges != nullptr) && hopper_takes_shapes(p);
 }
 
 cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {

@@ -15,6 +15,11 @@
 // while one runs its softmax the other's products run. The traits choose the mainloop: serial (the loop above as
 // written), overlapped (S_{j+1} and P_j V_j issued together, the softmax of S_{j+1} under P_j V_j) and, on top of it,
 // the ping-pong schedule (the warpgroups take turns to issue their products).
+//
+// Masking (kMask): none; causal (keys past each row's diagonal); or key spans: attn_mask (through mask_key_bounds' key
+// ranges, flash_mask.cuh's key_span), sliding windows and causal together. With spans, the block visits only the key
+// tiles some row of it sees, and masks a tile only where it is not inside every row's exact span; there, a key outside
+// the row's span is −inf and a row whose mask is not exact reads its entries (boolean: 0 hides; additive: added).
 #pragma once
 
 #include <cuda.h>
@@ -26,6 +31,7 @@
 
 #include "../../attention.h"
 #include "../flash_common.cuh"
+#include "../flash_mask.cuh"
 #include "flash_fwd_hopper_launch.h"
 #include "kernel_traits.cuh"
 #include "ptx.cuh"
@@ -72,11 +78,12 @@ __device__ __forceinline__ void release(uint64_t* empty, int lane) {
 }
 
 // ---- the producer -----------------------------------------------------------------------------------------------------
-// One thread: Q once, then every key tile's K and V, each panel (64 columns of head_dim) one TMA box.
+// One thread: Q once, then key tiles n_first .. n_first + n_tiles − 1's K and V, each panel (64 columns of head_dim)
+// one TMA box.
 template <class Traits>
 __device__ __forceinline__ void load_tiles(const SharedTiles<Traits>& sm, const CUtensorMap* tm_q,
                                            const CUtensorMap* tm_k, const CUtensorMap* tm_v, int b, int h, int hk,
-                                           int m0, int n_tiles) {
+                                           int m0, int n_first, int n_tiles) {
   mbarrier_arrive_expect_tx(sm.q_full, Traits::kQBytes);
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel)
@@ -85,7 +92,7 @@ __device__ __forceinline__ void load_tiles(const SharedTiles<Traits>& sm, const 
   for (int n = 0; n < n_tiles; ++n) {
     const int stage = stage_of<Traits>(n);
     const uint32_t released = phase_of<Traits>(n) ^ 1;  // the phase in which the consumers released tile n − kStages
-    const int n0 = n * Traits::kBlockN;
+    const int n0 = (n_first + n) * Traits::kBlockN;
     mbarrier_wait(&sm.k_empty[stage], released);
     mbarrier_arrive_expect_tx(&sm.k_full[stage], Traits::kKVBytes);
 #pragma unroll
@@ -136,6 +143,10 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Traits::kHeadDim / 2], const 
 // Each thread holds two rows of its warp's 16: r = 0 (row g) in s[4j], s[4j+1], r = 1 (row g + 8) in s[4j+2], s[4j+3],
 // at key columns 8j + 2t, 8j + 2t + 1 (g = lane / 4, t = lane % 4); a row's 4 threads are a quad.
 
+// The kernel's masking (kMask): none, the causal mask, or key spans (attn_mask's key ranges, windows, causal: the top
+// of this file).
+constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskSpans = 2;
+
 // Keys past the end, and under the causal mask past each row's diagonal, become −inf. row0: the query index of the
 // thread's row g; n0: the tile's first key.
 template <class Traits, bool kIsCausal>
@@ -149,6 +160,53 @@ __device__ __forceinline__ void mask_scores(float (&s)[Traits::kBlockN / 2], con
       const int64_t key = n0 + j * 8 + (lane % 4) * 2 + (e % 2);
       if (!(key < p.kv_len && (!kIsCausal || key <= row + p.causal_offset))) s[4 * j + e] = -INFINITY;
     }
+}
+
+// A consumer thread's two rows under key spans (flash_mask.cuh's key_span), and the (batch, head) whose attn_mask rows
+// it reads where a row's span is not exact.
+struct RowSpans {
+  KeySpan span[2];
+  int b, h;
+};
+
+// Key spans on a tile that is not inside every row's exact span: keys outside the row's span become −inf (set, never
+// added to: a NaN in such a key's k never reaches the row); inside, a row whose span is not exact reads its entries
+// (boolean: 0 hides the key; additive: added to scale·s, here in raw-score units, divided by scale > 0).
+template <class Traits>
+__device__ __forceinline__ void mask_scores_spans(float (&s)[Traits::kBlockN / 2], const AttentionParams& p,
+                                                  const RowSpans& rs, int64_t row0, int64_t n0, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const KeySpan& span = rs.span[r];
+    const char* entries = nullptr;
+    int64_t key_bytes = 0;
+    if (!span.exact) {
+      const Logits logits(p, rs.b, rs.h);
+      entries = logits.mask + (row0 + 8 * r) * logits.mask_row;
+      key_bytes = logits.mask_key;
+    }
+#pragma unroll
+    for (int j = 0; j < Traits::kBlockN / 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int64_t key = n0 + j * 8 + (lane % 4) * 2 + c;
+        float& x = s[4 * j + 2 * r + c];
+        if (key < span.lo || key >= span.hi) {
+          x = -INFINITY;
+        } else if (!span.exact) {
+          const char* at = entries + key * key_bytes;
+          if (p.mask_kind == MaskKind::boolean) {
+            if (*reinterpret_cast<const uint8_t*>(at) == 0) x = -INFINITY;
+          } else {
+            const float m = p.mask_dtype == DType::f32 ? *reinterpret_cast<const float*>(at)
+                            : p.mask_dtype == DType::bf16
+                                ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at))
+                                : __half2float(*reinterpret_cast<const __half*>(at));
+            x = m == -INFINITY ? -INFINITY : x + m / p.scale;
+          }
+        }
+      }
+  }
 }
 
 // m' = max(m, rowmax S);  P = exp(scale (S − m'));  alpha = e^{scale(m − m')};  l = alpha l + rowsum P.
@@ -200,30 +258,41 @@ __device__ __forceinline__ void scores_to_a_frags(uint32_t (&a)[Traits::kBlockN 
 }
 
 // ---- the consumers' mainloops --------------------------------------------------------------------------------------------
-// A consumer thread's place: its rows and the softmax's constant.
+// A consumer thread's place: its rows and the softmax's constant; under key spans, its rows' spans and the key range
+// [full_lo, full_hi) where every row of its warpgroup sees every key exactly (tiles inside it need no mask).
 struct ConsumerRows {
   int wg;             // the consumer warpgroup, 0 or 1
   int64_t row0;       // query index of the thread's row g (its other row is row0 + 8)
   int64_t wg_first;   // the warpgroup's first query row
   int lane;
   float scale_log2;   // scale · log2(e)
+  int n_first;        // the block's first key tile (key spans; else 0)
+  RowSpans spans;     // (key spans only)
+  int full_lo, full_hi;
 };
 
-// The softmax of key tile n's scores S (in place, S becomes P): masked only where the tile crosses the end of the keys
-// or some row's diagonal, then the online step; alpha is the factor O must be rescaled by.
-template <class Traits, bool kIsCausal>
+// The softmax of the block's n-th key tile's scores S (in place, S becomes P): masked only where the tile crosses the
+// end of the keys or some row's diagonal (key spans: where it is not inside every row's exact span), then the online
+// step; alpha is the factor O must be rescaled by.
+template <class Traits, int kMask>
 __device__ __forceinline__ void softmax_step(float (&s)[Traits::kBlockN / 2], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], const AttentionParams& p, const ConsumerRows& rows,
                                              int n) {
-  const int64_t n0 = static_cast<int64_t>(n) * Traits::kBlockN;
-  const bool needs_mask =
-      n0 + Traits::kBlockN > p.kv_len || (kIsCausal && n0 + Traits::kBlockN - 1 > rows.wg_first + p.causal_offset);
-  if (needs_mask) mask_scores<Traits, kIsCausal>(s, p, rows.row0, n0, rows.lane);
+  const int64_t n0 = static_cast<int64_t>(rows.n_first + n) * Traits::kBlockN;
+  if constexpr (kMask == kMaskSpans) {
+    if (!(n0 >= rows.full_lo && n0 + Traits::kBlockN <= rows.full_hi))
+      mask_scores_spans<Traits>(s, p, rows.spans, rows.row0, n0, rows.lane);
+  } else {
+    constexpr bool kIsCausal = kMask == kMaskCausal;
+    const bool needs_mask =
+        n0 + Traits::kBlockN > p.kv_len || (kIsCausal && n0 + Traits::kBlockN - 1 > rows.wg_first + p.causal_offset);
+    if (needs_mask) mask_scores<Traits, kIsCausal>(s, p, rows.row0, n0, rows.lane);
+  }
   online_softmax<Traits>(s, m, l, alpha, rows.scale_log2);
 }
 
 // One key tile after another: S = Q K_jᵀ, its softmax, O += P V_j, each product waited for before the next step.
-template <class Traits, bool kIsCausal>
+template <class Traits, int kMask>
 __device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, const char* q_w, const AttentionParams& p,
                                                 const ConsumerRows& rows, int n_tiles, float (&o)[Traits::kHeadDim / 2],
                                                 float (&m)[2], float (&l)[2]) {
@@ -242,7 +311,7 @@ __device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, c
     release(&sm.k_empty[stage], rows.lane);
 
     float alpha[2];
-    softmax_step<Traits, kIsCausal>(s, m, l, alpha, p, rows, n);
+    softmax_step<Traits, kMask>(s, m, l, alpha, p, rows, n);
     rescale_o<Traits>(o, alpha);
     scores_to_a_frags<Traits>(p_frag, s);
 
@@ -281,7 +350,7 @@ struct IssueTurns {
 // FlashAttention-3's intra-warpgroup overlap: S_j = Q K_jᵀ and O += P_{j−1} V_{j−1} are issued together; once S_j is
 // done its softmax runs while P_{j−1} V_{j−1} is still on the tensor cores. O is rescaled by tile j's alpha after that
 // product: e^{scale(m_{j−1} − m_j)} (O + P_{j−1} V_{j−1}), both terms being relative to m_{j−1}.
-template <class Traits, bool kIsCausal>
+template <class Traits, int kMask>
 __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& sm, const char* q_w,
                                                     const AttentionParams& p, const ConsumerRows& rows, int n_tiles,
                                                     float (&o)[Traits::kHeadDim / 2], float (&m)[2], float (&l)[2]) {
@@ -302,7 +371,7 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   wgmma_wait<0>();
   fence_fragment(s);
   release(&sm.k_empty[0], rows.lane);
-  softmax_step<Traits, kIsCausal>(s, m, l, alpha, p, rows, 0);
+  softmax_step<Traits, kMask>(s, m, l, alpha, p, rows, 0);
   scores_to_a_frags<Traits>(p_frag, s);
 
   for (int n = 1; n < n_tiles; ++n) {
@@ -316,7 +385,7 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
     wgmma_wait<1>();                               // S_j is done (groups complete in order)
     fence_fragment(s);
     release(&sm.k_empty[stage], rows.lane);
-    softmax_step<Traits, kIsCausal>(s, m, l, alpha, p, rows, n);  // under P_{j−1} V_{j−1}
+    softmax_step<Traits, kMask>(s, m, l, alpha, p, rows, n);  // under P_{j−1} V_{j−1}
     wgmma_wait<0>();
     fence_fragment(o);
     fence_fragment(p_frag);
@@ -396,7 +465,7 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
 }
 
 // ---- the kernel -------------------------------------------------------------------------------------------------------
-template <class Traits, bool kIsCausal>
+template <class Traits, int kMask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_hopper_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                             const __grid_constant__ CUtensorMap tm_v, const AttentionParams p, int heads_per_group) {
@@ -407,26 +476,55 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const SharedTiles<Traits> sm(base);
 
   // The block's (batch, head, query tile), as flash_fwd.cuh: without a mask (query tiles, batch x heads); causal, one
-  // dimension in grouped_heavy_first's order (a head's last query tile is its costliest).
+  // dimension in grouped_heavy_first's order (a head's last query tile is its costliest); key spans, the query tiles
+  // last first (under a causal or padded-causal mask, the costliest first; under others the order does not matter).
   int m_block, bh;
-  if constexpr (kIsCausal) {
+  if constexpr (kMask == kMaskCausal) {
     const int m_blocks = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
     const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * p.num_heads), m_blocks,
                                             heads_per_group);
     m_block = m_blocks - 1 - ht.tile_rank;
     bh = ht.head;
   } else {
-    m_block = blockIdx.x;
+    m_block = kMask == kMaskSpans ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     bh = blockIdx.y;
   }
   const int b = bh / static_cast<int>(p.num_heads), h = bh % static_cast<int>(p.num_heads);
   const int hk = h / static_cast<int>(p.num_heads / p.num_kv_heads);
   const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
 
-  // Keys [0, n_end) are visible to some row of this block.
+  // Keys [n_first·kBlockN, n_end) are visible to some row of this block. Key spans: the union of the rows' spans, and
+  // for each consumer warpgroup the keys [full_lo, full_hi) every one of its rows sees exactly (empty if a row is not
+  // exact), found by the producer warpgroup's 128 threads, one row each.
+  __shared__ int span_bounds[2 + 2 * Traits::kConsumerWarpgroups];  // first, end; (full_lo, full_hi) per warpgroup
+  int n_first = 0;
   int64_t n_end = p.kv_len;
-  if (kIsCausal) n_end = max64(0, min64(p.kv_len, m0 + kBlockM + p.causal_offset));
-  const int n_tiles = static_cast<int>((n_end + kBlockN - 1) / kBlockN);
+  if constexpr (kMask == kMaskCausal) n_end = max64(0, min64(p.kv_len, m0 + kBlockM + p.causal_offset));
+  if constexpr (kMask == kMaskSpans) {
+    static_assert(kBlockM == 128, "one producer thread per row of the block");
+    if (threadIdx.x < 2 + 2 * Traits::kConsumerWarpgroups)
+      span_bounds[threadIdx.x] = threadIdx.x == 0 ? INT_MAX : threadIdx.x == 1 ? 0 : threadIdx.x % 2 ? INT_MAX : 0;
+    __syncthreads();
+    if (threadIdx.x < kBlockM) {
+      const KeySpan span = key_span(p, b, h, m0 + threadIdx.x);
+      const bool sees = span.hi > span.lo;
+      const int first = __reduce_min_sync(0xffffffffu, sees ? span.lo : INT_MAX);
+      const int end = __reduce_max_sync(0xffffffffu, sees ? span.hi : 0);
+      const int full_lo = __reduce_max_sync(0xffffffffu, span.lo);
+      const int full_hi = __reduce_min_sync(0xffffffffu, span.exact ? span.hi : 0);
+      if (threadIdx.x % 32 == 0) {
+        const int wg = threadIdx.x / 64;
+        atomicMin(&span_bounds[0], first);
+        atomicMax(&span_bounds[1], end);
+        atomicMax(&span_bounds[2 + 2 * wg], full_lo);
+        atomicMin(&span_bounds[3 + 2 * wg], full_hi);
+      }
+    }
+    __syncthreads();
+    n_first = span_bounds[1] > span_bounds[0] ? span_bounds[0] / kBlockN : 0;
+    n_end = span_bounds[1] > span_bounds[0] ? span_bounds[1] : 0;
+  }
+  const int n_tiles = static_cast<int>(max64(0, (n_end + kBlockN - 1) / kBlockN - n_first));
 
   if (threadIdx.x == 0) {
     mbarrier_init(sm.q_full, 1);
@@ -449,14 +547,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
-      load_tiles<Traits>(sm, &tm_q, &tm_k, &tm_v, b, h, hk, static_cast<int>(m0), n_tiles);
+      load_tiles<Traits>(sm, &tm_q, &tm_k, &tm_v, b, h, hk, static_cast<int>(m0), n_first, n_tiles);
     }
   } else {
     // ---- consumers ----
     setmaxnreg_inc<Traits::kConsumerRegs>();
     const int wg = warpgroup - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-    const ConsumerRows rows{wg, m0 + wg * 64 + warp * 16 + lane / 4, m0 + wg * 64, lane, p.scale * kLog2e};
+    const int64_t row0 = m0 + wg * 64 + warp * 16 + lane / 4;
+    ConsumerRows rows{wg, row0, m0 + wg * 64, lane, p.scale * kLog2e, n_first};
+    if constexpr (kMask == kMaskSpans) {
+      rows.spans = {{key_span(p, b, h, row0), key_span(p, b, h, row0 + 8)}, b, h};
+      rows.full_lo = span_bounds[2 + 2 * wg];
+      rows.full_hi = span_bounds[3 + 2 * wg];
+    }
     const char* q_w = sm.q + wg * 64 * Traits::kRowBytes;  // the warpgroup's 64 rows of every Q panel
 
     float o[kD / 2];  // O, m, l of the thread's two rows
@@ -465,8 +569,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     if (n_tiles > 0) {
       mbarrier_wait(sm.q_full, 0);
-      if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kIsCausal>(sm, q_w, p, rows, n_tiles, o, m, l);
-      else mainloop_serial<Traits, kIsCausal>(sm, q_w, p, rows, n_tiles, o, m, l);
+      if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kMask>(sm, q_w, p, rows, n_tiles, o, m, l);
+      else mainloop_serial<Traits, kMask>(sm, q_w, p, rows, n_tiles, o, m, l);
     }
     write_out_lse<Traits>(o, m, l, p, sm.q, wg, b, h, m0);
   }
@@ -474,12 +578,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 }
 
 // ---- host launch -------------------------------------------------------------------------------------------------------
-template <class Traits>
+// kSpans: the key-spans kernel (the call has attn_mask or a window), else the plain or causal one.
+template <class Traits, bool kSpans>
 cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {
   const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
   const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
   if (heads == 0 || m_blocks == 0) return cudaSuccess;  // no query rows: nothing to write
-  auto kernel = p.is_causal ? flash_fwd_hopper_kernel<Traits, true> : flash_fwd_hopper_kernel<Traits, false>;
+  if (kSpans != has_mask_or_window(p)) return cudaErrorInvalidValue;
+  decltype(&flash_fwd_hopper_kernel<Traits, kMaskNone>) kernel;
+  if constexpr (kSpans)
+    kernel = flash_fwd_hopper_kernel<Traits, kMaskSpans>;
+  else
+    kernel = p.is_causal ? flash_fwd_hopper_kernel<Traits, kMaskCausal> : flash_fwd_hopper_kernel<Traits, kMaskNone>;
 
   CUtensorMap tm_q, tm_k, tm_v;
   cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, p.q_len, p.num_heads, p.batch,
@@ -494,9 +604,10 @@ cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t strea
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
 
-  const dim3 grid = p.is_causal ? dim3(heads * m_blocks) : dim3(m_blocks, heads);
+  const bool heavy_first = p.is_causal && !kSpans;  // (kMaskCausal's grid)
+  const dim3 grid = heavy_first ? dim3(heads * m_blocks) : dim3(m_blocks, heads);
   int heads_per_group = 1;
-  if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
+  if (heavy_first) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p, heads_per_group);
   return cudaGetLastError();

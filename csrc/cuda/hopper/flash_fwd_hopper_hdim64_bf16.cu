@@ -6,7 +6,8 @@ namespace cuda {
 namespace hopper {
 template <>
 cudaError_t flash_fwd_run<64, __nv_bfloat16>(const AttentionParams& p, cudaStream_t stream) {
-  return launch_flash_fwd_hopper<DefaultFwdTraits<64, __nv_bfloat16>>(p, stream);
+  if (has_mask_or_window(p)) return launch_flash_fwd_hopper<SpansFwdTraits<64, __nv_bfloat16>, true>(p, stream);
+  return launch_flash_fwd_hopper<DefaultFwdTraits<64, __nv_bfloat16>, false>(p, stream);
 }
 }  // namespace hopper
 }  // namespace cuda

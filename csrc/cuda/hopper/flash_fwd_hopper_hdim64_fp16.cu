@@ -6,7 +6,8 @@ namespace cuda {
 namespace hopper {
 template <>
 cudaError_t flash_fwd_run<64, __half>(const AttentionParams& p, cudaStream_t stream) {
-  return launch_flash_fwd_hopper<DefaultFwdTraits<64, __half>>(p, stream);
+  if (has_mask_or_window(p)) return launch_flash_fwd_hopper<SpansFwdTraits<64, __half>, true>(p, stream);
+  return launch_flash_fwd_hopper<DefaultFwdTraits<64, __half>, false>(p, stream);
 }
 }  // namespace hopper
 }  // namespace cuda
