@@ -396,17 +396,23 @@ def kernels_run(fn):
 
 
 @pytest.mark.parametrize("hopper", ["1", "0"])
-def test_general_calls_take_the_fa2_kernels(hopper, monkeypatch):
-    """With any option the Hopper kernels decline (hopper_fwd_supports / hopper_bwd_supports) and the FlashAttention-2
-    general kernels run, forward and backward; attn_mask's key bounds are found on the GPU."""
+def test_which_kernels_take_the_options(hopper, monkeypatch):
+    """attn_mask and windows: the Hopper forward's key spans on a Hopper GPU (the FlashAttention-2 general kernel
+    elsewhere, and with CS149GPT_HOPPER=0), the FlashAttention-2 general backward everywhere; softcap, ALiBi and dropout:
+    the FlashAttention-2 general kernels both ways (hopper_fwd_supports / hopper_bwd_supports decline them). attn_mask's
+    key bounds are found on the GPU."""
     monkeypatch.setenv("CS149GPT_HOPPER", hopper)
+    on_hopper = hopper == "1" and torch.cuda.get_device_capability() == (9, 0)
     q, k, v = (t.requires_grad_() for t in make_qkv((1, 2, 2, 128, 128), 64, torch.bfloat16, seed=121))
     mask = torch.ones(128, 128, dtype=torch.bool, device=CUDA).tril()
     for kw in (dict(attn_mask=mask), dict(window=(8, 8)), dict(softcap=5.0), dict(dropout_p=0.1),
                dict(alibi_slopes=torch.ones(2, device=CUDA))):
         names = kernels_run(lambda: cs149gpt.attention(q, k, v, **kw).sum().backward())
-        assert not any("hopper" in n.lower() for n in names), (kw, names)
-        assert any("flash_fwd_kernel" in n for n in names) and any("flash_bwd_kernel" in n for n in names), kw
+        spans = on_hopper and ("attn_mask" in kw or "window" in kw)
+        assert any("flash_fwd_hopper_kernel" in n for n in names) == spans, (kw, names)
+        assert any("flash_fwd_kernel" in n for n in names) != spans, (kw, names)
+        assert any("flash_bwd_kernel" in n for n in names), (kw, names)
+        assert not any("flash_bwd_hopper" in n for n in names), (kw, names)
         assert any("mask_key_bounds" in n for n in names) == ("attn_mask" in kw), (kw, names)
 
 
