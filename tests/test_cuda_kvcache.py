@@ -211,6 +211,13 @@ def test_long_cache_split(page, nq):
     check(torch.bfloat16, 2, 32, 8, nq, 20480, 128, 1, page, seed=17, lengths=[20479, 700])
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_rows_over_several_tiles_with_splits(dtype):
+    """GQA group 8 at q_len 3: 24 rows, a full row tile and one of 8 rows and 8 padding rows; long caches (splits, each
+    ending in a partial key tile), a window cutting across the splits, paged."""
+    check(dtype, 2, 16, 2, 3, 4096, 64, 1, 16, seed=18, window=(2500, -1), lengths=[4000, 1500])
+
+
 @pytest.mark.parametrize("window", [(-1, -1), (3000, 0)], ids=["causal", "window"])
 def test_long_cache_split_float32(window):
     check(torch.float32, 2, 8, 8, 1, 20480, 64, 0, None, seed=19, lengths=[20480, 9000], window=window)
@@ -310,6 +317,43 @@ def test_hidden_keys_never_read():
         k_nan[b, :, int(lengths[b]) - 1] = float("nan")
     out = run(q, k_nan, v, lengths, page=None)[0]
     assert torch.isnan(out[:, :, 3]).all() and torch.equal(out[:, :, :3], clean[:, :, :3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hidden_nonfinite_values_never_reach_a_row(dtype):
+    """NaN/inf in the value row of a key hidden from some rows of a block but shown to others (causal diagonal at q_len
+    4, a window's edge, rows that see no key): only the rows that see it change. On tensor cores P V multiplies every
+    key into every row of the tile, a hidden one by 0, so 0·NaN must be kept out."""
+    g = gen(44)
+    B, hq, hkv, nq, cap, d = 3, 16, 4, 4, 640, 128  # G·q_len = 16 rows: one tile
+    q = randn((B, hq, nq, d), g, dtype)
+    k, v = randn((B, hkv, cap, d), g, dtype), randn((B, hkv, cap, d), g, dtype)
+    lengths = torch.tensor([600, 130, 2], dtype=torch.int32)
+    for window in ((-1, -1), (8, 0)):
+        kw = dict(window=None if window == (-1, -1) else window)
+        clean_lse = run(q, k, v, lengths, **kw)[1]
+        ref_out, ref_lse = reference(q.to(CUDA), k.to(CUDA), v.to(CUDA), lengths, window=window)
+        v_bad = v.clone()
+        for b in range(2):
+            n = int(lengths[b])
+            if window == (-1, -1):  # causal: key L−1 is seen by position 3 only, key L−2 by positions 2 and 3
+                v_bad[b, :, n - 1] = float("nan")
+                v_bad[b, :, n - 2] = float("inf")
+            else:  # window (8, 0): key L−12 is seen by position 0 only
+                v_bad[b, :, n - 12] = float("nan")
+        v_bad[2, :, 0] = float("nan")  # sequence 2 (2 keys): positions 0 and 1 see no key, 2 and 3 see key 0 (both)
+        out, lse = run(q, k, v_bad, lengths, **kw)[:2]
+        torch.testing.assert_close(lse, clean_lse, rtol=0, atol=0)  # the logits are unchanged
+        for b in range(B):
+            bad = [2, 3] if b == 2 or window == (-1, -1) else [0]
+            for i in range(nq):
+                row, want = out[b, :, i], ref_out[b, :, i]
+                if i in bad:
+                    assert not torch.isfinite(row).any(dim=-1).any(), (window, b, i)
+                elif torch.isinf(ref_lse[b, :, i]).all():
+                    assert torch.equal(row.cpu(), torch.zeros_like(row.cpu())), (window, b, i)
+                else:
+                    assert_close(row.contiguous(), want, dtype, f"{window} sequence {b} position {i}")
 
 
 def test_nan_and_inf_rows():

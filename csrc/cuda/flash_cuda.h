@@ -76,25 +76,29 @@ struct DecodeParams {
   AttentionParams p;
   int64_t capacity = 0;    // rows a sequence's cache has: k_cache dim 2, or max_blocks x page_size (paged)
   int64_t cache_rows = 0;  // rows of a contiguous cache (dim 0), which cache_batch_idx entries are clamped to
-  int rows_per_block = 1;  // R query rows of one (batch, kv head) per block: 1, 2, 4 or 8 (decode_rows_per_block)
+  int rows_per_block = 1;  // query rows of one (batch, kv head) per block: 16 (tensor cores), float32 1, 2, 4 or 8
   int row_tiles = 1;       // blocks along the G x q_len rows of a (batch, kv head), each reading the keys once
   int splits = 1;          // blocks along the keys (decode_splits); > 1: partials in part_o, part_ml, then merged
   int page_shift = -1;     // paged: log2(page_size) where it is a power of two (a shift per key, not a division)
   float* part_o = nullptr;   // (batch x Hkv, splits, G x q_len, head_dim) float32
   float* part_ml = nullptr;  // (batch x Hkv, splits, G x q_len, 2) float32: m_s, l_s (base 2)
 };
-// Tile and split constants, each with its reason. With them the kernel reads K and V at 164-1056 GB/s on an H200
-// (bench.py cuda --suite decode: Hq 32, Hkv 8, d 128, bf16, 1k-32k keys, batch 1-64), 4-25 % of a copy's rate.
-constexpr int kDecodeThreads = 128;         // small blocks: 2+ fit on an SM (about 250 registers a thread at R = 4)
-constexpr int kDecodeMinSplitKeys = 128;    // a split's partial (d + 2 floats a row) under 1/32 of the K and V it reads
-constexpr int kDecodeMaxRowsPerBlock = 8;   // q and O rows in registers: 8 rows x 8 columns of each, per lane
-constexpr int kDecodeBlocksPerSm = 4;       // 2 resident x 2 waves: 32 KB of loads in flight a block, 64 KB an SM
-constexpr int kDecodeMaxSplits = 128;       // bounds the merge's reads (128 partials a row)
-// R: the G x q_len rows of a (batch, kv head) rounded up to 1, 2, 4 or 8 (more rows: several row tiles, each reading
-// the keys again; a GQA group of 4 at q_len 1 is one read).
+// Tile and split constants, each with its reason. bf16/fp16 run on tensor cores, float32 on the scalar kernel.
+constexpr int kDecodeThreads = 128;        // 4 warps: each takes a 16-key slice of every key tile (both kernels)
+constexpr int kDecodeTileRows = 16;        // rows a block on tensor cores: one m16 tile (G x q_len <= 16: K, V read once)
+constexpr int kDecodeBlockKeys = 64;       // keys a tile: 16 a warp, the k of one m16n8k16 P V product
+constexpr int kDecodeStages = 3;           // 2 tiles in flight while one is used: 68 KB a block at d 128 bf16
+constexpr int kDecodeBlocksPerSm = 2;      // blocks resident per SM at d 128 (106 KB of shared memory each)
+constexpr int kDecodeMinSplitKeys = 256;   // 4 tiles: the ring fills before a split ends; a partial is small beside them
+constexpr double kDecodeWaveEfficiency = 0.85;  // fewer splits when their last wave is this full (fewer partials)
+constexpr int kDecodeMaxSplits = 128;      // bounds the merge's reads (128 partials a row)
+constexpr int kDecodeMaxRowsPerBlock = 8;  // float32: q and O rows in registers, 8 rows x 4 columns of each, per lane
+// Rows a block: kDecodeTileRows on tensor cores; float32: the G x q_len rows of a (batch, kv head) rounded up to 1,
+// 2, 4 or 8 (more rows: several row tiles, each reading the keys again; a GQA group of 4 at q_len 1 is one read).
 int decode_rows_per_block(const AttentionParams& p);
-// Splits along the keys: enough blocks for kDecodeBlocksPerSm per SM, none shorter than kDecodeMinSplitKeys keys of the
-// capacity (the lengths are on the device; a split past a shorter sequence's keys writes an empty partial).
+// Splits along the keys: the fewest whose blocks fill the waves of kDecodeBlocksPerSm per SM about as well as any count
+// can, none shorter than kDecodeMinSplitKeys keys of the capacity (the lengths are on the device; a split past a
+// shorter sequence's keys writes an empty partial).
 int decode_splits(const AttentionParams& p, int64_t capacity, int rows_per_block, int sms);
 cudaError_t flash_decode(const DecodeParams& dp, cudaStream_t stream);
 

@@ -1,56 +1,54 @@
 // Flash-decoding on the GPU: a few query rows (the tokens being generated) against a long KV cache.
 //
 // Decoding is bound by memory: every step reads the whole cache once and does little arithmetic per key (a GQA group
-// of 4 query heads at q_len 1 is 4 rows: 4 multiply-adds per element read). So the kernel is laid out to stream K and V
-// once at full bandwidth, as the CPU's flash_decode.cpp does:
-// - a block holds R query rows of one (batch, kv head): rows ρ = i·G + g (query position i, head g of the GQA group of
-//   G = Hq / Hkv), so every query head of a group reads each key and value once, from the same registers;
-// - lanes read keys with 16-byte loads, kLanes lanes per key row (d = 128 in bf16: 16 lanes, two keys per warp-load),
-//   kGroups key groups side by side, kUnroll keys each in flight before any is used: a block has
-//   kGroups · kUnroll keys of K and V loading at once (32 KB at d = 128, bf16, R <= 4), the next step's prefetched
-//   into L2 meanwhile;
-// - the keys of a sequence are split over gridDim.y blocks (split-KV, FlashDecoding): each split runs the online
-//   softmax over its keys and writes its partial (O_s, m_s, l_s); decode_combine merges them exactly:
-//     M = max_s m_s,   l = Σ_s 2^(m_s − M) l_s,   O = Σ_s 2^(m_s − M) O_s / l,   lse = (M + log2 l) · ln 2.
-//   Inside a block the key groups are merged the same way, through shared memory.
-// Each key group runs the online softmax of its own keys (flash_common.h's, in base 2):
+// of 4 query heads at q_len 1 is 4 rows: 4 multiply-adds per element read). So the kernel streams K and V once, as
+// FlashAttention-2's split-KV ("flash-decoding") forward does, on tensor cores (bf16/fp16):
+// - a block holds one m16 row tile of one (batch, kv head): rows ρ = i·G + g (query position i, head g of the GQA
+//   group of G = Hq / Hkv), padded with empty rows to 16, so every query head of a group reads each key and value once
+//   (G·q_len > 16: more row tiles, each reading the keys again);
+// - the keys of a sequence are split over gridDim.y blocks (split-KV): each split runs the online softmax over its keys
+//   and writes its partial (O_s, m_s, l_s); combine_kernel merges them exactly:
+//     M = max_s m_s,   l = Σ_s 2^(m_s − M) l_s,   O = Σ_s 2^(m_s − M) O_s / l,   lse = (M + log2 l) · ln 2;
+// - a split's keys stream through shared memory in tiles of kDecodeBlockKeys, K and V copied by 16-byte cp.async into
+//   a ring of kDecodeStages tiles: kDecodeStages − 1 tiles are in flight while one is used (memory latency hidden by
+//   bytes in flight, Little's law), one __syncthreads a tile;
+// - each of the 4 warps takes a 16-key slice of every tile: S = Q Kᵀ (16 x 16, mma.sync m16n8k16; Q's A fragments in
+//   registers for the whole split, K by ldmatrix), then the logit pipeline and the online softmax on S's C fragments
+//   (each (row, key) on one lane, row max and sum over the 4 lanes of a quad), then O += P V (P's A fragments are S's C
+//   fragments, V by ldmatrix.trans; O in float32 C fragments);
+// - at the end the 4 warps' (m, l, O) are merged through shared memory, the same merge as the splits'.
+// Each warp runs the online softmax of its own keys (flash_common.h's, in base 2):
 //   s_j = log2(e) · c(scale · q·k_j),  m' = max(m, max_j s_j),  α = 2^(m − m'),  l = α·l + Σ_j 2^(s_j − m'),
 //   O = α·O + Σ_j 2^(s_j − m') v_j          (c: softcap and ALiBi where the call has them)
+// float32 has no mma: its calls run the scalar kernel below (lanes of 16-byte loads per key row, several rows a block).
 // The cache is read by address in place: cache_seqlens, cache_leftpad, cache_batch_idx and block_table are read on
 // the device, never on the host (no synchronisation in a decoding step). Every index taken from them is clamped into
 // the cache, so a bad entry can give a wrong answer but never reads or writes outside it (the CPU op refuses such entries
 // before reading; here that would cost a copy to the host and a synchronisation per step).
 // Non-finite values follow the CPU's rule (README): a NaN or +inf logit makes its row NaN, −inf logits weigh 0, NaN in
 // a visible value row shows even where its weight is 0, and a key the causal mask or the window hides from a row never
-// touches that row (its value is not multiplied in, not even by 0).
+// touches that row (its value is not multiplied in, not even by 0). P V on tensor cores multiplies every key of a slice
+// into every row, a hidden one by P = 0: so in a slice where some row hides a key (the causal diagonal at q_len > 1,
+// window edges, rows that see nothing) whose value row holds a NaN or inf, that slice's P V runs per lane instead,
+// skipping each row's hidden keys. Keys past the split's end are copied as zeros and weigh 0.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_common.cuh"
 #include "flash_cuda.h"
+#include "kernel_traits.cuh"
+#include "warp_gemm.cuh"
 
 namespace cs149gpt {
 namespace cuda {
 namespace decode {
 
 constexpr float kNegInf = -INFINITY;
-
-// The tile configuration of one (head dim, dtype, rows) instance.
-template <int D, class T, int R>
-struct Traits {
-  static constexpr int kThreads = kDecodeThreads;
-  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
-  static constexpr int kLanes = D / kVec;                         // lanes that hold one key row
-  static constexpr int kGroups = kThreads / kLanes;               // keys read side by side
-  // Keys per group per step (2 · kUnroll 16-byte loads in flight per lane); fewer for 8 rows, whose q and O rows
-  // take the registers.
-  static constexpr int kUnroll = R <= 4 ? 8 : 4;
-  static constexpr int kStepKeys = kGroups * kUnroll;
-  static_assert(kLanes >= 1 && kLanes <= 32 && 32 % kLanes == 0, "a key row within one warp");
-};
 
 // ---- element conversions ----------------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -67,6 +65,15 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float (&x)[kVec]) {
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int c = 0; c < kVec; ++c) x[c] = to_float(e[c]);
+}
+
+// Whether either 16-bit value of a register is NaN or ±inf (its exponent bits all set).
+template <class T> __device__ __forceinline__ bool nonfinite2(uint32_t x);
+template <> __device__ __forceinline__ bool nonfinite2<__nv_bfloat16>(uint32_t x) {
+  return (x & 0x7f80u) == 0x7f80u || (x & 0x7f800000u) == 0x7f800000u;
+}
+template <> __device__ __forceinline__ bool nonfinite2<__half>(uint32_t x) {
+  return (x & 0x7c00u) == 0x7c00u || (x & 0x7c000000u) == 0x7c000000u;
 }
 
 // Asks L2 for the 128-byte line at p (no register written; a later load finds it there).
@@ -93,20 +100,33 @@ __device__ __forceinline__ Sequence sequence_of(const DecodeParams& dp, int b) {
   return {cached, leftpad, cached + static_cast<int>(p.new_len) - leftpad, row};
 }
 
-// Cache row t (counted from row 0, not from leftpad) of kv head kvh of sequence b: a row of its contiguous cache, or
-// row t % page_size of page block_table[b, t / page_size] (clamped to the pages there are).
-template <class T>
-__device__ __forceinline__ T* cache_row(const DecodeParams& dp, const void* base, const int64_t (&strides)[3], int b,
-                                        const Sequence& s, int kvh, int t) {
+// Where cache row t (counted from row 0, not from leftpad) of sequence b lies: row `within` of the cache's dim-0 entry
+// `outer`, its contiguous cache row, or page block_table[b, t / page_size] (clamped to the pages there are) at row
+// t % page_size. K and V share it (one block-table read for both).
+struct CacheSlot {
+  int64_t outer, within;
+};
+__device__ __forceinline__ CacheSlot cache_slot(const DecodeParams& dp, int b, const Sequence& s, int t) {
   const AttentionParams& p = dp.p;
-  T* at = const_cast<T*>(static_cast<const T*>(base)) + kvh * strides[1];
-  if (!p.block_table) return at + s.row * strides[0] + static_cast<int64_t>(t) * strides[2];
+  if (!p.block_table) return {s.row, t};
   const uint32_t page_size = static_cast<uint32_t>(p.page_size), row = static_cast<uint32_t>(t);
   const uint32_t block = dp.page_shift >= 0 ? row >> dp.page_shift : row / page_size;
   const uint32_t within = dp.page_shift >= 0 ? row & (page_size - 1) : row % page_size;
   const int32_t entry = p.block_table[b * p.block_table_stride + block];
-  const int64_t page = min64(max64(entry, 0), p.num_pages - 1);
-  return at + page * strides[0] + static_cast<int64_t>(within) * strides[2];
+  return {min64(max64(entry, 0), p.num_pages - 1), within};
+}
+template <class T>
+__device__ __forceinline__ T* at_slot(const void* head, const int64_t (&strides)[3], const CacheSlot& at) {
+  return const_cast<T*>(static_cast<const T*>(head)) + at.outer * strides[0] + at.within * strides[2];
+}
+
+// Cache row t of kv head kvh of sequence b.
+template <class T>
+__device__ __forceinline__ T* cache_row(const DecodeParams& dp, const void* base, const int64_t (&strides)[3], int b,
+                                        const Sequence& s, int kvh, int t) {
+  const CacheSlot at = cache_slot(dp, b, s, t);
+  return const_cast<T*>(static_cast<const T*>(base)) + kvh * strides[1] + at.outer * strides[0] +
+         at.within * strides[2];
 }
 
 // ---- appending k_new, v_new -------------------------------------------------------------------------
@@ -132,6 +152,7 @@ __global__ void append_kernel(const DecodeParams dp) {
   *reinterpret_cast<uint4*>(cache_row<T>(dp, p.v, p.v_strides, b, s, kvh, at) + col) =
       *reinterpret_cast<const uint4*>(vn);
 }
+
 
 // ---- the rows of a block ----------------------------------------------------------------------------
 // Row ρ of (batch b, kv head kvh): query position i = ρ / G of head kvh·G + ρ % G. It sees keys [lo, hi) (counted from
@@ -168,11 +189,348 @@ __device__ __forceinline__ float logit(const AttentionParams& p, float qk, const
   return s;
 }
 
-// ---- one split of one (batch, kv head, row tile) --------------------------------------------------------
+// ---- what both split kernels share ------------------------------------------------------------------
+// The keys [begin, end) of split `split` of `splits` over the rows' keys [k_lo, k_hi): an equal part, at least
+// kDecodeMinSplitKeys and a multiple of `multiple` (short sequences use fewer splits; the others write empty partials).
+struct KeyRange {
+  int begin, end;
+};
+__device__ __forceinline__ KeyRange split_keys(int k_lo, int k_hi, int split, int splits, int multiple) {
+  const int span = max(k_hi - k_lo, 0);
+  const int chunk = (max((span + splits - 1) / splits, kDecodeMinSplitKeys) + multiple - 1) / multiple * multiple;
+  return {k_lo + static_cast<int>(min64(span, static_cast<int64_t>(split) * chunk)),
+          k_lo + static_cast<int>(min64(span, static_cast<int64_t>(split + 1) * chunk))};
+}
+
+// Merges kParts partials (O_g, m_g, l_g) of rows rho0 .. rho0 + kRows − 1, held in shared memory (o: [part][row]
+// [kOStride], m, l: [part][row]), the same merge as the splits', and writes out and lse (one split) or the split's
+// partial. Called by the whole block after a __syncthreads.
+template <int D, class T, int kRows, int kParts, int kOStride>
+__device__ __forceinline__ void merge_parts_and_write(const DecodeParams& dp, const float* sm_o, const float* sm_m,
+                                                      const float* sm_l, int b, int kvh, int bk, int rho0) {
+  const AttentionParams& p = dp.p;
+  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int rows_total = static_cast<int>(group * p.q_len);
+  const bool one_split = gridDim.y == 1;
+  for (int idx = threadIdx.x; idx < kRows * D; idx += kDecodeThreads) {
+    const int r = idx / D, c = idx % D, rho = rho0 + r;
+    if (rho >= rows_total) break;
+    float M = kNegInf;
+#pragma unroll
+    for (int g = 0; g < kParts; ++g) M = max_nan(M, sm_m[g * kRows + r]);
+    float L = 0.0f, O = 0.0f;
+#pragma unroll
+    for (int g = 0; g < kParts; ++g) {
+      const float w = M == kNegInf ? 0.0f : exp2f(sm_m[g * kRows + r] - M);  // even when 0: a NaN in O_g must show
+      L = fmaf(w, sm_l[g * kRows + r], L);
+      O = fmaf(w, sm_o[(g * kRows + r) * kOStride + c], O);
+    }
+    if (one_split) {
+      const int h = kvh * group + rho % group, i = rho / group;
+      T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[1] + i * p.out_strides[2];
+      out[c] = from_float<T>(O * (L == 0.0f ? 0.0f : 1.0f / L));
+      if (c == 0 && p.lse)
+        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = L == 0.0f ? kNegInf : (M + log2f(L)) * kLn2;
+    } else {
+      const int64_t at = (static_cast<int64_t>(bk) * gridDim.y + blockIdx.y) * rows_total + rho;
+      dp.part_o[at * D + c] = O;
+      if (c == 0) {
+        dp.part_ml[2 * at] = M;
+        dp.part_ml[2 * at + 1] = L;
+      }
+    }
+  }
+}
+
+// ---- one split of one (batch, kv head, row tile), on tensor cores (bf16, fp16) ---------------------------
+// The tile configuration of one (head dim, dtype): a block of kWarps warps over one m16 row tile, key tiles of
+// kBlockKeys (kWarpKeys a warp) in a ring of kStages, Q's 16 rows staged once in shared memory.
+template <int D, class T>
+struct Traits {
+  static constexpr int kThreads = kDecodeThreads;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kRows = kDecodeTileRows;
+  static constexpr int kBlockKeys = kDecodeBlockKeys;
+  static constexpr int kWarpKeys = kBlockKeys / kWarps;
+  static constexpr int kStages = kDecodeStages;
+  using QTile = SmemTile<kRows, D, T>;
+  using KVTile = SmemTile<kBlockKeys, D, T>;
+  static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KVTile::kBytes;  // Q, K[kStages], V[kStages]
+  // The warps' partials at the end, over the ring: O rows padded by 8 floats (the 8 rows a quad column writes at once
+  // fall in different banks).
+  static constexpr int kOStride = D + 8;
+  static constexpr int kMergeBytes = (kWarps * kRows * kOStride + 2 * kWarps * kRows) * static_cast<int>(sizeof(float));
+  static_assert(kRows == 16 && kWarpKeys == 16, "a warp's slice is one m16n8k16 product: 16 rows x 16 keys");
+  static_assert(kMergeBytes <= kSmemBytes, "the merge reuses the ring");
+  static_assert(kThreads % (D / 8) == 0 && kBlockKeys % (kThreads / (D / 8)) == 0, "every thread copies alike");
+};
+
+// Copies keys [j0, j0 + kBlockKeys) of K and V (row `leftpad + j` of the cache; zeros from k_end on) into one stage of
+// the ring, asynchronously. Each thread keeps one 16-byte column chunk and walks rows kThreads / (D / 8) apart.
+template <class Tr, int D, class T>
+__device__ __forceinline__ void copy_kv_tile_async(T* sK, T* sV, const DecodeParams& dp, const T* k_head,
+                                                   const T* v_head, int b, const Sequence& seq, int j0, int k_end) {
+  constexpr int kChunks = D / 8, kRowsPerPass = Tr::kThreads / kChunks;
+  const AttentionParams& p = dp.p;
+  const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+#pragma unroll
+  for (int i = 0; i < Tr::kBlockKeys / kRowsPerPass; ++i) {
+    const int r = r0 + i * kRowsPerPass, j = j0 + r;
+    T* dk = sK + r * Tr::KVTile::kStride + col;
+    T* dv = sV + r * Tr::KVTile::kStride + col;
+    if (j < k_end) {
+      const CacheSlot at = cache_slot(dp, b, seq, seq.leftpad + j);
+      cp_async_16(dk, at_slot<const T>(k_head, p.k_strides, at) + col, true);
+      cp_async_16(dv, at_slot<const T>(v_head, p.v_strides, at) + col, true);
+    } else {
+      cp_async_16(dk, k_head, false);
+      cp_async_16(dv, v_head, false);
+    }
+  }
+}
+
+// The logit pipeline and the online softmax on a warp's S (16 rows x 16 keys, C fragments: this lane's rows g and
+// g + 8, keys 2t, 2t + 1 of each n8 tile), in place: S becomes P, alpha the rows' rescale. Key j0 + k of row r counts
+// iff it is in [lo, hi) of the row and before k_end; the others are −inf and weigh 0. l is this lane's part of the row
+// sum (the quad's parts are added at the end); m is the row's (quad-reduced, NaN kept).
+__device__ __forceinline__ void slice_softmax(float (&s)[1][2][4], const AttentionParams& p, const Row (&rows)[2],
+                                              int j0, int k_end, int lane, float (&m)[2], float (&l)[2],
+                                              float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = kNegInf;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = j0 + n * 8 + (lane % 4) * 2 + e;
+        const bool visible = j < k_end && j >= rows[r].lo && j < rows[r].hi;
+        float& x = s[0][n][2 * r + e];
+        x = visible ? logit(p, x, rows[r], j) : kNegInf;
+        mx = max_nan(mx, x);
+      }
+    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = max_nan(m[r], mx);
+    // All −inf so far: weights 0, α 1 (the CPU's rule); else α = 2^(m − m'), 0 on a first key.
+    alpha[r] = m_new == kNegInf ? 1.0f : exp2f(m[r] - m_new);
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[0][n][2 * r + e];
+        x = m_new == kNegInf ? 0.0f : exp2f(x - m_new);
+        sum += x;
+      }
+    l[r] = fmaf(alpha[r], l[r], sum);
+    m[r] = m_new;
+  }
+}
+
+// Whether a key of the warp's slice (keys j0 .. j0 + 15 in rows 0 .. 15 of sV) that some row hides (outside
+// [all_lo, all_hi), before k_end) has a NaN or inf in its value row. Two lanes a key, half a row each.
+template <int D, class T, int kLd>
+__device__ __forceinline__ bool hidden_value_nonfinite(const T* sV, int j0, int k_end, int all_lo, int all_hi,
+                                                       int lane) {
+  const int k = lane / 2, j = j0 + k;
+  bool bad = false;
+  if (j < k_end && (j < all_lo || j >= all_hi)) {
+    const uint4* v = reinterpret_cast<const uint4*>(sV + k * kLd + (lane % 2) * (D / 2));
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+      const uint4 x = v[c];
+      bad |= nonfinite2<T>(x.x) || nonfinite2<T>(x.y) || nonfinite2<T>(x.z) || nonfinite2<T>(x.w);
+    }
+  }
+  return __any_sync(0xffffffffu, bad);
+}
+
+// O += P V over the slice's keys lane by lane, each row only over the keys it sees: a hidden key's value is never
+// multiplied into the row. P of key k for row g sits on lane 4g + (k % 8) / 2 (S's C fragment layout).
+template <int D, class T, int kLd>
+__device__ __forceinline__ void slice_pv_visible_only(float (&o)[1][D / 8][4], const float (&s)[1][2][4],
+                                                      const T* sV, const Row (&rows)[2], int j0, int k_end, int lane) {
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const int owner = (lane & ~3) | ((k % 8) / 2), j = j0 + k;
+    float pk[2];
+    pk[0] = __shfl_sync(0xffffffffu, s[0][k / 8][k % 2], owner);
+    pk[1] = __shfl_sync(0xffffffffu, s[0][k / 8][2 + k % 2], owner);
+    const T* v = sV + k * kLd + (lane % 4) * 2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (!(j < k_end && j >= rows[r].lo && j < rows[r].hi)) continue;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const float2 x = unpack2<T>(*reinterpret_cast<const uint32_t*>(v + n * 8));
+        o[0][n][2 * r] = fmaf(pk[r], x.x, o[0][n][2 * r]);
+        o[0][n][2 * r + 1] = fmaf(pk[r], x.y, o[0][n][2 * r + 1]);
+      }
+    }
+  }
+}
+
 // Grid: x = (batch · Hkv) · row tiles, y = the splits. Writes out and lse (one split), or the split's partials.
-template <int D, class T, int R>
+template <int D, class T>
 __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParams dp) {
-  using Tr = Traits<D, T, R>;
+  using Tr = Traits<D, T>;
+  constexpr int kRows = Tr::kRows, kStages = Tr::kStages, kBlockKeys = Tr::kBlockKeys;
+  constexpr int kLdQ = Tr::QTile::kStride, kLd = Tr::KVTile::kStride;
+  extern __shared__ __align__(16) char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + Tr::QTile::kElems;  // [kStages] tiles
+  T* sV = sK + kStages * Tr::KVTile::kElems;
+
+  const AttentionParams& p = dp.p;
+  const int bk = blockIdx.x / dp.row_tiles, tile = blockIdx.x % dp.row_tiles;
+  const int b = static_cast<int>(bk / p.num_kv_heads), kvh = static_cast<int>(bk % p.num_kv_heads);
+  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int rows_total = static_cast<int>(group * p.q_len);
+  const int rho0 = tile * kRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Sequence seq = sequence_of(dp, b);
+
+  // This lane's rows g and g + 8 of the tile. Over the tile's real rows: [k_lo, k_hi) the union of the keys they see
+  // (the block reads it), [all_lo, all_hi) the keys every one of them sees (a key outside it is hidden from some row).
+  Row rows[2];
+  int k_lo = seq.len, k_hi = 0, all_lo = 0, all_hi = seq.len;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int rho = rho0 + lane / 4 + 8 * r;
+    rows[r] = row_of(dp, b, kvh, rho, seq.len);
+    if (rows[r].hi > rows[r].lo) {
+      k_lo = min(k_lo, rows[r].lo);
+      k_hi = max(k_hi, rows[r].hi);
+    }
+    if (rho < rows_total) {
+      all_lo = max(all_lo, rows[r].lo);
+      all_hi = min(all_hi, rows[r].hi);
+    }
+  }
+#pragma unroll
+  for (int offset = 4; offset < 32; offset *= 2) {
+    k_lo = min(k_lo, __shfl_xor_sync(0xffffffffu, k_lo, offset));
+    k_hi = max(k_hi, __shfl_xor_sync(0xffffffffu, k_hi, offset));
+    all_lo = max(all_lo, __shfl_xor_sync(0xffffffffu, all_lo, offset));
+    all_hi = min(all_hi, __shfl_xor_sync(0xffffffffu, all_hi, offset));
+  }
+  const KeyRange keys = split_keys(k_lo, k_hi, blockIdx.y, gridDim.y, kBlockKeys);
+  const int n_tiles = (keys.end - keys.begin + kBlockKeys - 1) / kBlockKeys;
+
+  // Q's 16 rows (zeros for the padding rows) join the first tile's copy.
+  {
+    constexpr int kChunks = D / 8;
+    for (int idx = threadIdx.x; idx < kRows * kChunks; idx += Tr::kThreads) {
+      const int r = idx / kChunks, col = (idx % kChunks) * 8, rho = rho0 + r;
+      const bool valid = rho < rows_total;
+      const T* q = static_cast<const T*>(p.q);
+      const T* src = valid ? q + b * p.q_strides[0] + (kvh * group + rho % group) * p.q_strides[1] +
+                                 (rho / group) * p.q_strides[2] + col
+                           : q;
+      cp_async_16(sQ + r * kLdQ + col, src, valid);
+    }
+  }
+  const T* k_head = static_cast<const T*>(p.k) + kvh * p.k_strides[1];
+  const T* v_head = static_cast<const T*>(p.v) + kvh * p.v_strides[1];
+  // The ring: tiles 0 .. kStages − 2 in flight before any is used (one commit group a tile, empty past the last).
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < n_tiles)
+      copy_kv_tile_async<Tr, D>(sK + t * Tr::KVTile::kElems, sV + t * Tr::KVTile::kElems, dp, k_head, v_head, b, seq,
+                                keys.begin + t * kBlockKeys, keys.end);
+    cp_async_commit();
+  }
+
+  uint32_t q_frag[1][D / 16][4];
+  float o[1][D / 8][4];
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  zero_frags(o);
+  for (int i = 0; i < n_tiles; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile i is in stage i % kStages, and every warp is done with stage (i − 1) % kStages
+    if (i == 0) load_a_frags<T, 1, D, kLdQ>(q_frag, sQ, lane);
+    {  // tile i + kStages − 1 into the stage tile i − 1 left
+      const int t = i + kStages - 1;
+      if (t < n_tiles)
+        copy_kv_tile_async<Tr, D>(sK + (t % kStages) * Tr::KVTile::kElems, sV + (t % kStages) * Tr::KVTile::kElems,
+                                  dp, k_head, v_head, b, seq, keys.begin + t * kBlockKeys, keys.end);
+      cp_async_commit();
+    }
+    // The warp's slice: keys j0 .. j0 + 15, rows warp · 16 .. of the stage.
+    const int j0 = keys.begin + i * kBlockKeys + warp * Tr::kWarpKeys;
+    const T* sKw = sK + (i % kStages) * Tr::KVTile::kElems + warp * Tr::kWarpKeys * kLd;
+    const T* sVw = sV + (i % kStages) * Tr::KVTile::kElems + warp * Tr::kWarpKeys * kLd;
+
+    // S = Q K_sliceᵀ (the slice's rows are Kᵀ's columns: B stored n-major)
+    float s[1][2][4];
+    zero_frags(s);
+    warp_gemm_rs<T, 1, 2, D, kLd, false>(s, q_frag, sKw, lane);
+    float alpha[2];
+    slice_softmax(s, p, rows, j0, keys.end, lane, m, l, alpha);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[0][n][0] *= alpha[0];
+      o[0][n][1] *= alpha[0];
+      o[0][n][2] *= alpha[1];
+      o[0][n][3] *= alpha[1];
+    }
+    // O += P V_slice on tensor cores, unless a key some row hides has a non-finite value (rare: checked only where
+    // some row hides a key of the slice).
+    const int last = min(j0 + Tr::kWarpKeys, keys.end);
+    const bool some_hidden = j0 < last && (j0 < all_lo || last > all_hi);
+    if (some_hidden && hidden_value_nonfinite<D, T, kLd>(sVw, j0, keys.end, all_lo, all_hi, lane)) {
+      slice_pv_visible_only<D, T, kLd>(o, s, sVw, rows, j0, keys.end, lane);
+    } else {
+      uint32_t p_frag[1][1][4];
+      c_to_a_frags<T, 1, 2>(p_frag, s);
+      warp_gemm_rs<T, 1, D / 8, 16, kLd, true>(o, p_frag, sVw, lane);
+    }
+  }
+
+  // The warps' partials, merged through shared memory over the drained ring.
+  cp_async_wait<0>();
+  __syncthreads();
+  float* sm_o = reinterpret_cast<float*>(smem);  // [kWarps][kRows][kOStride]
+  float* sm_m = sm_o + Tr::kWarps * kRows * Tr::kOStride;
+  float* sm_l = sm_m + Tr::kWarps * kRows;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = lane / 4 + 8 * r;
+    const float row_l = quad_sum(l[r]);
+    float* dst = sm_o + (warp * kRows + row) * Tr::kOStride + (lane % 4) * 2;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[0][n][2 * r], o[0][n][2 * r + 1]);
+    if (lane % 4 == 0) {
+      sm_m[warp * kRows + row] = m[r];
+      sm_l[warp * kRows + row] = row_l;
+    }
+  }
+  __syncthreads();
+  merge_parts_and_write<D, T, kRows, Tr::kWarps, Tr::kOStride>(dp, sm_o, sm_m, sm_l, b, kvh, bk, rho0);
+}
+
+// ---- the float32 path: one split of one (batch, kv head, row tile), scalar ---------------------------------
+// float32 has no mma: R rows a block (1, 2, 4 or 8), kLanes lanes per key row with 16-byte loads (d = 128: 32 lanes,
+// one key per warp-load), kGroups key groups side by side, kUnroll keys each in flight before any is used, the next
+// step's keys prefetched into L2; S by a butterfly over a key's lanes, the online softmax row by row. Grid as the
+// tensor-core kernel's.
+template <int D, class T, int R>
+struct ScalarTraits {
+  static constexpr int kThreads = kDecodeThreads;
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
+  static constexpr int kLanes = D / kVec;                         // lanes that hold one key row
+  static constexpr int kGroups = kThreads / kLanes;               // keys read side by side
+  // Keys per group per step (2 · kUnroll 16-byte loads in flight per lane); fewer for 8 rows, whose q and O rows
+  // take the registers.
+  static constexpr int kUnroll = R <= 4 ? 8 : 4;
+  static constexpr int kStepKeys = kGroups * kUnroll;
+  static_assert(kLanes >= 1 && kLanes <= 32 && 32 % kLanes == 0, "a key row within one warp");
+};
+template <int D, class T, int R>
+__global__ void __launch_bounds__(kDecodeThreads) scalar_split_kernel(const DecodeParams dp) {
+  using Tr = ScalarTraits<D, T, R>;
   constexpr int kVec = Tr::kVec, kLanes = Tr::kLanes, kGroups = Tr::kGroups, kUnroll = Tr::kUnroll;
   const AttentionParams& p = dp.p;
   const int row_tiles = dp.row_tiles;
@@ -200,12 +558,9 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
                                             rows[r].head * p.q_strides[1] + rows[r].pos * p.q_strides[2] + col);
     unpack16<T, kVec>(raw, q[r]);
   }
-  // This split's share of them: an equal part, at least kDecodeMinSplitKeys (short sequences use fewer splits; the
-  // others write empty partials).
-  const int span = max(k_hi - k_lo, 0), splits = gridDim.y;
-  const int chunk = max((span + splits - 1) / splits, kDecodeMinSplitKeys);
-  const int k_begin = k_lo + static_cast<int>(min64(span, static_cast<int64_t>(split) * chunk));
-  const int k_end = k_lo + static_cast<int>(min64(span, static_cast<int64_t>(split + 1) * chunk));
+  // This split's share of them.
+  const KeyRange keys = split_keys(k_lo, k_hi, split, gridDim.y, 1);
+  const int k_begin = keys.begin, k_end = keys.end;
 
   float m[R], l[R], o[R][kVec];
 #pragma unroll
@@ -311,36 +666,7 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
     }
   }
   __syncthreads();
-  const bool one_split = gridDim.y == 1;
-  for (int idx = threadIdx.x; idx < R * D; idx += kDecodeThreads) {
-    const int r = idx / D, c = idx % D, rho = rho0 + r;
-    if (rho >= rows_total) break;
-    float M = kNegInf;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) M = max_nan(M, sm_m[g][r]);
-    float L = 0.0f, O = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      const float w = M == kNegInf ? 0.0f : exp2f(sm_m[g][r] - M);  // even when 0: a NaN in O_g must show
-      L = fmaf(w, sm_l[g][r], L);
-      O = fmaf(w, sm_o[g][r][c], O);
-    }
-    if (one_split) {
-      const int group_size = static_cast<int>(p.num_heads / p.num_kv_heads);
-      const int h = kvh * group_size + rho % group_size, i = rho / group_size;
-      T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[1] + i * p.out_strides[2];
-      out[c] = from_float<T>(O * (L == 0.0f ? 0.0f : 1.0f / L));
-      if (c == 0 && p.lse)
-        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = L == 0.0f ? kNegInf : (M + log2f(L)) * kLn2;
-    } else {
-      const int64_t at = (static_cast<int64_t>(bk) * gridDim.y + split) * rows_total + rho;
-      dp.part_o[at * D + c] = O;
-      if (c == 0) {
-        dp.part_ml[2 * at] = M;
-        dp.part_ml[2 * at + 1] = L;
-      }
-    }
-  }
+  merge_parts_and_write<D, T, R, kGroups, D>(dp, &sm_o[0][0][0], &sm_m[0][0], &sm_l[0][0], b, kvh, bk, rho0);
 }
 
 // ---- the merge of the splits ------------------------------------------------------------------------
@@ -380,10 +706,24 @@ __global__ void __launch_bounds__(kDecodeThreads) combine_kernel(const DecodePar
     p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = L == 0.0f ? kNegInf : (M + log2f(L)) * kLn2;
 }
 
-template <int D, class T, int R>
-cudaError_t launch_split(const DecodeParams& dp, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(dp.p.batch * dp.p.num_kv_heads * dp.row_tiles), dp.splits);
-  split_kernel<D, T, R><<<grid, kDecodeThreads, 0, stream>>>(dp);
+template <int D, class T>
+cudaError_t launch_split(const DecodeParams& dp, const dim3& grid, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    switch (dp.rows_per_block) {
+      case 1: scalar_split_kernel<D, T, 1><<<grid, kDecodeThreads, 0, stream>>>(dp); break;
+      case 2: scalar_split_kernel<D, T, 2><<<grid, kDecodeThreads, 0, stream>>>(dp); break;
+      case 4: scalar_split_kernel<D, T, 4><<<grid, kDecodeThreads, 0, stream>>>(dp); break;
+      case 8: scalar_split_kernel<D, T, 8><<<grid, kDecodeThreads, 0, stream>>>(dp); break;
+      default: return cudaErrorInvalidValue;
+    }
+  } else {
+    if (dp.rows_per_block != kDecodeTileRows) return cudaErrorInvalidValue;
+    constexpr int kSmem = Traits<D, T>::kSmemBytes;
+    const cudaError_t err =
+        cudaFuncSetAttribute(split_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+    split_kernel<D, T><<<grid, kDecodeThreads, kSmem, stream>>>(dp);
+  }
   return cudaGetLastError();
 }
 
@@ -397,15 +737,11 @@ cudaError_t run(const DecodeParams& dp, cudaStream_t stream) {
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  cudaError_t err = cudaErrorInvalidValue;
-  switch (dp.rows_per_block) {
-    case 1: err = launch_split<D, T, 1>(dp, stream); break;
-    case 2: err = launch_split<D, T, 2>(dp, stream); break;
-    case 4: err = launch_split<D, T, 4>(dp, stream); break;
-    case 8: err = launch_split<D, T, 8>(dp, stream); break;
-  }
-  if (err != cudaSuccess || dp.splits == 1) return err;
   const int64_t rows = p.batch * p.num_kv_heads * (p.num_heads / p.num_kv_heads) * p.q_len;
+  if (rows == 0) return cudaSuccess;  // no query row: nothing to write
+  const dim3 grid(static_cast<unsigned>(p.batch * p.num_kv_heads * dp.row_tiles), dp.splits);
+  const cudaError_t err = launch_split<D, T>(dp, grid, stream);
+  if (err != cudaSuccess || dp.splits == 1) return err;
   constexpr int kWarps = kDecodeThreads / 32;
   combine_kernel<D, T><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kDecodeThreads, 0, stream>>>(dp);
   return cudaGetLastError();
@@ -424,6 +760,7 @@ cudaError_t run_dtype(const DecodeParams& dp, cudaStream_t stream) {
 
 // ---- the heuristics ---------------------------------------------------------------------------------
 int decode_rows_per_block(const AttentionParams& p) {
+  if (p.dtype != DType::f32) return kDecodeTileRows;
   const int64_t rows = p.num_heads / p.num_kv_heads * p.q_len;
   return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kDecodeMaxRowsPerBlock;
 }
@@ -431,12 +768,22 @@ int decode_rows_per_block(const AttentionParams& p) {
 int decode_splits(const AttentionParams& p, int64_t capacity, int rows_per_block, int sms) {
   const int64_t row_tiles = (p.num_heads / p.num_kv_heads * p.q_len + rows_per_block - 1) / rows_per_block;
   const int64_t blocks = p.batch * p.num_kv_heads * row_tiles;
-  if (blocks <= 0) return 1;
-  // Blocks for kDecodeBlocksPerSm per SM, each split at least kDecodeMinSplitKeys keys of the cache's capacity.
-  const int64_t wanted = (static_cast<int64_t>(kDecodeBlocksPerSm) * sms + blocks - 1) / blocks;
-  const int64_t most = (capacity + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys;
-  const int64_t splits = wanted < most ? wanted : most;
-  return static_cast<int>(splits < 1 ? 1 : splits > kDecodeMaxSplits ? kDecodeMaxSplits : splits);
+  if (blocks <= 0 || sms <= 0) return 1;
+  // At most one split per kDecodeMinSplitKeys keys of the capacity, and kDecodeMaxSplits.
+  int64_t most = (capacity + kDecodeMinSplitKeys - 1) / kDecodeMinSplitKeys;
+  most = most < 1 ? 1 : most > kDecodeMaxSplits ? kDecodeMaxSplits : most;
+  // The blocks of s splits fill waves of kDecodeBlocksPerSm · sms; the last wave's empty slots are idle SMs. Take the
+  // fewest splits (fewest partials to merge) whose waves are within kDecodeWaveEfficiency of the best count's.
+  const double slots = static_cast<double>(kDecodeBlocksPerSm) * sms;
+  auto efficiency = [&](int64_t s) {
+    const double waves = static_cast<double>(blocks * s) / slots;
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= most; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = 1; s <= most; ++s)
+    if (efficiency(s) >= kDecodeWaveEfficiency * best) return static_cast<int>(s);
+  return 1;
 }
 
 cudaError_t flash_decode(const DecodeParams& dp, cudaStream_t stream) {
