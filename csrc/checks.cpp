@@ -487,17 +487,9 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   check_options(q, Impl::flash, dtype, false, window_left, window_right, dropout_p, dropout_seed, softcap,
                 alibi_slopes, slopes_shape);
   // What the CUDA varlen kernels do not take yet (csrc/cuda/flash_api.cpp), whatever dense calls on CUDA take.
-  if (q.device().is_cuda()) {
+  if (q.device().is_cuda())
     TORCH_CHECK_NOT_IMPLEMENTED(!paged, "block_table (a paged KV cache) in varlen_attention is not supported on CUDA "
                                 "yet (CPU only); pass k and v packed, (total_k, heads_kv, head_dim)");
-    TORCH_CHECK_NOT_IMPLEMENTED(window_left == -1 && window_right == -1 && dropout_p == 0.0 && softcap == 0.0 &&
-                                    !is_given(alibi_slopes),
-                                "varlen_attention on CUDA takes no window, dropout_p, softcap or alibi_slopes yet "
-                                "(CPU only)");
-    TORCH_CHECK_NOT_IMPLEMENTED(dtype == DType::f32 || !scale || *scale >= 0.0,
-                                "varlen_attention on CUDA takes scale >= 0 in bfloat16/float16 (its packed kernels "
-                                "take the max of raw scores), got scale = ", scale.value_or(0.0), " (CPU: any scale)");
-  }
   return dtype;
 }
 

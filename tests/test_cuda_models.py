@@ -85,11 +85,12 @@ def torch_attention_kernel(name):
             and any(w in n for w in ("fmha", "flash", "sdpa", "attention")))
 
 
-def run_counted(model, fn, backward_ops=0):
+def run_counted(model, fn, backward_ops=0, softmax_elsewhere=False):
     """fn()'s result, after checking with torch.profiler that every call of an attention module ran one cs149gpt
     operator (at the top: not counting those it calls inside), that they launched our kernels (at least one per
     call, forward and backward), and that nothing of torch's attention ran: no SDPA or softmax operator, no
-    attention kernel of aten or cuDNN. backward_ops: the cs149gpt backward operators the call must run."""
+    attention kernel of aten or cuDNN. backward_ops: the cs149gpt backward operators the call must run.
+    softmax_elsewhere: the model has softmax outside attention (a mixture of experts' router): softmax not counted."""
     calls = []
     hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in attention_modules(model)]
     try:
@@ -118,8 +119,8 @@ def run_counted(model, fn, backward_ops=0):
     kernels = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     mine = [n for n in kernels if ours_kernel(n)]
     theirs = sorted({n for n in kernels if torch_attention_kernel(n)})
-    torch_ops = sorted({e.name for e in events if "scaled_dot_product" in e.name or e.name in
-                        ("aten::softmax", "aten::_softmax", "aten::_safe_softmax")})
+    softmax = () if softmax_elsewhere else ("aten::softmax", "aten::_softmax", "aten::_safe_softmax")
+    torch_ops = sorted({e.name for e in events if "scaled_dot_product" in e.name or e.name in softmax})
     assert calls, "no attention module ran"
     # At least one of our ops per call: the static cache's generate compiles its decoding step, whose attention calls
     # the modules' hooks do not see (44 ops for 20 hooked calls); every attention is ours either way (below).
@@ -295,3 +296,37 @@ def test_llama_padding_free_training_step(registered, dtype, flash_kwargs):
         size = grads_e[n].norm().item() + 1e-12
         e_ours, e_torch = (grads[n] - grads_e[n]).norm().item() / size, (grads_t[n] - grads_e[n]).norm().item() / size
         assert e_ours <= max(2 * e_torch, 4 * FLOOR[dtype]), f"{n}: {e_ours:.3g} vs eager's {e_torch:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss: one learned logit per head in every row's softmax, passed as s_aux): our kernel's output
+# rescaled by sigmoid(lse − sink) (integration.py); transformers refuses "sdpa" for such models, so the yardstick is
+# its eager attention in the same dtype. Sliding-window layers alternate with full ones.
+# ---------------------------------------------------------------------------------------------------------
+def gpt_oss_config():
+    return transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=None,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sink_model_padded_batch(dtype, side):
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    ours = build(gpt_oss_config, "cs149gpt", dtype)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("sinks"):  # away from 0: some rows put most of their weight on the sink
+                p.copy_(torch.linspace(-2.0, 3.0, p.numel(), device=CUDA))
+    state = {k: v.float().cpu() for k, v in ours.state_dict().items()}
+    yardstick = build(gpt_oss_config, "eager", dtype, state)
+    eager = build(gpt_oss_config, "eager", torch.float32, state)
+    ids, mask = (t.to(CUDA) for t in padded_batch(VOCAB, [40, 23, 1, 33], 40, side, low=3))
+    with torch.no_grad():
+        got = run_counted(ours, lambda: ours(input_ids=ids, attention_mask=mask).logits, softmax_elsewhere=True)
+        theirs = yardstick(input_ids=ids, attention_mask=mask).logits
+        want = eager(input_ids=ids, attention_mask=mask).logits
+    check_logits(got, theirs, want, dtype, f"gpt-oss {side} padding", keep=mask.bool())

@@ -400,37 +400,87 @@ def test_compile_fullgraph_forward_backward():
 
 
 def test_what_cuda_does_not_take_is_refused_alike_in_eager_and_fake():
-    """A paged KV cache (block_table), window/softcap/ALiBi/dropout and a negative scale in varlen calls are refused on CUDA, by the check
-    the fake shares: the same error in eager mode and in FakeTensorMode (so torch.compile refuses it while tracing)."""
+    """A paged KV cache (block_table) in varlen calls is refused on CUDA, by the check the fake shares: the same error
+    in eager mode and in FakeTensorMode (so torch.compile refuses it while tracing)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q, k, v, cu_q, cu_k = packed([(12, 12), (5, 9)], 4, 2, 64, torch.bfloat16)
     cache = rand((4, 16, 2, 64), torch.bfloat16, 3)
     table = torch.tensor([[0], [1]], dtype=torch.int32, device=CUDA)
-    slopes = torch.ones(4, device=CUDA)
-    cases = [
-        (lambda q, k, v, cq, ck, t: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, block_table=t),
-         (q, cache, cache, int32(cu_q), int32(cu_k), table), NotImplementedError, "block_table"),
-        (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, window=(4, 0)),
-         (q, k, v, int32(cu_q), int32(cu_k)), (NotImplementedError, ValueError), "window.*CUDA|CUDA.*window"),
-        (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, softcap=30.0),
-         (q, k, v, int32(cu_q), int32(cu_k)), (NotImplementedError, ValueError), "softcap.*CUDA|CUDA.*softcap"),
-        (lambda q, k, v, cq, ck, s: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, alibi_slopes=s),
-         (q, k, v, int32(cu_q), int32(cu_k), slopes), (NotImplementedError, ValueError),
-         "alibi_slopes.*CUDA|CUDA.*alibi_slopes"),
-        (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, dropout_p=0.1),
-         (q, k, v, int32(cu_q), int32(cu_k)), (NotImplementedError, ValueError), "dropout_p.*CUDA|CUDA.*dropout_p"),
-        (lambda q, k, v, cq, ck: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, scale=-0.5),
-         (q, k, v, int32(cu_q), int32(cu_k)), NotImplementedError, "CUDA takes scale >= 0"),
-    ]
-    for fn, args, error, match in cases:
-        with pytest.raises(error, match=match) as eager:
-            fn(*args)
-        with FakeTensorMode() as mode:
-            fake = [mode.from_tensor(t) for t in args]
-            with pytest.raises(error, match=match) as traced:
-                fn(*fake)
-        assert type(eager.value) is type(traced.value) and str(eager.value) == str(traced.value)
+    fn = lambda q, k, v, cq, ck, t: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, block_table=t)  # noqa: E731
+    args = (q, cache, cache, int32(cu_q), int32(cu_k), table)
+    with pytest.raises(NotImplementedError, match="block_table") as eager:
+        fn(*args)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in args]
+        with pytest.raises(NotImplementedError, match="block_table") as traced:
+            fn(*fake)
+    assert str(eager.value) == str(traced.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Windows, softcap, ALiBi, dropout and a negative scale in varlen calls: the general kernel over packed sequences,
+# each block on its sequence's view; against the CPU's varlen kernel (tested against float64 in test_varlen.py) on
+# the same inputs in float32, and the same (seed, offset) for dropout (both devices draw the same keep mask).
+# ---------------------------------------------------------------------------------------------------------
+FEATURES = {
+    "window (16, 0)": dict(window_left=16, window_right=0),
+    "window (40, 7) causal": dict(window_left=40, window_right=7, causal=True),
+    "softcap": dict(softcap=5.0, scale=0.5),
+    "alibi (H,)": dict(alibi="heads"),
+    "alibi (B,H) causal": dict(alibi="rows", causal=True),
+    "softcap+alibi+window causal": dict(softcap=8.0, alibi="heads", window_left=30, window_right=-1, causal=True),
+    "dropout 0.2": dict(dropout_p=0.2),
+    "dropout 0.1 causal alibi": dict(dropout_p=0.1, alibi="heads", causal=True),
+    "scale -0.3 causal": dict(scale=-0.3, causal=True),
+}
+FEATURE_LENGTHS = [(77, 77), (0, 5), (1, 1), (300, 300), (5, 0), (300, 77), (77, 300), (1, 200)]
+
+
+def op_call(q, k, v, cu_q, cu_k, seed, alibi_slopes, kw, device):
+    """torch.ops.cs149gpt.varlen_attention on `device` with an explicit dropout (seed, offset)."""
+    longest = lambda cu: max(b - a for a, b in zip(cu, cu[1:]))  # noqa: E731
+    to = lambda t: t.to(device) if t is not None else None  # noqa: E731
+    return torch.ops.cs149gpt.varlen_attention(
+        to(q), to(k), to(v), to(int32(cu_q)), to(int32(cu_k)), longest(cu_q), longest(cu_k), kw.get("scale"),
+        bool(kw.get("causal", False)), kw.get("window_left", -1), kw.get("window_right", -1),
+        float(kw.get("dropout_p", 0.0)), seed, float(kw.get("softcap", 0.0)), to(alibi_slopes), None)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("dtype", FAST_DTYPES, ids=str)
+def test_features_forward_backward_equal_the_cpu(dtype, feature):
+    kw = FEATURES[feature]
+    hq, hkv, d = 4, 2, 64
+    q, k, v, cu_q, cu_k = packed(FEATURE_LENGTHS, hq, hkv, d, dtype, seed=41)
+    batch = len(cu_q) - 1
+    slopes = {None: None, "heads": torch.linspace(0.05, 0.5, hq, device=CUDA),
+              "rows": torch.linspace(0.05, 0.5, batch * hq, device=CUDA).reshape(batch, hq)}[kw.get("alibi")]
+    seed = torch.tensor([1234, 56], dtype=torch.int64) if kw.get("dropout_p") else None
+    out, lse = op_call(q, k, v, cu_q, cu_k, seed, slopes, kw, CUDA)
+    want, want_lse = op_call(q.float(), k.float(), v.float(), cu_q, cu_k, seed, slopes, kw, "cpu")
+    err = max_err(out.cpu(), want)
+    assert err <= CAPS[dtype], f"{feature}: out max abs error {err:.3g} against the CPU's float32"
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), f"{feature}: lse -inf at other rows"
+    assert max_err(lse.cpu()[finite], want_lse[finite]) <= 1e-2, feature
+
+    # Gradients: the CUDA backward against the CPU's, through autograd on both devices.
+    dout = rand(q.shape, dtype, 43)
+
+    def grads_on(device, cast):
+        leaves = [cast(t).to(device).detach().requires_grad_() for t in (q, k, v)]
+        o = op_call(*leaves, cu_q, cu_k, seed, slopes, kw, device)[0]
+        return torch.autograd.grad(o, leaves, cast(dout).to(device))
+
+    ours = grads_on(CUDA, lambda t: t)
+    theirs = grads_on("cpu", lambda t: t.float())
+    scale = max(g.abs().max().item() for g in theirs if g.numel()) + 1e-6
+    cap = 4e-2 if dtype == torch.bfloat16 else 1e-2
+    for name, got, ref in zip(("dq", "dk", "dv"), ours, theirs):
+        assert torch.isfinite(got).all(), f"{feature}: {name} non-finite"
+        e = max_err(got.cpu(), ref) / scale
+        assert e <= cap, f"{feature}: {name} relative max error {e:.3g} against the CPU's float32"
 
 
 @pytest.mark.parametrize("cu_q, cu_k, max_q, error, match", [

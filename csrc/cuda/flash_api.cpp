@@ -355,6 +355,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const a
   VarlenPrepared c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale,
                                     causal);
   AttentionParams& p = c.p;
+  const at::Tensor alibi = fill_options(p, p.q_len + p.kv_len, window_left, window_right, dropout_p, dropout_seed,
+                                        softcap, alibi_slopes);
   const at::Tensor out = packed_output(q.sizes(), c.covers, q.options());
   point_at_packed(p.out, p.out_strides, out.transpose(0, 1).unsqueeze(0));
   const at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
@@ -387,6 +389,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
                                     causal);
   AttentionBackwardParams bp;
   bp.fwd = c.p;
+  const at::Tensor alibi = fill_options(bp.fwd, bp.fwd.q_len + bp.fwd.kv_len, window_left, window_right, dropout_p,
+                                        dropout_seed, softcap, alibi_slopes);
   const int64_t total_q = q.size(0), total_k = k.size(0), heads = q.size(1), kv_heads = k.size(1), d = q.size(2);
   const at::Tensor out4 = packed_as_4d(out, true), dout4 = packed_as_4d(dout, true);
   point_at_packed(bp.fwd.out, bp.fwd.out_strides, out4);

@@ -271,14 +271,15 @@ cudaError_t launch_flash_fwd(const AttentionParams& p, cudaStream_t stream) {
 }
 
 // The general kernel (attn_mask, window, softcap, ALiBi, dropout): one instantiation per configuration it is
-// launched with, causal or not at run time.
+// launched with (dense and packed), causal or not at run time.
 template <class Traits>
 cudaError_t launch_flash_fwd_general(const AttentionParams& p, cudaStream_t stream) {
   const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
   const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
-  if (p.cu_seqlens_q != nullptr) return cudaErrorNotSupported;  // packed sequences: checks.cpp refuses these options
   if (heads == 0 || m_blocks == 0) return cudaSuccess;
-  auto kernel = flash_fwd_kernel<Traits, false, false, true>;
+  // Packed sequences: each block takes its sequence's view (sequence_view: lengths, offsets, dropout's numbering).
+  auto kernel = p.cu_seqlens_q != nullptr ? flash_fwd_kernel<Traits, false, true, true>
+                                          : flash_fwd_kernel<Traits, false, false, true>;
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
