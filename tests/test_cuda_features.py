@@ -195,6 +195,23 @@ def test_key_padding_over_many_tiles(dtype, kind, causal, forward_path):
     check_forward(out, lse, want, want_lse, dtype, f"{kind} causal={causal}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_huge_additive_entries(dtype, forward_path):
+    """Finite additive entries near float32's limit (−1e38: a padding convention) are added, not taken for −inf: a
+    row whose entries are all −1e38 averages its keys, as torch and the CPU do; a row with one +inf entry is NaN."""
+    q, k, v = make_qkv(dtype, 64, seed=9)
+    B, Hq, _, Nq, Nk = SHAPE
+    g = torch.Generator(device=CUDA).manual_seed(10)
+    mask = torch.where(torch.rand(B, 1, Nq, Nk, generator=g, device=CUDA) < 0.3, -1e38, 0.0)
+    mask[0, 0, 5] = -1e38  # every key of row 5 carries −1e38
+    out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, return_lse=True)
+    want, want_lse = reference(q, k, v, attn_mask=mask)
+    check_forward(out, None, want, None, dtype, "entries of -1e38")
+    mask[1, 0, 7, 3] = float("inf")
+    out = cs149gpt.attention(q, k, v, attn_mask=mask)
+    assert torch.isnan(out[1, :, 7]).all() and torch.isfinite(out[1, :, 6]).all()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_negative_scale(dtype, causal, forward_path):

@@ -509,8 +509,10 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t page_size = k_cache.size(2);
   const int64_t capacity = paged ? checked_product({block_table->size(1), page_size}) : k_cache.size(2);
   const int64_t added = append ? k_new->size(2) : 0;
-  TORCH_CHECK_VALUE(capacity >= 0 && capacity <= INT32_MAX, "attention_with_kvcache on CUDA takes caches of at most ",
-                    INT32_MAX, " keys per sequence, got ", capacity);
+  // (2^30: the decode kernels count keys in int, with room for a split's and a tile's step past the end)
+  constexpr int64_t kMaxCacheKeys = int64_t{1} << 30;
+  TORCH_CHECK_VALUE(capacity >= 0 && capacity <= kMaxCacheKeys, "attention_with_kvcache on CUDA takes caches of at "
+                    "most ", kMaxCacheKeys, " keys per sequence, got ", capacity);
   TORCH_CHECK_VALUE(added <= capacity, "k_new has ", added, " new keys, more than the cache's capacity of ", capacity,
                     " keys");
 

@@ -11,9 +11,9 @@
 namespace cs149gpt {
 namespace cuda {
 
-// The forward's conditions on q, k, v, out, the call and the device (no attn_mask or window: the backward has no key
-// spans) (out is read only by the delta kernel, but the
-// same alignment costs nothing), plus: lse given, dout read by TMA like q, dk and dv written with 4-byte stores.
+// The forward's conditions on q, k, v, out, the call and the device (out is read only by the delta kernel, but the
+// same alignment costs nothing), without attn_mask or window (the backward has no key spans), plus: lse given, dout
+// read by TMA like q, dk and dv written with 4-byte stores.
 bool hopper_bwd_supports(const AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
   const auto aligned4 = [](const void* ptr, const int64_t (&strides)[3]) {

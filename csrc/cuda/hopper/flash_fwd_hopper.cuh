@@ -169,12 +169,15 @@ struct RowSpans {
   int b, h;
 };
 
+constexpr float kMaskMax = 1e37f;  // an additive entry's cap, scaled: its logit and the softmax's shift stay finite
+
 // Key spans on a tile that is not inside every row's exact span: keys outside the row's span become −inf (set, never
 // added to: a NaN in such a key's k never reaches the row); inside, a row whose span is not exact reads its entries
 // (boolean: 0 hides the key; additive: added to scale·s, here in raw-score units, divided by scale > 0).
 template <class Traits>
 __device__ __forceinline__ void mask_scores_spans(float (&s)[Traits::kBlockN / 2], const AttentionParams& p,
                                                   const RowSpans& rs, int64_t row0, int64_t n0, int lane) {
+  const float cap = kMaskMax / fmaxf(p.scale, 1.f);  // in raw-score units, |scale · cap| <= kMaskMax
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const KeySpan& span = rs.span[r];
@@ -202,7 +205,11 @@ __device__ __forceinline__ void mask_scores_spans(float (&s)[Traits::kBlockN / 2
                             : p.mask_dtype == DType::bf16
                                 ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at))
                                 : __half2float(*reinterpret_cast<const __half*>(at));
-            x = m == -INFINITY ? -INFINITY : x + m / p.scale;
+            // −inf hides the key; +inf and NaN make the row NaN (the non-finite rule); a finite entry is added,
+            // its raw-score value clamped so that a huge one stays finite as it does scaled (the other kernels).
+            x = m == -INFINITY        ? -INFINITY
+                : !(fabsf(m) < INFINITY) ? m
+                                         : x + fmaxf(fminf(m / p.scale, cap), -cap);
           }
         }
       }
@@ -585,7 +592,7 @@ cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t strea
   const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
   if (heads == 0 || m_blocks == 0) return cudaSuccess;  // no query rows: nothing to write
   if (kSpans != has_mask_or_window(p)) return cudaErrorInvalidValue;
-  decltype(&flash_fwd_hopper_kernel<Traits, kMaskNone>) kernel;
+  void (*kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const AttentionParams, int);
   if constexpr (kSpans)
     kernel = flash_fwd_hopper_kernel<Traits, kMaskSpans>;
   else
