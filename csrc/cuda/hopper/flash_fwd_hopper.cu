@@ -61,10 +61,8 @@ bool hopper_takes_shapes(const AttentionParams& p) {
 }
 
 bool hopper_fwd_supports(const AttentionParams& p) {
-  // attn_mask (through mask_key_bounds' key ranges), windows and causal: key spans; an additive mask's entries are
-  // added in raw-score units (divided by scale), so it needs scale > 0.
-  const bool spans_ok = p.mask_kind != MaskKind::additive || p.scale > 0.f;
-  return spans_ok && (p.mask == nullptr || p.key_ranges != nullptr) && hopper_takes_shapes(p);
+  // attn_mask (through mask_key_bounds' key ranges), windows and causal: key spans.
+  return (p.mask == nullptr || p.key_ranges != nullptr) && hopper_takes_shapes(p);
 }
 
 cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {

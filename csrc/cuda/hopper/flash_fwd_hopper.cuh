@@ -169,15 +169,13 @@ struct RowSpans {
   int b, h;
 };
 
-constexpr float kMaskMax = 1e37f;  // an additive entry's cap, scaled: its logit and the softmax's shift stay finite
-
-// Key spans on a tile that is not inside every row's exact span: keys outside the row's span become −inf (set, never
-// added to: a NaN in such a key's k never reaches the row); inside, a row whose span is not exact reads its entries
-// (boolean: 0 hides the key; additive: added to scale·s, here in raw-score units, divided by scale > 0).
+// Key spans on a tile that is not inside every row's exact span, its scores already base-2 logits (scale · log2(e) · s):
+// keys outside the row's span become −inf (set, never added to: a NaN in such a key's k never reaches the row);
+// inside, a row whose span is not exact reads its entries (boolean: 0 hides the key; additive: log2(e) · entry added,
+// as flash_mask.cuh's Logits: −inf hides the key, +inf and NaN make the row NaN).
 template <class Traits>
 __device__ __forceinline__ void mask_scores_spans(float (&s)[Traits::kBlockN / 2], const AttentionParams& p,
                                                   const RowSpans& rs, int64_t row0, int64_t n0, int lane) {
-  const float cap = kMaskMax / fmaxf(p.scale, 1.f);  // in raw-score units, |scale · cap| <= kMaskMax
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const KeySpan& span = rs.span[r];
@@ -205,11 +203,7 @@ __device__ __forceinline__ void mask_scores_spans(float (&s)[Traits::kBlockN / 2
                             : p.mask_dtype == DType::bf16
                                 ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at))
                                 : __half2float(*reinterpret_cast<const __half*>(at));
-            // −inf hides the key; +inf and NaN make the row NaN (the non-finite rule); a finite entry is added,
-            // its raw-score value clamped so that a huge one stays finite as it does scaled (the other kernels).
-            x = m == -INFINITY        ? -INFINITY
-                : !(fabsf(m) < INFINITY) ? m
-                                         : x + fmaxf(fminf(m / p.scale, cap), -cap);
+            x = m == -INFINITY ? -INFINITY : fmaf(m, kLog2e, x);
           }
         }
       }
@@ -272,7 +266,7 @@ struct ConsumerRows {
   int64_t row0;       // query index of the thread's row g (its other row is row0 + 8)
   int64_t wg_first;   // the warpgroup's first query row
   int lane;
-  float scale_log2;   // scale · log2(e)
+  float scale_log2;   // scale · log2(e): the softmax's factor on raw scores (key spans: 1, the scores pre-scaled)
   int n_first;        // the block's first key tile (key spans; else 0)
   RowSpans spans;     // (key spans only)
   int full_lo, full_hi;
@@ -287,6 +281,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[Traits::kBlockN / 2], fl
                                              int n) {
   const int64_t n0 = static_cast<int64_t>(rows.n_first + n) * Traits::kBlockN;
   if constexpr (kMask == kMaskSpans) {
+    // Base-2 logits first, as the general FA2 kernel has them: an additive entry then adds to them in their units (a
+    // huge finite one, −1e38, stays finite and the softmax's shift cancels it exactly).
+    const float c = p.scale * kLog2e;
+#pragma unroll
+    for (int i = 0; i < Traits::kBlockN / 2; ++i) s[i] *= c;
     if (!(n0 >= rows.full_lo && n0 + Traits::kBlockN <= rows.full_hi))
       mask_scores_spans<Traits>(s, p, rows.spans, rows.row0, n0, rows.lane);
   } else {
@@ -415,13 +414,14 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
 
 // ---- the consumers' epilogue ------------------------------------------------------------------------------------------
 // O / l in T, staged through the warpgroup's own 64 rows of the Q tile (no wgmma reads them any more) so that global
-// memory is written in whole 16-byte row chunks; lse = scale·m + log l (−inf, and O = 0, for a row that saw no key).
+// memory is written in whole 16-byte row chunks; lse = scale·m + log l (−inf, and O = 0, for a row that saw no key);
+// m_to_natural: scale for m in raw scores, ln 2 for m in base-2 logits (key spans).
 // The staging uses the 128-byte swizzle's pattern (chunk c of row r at c ^ (r % 8)): a quad's 4-byte writes then hit
 // 32 different banks.
 template <class Traits>
 __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim / 2], const float (&m)[2],
                                               const float (&l)[2], const AttentionParams& p, char* q_tile, int wg,
-                                              int64_t b, int64_t h, int64_t m0) {
+                                              int64_t b, int64_t h, int64_t m0, float m_to_natural) {
   using T = typename Traits::T;
   constexpr int kD = Traits::kHeadDim;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -467,7 +467,7 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
       const int64_t q_row = m0 + wg * 64 + warp * 16 + lane / 4 + 8 * r;
       if (q_row < p.q_len)
         p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + q_row] =
-            row_l[r] == 0.f ? -INFINITY : m[r] * p.scale + logf(row_l[r]);
+            row_l[r] == 0.f ? -INFINITY : m[r] * m_to_natural + logf(row_l[r]);
     }
 }
 
@@ -562,7 +562,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int wg = warpgroup - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int64_t row0 = m0 + wg * 64 + warp * 16 + lane / 4;
-    ConsumerRows rows{wg, row0, m0 + wg * 64, lane, p.scale * kLog2e, n_first};
+    ConsumerRows rows{wg, row0, m0 + wg * 64, lane, kMask == kMaskSpans ? 1.f : p.scale * kLog2e, n_first};
     if constexpr (kMask == kMaskSpans) {
       rows.spans = {{key_span(p, b, h, row0), key_span(p, b, h, row0 + 8)}, b, h};
       rows.full_lo = span_bounds[2 + 2 * wg];
@@ -579,7 +579,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kMask>(sm, q_w, p, rows, n_tiles, o, m, l);
       else mainloop_serial<Traits, kMask>(sm, q_w, p, rows, n_tiles, o, m, l);
     }
-    write_out_lse<Traits>(o, m, l, p, sm.q, wg, b, h, m0);
+    write_out_lse<Traits>(o, m, l, p, sm.q, wg, b, h, m0, kMask == kMaskSpans ? kLn2 : p.scale);
   }
 #endif
 }
