@@ -486,7 +486,7 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   };
   check_options(q, Impl::flash, dtype, false, window_left, window_right, dropout_p, dropout_seed, softcap,
                 alibi_slopes, slopes_shape);
-  // What the CUDA varlen kernels do not take yet (csrc/cuda/flash_api.cpp), whatever dense calls on CUDA take.
+  // The CUDA varlen kernels take what dense CUDA calls take, but not a paged cache (csrc/cuda/flash_api.cpp).
   if (q.device().is_cuda())
     TORCH_CHECK_NOT_IMPLEMENTED(!paged, "block_table (a paged KV cache) in varlen_attention is not supported on CUDA "
                                 "yet (CPU only); pass k and v packed, (total_k, heads_kv, head_dim)");

@@ -181,7 +181,8 @@ def test_mask_forward(dtype, d, mask_name, causal, forward_path):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_key_padding_over_many_tiles(dtype, kind, causal, forward_path):
     """A padded batch longer than the kernels' tiles: sequences ending inside a tile, on a tile's edge, past half the
-    keys, one key long; whole key tiles past a sequence's end are never visited, the rest read without a mask."""
+    keys, one key long. Key tiles past a sequence's end are never read: NaN there (from the first 128-key boundary past
+    the end: both kernels' tiles divide 128) leaves the output finite."""
     B, H, N, d = 5, 4, 700, 128
     q, k, v = make_qkv(dtype, d, seed=5, shape=(B, H, H, N, N))
     lengths = torch.tensor([700, 512, 357, 129, 1], device=CUDA)
@@ -190,15 +191,21 @@ def test_key_padding_over_many_tiles(dtype, kind, causal, forward_path):
         mask = keep[:, None, None, :].expand(B, 1, N, N).contiguous()
     else:
         mask = keep[:, None, None, :] if kind == "bool" else torch.where(keep, 0.0, NEG_INF)[:, None, None, :]
-    out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=causal, return_lse=True)
+    v_unread = v.clone()
+    for b, n in enumerate(lengths.tolist()):
+        v_unread[b, :, -(-n // 128) * 128:] = float("nan")
+    out, lse = cs149gpt.attention(q, k, v_unread, attn_mask=mask, is_causal=causal, return_lse=True)
     want, want_lse = reference(q, k, v, attn_mask=mask, causal=causal)
     check_forward(out, lse, want, want_lse, dtype, f"{kind} causal={causal}")
+    names = kernel_names(lambda: cs149gpt.attention(q, k, v, attn_mask=mask, is_causal=causal))
+    assert any("hopper" in n for n in names) == (forward_path == "hopper"), names
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_huge_additive_entries(dtype, forward_path):
-    """Finite additive entries near float32's limit (−1e38: a padding convention) are added, not taken for −inf: a
-    row whose entries are all −1e38 averages its keys, as torch and the CPU do; a row with one +inf entry is NaN."""
+    """Additive entries of −1e38 (finite also times log2 e; finfo.min is not, and hides its key: README, Limitations)
+    are added, not taken for −inf: a row whose entries are all −1e38 averages its keys, as torch and the CPU do; a row
+    with one +inf entry is NaN."""
     q, k, v = make_qkv(dtype, 64, seed=9)
     B, Hq, _, Nq, Nk = SHAPE
     g = torch.Generator(device=CUDA).manual_seed(10)
@@ -207,6 +214,12 @@ def test_huge_additive_entries(dtype, forward_path):
     out, lse = cs149gpt.attention(q, k, v, attn_mask=mask, return_lse=True)
     want, want_lse = reference(q, k, v, attn_mask=mask)
     check_forward(out, None, want, None, dtype, "entries of -1e38")
+    live = torch.ones_like(want_lse, dtype=torch.bool)
+    live[0, :, 5] = False
+    assert max_err(lse[live], want_lse[live]) <= 1e-2, "lse"
+    torch.testing.assert_close(lse[0, :, 5].double(), want_lse[0, :, 5], rtol=1e-6, atol=0)
+    names = kernel_names(lambda: cs149gpt.attention(q, k, v, attn_mask=mask))
+    assert any("hopper" in n for n in names) == (forward_path == "hopper"), names
     mask[1, 0, 7, 3] = float("inf")
     out = cs149gpt.attention(q, k, v, attn_mask=mask)
     assert torch.isnan(out[1, :, 7]).all() and torch.isfinite(out[1, :, 6]).all()
@@ -224,6 +237,8 @@ def test_negative_scale(dtype, causal, forward_path):
     check_forward(out, lse, want, want_lse, dtype, f"scale -0.5 causal={causal}")
     check_gradients(lambda a, b, c: cs149gpt.attention(a, b, c, scale=-0.5, is_causal=causal),
                     lambda a, b, c: reference(a, b, c, scale=-0.5, causal=causal)[0], q, k, v, dtype, "scale -0.5")
+    names = kernel_names(lambda: cs149gpt.attention(q, k, v, scale=-0.5, is_causal=causal))
+    assert not any("hopper" in n for n in names), "the Hopper kernels decline scale < 0"
 
 
 @pytest.mark.parametrize("mask_name", MASK_NAMES)

@@ -213,8 +213,8 @@ def test_long_cache_split(page, nq):
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_rows_over_several_tiles_with_splits(dtype):
-    """GQA group 8 at q_len 3: 24 rows, a full row tile and one of 8 rows and 8 padding rows; long caches (splits, each
-    ending in a partial key tile), a window cutting across the splits, paged."""
+    """GQA group 8 at q_len 3: 24 rows, a full row tile and one of 8 rows and 8 padding rows; long caches (several
+    splits, the last ending in a partial key tile), a window cutting across the splits, paged."""
     check(dtype, 2, 16, 2, 3, 4096, 64, 1, 16, seed=18, window=(2500, -1), lengths=[4000, 1500])
 
 

@@ -420,8 +420,9 @@ def test_what_cuda_does_not_take_is_refused_alike_in_eager_and_fake():
 
 # ---------------------------------------------------------------------------------------------------------
 # Windows, softcap, ALiBi, dropout and a negative scale in varlen calls: the general kernel over packed sequences,
-# each block on its sequence's view; against the CPU's varlen kernel (tested against float64 in test_varlen.py) on
-# the same inputs in float32, and the same (seed, offset) for dropout (both devices draw the same keep mask).
+# each block on its sequence's view; against the CPU's varlen kernel (tested against float64 in test_varlen.py; a
+# negative scale there only in test_attention.py's dense calls) on the same inputs in float32, and the same (seed,
+# offset) for dropout (both devices draw the same keep mask).
 # ---------------------------------------------------------------------------------------------------------
 FEATURES = {
     "window (16, 0)": dict(window_left=16, window_right=0),

@@ -86,10 +86,10 @@ struct DecodeParams {
 // Tile and split constants, each with its reason. bf16/fp16 run on tensor cores, float32 on the scalar kernel. With them
 // K and V stream at 77-87 % of an H200's copy rate from 8k keys at batch >= 8 (bench.py cuda --suite decode: Hq 32,
 // Hkv 8, d 128, bf16); at batch 1 the call's fixed ~20 us dominates (26 % at 8k keys, 52 % at 32k).
-constexpr int kDecodeThreads = 128;        // 4 warps: each takes a 16-key slice of every key tile (both kernels)
+constexpr int kDecodeThreads = 128;        // 4 warps (tensor cores: each a 16-key slice of every key tile)
 constexpr int kDecodeTileRows = 16;        // rows a block on tensor cores: one m16 tile (G x q_len <= 16: K, V read once)
 constexpr int kDecodeBlockKeys = 64;       // keys a tile: 16 a warp, the k of one m16n8k16 P V product
-constexpr int kDecodeStages = 3;           // 2 tiles in flight while one is used: 68 KB a block at d 128 bf16
+constexpr int kDecodeStages = 3;  // 2 tiles in flight while one is used (106 KiB a block at d 128; 2 where less fits)
 constexpr int kDecodeBlocksPerSm = 2;      // blocks resident per SM at d 128 (106 KB of shared memory each)
 constexpr int kDecodeMinSplitKeys = 256;   // 4 tiles: the ring fills before a split ends; a partial is small beside them
 constexpr double kDecodeWaveEfficiency = 0.85;  // fewer splits when their last wave is this full (fewer partials)

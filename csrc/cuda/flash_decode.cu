@@ -17,7 +17,7 @@
 //   (each (row, key) on one lane, row max and sum over the 4 lanes of a quad), then O += P V (P's A fragments are S's C
 //   fragments, V by ldmatrix.trans; O in float32 C fragments);
 // - at the end the 4 warps' (m, l, O) are merged through shared memory, the same merge as the splits'.
-// Each warp runs the online softmax of its own keys (flash_common.h's, in base 2):
+// Each warp runs the online softmax of its own keys (csrc/kernels/flash_common.h's, in base 2):
 //   s_j = log2(e) · c(scale · q·k_j),  m' = max(m, max_j s_j),  α = 2^(m − m'),  l = α·l + Σ_j 2^(s_j − m'),
 //   O = α·O + Σ_j 2^(s_j − m') v_j          (c: softcap and ALiBi where the call has them)
 // float32 has no mma: its calls run the scalar kernel below (lanes of 16-byte loads per key row, several rows a block).
@@ -719,7 +719,7 @@ cudaError_t launch_split(const DecodeParams& dp, const dim3& grid, cudaStream_t 
   } else {
     if (dp.rows_per_block != kDecodeTileRows) return cudaErrorInvalidValue;
     // kDecodeStages where the ring fits a block's shared memory; 2 (one tile in flight) on GPUs with less (d 128:
-    // 109 KB against 99 KB on sm_86 / sm_89).
+    // 106 KiB against 99 KiB on sm_86 / sm_89).
     int device = 0, optin = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);

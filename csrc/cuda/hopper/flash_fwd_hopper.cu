@@ -43,8 +43,9 @@ bool device_runs_sm90a() {
 using hopper::aligned16;
 using hopper::strides_ok;
 
-// The shapes, layout and device the Hopper kernels take (forward and backward alike). The max of raw scores they take
-// is the max of the logits only for scale >= 0 (a negative scale runs the general FA2 kernel, which scales first).
+// The shapes, layout and device the Hopper kernels take (forward and backward alike). The plain and causal kernels take
+// the max of raw scores, the logits' max only for scale >= 0: a negative scale runs the general FA2 kernel (the
+// key-spans kernel scales first, but shares this check).
 bool hopper_takes_shapes(const AttentionParams& p) {
   constexpr int64_t kMaxRows = int64_t{1} << 30;  // TMA coordinates are int32
   const bool call = p.dropout_p == 0.0f && !has_logit_mods(p) && p.cu_seqlens_q == nullptr &&

@@ -10,8 +10,10 @@
 //                           hand K_j's and V_j's buffers back to the producer as soon as their product is done
 //     O /= l;   lse = scale·m + log l
 //
-// As in flash_fwd.cuh, everything is in exp2 (scale·log2(e) folded into one multiply-add per score), masked keys are
-// −inf, and a row that sees no key writes O = 0 and lse = −inf. The two consumer warpgroups share the tensor cores:
+// As in flash_fwd.cuh, everything is in exp2: the plain and causal kernels fold scale·log2(e) into one multiply-add per
+// score; the key-spans kernel first turns S into base-2 logits (scale·log2(e)·S, as flash_mask.cuh's Logits), so its m
+// is in those units and lse = ln2·m + log l. Masked keys are −inf, and a row that sees no key writes O = 0 and
+// lse = −inf. The two consumer warpgroups share the tensor cores:
 // while one runs its softmax the other's products run. The traits choose the mainloop: serial (the loop above as
 // written), overlapped (S_{j+1} and P_j V_j issued together, the softmax of S_{j+1} under P_j V_j) and, on top of it,
 // the ping-pong schedule (the warpgroups take turns to issue their products).
@@ -19,7 +21,8 @@
 // Masking (kMask): none; causal (keys past each row's diagonal); or key spans: attn_mask (through mask_key_bounds' key
 // ranges, flash_mask.cuh's key_span), sliding windows and causal together. With spans, the block visits only the key
 // tiles some row of it sees, and masks a tile only where it is not inside every row's exact span; there, a key outside
-// the row's span is −inf and a row whose mask is not exact reads its entries (boolean: 0 hides; additive: added).
+// the row's span is −inf and a row whose mask is not exact reads its entries (boolean: 0 hides; additive: log2(e)·entry
+// added to the base-2 logit). The producer warpgroup's 128 threads first find the block's rows' spans, one row each.
 #pragma once
 
 #include <cuda.h>
@@ -210,9 +213,10 @@ __device__ __forceinline__ void mask_scores_spans(float (&s)[Traits::kBlockN / 2
   }
 }
 
-// m' = max(m, rowmax S);  P = exp(scale (S − m'));  alpha = e^{scale(m − m')};  l = alpha l + rowsum P.
-// In place: S becomes P. m is in raw logits; a row that has seen no key keeps m = −inf and P = 0, no NaN. l is this
-// thread's part of its row's sum; the quad's four parts are added once, at the end.
+// m' = max(m, rowmax S);  P = 2^(c (S − m'));  alpha = 2^(c (m − m'));  l = alpha l + rowsum P, with c = scale_log2
+// (scale·log2(e) on raw scores; 1 under key spans, whose S is already base-2 logits). In place: S becomes P. m is in S's
+// units; a row that has seen no key keeps m = −inf and P = 0, no NaN. l is this thread's part of its row's sum; the
+// quad's four parts are added once, at the end.
 template <class Traits>
 __device__ __forceinline__ void online_softmax(float (&s)[Traits::kBlockN / 2], float (&m)[2], float (&l)[2],
                                                float (&alpha)[2], float scale_log2) {
@@ -414,8 +418,8 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
 
 // ---- the consumers' epilogue ------------------------------------------------------------------------------------------
 // O / l in T, staged through the warpgroup's own 64 rows of the Q tile (no wgmma reads them any more) so that global
-// memory is written in whole 16-byte row chunks; lse = scale·m + log l (−inf, and O = 0, for a row that saw no key);
-// m_to_natural: scale for m in raw scores, ln 2 for m in base-2 logits (key spans).
+// memory is written in whole 16-byte row chunks; lse = m_to_natural·m + log l (−inf, and O = 0, for a row that saw no
+// key); m_to_natural: scale for m in raw scores, ln 2 for m in base-2 logits (key spans).
 // The staging uses the 128-byte swizzle's pattern (chunk c of row r at c ^ (r % 8)): a quad's 4-byte writes then hit
 // 32 different banks.
 template <class Traits>
