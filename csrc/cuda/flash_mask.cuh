@@ -66,6 +66,16 @@ __device__ __forceinline__ void block_key_range(int lo, int hi, int* first, int*
   *end = s_end;
 }
 
+// The base-2 logit x with the attn_mask entry at `at` applied: −inf where a boolean entry is 0 or an additive one is
+// −inf, else x + log2(e) · the additive entry.
+__device__ __forceinline__ float with_mask_entry_at(const AttentionParams& p, float x, const char* at) {
+  if (p.mask_kind == MaskKind::boolean) return *reinterpret_cast<const uint8_t*>(at) == 0 ? -INFINITY : x;
+  const float m = p.mask_dtype == DType::f32    ? *reinterpret_cast<const float*>(at)
+                  : p.mask_dtype == DType::bf16 ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at))
+                                                : __half2float(*reinterpret_cast<const __half*>(at));
+  return m == -INFINITY ? -INFINITY : fmaf(m, kLog2e, x);
+}
+
 // One (batch, query head)'s logit pipeline: everything after S = Q Kᵀ up to the base-2 logit (the top of this file).
 struct Logits {
   const char* mask = nullptr;  // attn_mask's entry (b, h, 0, 0); null without one
@@ -98,19 +108,11 @@ struct Logits {
       x = s * (p.scale * kLog2e);
     }
     if (p.alibi_slopes != nullptr) x -= slope * kLog2e * fabsf(static_cast<float>(i + p.kv_len - p.q_len - j));
-    if (mask != nullptr && read_mask) {
-      const char* at = mask + i * mask_row + j * mask_key;
-      if (p.mask_kind == MaskKind::boolean) {
-        if (*reinterpret_cast<const uint8_t*>(at) == 0) return -INFINITY;
-      } else {
-        const float m = p.mask_dtype == DType::f32    ? *reinterpret_cast<const float*>(at)
-                        : p.mask_dtype == DType::bf16 ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at))
-                                                      : __half2float(*reinterpret_cast<const __half*>(at));
-        if (m == -INFINITY) return -INFINITY;
-        x = fmaf(m, kLog2e, x);
-      }
-    }
-    return x;
+    return mask != nullptr && read_mask ? with_mask_entry(p, x, i, j) : x;
+  }
+
+  __device__ __forceinline__ float with_mask_entry(const AttentionParams& p, float x, int64_t i, int64_t j) const {
+    return with_mask_entry_at(p, x, mask + i * mask_row + j * mask_key);
   }
 };
 

@@ -182,7 +182,7 @@ __device__ __forceinline__ void mask_scores_spans(float (&s)[Traits::kBlockN / 2
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const KeySpan& span = rs.span[r];
-    const char* entries = nullptr;
+    const char* entries = nullptr;  // the row's attn_mask entries, read only where its span is not exact
     int64_t key_bytes = 0;
     if (!span.exact) {
       const Logits logits(p, rs.b, rs.h);
@@ -195,20 +195,8 @@ __device__ __forceinline__ void mask_scores_spans(float (&s)[Traits::kBlockN / 2
       for (int c = 0; c < 2; ++c) {
         const int64_t key = n0 + j * 8 + (lane % 4) * 2 + c;
         float& x = s[4 * j + 2 * r + c];
-        if (key < span.lo || key >= span.hi) {
-          x = -INFINITY;
-        } else if (!span.exact) {
-          const char* at = entries + key * key_bytes;
-          if (p.mask_kind == MaskKind::boolean) {
-            if (*reinterpret_cast<const uint8_t*>(at) == 0) x = -INFINITY;
-          } else {
-            const float m = p.mask_dtype == DType::f32 ? *reinterpret_cast<const float*>(at)
-                            : p.mask_dtype == DType::bf16
-                                ? __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at))
-                                : __half2float(*reinterpret_cast<const __half*>(at));
-            x = m == -INFINITY ? -INFINITY : fmaf(m, kLog2e, x);
-          }
-        }
+        if (key < span.lo || key >= span.hi) x = -INFINITY;
+        else if (!span.exact) x = with_mask_entry_at(p, x, entries + key * key_bytes);
       }
   }
 }
