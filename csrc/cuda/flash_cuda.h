@@ -80,6 +80,7 @@ struct DecodeParams {
   int row_tiles = 1;       // blocks along the G x q_len rows of a (batch, kv head), each reading the keys once
   int splits = 1;          // blocks along the keys (decode_splits); > 1: partials in part_o, part_ml, then merged
   int page_shift = -1;     // paged: log2(page_size) where it is a power of two (a shift per key, not a division)
+  int smem_per_block = 0;  // the device's shared memory a block may opt into (the ring's stages: launch_split)
   float* part_o = nullptr;   // (batch x Hkv, splits, G x q_len, head_dim) float32
   float* part_ml = nullptr;  // (batch x Hkv, splits, G x q_len, 2) float32: m_s, l_s (base 2)
 };

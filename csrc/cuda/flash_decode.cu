@@ -720,15 +720,11 @@ cudaError_t launch_split(const DecodeParams& dp, const dim3& grid, cudaStream_t 
     if (dp.rows_per_block != kDecodeTileRows) return cudaErrorInvalidValue;
     // kDecodeStages where the ring fits a block's shared memory; 2 (one tile in flight) on GPUs with less (d 128:
     // 106 KiB against 99 KiB on sm_86 / sm_89).
-    int device = 0, optin = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (err != cudaSuccess) return err;
     constexpr int kSmem = Traits<D, T>::kSmemBytes, kSmemTwo = Traits<D, T, 2>::kSmemBytes;
-    const bool full_ring = kSmem <= optin;
+    const bool full_ring = kSmem <= dp.smem_per_block;
     const auto kernel = full_ring ? split_kernel<D, T, kDecodeStages> : split_kernel<D, T, 2>;
     const int smem = full_ring ? kSmem : kSmemTwo;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kDecodeThreads, smem, stream>>>(dp);
   }
