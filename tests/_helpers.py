@@ -167,3 +167,19 @@ def padded_batch(vocab, lengths, n, side, seed=0, low=1):
         else:
             mask[i, :length] = 1
     return ids, mask
+
+
+def check_window_wider_than_every_sequence(window, device, dtype):
+    """attention_with_kvcache with a window bound past every key (sys.maxsize meaning "no bound") equals the call with
+    that side open (window=None where both are), causal or not, bit for bit: never an int64 overflow that hides keys;
+    a sequence shorter than Nq − 1 included. The CPU's and CUDA's kvcache tests share it."""
+    g = torch.Generator().manual_seed(1300)
+    q = torch.randn(2, 4, 3, 64, generator=g).to(device, dtype)
+    k, v = (torch.randn(2, 2, 40, 64, generator=g).to(device, dtype) for _ in range(2))
+    seqlens = torch.tensor([40, 1], dtype=torch.int32, device=device)
+    open_sides = tuple(-1 if bound > 1000 else bound for bound in window)
+    for causal in (False, True):
+        want = cs149gpt.attention_with_kvcache(q, k, v, seqlens, is_causal=causal,
+                                               window=None if open_sides == (-1, -1) else open_sides)
+        got = cs149gpt.attention_with_kvcache(q, k, v, seqlens, is_causal=causal, window=window)
+        assert torch.equal(got, want), (causal, window)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cs149gpt
+from tests._helpers import check_window_wider_than_every_sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
 
@@ -471,14 +472,4 @@ def test_unaligned_cache_refused():
 
 @pytest.mark.parametrize("window", [(-1, 2**63 - 1), (2**63 - 1, 2**63 - 1), (2**62, 0)])
 def test_a_window_wider_than_every_sequence_is_no_window(window):
-    """A bound past every key (sys.maxsize: "no bound") leaves its side open, as the CPU op does: no int64 overflow."""
-    g = gen(1300)
-    q = randn((2, 4, 3, 64), g, torch.bfloat16).to(CUDA)
-    k, v = (randn((2, 2, 40, 64), g, torch.bfloat16).to(CUDA) for _ in range(2))
-    seqlens = torch.tensor([40, 1], dtype=torch.int32, device=CUDA)
-    open_sides = tuple(-1 if bound > 1000 else bound for bound in window)
-    for causal in (False, True):
-        want = cs149gpt.attention_with_kvcache(q, k, v, seqlens, is_causal=causal,
-                                               window=None if open_sides == (-1, -1) else open_sides)
-        got = cs149gpt.attention_with_kvcache(q, k, v, seqlens, is_causal=causal, window=window)
-        assert torch.equal(got, want), (causal, window)
+    check_window_wider_than_every_sequence(window, CUDA, torch.bfloat16)

@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cs149gpt
-from tests._helpers import gen, isa  # noqa: F401  (isa: fixture)
+from tests._helpers import check_window_wider_than_every_sequence, gen, isa  # noqa: F401  (isa: fixture)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # float32: max abs error on randn inputs; bf16/fp16: norm-relative error against float64 on the same (upcast)
@@ -507,15 +507,4 @@ def test_lengths_past_the_block_table_name_it():
 
 @pytest.mark.parametrize("window", [(-1, 2**63 - 1), (2**63 - 1, 2**63 - 1), (2**62, 0)])
 def test_a_window_wider_than_every_sequence_is_no_window(window):
-    """sys.maxsize meaning "no bound" on a side (and any bound past every key) leaves that side open, as with
-    window=None, never an int64 overflow that hides keys; a sequence shorter than Nq − 1 included."""
-    g = gen(1300)
-    q = randn((2, 4, 3, 64), g, torch.float32)
-    k, v = randn((2, 2, 40, 64), g, torch.float32), randn((2, 2, 40, 64), g, torch.float32)
-    seqlens = torch.tensor([40, 1], dtype=torch.int32)
-    open_sides = tuple(-1 if bound > 1000 else bound for bound in window)
-    for causal in (False, True):
-        want = cs149gpt.attention_with_kvcache(q, k, v, seqlens, is_causal=causal,
-                                               window=None if open_sides == (-1, -1) else open_sides)
-        got = cs149gpt.attention_with_kvcache(q, k, v, seqlens, is_causal=causal, window=window)
-        assert torch.equal(got, want), (causal, window)
+    check_window_wider_than_every_sequence(window, "cpu", torch.float32)
