@@ -2,7 +2,7 @@
 //
 //   producer warpgroup (one thread):   Q_block once;  for each key tile j: wait until K's (V's) buffer of stage j % 2
 //                                      is empty, then TMA K_j (V_j) into it, completing on its own mbarrier
-//   consumer warpgroup w (64 query rows each, 2 per block, w = 0, 1):
+//   consumer warpgroup w (64 query rows each, 2 or 3 per block):
 //     for each key tile j:  wait K_j;   S = Q_w K_jᵀ                                  (wgmma, both from shared memory)
 //                           m' = max(m, rowmax S);   P = exp(scale (S − m'))
 //                           l = e^{scale(m − m')} l + rowsum P;   O = e^{scale(m − m')} O;   m = m'
@@ -13,8 +13,8 @@
 // As in flash_fwd.cuh, everything is in exp2: the plain and causal kernels fold scale·log2(e) into one multiply-add per
 // score; the key-spans kernel first turns S into base-2 logits (scale·log2(e)·S, as flash_mask.cuh's Logits), so its m
 // is in those units and lse = ln2·m + log l. Masked keys are −inf, and a row that sees no key writes O = 0 and
-// lse = −inf. The two consumer warpgroups share the tensor cores:
-// while one runs its softmax the other's products run. The traits choose the mainloop: serial (the loop above as
+// lse = −inf. The consumer warpgroups share the tensor cores:
+// while one runs its softmax another's products run. The traits choose the mainloop: serial (the loop above as
 // written), overlapped (S_{j+1} and P_j V_j issued together, the softmax of S_{j+1} under P_j V_j) and, on top of it,
 // the ping-pong schedule (the warpgroups take turns to issue their products).
 //
@@ -254,7 +254,7 @@ __device__ __forceinline__ void scores_to_a_frags(uint32_t (&a)[Traits::kBlockN 
 // A consumer thread's place: its rows and the softmax's constant; under key spans, its rows' spans and the key range
 // [full_lo, full_hi) where every row of its warpgroup sees every key exactly (tiles inside it need no mask).
 struct ConsumerRows {
-  int wg;             // the consumer warpgroup, 0 or 1
+  int wg;             // the consumer warpgroup, 0 .. kConsumerWarpgroups − 1
   int64_t row0;       // query index of the thread's row g (its other row is row0 + 8)
   int64_t wg_first;   // the warpgroup's first query row
   int lane;
@@ -323,25 +323,27 @@ __device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, c
 }
 
 // Named barriers (ids; 0 is __syncthreads'): the epilogue's, one per consumer warpgroup, and the ping-pong's turns.
-constexpr int kEpilogueBarrier = 1;  // + warpgroup
-constexpr int kTurnBarrier = 3;      // + warpgroup
+constexpr int kEpilogueBarrier = 1;  // + warpgroup (at most 3)
+constexpr int kTurnBarrier = 4;      // + warpgroup
 
 // The ping-pong schedule (Traits::kPingPong): a consumer warpgroup issues its products only in its turn (it waits on
-// barrier kTurnBarrier + its index) and hands the turn to the other once they are issued, so that its softmax runs
-// while the other's products occupy the tensor cores. Warpgroup 0 starts (warpgroup 1 arrives on its barrier first).
-// Each warpgroup takes the turn once per issue point and hands it over as often, except warpgroup 1 after its last
-// one (warpgroup 0 waits no more): every barrier phase that is started completes.
+// barrier kTurnBarrier + its index) and hands the turn to the next (w + 1, the last back to 0) once they are issued, so
+// that its softmax runs while the others' products occupy the tensor cores. Warpgroup 0 starts (the last warpgroup
+// arrives on its barrier first). Each warpgroup takes the turn once per issue point and hands it over as often, except
+// the last one after its last (warpgroup 0 waits no more): every barrier phase that is started completes.
 template <class Traits>
 struct IssueTurns {
+  static constexpr int kLast = Traits::kConsumerWarpgroups - 1;
   int wg, issue_points, issued = 0;
   __device__ IssueTurns(int wg_, int issue_points_) : wg(wg_), issue_points(issue_points_) {
-    if (Traits::kPingPong && wg == 1) named_barrier_arrive(kTurnBarrier + 0, 256);
+    if (Traits::kPingPong && wg == kLast) named_barrier_arrive(kTurnBarrier + 0, 256);
   }
   __device__ void take() {
     if (Traits::kPingPong) named_barrier_sync(kTurnBarrier + wg, 256);
   }
   __device__ void hand_over() {
-    if (Traits::kPingPong && !(wg == 1 && ++issued == issue_points)) named_barrier_arrive(kTurnBarrier + 1 - wg, 256);
+    if (Traits::kPingPong && !(wg == kLast && ++issued == issue_points))
+      named_barrier_arrive(kTurnBarrier + (wg == kLast ? 0 : wg + 1), 256);
   }
 };
 

@@ -1,13 +1,14 @@
 // Tile shapes, warpgroups, pipeline depth and shared-memory layout of the Hopper forward and backward, apart from the
 // algorithm.
 //
-// One block = 3 warpgroups: warpgroup 0 is the producer (one thread issues every TMA copy), warpgroups 1 and 2 the
-// consumers, each owning 64 query rows (wgmma's M). Shared memory holds Q once and a ring of kStages (K, V) tiles.
+// One block = 1 + kConsumerWarpgroups warpgroups: warpgroup 0 is the producer (one thread issues every TMA copy), the
+// others the consumers, each owning 64 query rows (wgmma's M). Shared memory holds Q once and a ring of kStages (K, V) tiles.
 // Every tile is stored as head_dim / 64 panels of (rows x 64 columns): a 128-byte row per panel, the widest box a
 // 128-byte swizzled TMA copy takes, and exactly one K-major swizzle atom row for wgmma.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace cs149gpt {
 namespace cuda {
@@ -19,22 +20,26 @@ namespace hopper {
 // kPingPong (with kOverlap): the two consumer warpgroups take turns to issue their products (two named barriers), so
 // that one's softmax runs while the other's products occupy the tensor cores (FlashAttention-3's ping-pong).
 // kBlockN: keys per tile (Bc), a multiple of 16 that wgmma_ss has an N for.
-template <int kHeadDim_, class T_, bool kOverlap_ = true, bool kPingPong_ = false, int kBlockN_ = 128>
+// kConsumerWarpgroups: 2 (Br 128) or 3 (Br 192, FlashAttention-3's tile at d 64; the ping-pong's turn then goes round
+// the three).
+template <int kHeadDim_, class T_, bool kOverlap_ = true, bool kPingPong_ = false, int kBlockN_ = 128,
+          int kConsumerWarpgroups_ = 2, int kStages_ = 2>
 struct FwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kConsumerWarpgroups = 2;
-  static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);  // 384
+  static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
+  static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);  // 384 or 512
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;           // query rows per block (Br)
   // Bc = 128 at both head dims (default): S (64 x 128) and O (64 x d) float32 fragments, 64 + 64 registers per thread
   // at d 128, fit the consumers' 240 with room for P; 2 stages of K and V then take 128 KB (d 128) of the 227 KB.
   // 176 (FlashAttention-3's Bc for d 128 without a causal mask; wgmma_ss has N = 64, 128, 176) fits too: 208 KB,
   // S 88 + P 44 + O 64 registers, no spill.
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = 2;  // (K, V) tiles in flight: the copy of tile j + 1 runs under the products of tile j
-  // setmaxnreg: 128 x 24 + 256 x 240 = 64512 <= 65536 registers of the SM (one block per SM).
+  static constexpr int kStages = kStages_;  // (K, V) tiles in flight: the copy of tile j + 1 runs under the products of j
+  // setmaxnreg: 128 x 24 + 256 x 240 (or 384 x 160) = 64512 <= 65536 registers of the SM (one block per SM). Three
+  // consumer warpgroups at 160 hold S (Bc / 2), P (Bc / 4) and O (d / 2): Bc 128 at d 64, not 192.
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPingPong = kPingPong_;
   static_assert(!kPingPong || kOverlap, "the ping-pong schedule is that of the overlapped mainloop");
@@ -60,12 +65,16 @@ struct FwdTraits {
   static_assert(kHeadDim <= 256 && kBlockN <= 256 && kBlockM <= 256, "a TMA box and a wgmma N are at most 256");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 block");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536, "the SM's registers");
+  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3, "Br 128 or 192");
 };
 
 // The shipped schedule per head dim (H100, B 4, H 16, N 8192, bf16): ping-pong with Bc 176 at d 128, 711 TFLOP/s full
-// and 658 causal (overlap with Bc 128: 680 and 633); ping-pong at d 64, 429 causal (overlap: 359), 405 full (411).
+// and 658 causal (overlap with Bc 128: 680 and 633). At d 64 three consumer warpgroups (Br 192) in ping-pong (H200,
+// B·N 16384, H 32): 1.17-1.21x two (Br 128) full, 1.06-1.12x causal at N >= 8192, 0.98-1.01x at N 2048-4096; Bc 192
+// with two is 1.03-1.09x two at Bc 128 full, 0.95-1.05x causal.
 template <int kHeadDim, class T>
-using DefaultFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, kHeadDim == 128 ? 176 : 128>;
+using DefaultFwdTraits = std::conditional_t<kHeadDim == 128, FwdTraits<128, T, /*kOverlap=*/true, /*kPingPong=*/true, 176>,
+                                            FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128, 3>>;
 // attn_mask and windows (key spans): Bc 128 at both head dims (ptxas, d 128: 48 bytes of spill; at Bc 176, 1.5 KB).
 template <int kHeadDim, class T>
 using SpansFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128>;
@@ -90,7 +99,7 @@ using SpansFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/t
 // kDeltaVec: D = rowsum(dO ∘ O) by flash_bwd_delta_vec_kernel (16-byte loads, head_dim / 8 lanes a row); false: by
 // flash_bwd.cuh's flash_bwd_delta_kernel (4-byte loads, a warp a row).
 template <int kHeadDim_, class T_, bool kDqTma_ = false, bool kDvEarly_ = false, int kPolyExpEvery_ = 0,
-          bool kDeltaVec_ = false, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
+          bool kDeltaVec_ = false, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64), int kStages_ = 2>
 struct BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -100,7 +109,7 @@ struct BwdTraits {
   // Br: FlashAttention-3's tiles (128 x 128 at d 64, 64 x 128 at d 128). Registers of a consumer thread at their peak
   // (the softmax of Sᵀ): dK, dV (2 x d/2) + Sᵀ, dPᵀ (2 x Br/2) = 192 at both head dims, under the 240 it is given.
   static constexpr int kBlockM = kBlockM_;
-  static constexpr int kStages = 2;  // (Q, dO) tiles in flight: the copy of tile i + 1 runs under the products of i
+  static constexpr int kStages = kStages_;  // (Q, dO) tiles in flight: the copy of tile i + 1 runs under the products of i
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr bool kDqSplitByRows = kBlockM == 128;  // else by columns of head_dim
