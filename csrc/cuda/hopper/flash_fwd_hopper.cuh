@@ -16,7 +16,8 @@
 // lse = −inf. The consumer warpgroups share the tensor cores:
 // while one runs its softmax another's products run. The traits choose the mainloop: serial (the loop above as
 // written), overlapped (S_{j+1} and P_j V_j issued together, the softmax of S_{j+1} under P_j V_j) and, on top of it,
-// the ping-pong schedule (the warpgroups take turns to issue their products).
+// the ping-pong schedule (the warpgroups take turns to issue their products). The plain kernel's grid is persistent,
+// a block per SM walking the work tiles (next_tile), so that one tile's epilogue runs under the next tile's loads.
 //
 // Masking (kMask): none; causal (keys past each row's diagonal); or key spans: attn_mask (through mask_key_bounds' key
 // ranges, flash_mask.cuh's key_span), sliding windows and causal together. With spans, the block visits only the key
@@ -30,6 +31,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "../../attention.h"
@@ -50,7 +53,9 @@ struct SharedTiles {
   char* q;  // kPanels panels of kBlockM rows x 128 bytes
   char* k;  // [kStages] tiles of kPanels panels of kBlockN rows x 128 bytes
   char* v;  // the same
+  char* o;  // O / l staged for 16-byte stores: its own buffer (as Q) where it fits, else Q's
   uint64_t* q_full;   // Q has arrived
+  uint64_t* q_empty;  // every consumer warp is done with Q (and, staged there, with O)
   uint64_t* k_full;   // [kStages]: K of the stage has arrived
   uint64_t* v_full;   // [kStages]: V of the stage has arrived
   uint64_t* k_empty;  // [kStages]: every consumer warp is done with the stage's K (its S is computed)
@@ -60,8 +65,10 @@ struct SharedTiles {
       : q(base + Traits::kSmemQ),
         k(base + Traits::kSmemK),
         v(base + Traits::kSmemV),
+        o(base + Traits::kSmemO),
         q_full(reinterpret_cast<uint64_t*>(base + Traits::kSmemBarriers)),
-        k_full(q_full + 1),
+        q_empty(q_full + 1),
+        k_full(q_full + 2),
         v_full(k_full + Traits::kStages),
         k_empty(v_full + Traits::kStages),
         v_empty(k_empty + Traits::kStages) {}
@@ -69,7 +76,8 @@ struct SharedTiles {
   __device__ char* v_tile(int stage) const { return v + stage * Traits::kKVBytes; }
 };
 
-// Tile n of the key sequence lives in stage n % kStages; its barriers are in their (n / kStages)-th phase.
+// The n-th key tile a block loads (counted over all its work tiles) lives in stage n % kStages; its barriers are in
+// their (n / kStages)-th phase.
 template <class Traits>
 __device__ __forceinline__ int stage_of(int n) { return n % Traits::kStages; }
 template <class Traits>
@@ -81,20 +89,22 @@ __device__ __forceinline__ void release(uint64_t* empty, int lane) {
 }
 
 // ---- the producer -----------------------------------------------------------------------------------------------------
-// One thread: Q once, then key tiles n_first .. n_first + n_tiles − 1's K and V, each panel (64 columns of head_dim)
-// one TMA box.
+// One thread, for the block's i-th work tile: its Q once the consumers are done with the previous tile's, then its key
+// tiles n_first .. n_first + n_tiles − 1's K and V (the ring's tiles kv .. kv + n_tiles − 1), each panel (64 columns
+// of head_dim) one TMA box.
 template <class Traits>
 __device__ __forceinline__ void load_tiles(const SharedTiles<Traits>& sm, const CUtensorMap* tm_q,
                                            const CUtensorMap* tm_k, const CUtensorMap* tm_v, int b, int h, int hk,
-                                           int m0, int n_first, int n_tiles) {
+                                           int m0, int n_first, int n_tiles, int i, int kv) {
+  mbarrier_wait(sm.q_empty, static_cast<uint32_t>(i & 1) ^ 1);  // (the first tile's wait returns at once)
   mbarrier_arrive_expect_tx(sm.q_full, Traits::kQBytes);
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel)
     tma_load_4d(sm.q + panel * Traits::kQPanelBytes, tm_q, sm.q_full, panel * Traits::kPanelCols, m0, h, b);
 
   for (int n = 0; n < n_tiles; ++n) {
-    const int stage = stage_of<Traits>(n);
-    const uint32_t released = phase_of<Traits>(n) ^ 1;  // the phase in which the consumers released tile n − kStages
+    const int stage = stage_of<Traits>(kv + n);
+    const uint32_t released = phase_of<Traits>(kv + n) ^ 1;  // the phase in which tile kv + n − kStages was released
     const int n0 = (n_first + n) * Traits::kBlockN;
     mbarrier_wait(&sm.k_empty[stage], released);
     mbarrier_arrive_expect_tx(&sm.k_full[stage], Traits::kKVBytes);
@@ -259,7 +269,8 @@ struct ConsumerRows {
   int64_t wg_first;   // the warpgroup's first query row
   int lane;
   float scale_log2;   // scale · log2(e): the softmax's factor on raw scores (key spans: 1, the scores pre-scaled)
-  int n_first;        // the block's first key tile (key spans; else 0)
+  int n_first;        // the work tile's first key tile (key spans; else 0)
+  int kv;             // the ring position of the work tile's first key tile
   RowSpans spans;     // (key spans only)
   int full_lo, full_hi;
 };
@@ -299,8 +310,8 @@ __device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, c
   for (int i = 0; i < Traits::kBlockN / 2; ++i) s[i] = 0.f;
   uint32_t p_frag[Traits::kBlockN / 16][4];
   for (int n = 0; n < n_tiles; ++n) {
-    const int stage = stage_of<Traits>(n);
-    const uint32_t phase = phase_of<Traits>(n);
+    const int stage = stage_of<Traits>(rows.kv + n);
+    const uint32_t phase = phase_of<Traits>(rows.kv + n);
 
     mbarrier_wait(&sm.k_full[stage], phase);
     gemm_qk<Traits>(s, q_w, sm.k_tile(stage));  // S = Q K_jᵀ
@@ -364,20 +375,22 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   IssueTurns<Traits> turns(rows.wg, n_tiles + 1);
 
   // Tile 0: S_0 and its softmax alone (O is still 0: nothing to rescale).
-  mbarrier_wait(&sm.k_full[0], 0);
+  const int first = stage_of<Traits>(rows.kv);
+  mbarrier_wait(&sm.k_full[first], phase_of<Traits>(rows.kv));
   turns.take();
-  gemm_qk<Traits>(s, q_w, sm.k_tile(0));
+  gemm_qk<Traits>(s, q_w, sm.k_tile(first));
   turns.hand_over();
   wgmma_wait<0>();
   fence_fragment(s);
-  release(&sm.k_empty[0], rows.lane);
+  release(&sm.k_empty[first], rows.lane);
   softmax_step<Traits, kMask>(s, m, l, alpha, p, rows, 0);
   scores_to_a_frags<Traits>(p_frag, s);
 
   for (int n = 1; n < n_tiles; ++n) {
-    const int stage = stage_of<Traits>(n), prev = stage_of<Traits>(n - 1);
-    mbarrier_wait(&sm.k_full[stage], phase_of<Traits>(n));
-    mbarrier_wait(&sm.v_full[prev], phase_of<Traits>(n - 1));
+    const int g = rows.kv + n;  // the ring's count
+    const int stage = stage_of<Traits>(g), prev = stage_of<Traits>(g - 1);
+    mbarrier_wait(&sm.k_full[stage], phase_of<Traits>(g));
+    mbarrier_wait(&sm.v_full[prev], phase_of<Traits>(g - 1));
     turns.take();
     gemm_qk<Traits>(s, q_w, sm.k_tile(stage));    // S_j = Q K_jᵀ ...
     gemm_pv<Traits>(o, p_frag, sm.v_tile(prev));  // ... and O += P_{j−1} V_{j−1}, both in flight
@@ -395,8 +408,8 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   }
 
   // The last tile's O += P V.
-  const int last = stage_of<Traits>(n_tiles - 1);
-  mbarrier_wait(&sm.v_full[last], phase_of<Traits>(n_tiles - 1));
+  const int last = stage_of<Traits>(rows.kv + n_tiles - 1);
+  mbarrier_wait(&sm.v_full[last], phase_of<Traits>(rows.kv + n_tiles - 1));
   turns.take();
   gemm_pv<Traits>(o, p_frag, sm.v_tile(last));
   turns.hand_over();
@@ -407,14 +420,14 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
 }
 
 // ---- the consumers' epilogue ------------------------------------------------------------------------------------------
-// O / l in T, staged through the warpgroup's own 64 rows of the Q tile (no wgmma reads them any more) so that global
-// memory is written in whole 16-byte row chunks; lse = m_to_natural·m + log l (−inf, and O = 0, for a row that saw no
+// O / l in T, staged through the warpgroup's own 64 rows of the staging tile (sm.o: its own buffer, or Q's, which no
+// wgmma reads any more) so that global memory is written in whole 16-byte row chunks; lse = m_to_natural·m + log l (−inf, and O = 0, for a row that saw no
 // key); m_to_natural: scale for m in raw scores, ln 2 for m in base-2 logits (key spans).
 // The staging uses the 128-byte swizzle's pattern (chunk c of row r at c ^ (r % 8)): a quad's 4-byte writes then hit
 // 32 different banks.
 template <class Traits>
 __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim / 2], const float (&m)[2],
-                                              const float (&l)[2], const AttentionParams& p, char* q_tile, int wg,
+                                              const float (&l)[2], const AttentionParams& p, char* o_tile, int wg,
                                               int64_t b, int64_t h, int64_t m0, float m_to_natural) {
   using T = typename Traits::T;
   constexpr int kD = Traits::kHeadDim;
@@ -425,13 +438,13 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
     row_l[r] = quad_sum(l[r]);
     inv_l[r] = row_l[r] == 0.f ? 0.f : 1.f / row_l[r];  // a NaN l (a NaN or +inf logit) makes the row NaN
   }
-  char* rows = q_tile + wg * 64 * Traits::kRowBytes;  // this warpgroup's 64 rows, in every panel
+  char* rows = o_tile + wg * 64 * Traits::kRowBytes;  // this warpgroup's 64 rows, in every panel
   const auto staged = [&](int row, int col) {          // byte address of (row, col), col a multiple of 2
     return rows + (col / Traits::kPanelCols) * Traits::kQPanelBytes + row * Traits::kRowBytes +
            ((((col % Traits::kPanelCols) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
   };
 
-  fence_proxy_async();                             // the tensor cores' reads of Q come before these writes
+  if (!Traits::kOwnOBuffer) fence_proxy_async();   // the tensor cores' reads of Q come before these writes
   named_barrier_sync(kEpilogueBarrier + wg, 128);  // every warp of the warpgroup is past its last wgmma
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j)
@@ -466,74 +479,117 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
 }
 
 // ---- the kernel -------------------------------------------------------------------------------------------------------
+// A work tile: kBlockM query rows of one (batch, head), and the key tiles n_first .. n_first + n_tiles − 1 some row of
+// it sees.
+struct WorkTile {
+  int b, h, hk;
+  int64_t m0;
+  int n_first, n_tiles;
+};
+
+// The order of the work tiles, as flash_fwd.cuh's blocks: without a mask, query tiles within a (batch, head); causal,
+// grouped_heavy_first's (a head's last query tile is its costliest); key spans, the query tiles last first (under a
+// causal or padded-causal mask, the costliest first; under others the order does not matter). Its rows only.
+template <int kMask>
+__device__ __forceinline__ WorkTile tile_rows(const AttentionParams& p, int tile, int m_blocks, int heads_per_group,
+                                              int block_m) {
+  int m_block, bh;
+  if constexpr (kMask == kMaskCausal) {
+    const HeadTile ht = grouped_heavy_first(tile, static_cast<int>(p.batch * p.num_heads), m_blocks, heads_per_group);
+    m_block = m_blocks - 1 - ht.tile_rank;
+    bh = ht.head;
+  } else {
+    m_block = kMask == kMaskSpans ? m_blocks - 1 - tile % m_blocks : tile % m_blocks;
+    bh = tile / m_blocks;
+  }
+  WorkTile w;
+  w.b = bh / static_cast<int>(p.num_heads);
+  w.h = bh % static_cast<int>(p.num_heads);
+  w.hk = w.h / static_cast<int>(p.num_heads / p.num_kv_heads);
+  w.m0 = static_cast<int64_t>(m_block) * block_m;
+  w.n_first = w.n_tiles = 0;
+  return w;
+}
+
+// The work tile and its key tiles. span_bounds: the key spans kernel's (first, end) over the rows of its block's tile.
+template <class Traits, int kMask>
+__device__ __forceinline__ WorkTile work_tile(const AttentionParams& p, int tile, int m_blocks, int heads_per_group,
+                                              const int* span_bounds) {
+  WorkTile w = tile_rows<kMask>(p, tile, m_blocks, heads_per_group, Traits::kBlockM);
+  int64_t n_end = p.kv_len;
+  if constexpr (kMask == kMaskCausal) n_end = max64(0, min64(p.kv_len, w.m0 + Traits::kBlockM + p.causal_offset));
+  if constexpr (kMask == kMaskSpans) {
+    w.n_first = span_bounds[1] > span_bounds[0] ? span_bounds[0] / Traits::kBlockN : 0;
+    n_end = span_bounds[1] > span_bounds[0] ? span_bounds[1] : 0;
+  }
+  w.n_tiles = static_cast<int>(max64(0, (n_end + Traits::kBlockN - 1) / Traits::kBlockN - w.n_first));
+  return w;
+}
+
+// Key spans: the union of the spans of the rows of query tile m0, and for each consumer warpgroup the keys
+// [full_lo, full_hi) every one of its rows sees exactly (empty if a row is not exact), found by the producer
+// warpgroup's 128 threads, one row each; the whole block takes part.
+template <class Traits>
+__device__ __forceinline__ void find_span_bounds(const AttentionParams& p, int b, int h, int64_t m0, int* span_bounds) {
+  static_assert(Traits::kBlockM == 128, "one producer thread per row of the block");
+  if (threadIdx.x < 2 + 2 * Traits::kConsumerWarpgroups)
+    span_bounds[threadIdx.x] = threadIdx.x == 0 ? INT_MAX : threadIdx.x == 1 ? 0 : threadIdx.x % 2 ? INT_MAX : 0;
+  __syncthreads();
+  if (threadIdx.x < Traits::kBlockM) {
+    const KeySpan span = key_span(p, b, h, m0 + threadIdx.x);
+    const bool sees = span.hi > span.lo;
+    const int first = __reduce_min_sync(0xffffffffu, sees ? span.lo : INT_MAX);
+    const int end = __reduce_max_sync(0xffffffffu, sees ? span.hi : 0);
+    const int full_lo = __reduce_max_sync(0xffffffffu, span.lo);
+    const int full_hi = __reduce_min_sync(0xffffffffu, span.exact ? span.hi : 0);
+    if (threadIdx.x % 32 == 0) {
+      const int wg = threadIdx.x / 64;
+      atomicMin(&span_bounds[0], first);
+      atomicMax(&span_bounds[1], end);
+      atomicMax(&span_bounds[2 + 2 * wg], full_lo);
+      atomicMin(&span_bounds[3 + 2 * wg], full_hi);
+    }
+  }
+  __syncthreads();
+}
+
+// The plain kernel is persistent: a block per SM takes the work tiles blockIdx.x, blockIdx.x + gridDim.x, ..., its
+// producer loading the next tile's Q and first key tiles while the consumers finish this one (its last products, its
+// epilogue), the ring's stages and phases running on across tiles. The causal and key spans kernels have a block per
+// tile (a persistent causal grid, even with every other round mirrored, is 1.04-1.08x at N <= 4096, d 64 but
+// 0.75-0.93x at N >= 8192: the hardware's block scheduler balances tiles of unequal cost better).
+template <int kMask>
+__device__ __forceinline__ int next_tile(int i, int block, int blocks) {
+  if (kMask != kMaskNone) return i == 0 ? block : INT_MAX;  // (the compiler then sees a single pass)
+  return i * blocks + block;
+}
+
 template <class Traits, int kMask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_hopper_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                             const __grid_constant__ CUtensorMap tm_v, const AttentionParams p, int heads_per_group) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
+  constexpr int kD = Traits::kHeadDim;
   extern __shared__ char smem_raw[];
   char* base = smem_raw + (1024 - smem_u32(smem_raw) % 1024) % 1024;  // the 128-byte swizzle's atoms are 1024-aligned
   const SharedTiles<Traits> sm(base);
+  const int m_blocks = static_cast<int>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
+  const int tiles = m_blocks * static_cast<int>(p.batch * p.num_heads);
 
-  // The block's (batch, head, query tile), as flash_fwd.cuh: without a mask (query tiles, batch x heads); causal, one
-  // dimension in grouped_heavy_first's order (a head's last query tile is its costliest); key spans, the query tiles
-  // last first (under a causal or padded-causal mask, the costliest first; under others the order does not matter).
-  int m_block, bh;
-  if constexpr (kMask == kMaskCausal) {
-    const int m_blocks = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
-    const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * p.num_heads), m_blocks,
-                                            heads_per_group);
-    m_block = m_blocks - 1 - ht.tile_rank;
-    bh = ht.head;
-  } else {
-    m_block = kMask == kMaskSpans ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    bh = blockIdx.y;
-  }
-  const int b = bh / static_cast<int>(p.num_heads), h = bh % static_cast<int>(p.num_heads);
-  const int hk = h / static_cast<int>(p.num_heads / p.num_kv_heads);
-  const int64_t m0 = static_cast<int64_t>(m_block) * kBlockM;
-
-  // Keys [n_first·kBlockN, n_end) are visible to some row of this block. Key spans: the union of the rows' spans, and
-  // for each consumer warpgroup the keys [full_lo, full_hi) every one of its rows sees exactly (empty if a row is not
-  // exact), found by the producer warpgroup's 128 threads, one row each.
   __shared__ int span_bounds[2 + 2 * Traits::kConsumerWarpgroups];  // first, end; (full_lo, full_hi) per warpgroup
-  int n_first = 0;
-  int64_t n_end = p.kv_len;
-  if constexpr (kMask == kMaskCausal) n_end = max64(0, min64(p.kv_len, m0 + kBlockM + p.causal_offset));
   if constexpr (kMask == kMaskSpans) {
-    static_assert(kBlockM == 128, "one producer thread per row of the block");
-    if (threadIdx.x < 2 + 2 * Traits::kConsumerWarpgroups)
-      span_bounds[threadIdx.x] = threadIdx.x == 0 ? INT_MAX : threadIdx.x == 1 ? 0 : threadIdx.x % 2 ? INT_MAX : 0;
-    __syncthreads();
-    if (threadIdx.x < kBlockM) {
-      const KeySpan span = key_span(p, b, h, m0 + threadIdx.x);
-      const bool sees = span.hi > span.lo;
-      const int first = __reduce_min_sync(0xffffffffu, sees ? span.lo : INT_MAX);
-      const int end = __reduce_max_sync(0xffffffffu, sees ? span.hi : 0);
-      const int full_lo = __reduce_max_sync(0xffffffffu, span.lo);
-      const int full_hi = __reduce_min_sync(0xffffffffu, span.exact ? span.hi : 0);
-      if (threadIdx.x % 32 == 0) {
-        const int wg = threadIdx.x / 64;
-        atomicMin(&span_bounds[0], first);
-        atomicMax(&span_bounds[1], end);
-        atomicMax(&span_bounds[2 + 2 * wg], full_lo);
-        atomicMin(&span_bounds[3 + 2 * wg], full_hi);
-      }
-    }
-    __syncthreads();
-    n_first = span_bounds[1] > span_bounds[0] ? span_bounds[0] / kBlockN : 0;
-    n_end = span_bounds[1] > span_bounds[0] ? span_bounds[1] : 0;
+    const WorkTile w = tile_rows<kMaskSpans>(p, static_cast<int>(blockIdx.x), m_blocks, 0, Traits::kBlockM);
+    find_span_bounds<Traits>(p, w.b, w.h, w.m0, span_bounds);
   }
-  const int n_tiles = static_cast<int>(max64(0, (n_end + kBlockN - 1) / kBlockN - n_first));
 
   if (threadIdx.x == 0) {
     mbarrier_init(sm.q_full, 1);
+    mbarrier_init(sm.q_empty, 4 * Traits::kConsumerWarpgroups);  // lane 0 of every consumer warp
 #pragma unroll
     for (int s = 0; s < Traits::kStages; ++s) {
       mbarrier_init(&sm.k_full[s], 1);
       mbarrier_init(&sm.v_full[s], 1);
-      mbarrier_init(&sm.k_empty[s], 4 * Traits::kConsumerWarpgroups);  // lane 0 of every consumer warp
+      mbarrier_init(&sm.k_empty[s], 4 * Traits::kConsumerWarpgroups);
       mbarrier_init(&sm.v_empty[s], 4 * Traits::kConsumerWarpgroups);
     }
     fence_barrier_init();
@@ -544,36 +600,53 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {
     // ---- producer ----
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0 && n_tiles > 0) {
+    if (threadIdx.x == 0) {
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
-      load_tiles<Traits>(sm, &tm_q, &tm_k, &tm_v, b, h, hk, static_cast<int>(m0), n_first, n_tiles);
+      int kv = 0;  // key tiles loaded so far: the ring's position
+      for (int i = 0, tile; (tile = next_tile<kMask>(i, blockIdx.x, gridDim.x)) < tiles; ++i) {
+        const WorkTile w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
+        load_tiles<Traits>(sm, &tm_q, &tm_k, &tm_v, w.b, w.h, w.hk, static_cast<int>(w.m0), w.n_first, w.n_tiles, i,
+                           kv);
+        kv += w.n_tiles;
+      }
     }
   } else {
     // ---- consumers ----
     setmaxnreg_inc<Traits::kConsumerRegs>();
     const int wg = warpgroup - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-    const int64_t row0 = m0 + wg * 64 + warp * 16 + lane / 4;
-    ConsumerRows rows{wg, row0, m0 + wg * 64, lane, kMask == kMaskSpans ? 1.f : p.scale * kLog2e, n_first};
-    if constexpr (kMask == kMaskSpans) {
-      rows.spans = {{key_span(p, b, h, row0), key_span(p, b, h, row0 + 8)}, b, h};
-      rows.full_lo = span_bounds[2 + 2 * wg];
-      rows.full_hi = span_bounds[3 + 2 * wg];
-    }
     const char* q_w = sm.q + wg * 64 * Traits::kRowBytes;  // the warpgroup's 64 rows of every Q panel
+    int kv = 0;
+    for (int i = 0, tile; (tile = next_tile<kMask>(i, blockIdx.x, gridDim.x)) < tiles; ++i) {
+      const WorkTile w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
+      const int64_t row0 = w.m0 + wg * 64 + warp * 16 + lane / 4;
+      ConsumerRows rows{wg, row0, w.m0 + wg * 64, lane, kMask == kMaskSpans ? 1.f : p.scale * kLog2e, w.n_first, kv};
+      if constexpr (kMask == kMaskSpans) {
+        rows.spans = {{key_span(p, w.b, w.h, row0), key_span(p, w.b, w.h, row0 + 8)}, w.b, w.h};
+        rows.full_lo = span_bounds[2 + 2 * wg];
+        rows.full_hi = span_bounds[3 + 2 * wg];
+      }
 
-    float o[kD / 2];  // O, m, l of the thread's two rows
+      float o[kD / 2];  // O, m, l of the thread's two rows
 #pragma unroll
-    for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    if (n_tiles > 0) {
-      mbarrier_wait(sm.q_full, 0);
-      if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kMask>(sm, q_w, p, rows, n_tiles, o, m, l);
-      else mainloop_serial<Traits, kMask>(sm, q_w, p, rows, n_tiles, o, m, l);
+      for (int j = 0; j < kD / 2; ++j) o[j] = 0.f;
+      float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+      mbarrier_wait(sm.q_full, static_cast<uint32_t>(i & 1));
+      if (w.n_tiles > 0) {
+        if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kMask>(sm, q_w, p, rows, w.n_tiles, o, m, l);
+        else mainloop_serial<Traits, kMask>(sm, q_w, p, rows, w.n_tiles, o, m, l);
+      }
+      if (Traits::kOwnOBuffer) release(sm.q_empty, lane);  // every product of the tile is done: Q may be replaced
+      write_out_lse<Traits>(o, m, l, p, sm.o, wg, w.b, w.h, w.m0, kMask == kMaskSpans ? kLn2 : p.scale);
+      if (!Traits::kOwnOBuffer) {  // O was staged in Q's buffer: the copy engine may overwrite it once the warp is done
+        fence_proxy_async();
+        __syncwarp();
+        release(sm.q_empty, lane);
+      }
+      kv += w.n_tiles;
     }
-    write_out_lse<Traits>(o, m, l, p, sm.q, wg, b, h, m0, kMask == kMaskSpans ? kLn2 : p.scale);
   }
 #endif
 }
@@ -605,10 +678,17 @@ cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t strea
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
 
-  const bool heavy_first = p.is_causal && !kSpans;  // (kMaskCausal's grid)
-  const dim3 grid = heavy_first ? dim3(heads * m_blocks) : dim3(m_blocks, heads);
+  // A block per work tile, or per SM (the persistent plain kernel: one block fits an SM).
+  const int64_t tiles = static_cast<int64_t>(heads) * m_blocks;
+  if (tiles > INT_MAX) return cudaErrorInvalidValue;
+  int device = 0, sms = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const bool persistent = !kSpans && !p.is_causal;
+  const unsigned grid = static_cast<unsigned>(persistent ? std::min<int64_t>(tiles, std::max(sms, 1)) : tiles);
   int heads_per_group = 1;
-  if (heavy_first) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
+  if (err == cudaSuccess && p.is_causal && !kSpans)  // (kMaskCausal's order)
+    err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p, heads_per_group);
   return cudaGetLastError();

@@ -23,7 +23,7 @@ namespace hopper {
 // kConsumerWarpgroups: 2 (Br 128) or 3 (Br 192, FlashAttention-3's tile at d 64; the ping-pong's turn then goes round
 // the three).
 template <int kHeadDim_, class T_, bool kOverlap_ = true, bool kPingPong_ = false, int kBlockN_ = 128,
-          int kConsumerWarpgroups_ = 2, int kStages_ = 2>
+          int kConsumerWarpgroups_ = 2>
 struct FwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -35,7 +35,7 @@ struct FwdTraits {
   // 176 (FlashAttention-3's Bc for d 128 without a causal mask; wgmma_ss has N = 64, 128, 176) fits too: 208 KB,
   // S 88 + P 44 + O 64 registers, no spill.
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = kStages_;  // (K, V) tiles in flight: the copy of tile j + 1 runs under the products of j
+  static constexpr int kStages = 2;  // (K, V) tiles in flight: the copy of tile j + 1 runs under the products of tile j
   // setmaxnreg: 128 x 24 + 256 x 240 (or 384 x 160) = 64512 <= 65536 registers of the SM (one block per SM). Three
   // consumer warpgroups at 160 hold S (Bc / 2), P (Bc / 4) and O (d / 2): Bc 128 at d 64, not 192.
   static constexpr int kProducerRegs = 24;
@@ -51,12 +51,16 @@ struct FwdTraits {
   static constexpr int kKVPanelBytes = kBlockN * kRowBytes;
   static constexpr int kQBytes = kPanels * kQPanelBytes;
   static constexpr int kKVBytes = kPanels * kKVPanelBytes;  // one K (or V) tile
-  // Layout (byte offsets from a 1024-byte aligned base): Q | K[kStages] | V[kStages] | mbarriers.
+  // Layout (byte offsets from a 1024-byte aligned base): Q | K[kStages] | V[kStages] | [O] | mbarriers.
   static constexpr int kSmemQ = 0;
   static constexpr int kSmemK = kSmemQ + kQBytes;
   static constexpr int kSmemV = kSmemK + kStages * kKVBytes;
-  static constexpr int kSmemBarriers = kSmemV + kStages * kKVBytes;
-  static constexpr int kBarriers = 1 + 4 * kStages;  // Q full; K full, V full, K empty, V empty per stage
+  static constexpr int kBarriers = 2 + 4 * kStages;  // Q full, Q empty; K full, V full, K empty, V empty per stage
+  // O is staged in its own buffer where one fits (the next tile's Q then arrives under this tile's epilogue), else in
+  // Q's (d 128 at Bc 176: 208 KB without it).
+  static constexpr bool kOwnOBuffer = kSmemV + kStages * kKVBytes + kQBytes + 8 * kBarriers + 1024 <= 227 * 1024;
+  static constexpr int kSmemO = kOwnOBuffer ? kSmemV + kStages * kKVBytes : kSmemQ;
+  static constexpr int kSmemBarriers = kSmemV + kStages * kKVBytes + (kOwnOBuffer ? kQBytes : 0);
   static constexpr int kSmemBytes = kSmemBarriers + 8 * kBarriers + 1024;  // + slack to align the base to 1024
 
   static_assert(sizeof(T) == 2, "wgmma .bf16 / .f16 operands");
@@ -99,7 +103,7 @@ using SpansFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/t
 // kDeltaVec: D = rowsum(dO ∘ O) by flash_bwd_delta_vec_kernel (16-byte loads, head_dim / 8 lanes a row); false: by
 // flash_bwd.cuh's flash_bwd_delta_kernel (4-byte loads, a warp a row).
 template <int kHeadDim_, class T_, bool kDqTma_ = false, bool kDvEarly_ = false, int kPolyExpEvery_ = 0,
-          bool kDeltaVec_ = false, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64), int kStages_ = 2>
+          bool kDeltaVec_ = false, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
 struct BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -109,7 +113,7 @@ struct BwdTraits {
   // Br: FlashAttention-3's tiles (128 x 128 at d 64, 64 x 128 at d 128). Registers of a consumer thread at their peak
   // (the softmax of Sᵀ): dK, dV (2 x d/2) + Sᵀ, dPᵀ (2 x Br/2) = 192 at both head dims, under the 240 it is given.
   static constexpr int kBlockM = kBlockM_;
-  static constexpr int kStages = kStages_;  // (Q, dO) tiles in flight: the copy of tile i + 1 runs under the products of i
+  static constexpr int kStages = 2;  // (Q, dO) tiles in flight: the copy of tile i + 1 runs under the products of i
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr bool kDqSplitByRows = kBlockM == 128;  // else by columns of head_dim
