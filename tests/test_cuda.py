@@ -128,6 +128,23 @@ def test_fast_forward_and_lse(dtype, d, causal, shape, forward_path):
     assert max_err(lse[finite], ref_lse[finite]) < 1e-3 if finite.any() else True
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("shape", [(4, 8, 2, 1024, 1024), (8, 8, 8, 1000, 300)], ids=lambda s: "x".join(map(str, s)))
+def test_forward_with_more_query_tiles_than_sms(d, causal, shape, forward_path):
+    """Several query tiles a block where a grid is persistent (one block an SM walking the tiles), tiles whose rows
+    see no key among them (Nq > Nk, bottom-right): out and lse against float64."""
+    B, Hq, Hkv, Nq, Nk = shape
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, d, torch.bfloat16, seed=d + Nq)
+    poison_allocator()
+    out, lse = cs149gpt.attention(q, k, v, is_causal=causal, return_lse=True)
+    check_close_to_sdpa(out, q, k, v, causal, f"d={d} causal={causal} {shape}")
+    _, ref_lse = reference(q, k, v, causal=causal)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse is -inf exactly where a row sees no key"
+    assert max_err(lse[finite], ref_lse[finite]) < 1e-3
+
+
 @pytest.mark.skipif(not HOPPER, reason="not a Hopper GPU")
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_kernel_is_the_one_that_runs(d, monkeypatch):
