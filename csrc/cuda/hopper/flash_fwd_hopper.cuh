@@ -1,7 +1,8 @@
 // FlashAttention-3's forward on Hopper: the loop of flash_fwd.cuh (the paper's Algorithm 1), warp-specialized.
 //
-//   producer warpgroup (one thread):   Q_block once;  for each key tile j: wait until K's (V's) buffer of stage j % 2
-//                                      is empty, then TMA K_j (V_j) into it, completing on its own mbarrier
+//   producer warpgroup (one thread):   for each work tile: Q_block once its buffer is free;  for each key tile j: wait
+//                                      until K's (V's) buffer of its stage is empty, then TMA K_j (V_j) into it,
+//                                      completing on its own mbarrier
 //   consumer warpgroup w (64 query rows each, 2 or 3 per block):
 //     for each key tile j:  wait K_j;   S = Q_w K_jᵀ                                  (wgmma, both from shared memory)
 //                           m' = max(m, rowmax S);   P = exp(scale (S − m'))
@@ -47,7 +48,8 @@ namespace cs149gpt {
 namespace cuda {
 namespace hopper {
 
-// The block's shared memory: Q, the (K, V) ring and its mbarriers, from a 1024-byte aligned base.
+// The block's shared memory: Q, the (K, V) ring, O's staging buffer (where it has its own) and the mbarriers, from a
+// 1024-byte aligned base.
 template <class Traits>
 struct SharedTiles {
   char* q;  // kPanels panels of kBlockM rows x 128 bytes
@@ -76,12 +78,15 @@ struct SharedTiles {
   __device__ char* v_tile(int stage) const { return v + stage * Traits::kKVBytes; }
 };
 
-// The n-th key tile a block loads (counted over all its work tiles) lives in stage n % kStages; its barriers are in
-// their (n / kStages)-th phase.
+// The n-th key tile a block loads (counted over all its work tiles, modulo 2³², a multiple of 2·kStages) lives in stage
+// n % kStages; its barriers are in their (n / kStages)-th phase.
 template <class Traits>
-__device__ __forceinline__ int stage_of(int n) { return n % Traits::kStages; }
+__device__ __forceinline__ int stage_of(uint32_t n) {
+  static_assert((Traits::kStages & (Traits::kStages - 1)) == 0, "the count may wrap");
+  return static_cast<int>(n % Traits::kStages);
+}
 template <class Traits>
-__device__ __forceinline__ uint32_t phase_of(int n) { return static_cast<uint32_t>((n / Traits::kStages) & 1); }
+__device__ __forceinline__ uint32_t phase_of(uint32_t n) { return (n / Traits::kStages) & 1; }
 
 // A consumer warp hands a buffer back: lane 0 arrives once the warp's products that read it have completed.
 __device__ __forceinline__ void release(uint64_t* empty, int lane) {
@@ -95,7 +100,7 @@ __device__ __forceinline__ void release(uint64_t* empty, int lane) {
 template <class Traits>
 __device__ __forceinline__ void load_tiles(const SharedTiles<Traits>& sm, const CUtensorMap* tm_q,
                                            const CUtensorMap* tm_k, const CUtensorMap* tm_v, int b, int h, int hk,
-                                           int m0, int n_first, int n_tiles, int i, int kv) {
+                                           int m0, int n_first, int n_tiles, int i, uint32_t kv) {
   mbarrier_wait(sm.q_empty, static_cast<uint32_t>(i & 1) ^ 1);  // (the first tile's wait returns at once)
   mbarrier_arrive_expect_tx(sm.q_full, Traits::kQBytes);
 #pragma unroll
@@ -270,7 +275,7 @@ struct ConsumerRows {
   int lane;
   float scale_log2;   // scale · log2(e): the softmax's factor on raw scores (key spans: 1, the scores pre-scaled)
   int n_first;        // the work tile's first key tile (key spans; else 0)
-  int kv;             // the ring position of the work tile's first key tile
+  uint32_t kv;        // the ring position of the work tile's first key tile
   RowSpans spans;     // (key spans only)
   int full_lo, full_hi;
 };
@@ -387,7 +392,7 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   scores_to_a_frags<Traits>(p_frag, s);
 
   for (int n = 1; n < n_tiles; ++n) {
-    const int g = rows.kv + n;  // the ring's count
+    const uint32_t g = rows.kv + n;  // the ring's count
     const int stage = stage_of<Traits>(g), prev = stage_of<Traits>(g - 1);
     mbarrier_wait(&sm.k_full[stage], phase_of<Traits>(g));
     mbarrier_wait(&sm.v_full[prev], phase_of<Traits>(g - 1));
@@ -445,7 +450,8 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
   };
 
   if (!Traits::kOwnOBuffer) fence_proxy_async();   // the tensor cores' reads of Q come before these writes
-  named_barrier_sync(kEpilogueBarrier + wg, 128);  // every warp of the warpgroup is past its last wgmma
+  // Every warp of the warpgroup is past its last wgmma (and past its reads of the previous tile's staged rows).
+  named_barrier_sync(kEpilogueBarrier + wg, 128);
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j)
 #pragma unroll
@@ -553,9 +559,10 @@ __device__ __forceinline__ void find_span_bounds(const AttentionParams& p, int b
   __syncthreads();
 }
 
-// The plain kernel is persistent: a block per SM takes the work tiles blockIdx.x, blockIdx.x + gridDim.x, ..., its
-// producer loading the next tile's Q and first key tiles while the consumers finish this one (its last products, its
-// epilogue), the ring's stages and phases running on across tiles. The causal and key spans kernels have a block per
+// The plain kernel is persistent: a block per SM takes the work tiles blockIdx.x, blockIdx.x + gridDim.x, ..., the
+// ring's stages and phases running on across tiles; its producer loads the next tile's Q, then its key tiles, as soon
+// as the consumers hand Q back: after their last products where O has its own buffer (the loads then run under the
+// epilogue), else after the epilogue. The causal and key spans kernels have a block per
 // tile (a persistent causal grid, even with every other round mirrored, is 1.04-1.08x at N <= 4096, d 64 but
 // 0.75-0.93x at N >= 8192: the hardware's block scheduler balances tiles of unequal cost better).
 template <int kMask>
@@ -604,12 +611,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
-      int kv = 0;  // key tiles loaded so far: the ring's position
+      uint32_t kv = 0;  // key tiles loaded so far: the ring's position
       for (int i = 0, tile; (tile = next_tile<kMask>(i, blockIdx.x, gridDim.x)) < tiles; ++i) {
         const WorkTile w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
         load_tiles<Traits>(sm, &tm_q, &tm_k, &tm_v, w.b, w.h, w.hk, static_cast<int>(w.m0), w.n_first, w.n_tiles, i,
                            kv);
-        kv += w.n_tiles;
+        kv += static_cast<uint32_t>(w.n_tiles);
       }
     }
   } else {
@@ -618,7 +625,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int wg = warpgroup - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const char* q_w = sm.q + wg * 64 * Traits::kRowBytes;  // the warpgroup's 64 rows of every Q panel
-    int kv = 0;
+    uint32_t kv = 0;
     for (int i = 0, tile; (tile = next_tile<kMask>(i, blockIdx.x, gridDim.x)) < tiles; ++i) {
       const WorkTile w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
       const int64_t row0 = w.m0 + wg * 64 + warp * 16 + lane / 4;
@@ -645,7 +652,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         __syncwarp();
         release(sm.q_empty, lane);
       }
-      kv += w.n_tiles;
+      kv += static_cast<uint32_t>(w.n_tiles);
     }
   }
 #endif
@@ -680,7 +687,7 @@ cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t strea
 
   // A block per work tile, or per SM (the persistent plain kernel: one block fits an SM).
   const int64_t tiles = static_cast<int64_t>(heads) * m_blocks;
-  if (tiles > INT_MAX) return cudaErrorInvalidValue;
+  if (tiles > INT_MAX - 65536) return cudaErrorInvalidValue;  // (next_tile's ids reach tiles + gridDim.x)
   int device = 0, sms = 0;
   err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);

@@ -2,7 +2,8 @@
 // algorithm.
 //
 // One block = 1 + kConsumerWarpgroups warpgroups: warpgroup 0 is the producer (one thread issues every TMA copy), the
-// others the consumers, each owning 64 query rows (wgmma's M). Shared memory holds Q once and a ring of kStages (K, V) tiles.
+// others the consumers, each owning 64 query rows (wgmma's M). Shared memory holds a Q tile, a ring of kStages (K, V)
+// tiles and, where one fits, a buffer to stage O in.
 // Every tile is stored as head_dim / 64 panels of (rows x 64 columns): a 128-byte row per panel, the widest box a
 // 128-byte swizzled TMA copy takes, and exactly one K-major swizzle atom row for wgmma.
 #pragma once
@@ -17,8 +18,8 @@ namespace hopper {
 // kOverlap: each consumer warpgroup issues S_{j+1} = Q K_{j+1}ᵀ and O += P_j V_j together and runs the softmax of
 // S_{j+1} while P_j V_j is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap); false: S, softmax,
 // P V one after another.
-// kPingPong (with kOverlap): the two consumer warpgroups take turns to issue their products (two named barriers), so
-// that one's softmax runs while the other's products occupy the tensor cores (FlashAttention-3's ping-pong).
+// kPingPong (with kOverlap): the consumer warpgroups take turns to issue their products (a named barrier each), so
+// that one's softmax runs while another's products occupy the tensor cores (FlashAttention-3's ping-pong).
 // kBlockN: keys per tile (Bc), a multiple of 16 that wgmma_ss has an N for.
 // kConsumerWarpgroups: 2 (Br 128) or 3 (Br 192, FlashAttention-3's tile at d 64; the ping-pong's turn then goes round
 // the three).
@@ -30,10 +31,9 @@ struct FwdTraits {
   static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);  // 384 or 512
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;           // query rows per block (Br)
-  // Bc = 128 at both head dims (default): S (64 x 128) and O (64 x d) float32 fragments, 64 + 64 registers per thread
-  // at d 128, fit the consumers' 240 with room for P; 2 stages of K and V then take 128 KB (d 128) of the 227 KB.
-  // 176 (FlashAttention-3's Bc for d 128 without a causal mask; wgmma_ss has N = 64, 128, 176) fits too: 208 KB,
-  // S 88 + P 44 + O 64 registers, no spill.
+  // Bc 128: S (64 x 128) and O (64 x d) float32 fragments, 64 + 64 registers per thread at d 128, fit the consumers'
+  // 240 with room for P; 2 stages of K and V then take 128 KB (d 128) of the 227 KB. 176 (FlashAttention-3's Bc for
+  // d 128 without a causal mask; the default at d 128) fits too: 208 KB, S 88 + P 44 + O 64 registers, no spill.
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 2;  // (K, V) tiles in flight: the copy of tile j + 1 runs under the products of tile j
   // setmaxnreg: 128 x 24 + 256 x 240 (or 384 x 160) = 64512 <= 65536 registers of the SM (one block per SM). Three
@@ -79,7 +79,7 @@ struct FwdTraits {
 template <int kHeadDim, class T>
 using DefaultFwdTraits = std::conditional_t<kHeadDim == 128, FwdTraits<128, T, /*kOverlap=*/true, /*kPingPong=*/true, 176>,
                                             FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128, 3>>;
-// attn_mask and windows (key spans): Bc 128 at both head dims (ptxas, d 128: 48 bytes of spill; at Bc 176, 1.5 KB).
+// attn_mask and windows (key spans): Bc 128 at both head dims (ptxas, d 128: 92 bytes of spill; at Bc 176, 1.5 KB).
 template <int kHeadDim, class T>
 using SpansFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128>;
 
