@@ -426,8 +426,9 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
 
 // ---- the consumers' epilogue ------------------------------------------------------------------------------------------
 // O / l in T, staged through the warpgroup's own 64 rows of the staging tile (sm.o: its own buffer, or Q's, which no
-// wgmma reads any more) so that global memory is written in whole 16-byte row chunks; lse = m_to_natural·m + log l (−inf, and O = 0, for a row that saw no
-// key); m_to_natural: scale for m in raw scores, ln 2 for m in base-2 logits (key spans).
+// wgmma reads any more) so that global memory is written in whole 16-byte row chunks; lse = m_to_natural·m + log l
+// (−inf, and O = 0, for a row that saw no key); m_to_natural: scale for m in raw scores, ln 2 for m in base-2 logits
+// (key spans).
 // The staging uses the 128-byte swizzle's pattern (chunk c of row r at c ^ (r % 8)): a quad's 4-byte writes then hit
 // 32 different banks.
 template <class Traits>
