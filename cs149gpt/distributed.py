@@ -15,14 +15,17 @@ partial result into its running one in float32 through the logsumexps:
 
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b
 
-The send of the next block is posted (batch_isend_irecv) before the current block is computed, so the transfer
-runs behind the kernel. The backward (torch.ops.cs149gpt.flash_attention_backward, given the final out and lse)
-sends the K/V blocks around the ring once more, each followed by its float32 dK/dV accumulator: every rank adds
-the gradient its queries give that block, and after W hops the accumulator is back at the block's owner; dQ stays
-local. GQA: k and v have Hkv heads dividing q's H and travel as they are (never expanded). The result equals a
-one-process cs149gpt.attention call on the whole sequence up to float32 rounding of the merge (float32 inputs: about
-1e-6 on unit-scale data; bfloat16/float16: each block's partial output comes back from the kernel in that dtype,
-so a few of its ulps), and is bitwise the same from run to run (a fixed order of operations on every rank).
+The send of the next block is posted (batch_isend_irecv) before the current block is computed, so the transfer runs
+behind the kernel. On one host with gloo (CPU) the forward has no transfers: every rank puts its K/V block in shared
+memory (/dev/shm, mapped by every rank of the group; CS149GPT_RING_SHM=0 turns it off) and each step's kernel reads
+the block it needs in place (ulysses_attention's all-to-alls go the same way). The backward
+(torch.ops.cs149gpt.flash_attention_backward, given the final out and lse) sends the K/V blocks around the ring once
+more, each followed by its float32 dK/dV accumulator: every rank adds the gradient its queries give that block, and
+after W hops the accumulator is back at the block's owner; dQ stays local. GQA: k and v have Hkv heads dividing q's
+H and travel as they are (never expanded). The result equals a one-process cs149gpt.attention call on the whole
+sequence up to float32 rounding of the merge (float32 inputs: about 1e-6 on unit-scale data; bfloat16/float16: each
+block's partial output comes back from the kernel in that dtype, so a few of its ulps), and is bitwise the same from
+run to run (a fixed order of operations on every rank).
 
 Layouts (the sequence of N tokens sharded over W ranks; every rank holds the same number of tokens):
     "contiguous": rank r holds tokens [r·N/W, (r+1)·N/W). With is_causal, rank r's queries see the blocks of
@@ -79,6 +82,9 @@ buffer_seq_dims=...) may shard a batch whose model attends through ring_attentio
 from __future__ import annotations
 
 import math
+import os
+import secrets
+import socket
 import struct
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -338,12 +344,81 @@ def _agree(group, world_size: int, device, local_error, fields: List[int], who: 
         raise ValueError(f"{who}: the ranks disagree on " + "; ".join(wrong))
 
 
+# ------------------------------------------------------------------------------------------------- same-host blocks
+class _HostBlocks:
+    """The K/V blocks of a gloo group whose ranks share one host, in shared memory: each rank's block in a file under
+    /dev/shm that every rank maps, so that a step of the forward reads the block it needs in place instead of
+    receiving it through gloo's sockets (a 64 MB K/V block between two processes of a 2-core EPYC: 82 ms over gloo,
+    10 ms to publish here). One per group, kept between calls and grown when a call needs more bytes.
+    CS149GPT_RING_SHM=0: gloo's transfers."""
+
+    _of_group = {}  # id(group) -> (group, _HostBlocks or None where the ranks are not on one host)
+
+    def __init__(self, group, rank, world_size):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.nbytes, self.storages = 0, []
+
+    @classmethod
+    def of(cls, group, rank: int, world_size: int, device) -> Optional["_HostBlocks"]:
+        """The group's blocks, or None (CUDA, one rank, not gloo, ranks on several hosts, CS149GPT_RING_SHM=0)."""
+        if (device.type != "cpu" or world_size == 1 or os.environ.get("CS149GPT_RING_SHM", "1") == "0"
+                or not os.path.isdir("/dev/shm") or dist.get_backend(group) != "gloo"):
+            return None
+        g = group if group is not None else dist.group.WORLD
+        known = cls._of_group.get(id(g))
+        if known is None or known[0] is not g:  # every rank of the group comes here in the same call
+            hosts = [None] * world_size
+            dist.all_gather_object(hosts, socket.gethostname(), group=group)
+            known = cls._of_group[id(g)] = (g, cls(group, rank, world_size) if len(set(hosts)) == 1 else None)
+        return known[1]
+
+    def _grow(self, nbytes: int) -> None:
+        """Every rank's buffer of nbytes: each rank creates its file, maps every peer's, then removes its own name
+        (the mappings stay)."""
+        token = [secrets.token_hex(8) if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=_global_rank(self.group, 0), group=self.group)
+        paths = [f"/dev/shm/cs149gpt-ring-{token[0]}-{r}" for r in range(self.world_size)]
+        own = torch.UntypedStorage.from_file(paths[self.rank], shared=True, nbytes=nbytes)
+        dist.barrier(group=self.group)  # every file exists
+        self.storages = [own if r == self.rank else torch.UntypedStorage.from_file(paths[r], shared=True,
+                                                                                    nbytes=nbytes)
+                         for r in range(self.world_size)]
+        dist.barrier(group=self.group)  # every rank has mapped every file
+        os.unlink(paths[self.rank])
+        self.nbytes = nbytes
+
+    def views(self, r: int, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Rank r's published tensors, shaped as `like` (this rank's: every rank's are alike), in place."""
+        if len({t.dtype for t in like}) != 1:
+            raise TypeError("_HostBlocks: one dtype a publication (its offsets are in elements)")
+        views, offset = [], 0
+        for t in like:
+            views.append(torch.empty(0, dtype=t.dtype).set_(self.storages[r], offset, t.shape))
+            offset += t.numel()
+        return views
+
+    def publish(self, tensors: Sequence[torch.Tensor], what: str, who: str = "ring_attention") -> None:
+        """This rank's tensors into its buffer, between two barriers: every peer is done with the last call's
+        before they are overwritten, and every rank's are written before any is read."""
+        try:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            if nbytes > self.nbytes:
+                self._grow(nbytes)
+            dist.barrier(group=self.group)
+            for own, t in zip(self.views(self.rank, tensors), tensors):
+                own.copy_(t)
+            dist.barrier(group=self.group)
+        except Exception as e:  # (a timeout or a peer gone)
+            raise RuntimeError(f"{who}: {what} (rank {self.rank} of {self.world_size}) failed: {e}") from e
+
+
 # ------------------------------------------------------------------------------------------------- the ring
 class _Ring:
     """What one call needs on every step: the group, the neighbours, the plan of kernel calls per source rank."""
 
-    def __init__(self, group, rank, world_size, scale, causal, layout, nq, nk):
+    def __init__(self, group, rank, world_size, scale, causal, layout, nq, nk, host_blocks=None):
         self.group, self.rank, self.world_size, self.scale = group, rank, world_size, scale
+        self.host_blocks = host_blocks  # _HostBlocks: the forward reads the blocks in shared memory
         self.next = _global_rank(group, (rank + 1) % world_size)
         self.prev = _global_rank(group, (rank - 1) % world_size)
         offset = {"none": None, "top_left": 0, "bottom_right": world_size * (nk - nq)}[causal]
@@ -401,8 +476,13 @@ class _RingAttention(torch.autograd.Function):
         lse_acc = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         reached = set()  # the query row ranges a block has been merged into
         kv = (k, v)
+        shared = ring.host_blocks
+        if shared is not None:
+            shared.publish((k, v), "the forward's publication of K/V in shared memory")
         for step in range(ring.world_size):
-            if step + 1 < ring.world_size:  # the next block travels while this one is computed
+            if shared is not None:
+                kv = (k, v) if step == 0 else tuple(shared.views(ring.source(step), (k, v)))
+            elif step + 1 < ring.world_size:  # the next block travels while this one is computed
                 handles, incoming = ring.exchange(kv, _TAG_FWD)
             for q_lo, q_hi, k_lo, k_hi, causal in ring.calls[ring.source(step)]:
                 out_b, lse_b = torch.ops.cs149gpt.flash_attention(
@@ -410,7 +490,7 @@ class _RingAttention(torch.autograd.Function):
                 fresh = all((lo >= q_hi or hi <= q_lo) for lo, hi in reached)
                 _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b, fresh)
                 reached.add((q_lo, q_hi))
-            if step + 1 < ring.world_size:
+            if shared is None and step + 1 < ring.world_size:
                 ring.wait(handles, "the forward's K/V transfer", step + 1)
                 kv = tuple(incoming)
         out = out_acc.to(q.dtype)
@@ -521,7 +601,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     """
     group, rank, world_size, q, k, v, causal, scale = _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout,
                                                                "ring_attention")
-    ring = _Ring(group, rank, world_size, scale, causal, layout, q.shape[2], k.shape[2])
+    ring = _Ring(group, rank, world_size, scale, causal, layout, q.shape[2], k.shape[2],
+                 _HostBlocks.of(group, rank, world_size, q.device))
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse) if return_lse else out
 
@@ -529,7 +610,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
 # ------------------------------------------------------------------------------------------------- all-to-all
 def _all_to_all(group, sends: List[torch.Tensor], what: str) -> List[torch.Tensor]:
     """sends[j] goes to rank j; returns what each rank i sent here, in rank order (sends share one shape). One
-    all_to_all_single over the stacked messages: gloo has no list all_to_all in every torch this runs on."""
+    all_to_all_single over the stacked messages: gloo has no list all_to_all in every torch this runs on. On one
+    host with gloo, through shared memory instead (_HostBlocks): every rank publishes its messages, then copies out
+    the ones addressed to it."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    shared = _HostBlocks.of(group, rank, world_size, sends[0].device)
+    if shared is not None:
+        shared.publish(sends, what, "ulysses_attention")
+        return [shared.views(i, sends)[rank].clone() for i in range(world_size)]
     stacked = torch.stack(sends)
     received = torch.empty_like(stacked)
     try:
@@ -595,14 +683,14 @@ class _Exchange(torch.autograd.Function):
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, mesh_dim=None,
                       is_causal: Union[bool, str] = False, scale: Optional[float] = None, layout: str = "contiguous",
                       return_lse: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """ring_attention's contract by the all-to-all (DeepSpeed-Ulysses) route: one all-to-all turns every rank's
-    slice of the sequence for all heads into the whole sequence for H / W heads, each rank runs one
-    cs149gpt.attention call on that, and a second all-to-all returns every rank its own tokens (the backward: the
-    same two exchanges in reverse). Two all-to-alls each way (q, k and v stacked into one, three where q's length
-    differs from k's; then out), of the local sizes, instead of the ring's W − 1 K/V hops; the kernel sees the whole sequence (no merge, no plan, one
-    causal call, so its result is one process's). q's heads must divide over the ranks; k and v's heads are
-    repeated up to a multiple of W where they do not (GQA with Hkv < W). Arguments, layouts, causal modes, checks
-    and errors as ring_attention's; a failed or timed-out exchange raises RuntimeError naming it."""
+    """ring_attention's contract by the all-to-all (DeepSpeed-Ulysses) route: one all-to-all turns every rank's slice
+    of the sequence for all heads into the whole sequence for H / W heads, each rank runs one cs149gpt.attention
+    call on that, and a second all-to-all returns every rank its own tokens (the backward: the same two exchanges in
+    reverse). Two all-to-alls each way (q, k and v stacked into one, three where q's length differs from k's; then
+    out), of the local sizes, instead of the ring's W − 1 K/V hops; the kernel sees the whole sequence (no merge, no
+    plan, one causal call, so its result is one process's). q's heads must divide over the ranks; k and v's heads
+    are repeated up to a multiple of W where they do not (GQA with Hkv < W). Arguments, layouts, causal modes,
+    checks and errors as ring_attention's; a failed or timed-out exchange raises RuntimeError naming it."""
     group, rank, world_size, q, k, v, causal, scale = _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout,
                                                                "ulysses_attention", heads_per_rank=True)
     repeat = world_size // math.gcd(k.shape[1], world_size)  # kv heads up to a multiple of W (H is one already)

@@ -113,8 +113,10 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                     continue  # Ulysses spreads the query heads over the ranks
                 got = ring_run(c, q, k, v, dout, algorithm)
                 got = {name: t.cpu() for name, t in got.items()}
-                if c["repeat"]:
+                if c["repeat"]:  # on the CPU with the forward's K/V over gloo instead of shared memory
+                    os.environ["CS149GPT_RING_SHM"] = "0"
                     again = ring_run(c, q, k, v, dout, algorithm)
+                    os.environ.pop("CS149GPT_RING_SHM")
                     got["same_bits"] = torch.tensor(all(torch.equal(got[n], again[n].cpu()) for n in again))
                 if rank == 0:
                     buffer = io.BytesIO()
@@ -133,16 +135,21 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                 results.put(("error", "ulysses_heads", rank, "no error"))
             except Exception as e:  # noqa: BLE001
                 results.put(("error", "ulysses_heads", rank, f"{type(e).__name__}: {e}"))
-            # Last: rank 1 stops sending its K/V; rank 0's receive ends at this group's 3 s timeout
-            group = torch.distributed.new_group([0, 1], timeout=timedelta(seconds=3))
-            if rank == 1:
-                cp._Ring.exchange = lambda self, tensors, tag: ([], [torch.zeros_like(t) for t in tensors])
+            # Last: rank 1 stops sending its K/V (the forward's transfers over gloo, shared memory off), then stops
+            # publishing it (in shared memory); rank 0's wait ends at each group's 3 s timeout
             x = torch.randn(1, 2, 8, 16)
-            try:
-                cp.ring_attention(x, x, x, group=group)
-                results.put(("error", "silent", rank, "no error"))
-            except Exception as e:  # noqa: BLE001
-                results.put(("error", "silent", rank, f"{type(e).__name__}: {e}"))
+            for name, shm in (("silent", "0"), ("silent_shm", "1")):
+                os.environ["CS149GPT_RING_SHM"] = shm
+                group = torch.distributed.new_group([0, 1], timeout=timedelta(seconds=3))
+                if rank == 1:
+                    cp._Ring.exchange = lambda self, tensors, tag: ([], [torch.zeros_like(t) for t in tensors])
+                    cp._HostBlocks.publish = lambda self, tensors, what, who="": None
+                try:
+                    cp.ring_attention(x, x, x, group=group)
+                    results.put(("error", name, rank, "no error"))
+                except Exception as e:  # noqa: BLE001
+                    results.put(("error", name, rank, f"{type(e).__name__}: {e}"))
+            os.environ.pop("CS149GPT_RING_SHM")
         torch.distributed.destroy_process_group()
         results.put(("done", None, rank, None))
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which fails the test)
@@ -251,7 +258,7 @@ def check(c, got, device="cpu"):
         assert max_diff(got[name], ref[name]) <= to_ref, (name, max_diff(got[name], ref[name]))
         assert max_diff(one[name], ref[name]) <= to_ref, (name, "one process vs float64")
     if "same_bits" in got:
-        assert got["same_bits"].item(), "two runs of the same call differ in bits"
+        assert got["same_bits"].item(), "two runs of the same call (CPU: K/V in shared memory, then over gloo) differ"
 
 
 # ------------------------------------------------------------------------------------------------- the tests
@@ -314,11 +321,14 @@ def test_ring_errors_on_every_rank(world2, name, expect):
 
 
 def test_ring_timeout_names_the_step(world2):
-    """A rank that stops sending: its neighbour's wait ends at the group's timeout with the step named, not a hang."""
+    """A rank that stops sending: its neighbour's wait ends at the group's timeout with the step named, not a hang;
+    in shared memory (one host), a rank that stops publishing its block: the same, naming the publication."""
     _, errors = world2
     assert errors["silent"][1] == "no error"
     assert errors["silent"][0].startswith("RuntimeError: ring_attention: the forward's K/V transfer at step 1 of 2 "
                                           "(rank 0 sends to rank 1, receives from rank 1) failed"), errors["silent"][0]
+    assert errors["silent_shm"][0].startswith("RuntimeError: ring_attention: the forward's publication of K/V in "
+                                              "shared memory (rank 0 of 2) failed"), errors["silent_shm"][0]
 
 
 # ------------------------------------------------------------------------------------------------- one process
