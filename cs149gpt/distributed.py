@@ -372,9 +372,16 @@ class _HostBlocks:
             known = cls._of_group[id(g)] = (g, cls(group, rank, world_size) if len(set(hosts)) == 1 else None)
         return known[1]
 
-    def _grow(self, nbytes: int) -> None:
+    def _grow(self, nbytes: int) -> bool:
         """Every rank's buffer of nbytes: each rank creates its file, maps every peer's, then removes its own name
-        (the mappings stay)."""
+        (the mappings stay). False (on every rank) where /dev/shm lacks the room: a write past a full tmpfs would be
+        a SIGBUS, not an exception."""
+        fs = os.statvfs("/dev/shm")
+        room = torch.tensor([int(fs.f_bavail * fs.f_frsize >= self.world_size * nbytes + (64 << 20))])
+        dist.all_reduce(room, op=dist.ReduceOp.MIN, group=self.group)
+        if not room.item():
+            return False
+        self.storages, self.nbytes = [], 0  # (the smaller buffers' mappings go)
         token = [secrets.token_hex(8) if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=_global_rank(self.group, 0), group=self.group)
         paths = [f"/dev/shm/cs149gpt-ring-{token[0]}-{r}" for r in range(self.world_size)]
@@ -386,6 +393,7 @@ class _HostBlocks:
         dist.barrier(group=self.group)  # every rank has mapped every file
         os.unlink(paths[self.rank])
         self.nbytes = nbytes
+        return True
 
     def views(self, r: int, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Rank r's published tensors, shaped as `like` (this rank's: every rank's are alike), in place."""
@@ -397,19 +405,21 @@ class _HostBlocks:
             offset += t.numel()
         return views
 
-    def publish(self, tensors: Sequence[torch.Tensor], what: str, who: str = "ring_attention") -> None:
+    def publish(self, tensors: Sequence[torch.Tensor], what: str, who: str = "ring_attention") -> bool:
         """This rank's tensors into its buffer, between two barriers: every peer is done with the last call's
-        before they are overwritten, and every rank's are written before any is read."""
+        before they are overwritten, and every rank's are written before any is read. False (every rank alike)
+        where /dev/shm has no room for them: the caller's transfers go over gloo."""
         try:
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            if nbytes > self.nbytes:
-                self._grow(nbytes)
+            if nbytes > self.nbytes and not self._grow(nbytes):
+                return False
             dist.barrier(group=self.group)
             for own, t in zip(self.views(self.rank, tensors), tensors):
                 own.copy_(t)
             dist.barrier(group=self.group)
         except Exception as e:  # (a timeout or a peer gone)
             raise RuntimeError(f"{who}: {what} (rank {self.rank} of {self.world_size}) failed: {e}") from e
+        return True
 
 
 # ------------------------------------------------------------------------------------------------- the ring
@@ -477,8 +487,8 @@ class _RingAttention(torch.autograd.Function):
         reached = set()  # the query row ranges a block has been merged into
         kv = (k, v)
         shared = ring.host_blocks
-        if shared is not None:
-            shared.publish((k, v), "the forward's publication of K/V in shared memory")
+        if shared is not None and not shared.publish((k, v), "the forward's publication of K/V in shared memory"):
+            shared = None
         for step in range(ring.world_size):
             if shared is not None:
                 kv = (k, v) if step == 0 else tuple(shared.views(ring.source(step), (k, v)))
@@ -615,8 +625,7 @@ def _all_to_all(group, sends: List[torch.Tensor], what: str) -> List[torch.Tenso
     the ones addressed to it."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     shared = _HostBlocks.of(group, rank, world_size, sends[0].device)
-    if shared is not None:
-        shared.publish(sends, what, "ulysses_attention")
+    if shared is not None and shared.publish(sends, what, "ulysses_attention"):
         return [shared.views(i, sends)[rank].clone() for i in range(world_size)]
     stacked = torch.stack(sends)
     received = torch.empty_like(stacked)

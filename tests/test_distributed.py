@@ -135,6 +135,16 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                 results.put(("error", "ulysses_heads", rank, "no error"))
             except Exception as e:  # noqa: BLE001
                 results.put(("error", "ulysses_heads", rank, f"{type(e).__name__}: {e}"))
+            # /dev/shm without room (statvfs says so): every rank goes over gloo, to the same bits
+            xr = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(rank))
+            full = os.statvfs_result((4096, 4096, 1, 0, 0, 1, 0, 0, 0, 255))
+            real_statvfs, cp.os.statvfs = cp.os.statvfs, lambda path: full
+            g1 = torch.distributed.new_group([0, 1])
+            no_room = cp.ring_attention(xr, xr, xr, group=g1, is_causal=True)
+            cp.os.statvfs = real_statvfs
+            grown = cp._HostBlocks._of_group[id(g1)][1].nbytes
+            roomy = cp.ring_attention(xr, xr, xr, group=torch.distributed.new_group([0, 1]), is_causal=True)
+            results.put(("error", "no_room", rank, f"equal {torch.equal(no_room, roomy)}, buffer {grown} bytes"))
             # Last: rank 1 stops sending its K/V (the forward's transfers over gloo, shared memory off), then stops
             # publishing it (in shared memory); rank 0's wait ends at each group's 3 s timeout
             x = torch.randn(1, 2, 8, 16)
@@ -143,7 +153,7 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                 group = torch.distributed.new_group([0, 1], timeout=timedelta(seconds=3))
                 if rank == 1:
                     cp._Ring.exchange = lambda self, tensors, tag: ([], [torch.zeros_like(t) for t in tensors])
-                    cp._HostBlocks.publish = lambda self, tensors, what, who="": None
+                    cp._HostBlocks.publish = lambda self, tensors, what, who="": True
                 try:
                     cp.ring_attention(x, x, x, group=group)
                     results.put(("error", name, rank, "no error"))
@@ -318,6 +328,13 @@ def test_ring_errors_on_every_rank(world2, name, expect):
     assert sorted(errors[name]) == [0, 1]
     for rank, prefix in enumerate(expect):
         assert errors[name][rank].startswith(prefix), errors[name][rank]
+
+
+def test_ring_without_room_in_dev_shm_goes_over_gloo(world2):
+    """/dev/shm too full for the blocks: no buffer is made (a write past a full tmpfs is a SIGBUS), every rank
+    takes gloo's transfers, and the result has the bits of the shared-memory run."""
+    _, errors = world2
+    assert errors["no_room"] == {0: "equal True, buffer 0 bytes", 1: "equal True, buffer 0 bytes"}, errors["no_room"]
 
 
 def test_ring_timeout_names_the_step(world2):
