@@ -152,6 +152,10 @@ def rank_run(rank: int, world_size: int, spec: dict, store_path: str) -> dict:
         report[f"{algorithm} out"] = buffer.getvalue()
     if cuda and spec["torch_cp"]:
         report.update(torch_context_parallel(spec, world_size, device, barrier))
+    if not cuda:  # the forward's route: shared memory (a buffer was made) or gloo's transfers
+        known = cp._HostBlocks._of_group.get(id(torch.distributed.group.WORLD))
+        shared = known is not None and known[1] is not None and known[1].nbytes > 0
+        report["route"] = "forward through shared memory" if shared else "forward over gloo"
     torch.distributed.destroy_process_group()
     return report
 
@@ -277,6 +281,8 @@ def algorithm_rows(spec, world_size, args, algorithm, ranks, peer_times, peer_mi
         if phase == "fwd+bwd":
             row.add_note(f"peak MiB a rank {ring['peak_mib']:.0f}, one {'GPU' if cuda else 'process'} "
                          f"{peer_mib:.0f}")
+        if "route" in ranks:
+            row.add_note(ranks["route"])
         rows.append(row)
         if cuda and spec["torch_cp"]:
             theirs = ring.get(f"torch_cp {phase}")
