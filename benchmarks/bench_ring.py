@@ -153,8 +153,8 @@ def rank_run(rank: int, world_size: int, spec: dict, store_path: str) -> dict:
     if cuda and spec["torch_cp"]:
         report.update(torch_context_parallel(spec, world_size, device, barrier))
     if not cuda:  # the forward's route: shared memory (a buffer was made) or gloo's transfers
-        known = cp._HostBlocks._of_group.get(id(torch.distributed.group.WORLD))
-        shared = known is not None and known[1] is not None and known[1].nbytes > 0
+        blocks = cp._HostBlocks._of_group.get(torch.distributed.group.WORLD)
+        shared = blocks is not None and blocks.nbytes > 0
         report["route"] = "forward through shared memory" if shared else "forward over gloo"
     torch.distributed.destroy_process_group()
     return report

@@ -86,6 +86,7 @@ import os
 import secrets
 import socket
 import struct
+import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -305,7 +306,7 @@ def _local_error(q, k, v, who: str = "ring_attention") -> Optional[Exception]:
 
 _FIELDS = ("batch (q.shape[0])", "query heads (q.shape[1])", "key/value heads (k.shape[1])",
            "local query length (q.shape[2])", "local key length (k.shape[2])", "head dim (q.shape[3])", "dtype",
-           "layout", "is_causal", "scale", "requires grad (a backward will run)")
+           "layout", "is_causal", "scale", "requires grad (a backward will run)", "CS149GPT_RING_SHM")
 
 
 def _describe(field: int, value: int) -> str:
@@ -320,6 +321,8 @@ def _describe(field: int, value: int) -> str:
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if name.startswith("requires grad"):
         return str(bool(value))
+    if name == "CS149GPT_RING_SHM":
+        return "shared memory allowed" if value else "0 (or no /dev/shm)"
     return str(value)
 
 
@@ -345,57 +348,86 @@ def _agree(group, world_size: int, device, local_error, fields: List[int], who: 
 
 
 # ------------------------------------------------------------------------------------------------- same-host blocks
+def _shm_allowed() -> bool:
+    return os.environ.get("CS149GPT_RING_SHM", "1") != "0" and os.path.isdir("/dev/shm")
+
+
 class _HostBlocks:
     """The K/V blocks of a gloo group whose ranks share one host, in shared memory: each rank's block in a file under
     /dev/shm that every rank maps, so that a step of the forward reads the block it needs in place instead of
     receiving it through gloo's sockets (a 64 MB K/V block between two processes of a 2-core EPYC: 82 ms over gloo,
     10 ms to publish here). One per group, kept between calls and grown when a call needs more bytes.
-    CS149GPT_RING_SHM=0: gloo's transfers."""
+    CS149GPT_RING_SHM=0: gloo's transfers (the ranks must agree: _prepare checks it). Every decision that could
+    differ between ranks (room, visibility of the peers' files, mapping) is taken together, by an all_reduce."""
 
-    _of_group = {}  # id(group) -> (group, _HostBlocks or None where the ranks are not on one host)
+    _of_group = weakref.WeakKeyDictionary()  # group -> _HostBlocks, or None where its ranks are not on one host
     # Publications under 1 MiB go over gloo: a publication's two barriers cost 0.8 ms (2-core EPYC), a 4 KB gloo
     # exchange 0.23 ms, a MiB 0.8 ms.
     min_bytes = 1 << 20
 
     def __init__(self, group, rank, world_size):
         self.group, self.rank, self.world_size = group, rank, world_size
-        self.nbytes, self.storages = 0, []
+        self.nbytes, self.storages, self.usable = 0, [], True
 
     @classmethod
     def of(cls, group, rank: int, world_size: int, device) -> Optional["_HostBlocks"]:
         """The group's blocks, or None (CUDA, one rank, not gloo, ranks on several hosts, CS149GPT_RING_SHM=0)."""
-        if (device.type != "cpu" or world_size == 1 or os.environ.get("CS149GPT_RING_SHM", "1") == "0"
-                or not os.path.isdir("/dev/shm") or dist.get_backend(group) != "gloo"):
+        if device.type != "cpu" or world_size == 1 or not _shm_allowed() or dist.get_backend(group) != "gloo":
             return None
         g = group if group is not None else dist.group.WORLD
-        known = cls._of_group.get(id(g))
-        if known is None or known[0] is not g:  # every rank of the group comes here in the same call
+        if g not in cls._of_group:  # every rank of the group comes here in the same call
             hosts = [None] * world_size
             dist.all_gather_object(hosts, socket.gethostname(), group=group)
-            known = cls._of_group[id(g)] = (g, cls(group, rank, world_size) if len(set(hosts)) == 1 else None)
-        return known[1]
+            cls._of_group[g] = cls(group, rank, world_size) if len(set(hosts)) == 1 else None
+        return cls._of_group[g]
+
+    def _all(self, flag: bool) -> bool:
+        """flag on every rank of the group (an all_reduce of it)."""
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
 
     def _grow(self, nbytes: int) -> bool:
-        """Every rank's buffer of nbytes: each rank creates its file, maps every peer's, then removes its own name
-        (the mappings stay). False (on every rank) where /dev/shm lacks the room: a write past a full tmpfs would be
-        a SIGBUS, not an exception."""
-        fs = os.statvfs("/dev/shm")
-        room = torch.tensor([int(fs.f_bavail * fs.f_frsize >= self.world_size * nbytes + (64 << 20))])
-        dist.all_reduce(room, op=dist.ReduceOp.MIN, group=self.group)
-        if not room.item():
-            return False
-        self.storages, self.nbytes = [], 0  # (the smaller buffers' mappings go)
+        """Every rank's buffer of nbytes, or False on every rank. Each rank creates its file with its pages
+        allocated (posix_fallocate: a full /dev/shm is ENOSPC now, where a write past it later would be a SIGBUS),
+        checks that every peer's file is there (ranks that share a hostname but not /dev/shm, as containers on the
+        host's network, do not see them: then never again for this group), maps them all, and removes its own name
+        once every rank has mapped it (the mappings stay; on any failure the name goes at once)."""
         token = [secrets.token_hex(8) if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=_global_rank(self.group, 0), group=self.group)
         paths = [f"/dev/shm/cs149gpt-ring-{token[0]}-{r}" for r in range(self.world_size)]
-        own = torch.UntypedStorage.from_file(paths[self.rank], shared=True, nbytes=nbytes)
-        dist.barrier(group=self.group)  # every file exists
-        self.storages = [own if r == self.rank else torch.UntypedStorage.from_file(paths[r], shared=True,
-                                                                                    nbytes=nbytes)
-                         for r in range(self.world_size)]
-        dist.barrier(group=self.group)  # every rank has mapped every file
-        os.unlink(paths[self.rank])
-        self.nbytes = nbytes
+        self.storages, self.nbytes = [], 0  # (the smaller buffers' mappings go)
+        try:
+            created = False
+            try:
+                fd = os.open(paths[self.rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                finally:
+                    os.close(fd)
+                room = True
+            except OSError:
+                room = False
+            if not self._all(room):
+                return False
+            if not self._all(all(os.path.isfile(p) and os.path.getsize(p) == nbytes for p in paths)):
+                self.usable = False
+                return False
+            try:
+                storages = [torch.UntypedStorage.from_file(p, shared=True, nbytes=nbytes) for p in paths]
+                mapped = True
+            except Exception:  # noqa: BLE001 (out of mappings or descriptors: decided together below)
+                storages, mapped = [], False
+            if not self._all(mapped):
+                return False
+        finally:
+            if created:
+                try:
+                    os.unlink(paths[self.rank])
+                except FileNotFoundError:
+                    pass
+        self.storages, self.nbytes = storages, nbytes
         return True
 
     def views(self, r: int, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -413,7 +445,7 @@ class _HostBlocks:
         before they are overwritten, and every rank's are written before any is read. False (every rank alike)
         under min_bytes, or where /dev/shm has no room for them: the caller's transfers go over gloo."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if nbytes < self.min_bytes:  # (the same on every rank: the shapes agree)
+        if nbytes < self.min_bytes or not self.usable:  # (the same on every rank: the shapes agree)
             return False
         try:
             if nbytes > self.nbytes and not self._grow(nbytes):
@@ -579,7 +611,7 @@ def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         fields = [*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
                   LAYOUTS.index(layout), ("none", "top_left", "bottom_right").index(causal),
-                  struct.unpack("<q", struct.pack("<d", scale))[0], int(needs_grad)]
+                  struct.unpack("<q", struct.pack("<d", scale))[0], int(needs_grad), int(_shm_allowed())]
         device = q.device
     else:
         fields = [0] * len(_FIELDS)

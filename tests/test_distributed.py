@@ -115,6 +115,9 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                 got = ring_run(c, q, k, v, dout, algorithm)
                 got = {name: t.cpu() for name, t in got.items()}
                 if c["repeat"]:  # on the CPU with the forward's K/V over gloo instead of shared memory
+                    if not cuda:
+                        blocks = cp._HostBlocks._of_group.get(torch.distributed.group.WORLD)
+                        got["shared_memory"] = torch.tensor(blocks is not None and blocks.nbytes > 0)
                     os.environ["CS149GPT_RING_SHM"] = "0"
                     again = ring_run(c, q, k, v, dout, algorithm)
                     os.environ.pop("CS149GPT_RING_SHM")
@@ -136,16 +139,40 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                 results.put(("error", "ulysses_heads", rank, "no error"))
             except Exception as e:  # noqa: BLE001
                 results.put(("error", "ulysses_heads", rank, f"{type(e).__name__}: {e}"))
-            # /dev/shm without room (statvfs says so): every rank goes over gloo, to the same bits
+            # /dev/shm without room on rank 1 (its posix_fallocate fails): every rank goes over gloo, to the same bits
             xr = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(rank))
-            full = os.statvfs_result((4096, 4096, 1, 0, 0, 1, 0, 0, 0, 255))
-            real_statvfs, cp.os.statvfs = cp.os.statvfs, lambda path: full
+            real_fallocate = cp.os.posix_fallocate
+            if rank == 1:
+                cp.os.posix_fallocate = lambda fd, offset, length: (_ for _ in ()).throw(OSError(28, "no space"))
             g1 = torch.distributed.new_group([0, 1])
-            no_room = cp.ring_attention(xr, xr, xr, group=g1, is_causal=True)
-            cp.os.statvfs = real_statvfs
-            grown = cp._HostBlocks._of_group[id(g1)][1].nbytes
+            try:
+                no_room = cp.ring_attention(xr, xr, xr, group=g1, is_causal=True)
+            finally:
+                cp.os.posix_fallocate = real_fallocate
+            grown = cp._HostBlocks._of_group[g1].nbytes
             roomy = cp.ring_attention(xr, xr, xr, group=torch.distributed.new_group([0, 1]), is_causal=True)
             results.put(("error", "no_room", rank, f"equal {torch.equal(no_room, roomy)}, buffer {grown} bytes"))
+            # Rank 1 does not see rank 0's file (one hostname, two /dev/shm: containers on the host's network)
+            real_isfile = cp.os.path.isfile
+            if rank == 1:
+                cp.os.path.isfile = lambda path: "cs149gpt-ring-" not in path and real_isfile(path)
+            g2 = torch.distributed.new_group([0, 1])
+            try:
+                unseen = cp.ring_attention(xr, xr, xr, group=g2, is_causal=True)
+            finally:
+                cp.os.path.isfile = real_isfile
+            blocks = cp._HostBlocks._of_group[g2]
+            results.put(("error", "not_seen", rank, f"equal {torch.equal(unseen, roomy)}, buffer {blocks.nbytes} "
+                                                    f"bytes, usable {blocks.usable}"))
+            # Shared memory allowed on one rank only: both raise, naming it (not a hang at mismatched collectives)
+            if rank == 1:
+                os.environ["CS149GPT_RING_SHM"] = "0"
+            try:
+                cp.ring_attention(xr, xr, xr)
+                results.put(("error", "shm_disagree", rank, "no error"))
+            except Exception as e:  # noqa: BLE001
+                results.put(("error", "shm_disagree", rank, f"{type(e).__name__}: {e}"))
+            os.environ.pop("CS149GPT_RING_SHM", None)
             # Last: rank 1 stops sending its K/V (the forward's transfers over gloo, shared memory off), then stops
             # publishing it (in shared memory); rank 0's wait ends at each group's 3 s timeout
             x = torch.randn(1, 2, 8, 16)
@@ -270,6 +297,8 @@ def check(c, got, device="cpu"):
         assert max_diff(one[name], ref[name]) <= to_ref, (name, "one process vs float64")
     if "same_bits" in got:
         assert got["same_bits"].item(), "two runs of the same call (CPU: K/V in shared memory, then over gloo) differ"
+    if "shared_memory" in got:
+        assert got["shared_memory"].item(), "the CPU ranks of one host did not use shared memory"
 
 
 # ------------------------------------------------------------------------------------------------- the tests
@@ -332,10 +361,20 @@ def test_ring_errors_on_every_rank(world2, name, expect):
 
 
 def test_ring_without_room_in_dev_shm_goes_over_gloo(world2):
-    """/dev/shm too full for the blocks: no buffer is made (a write past a full tmpfs is a SIGBUS), every rank
-    takes gloo's transfers, and the result has the bits of the shared-memory run."""
+    """/dev/shm too full for one rank's block: no rank makes a buffer (a write past a full tmpfs is a SIGBUS),
+    every rank takes gloo's transfers, and the result has the bits of the shared-memory run."""
     _, errors = world2
     assert errors["no_room"] == {0: "equal True, buffer 0 bytes", 1: "equal True, buffer 0 bytes"}, errors["no_room"]
+    # a rank that does not see its peers' files: no rank uses shared memory on that group again
+    expected = "equal True, buffer 0 bytes, usable False"
+    assert errors["not_seen"] == {0: expected, 1: expected}, errors["not_seen"]
+
+
+def test_ring_ranks_disagreeing_on_shared_memory_raise(world2):
+    _, errors = world2
+    for rank in (0, 1):
+        assert errors["shm_disagree"][rank].startswith("ValueError: ring_attention: the ranks disagree on "
+                                                       "CS149GPT_RING_SHM"), errors["shm_disagree"][rank]
 
 
 def test_ring_timeout_names_the_step(world2):
