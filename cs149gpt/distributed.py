@@ -349,7 +349,8 @@ def _agree(group, world_size: int, device, local_error, fields: List[int], who: 
 
 # ------------------------------------------------------------------------------------------------- same-host blocks
 def _shm_allowed() -> bool:
-    return os.environ.get("CS149GPT_RING_SHM", "1") != "0" and os.path.isdir("/dev/shm")
+    return (os.environ.get("CS149GPT_RING_SHM", "1") != "0" and os.path.isdir("/dev/shm")
+            and hasattr(os, "posix_fallocate"))
 
 
 class _HostBlocks:
@@ -366,8 +367,14 @@ class _HostBlocks:
     min_bytes = 1 << 20
 
     def __init__(self, group, rank, world_size):
-        self.group, self.rank, self.world_size = group, rank, world_size
+        # (the group weakly: the cache's key must not be kept alive by its value)
+        self._group = weakref.ref(group) if group is not None else None
+        self.rank, self.world_size = rank, world_size
         self.nbytes, self.storages, self.usable = 0, [], True
+
+    @property
+    def group(self):
+        return self._group() if self._group is not None else None
 
     @classmethod
     def of(cls, group, rank: int, world_size: int, device) -> Optional["_HostBlocks"]:
