@@ -174,11 +174,15 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     // Hopper's wgmma/TMA kernel where it takes the call (CS149GPT_HOPPER=0: the FlashAttention-2 kernel everywhere).
     const bool hopper = prep.fast && config_flag("CS149GPT_HOPPER", true) && hopper_fwd_supports(p);
-    if (hopper)
-      check_launch(flash_fwd_hopper(p, stream), "Hopper flash forward");
-    else
+    if (hopper) {
+      at::Tensor tile_counter;  // (the dynamic schedule's workspace)
+      if (hopper_fwd_takes_tile_counter(p)) tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+      check_launch(flash_fwd_hopper(p, stream, tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr),
+                   "Hopper flash forward");
+    } else {
       check_launch(prep.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
                    prep.fast ? "flash forward" : "teaching flash forward");
+    }
   }
   const auto lead = q.sizes().slice(0, q.dim() - 1);
   return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};

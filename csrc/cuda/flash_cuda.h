@@ -37,10 +37,13 @@ cudaError_t mask_key_bounds(const AttentionParams& p, int64_t batch, int64_t hea
 // sequences or a KV cache (the forward takes attn_mask and windows as key spans; the backward neither);
 // hopper_takes_shapes says whether the device, shapes and layout suit it (an sm_90a build on a compute capability 9.0
 // GPU, q, k, v, out 16-byte aligned with strides multiples of 8 elements, scale >= 0), hopper_fwd_supports whether the
-// forward takes p. flash_fwd_hopper returns cudaErrorNotSupported where it does not.
+// forward takes p. flash_fwd_hopper returns cudaErrorNotSupported where it does not. hopper_fwd_takes_tile_counter:
+// whether the forward of p runs a persistent grid scheduled dynamically; then tile_counter is an int in device memory
+// that is 0 (the caller's workspace), else it is ignored.
 bool hopper_takes_shapes(const AttentionParams& p);
 bool hopper_fwd_supports(const AttentionParams& p);
-cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream);
+bool hopper_fwd_takes_tile_counter(const AttentionParams& p);
+cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, int* tile_counter = nullptr);
 
 // Backward of flash_fwd. `delta`: float32 workspace of bwd_row_stats_floats(p.fwd) floats (per query row D = dO·O and
 // lse·log2(e), rows padded to a multiple of 4 for 16-byte copies); `dq_accum` (batch, num_heads,

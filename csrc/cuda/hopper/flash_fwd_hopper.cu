@@ -6,6 +6,7 @@
 
 #include "../flash_cuda.h"
 #include "flash_fwd_hopper_launch.h"
+#include "kernel_traits.cuh"
 #include "tensor_map.h"
 
 namespace cs149gpt {
@@ -66,15 +67,20 @@ bool hopper_fwd_supports(const AttentionParams& p) {
   return (p.mask == nullptr || p.key_ranges != nullptr) && hopper_takes_shapes(p);
 }
 
-cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {
+bool hopper_fwd_takes_tile_counter(const AttentionParams& p) {
+  return hopper::kFwdDynamicSchedule && !has_mask_or_window(p);
+}
+
+cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, int* tile_counter) {
   if (!hopper_fwd_supports(p)) return cudaErrorNotSupported;
   const bool bf16 = p.dtype == DType::bf16;
   switch (p.head_dim) {
     case 64:
-      return bf16 ? hopper::flash_fwd_run<64, __nv_bfloat16>(p, stream) : hopper::flash_fwd_run<64, __half>(p, stream);
+      return bf16 ? hopper::flash_fwd_run<64, __nv_bfloat16>(p, stream, tile_counter)
+                  : hopper::flash_fwd_run<64, __half>(p, stream, tile_counter);
     case 128:
-      return bf16 ? hopper::flash_fwd_run<128, __nv_bfloat16>(p, stream)
-                  : hopper::flash_fwd_run<128, __half>(p, stream);
+      return bf16 ? hopper::flash_fwd_run<128, __nv_bfloat16>(p, stream, tile_counter)
+                  : hopper::flash_fwd_run<128, __half>(p, stream, tile_counter);
     default: return cudaErrorInvalidValue;
   }
 }

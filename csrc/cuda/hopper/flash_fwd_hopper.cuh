@@ -58,6 +58,7 @@ struct SharedTiles {
   char* o;  // O / l staged for 16-byte stores: its own buffer (as Q) where it fits, else Q's
   uint64_t* q_full;   // Q has arrived
   uint64_t* q_empty;  // every consumer warp is done with Q (and, staged there, with O)
+  int* tile;          // the work tile whose Q is (being) loaded; the grid's tile count once there is none left
   uint64_t* k_full;   // [kStages]: K of the stage has arrived
   uint64_t* v_full;   // [kStages]: V of the stage has arrived
   uint64_t* k_empty;  // [kStages]: every consumer warp is done with the stage's K (its S is computed)
@@ -70,6 +71,7 @@ struct SharedTiles {
         o(base + Traits::kSmemO),
         q_full(reinterpret_cast<uint64_t*>(base + Traits::kSmemBarriers)),
         q_empty(q_full + 1),
+        tile(reinterpret_cast<int*>(base + Traits::kSmemTile)),
         k_full(q_full + 2),
         v_full(k_full + Traits::kStages),
         k_empty(v_full + Traits::kStages),
@@ -94,36 +96,34 @@ __device__ __forceinline__ void release(uint64_t* empty, int lane) {
 }
 
 // ---- the producer -----------------------------------------------------------------------------------------------------
-// One thread, for the block's i-th work tile: its Q once the consumers are done with the previous tile's, then its key
-// tiles n_first .. n_first + n_tiles − 1's K and V (the ring's tiles kv .. kv + n_tiles − 1), each panel (64 columns
-// of head_dim) one TMA box.
+// One thread. A work tile's Q, once the consumers are done with the previous tile's (the caller has waited).
 template <class Traits>
-__device__ __forceinline__ void load_tiles(const SharedTiles<Traits>& sm, const CUtensorMap* tm_q,
-                                           const CUtensorMap* tm_k, const CUtensorMap* tm_v, int b, int h, int hk,
-                                           int m0, int n_first, int n_tiles, int i, uint32_t kv) {
-  mbarrier_wait(sm.q_empty, static_cast<uint32_t>(i & 1) ^ 1);  // (the first tile's wait returns at once)
+__device__ __forceinline__ void load_q(const SharedTiles<Traits>& sm, const CUtensorMap* tm_q, int b, int h, int m0) {
   mbarrier_arrive_expect_tx(sm.q_full, Traits::kQBytes);
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel)
     tma_load_4d(sm.q + panel * Traits::kQPanelBytes, tm_q, sm.q_full, panel * Traits::kPanelCols, m0, h, b);
+}
 
-  for (int n = 0; n < n_tiles; ++n) {
-    const int stage = stage_of<Traits>(kv + n);
-    const uint32_t released = phase_of<Traits>(kv + n) ^ 1;  // the phase in which tile kv + n − kStages was released
-    const int n0 = (n_first + n) * Traits::kBlockN;
-    mbarrier_wait(&sm.k_empty[stage], released);
-    mbarrier_arrive_expect_tx(&sm.k_full[stage], Traits::kKVBytes);
+// K and V of key tile n0 / kBlockN, the ring's tile g, each panel (64 columns of head_dim) one TMA box, each into its
+// stage's buffer once the consumers have released it.
+template <class Traits>
+__device__ __forceinline__ void load_kv(const SharedTiles<Traits>& sm, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+                                        int b, int hk, int n0, uint32_t g) {
+  const int stage = stage_of<Traits>(g);
+  const uint32_t released = phase_of<Traits>(g) ^ 1;  // the phase in which tile g − kStages was released
+  mbarrier_wait(&sm.k_empty[stage], released);
+  mbarrier_arrive_expect_tx(&sm.k_full[stage], Traits::kKVBytes);
 #pragma unroll
-    for (int panel = 0; panel < Traits::kPanels; ++panel)
-      tma_load_4d(sm.k_tile(stage) + panel * Traits::kKVPanelBytes, tm_k, &sm.k_full[stage],
-                  panel * Traits::kPanelCols, n0, hk, b);
-    mbarrier_wait(&sm.v_empty[stage], released);
-    mbarrier_arrive_expect_tx(&sm.v_full[stage], Traits::kKVBytes);
+  for (int panel = 0; panel < Traits::kPanels; ++panel)
+    tma_load_4d(sm.k_tile(stage) + panel * Traits::kKVPanelBytes, tm_k, &sm.k_full[stage], panel * Traits::kPanelCols,
+                n0, hk, b);
+  mbarrier_wait(&sm.v_empty[stage], released);
+  mbarrier_arrive_expect_tx(&sm.v_full[stage], Traits::kKVBytes);
 #pragma unroll
-    for (int panel = 0; panel < Traits::kPanels; ++panel)
-      tma_load_4d(sm.v_tile(stage) + panel * Traits::kKVPanelBytes, tm_v, &sm.v_full[stage],
-                  panel * Traits::kPanelCols, n0, hk, b);
-  }
+  for (int panel = 0; panel < Traits::kPanels; ++panel)
+    tma_load_4d(sm.v_tile(stage) + panel * Traits::kKVPanelBytes, tm_v, &sm.v_full[stage], panel * Traits::kPanelCols,
+                n0, hk, b);
 }
 
 // ---- the consumers' products ------------------------------------------------------------------------------------------
@@ -560,24 +560,33 @@ __device__ __forceinline__ void find_span_bounds(const AttentionParams& p, int b
   __syncthreads();
 }
 
-// The plain kernel is persistent: a block per SM takes the work tiles blockIdx.x, blockIdx.x + gridDim.x, ..., the
-// ring's stages and phases running on across tiles; its producer loads the next tile's Q, then its key tiles, as soon
-// as the consumers hand Q back: after their last products where O has its own buffer (the loads then run under the
-// epilogue), else after the epilogue. The causal and key spans kernels have a block per
-// tile (a persistent causal grid, even with every other round mirrored, is 1.04-1.08x at N <= 4096, d 64 but
-// 0.75-0.93x at N >= 8192: the hardware's block scheduler balances tiles of unequal cost better).
+// The schedule of the work tiles. Persistent grids (a block per SM) run tile after tile, the producer loading the next
+// tile's first key tile and Q while the consumers finish this one, the ring's stages and phases running on across
+// tiles. Given a tile counter, the plain and causal kernels schedule dynamically: each block's first tile is
+// blockIdx.x, then the producer takes the next (of the heavy-first order, under the causal mask) from the counter as
+// it finishes loading a tile, so that tiles of unequal cost, and blocks that start late (an SM busy with another
+// stream's kernel), balance as under the hardware's block scheduler; a static persistent causal grid, even with every
+// other round mirrored, measured 0.75-0.93x a block per tile at N >= 8192. Without a counter the plain kernel walks
+// blockIdx.x, blockIdx.x + gridDim.x, ... statically, the causal one has a block per tile; key spans always do.
+// Tile i of block `block` of `blocks`; INT_MAX: none (dynamic: gridDim.x and up, compared with the grid's tile count
+// by the caller).
 template <int kMask>
-__device__ __forceinline__ int next_tile(int i, int block, int blocks) {
-  if (kMask != kMaskNone) return i == 0 ? block : INT_MAX;  // (the compiler then sees a single pass)
+__device__ __forceinline__ int next_tile(int i, int block, int blocks, int* tile_counter) {
+  if (i == 0) return block;
+  if (kMask != kMaskSpans && tile_counter != nullptr) return blocks + atomicAdd(tile_counter, 1);
+  if (kMask != kMaskNone) return INT_MAX;
   return i * blocks + block;
 }
 
 template <class Traits, int kMask>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_hopper_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                            const __grid_constant__ CUtensorMap tm_v, const AttentionParams p, int heads_per_group) {
+                            const __grid_constant__ CUtensorMap tm_v, const AttentionParams p, int heads_per_group,
+                            int* tile_counter) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kD = Traits::kHeadDim;
+  // Dynamic: the consumers learn each tile from the producer (sm.tile), the grid's tile count meaning none is left.
+  const bool dynamic = kMask != kMaskSpans && tile_counter != nullptr;
   extern __shared__ char smem_raw[];
   char* base = smem_raw + (1024 - smem_u32(smem_raw) % 1024) % 1024;  // the 128-byte swizzle's atoms are 1024-aligned
   const SharedTiles<Traits> sm(base);
@@ -613,11 +622,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
       uint32_t kv = 0;  // key tiles loaded so far: the ring's position
-      for (int i = 0, tile; (tile = next_tile<kMask>(i, blockIdx.x, gridDim.x)) < tiles; ++i) {
-        const WorkTile w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
-        load_tiles<Traits>(sm, &tm_q, &tm_k, &tm_v, w.b, w.h, w.hk, static_cast<int>(w.m0), w.n_first, w.n_tiles, i,
-                           kv);
+      for (int i = 0, tile = blockIdx.x;; ++i) {
+        if (tile >= tiles && !dynamic) break;
+        WorkTile w{};
+        if (tile < tiles) w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
+        // The tile's first K and V go ahead of its Q: their buffers free up while the previous tile is computed, Q's
+        // only once it is done.
+        if (w.n_tiles > 0) load_kv<Traits>(sm, &tm_k, &tm_v, w.b, w.hk, w.n_first * Traits::kBlockN, kv);
+        mbarrier_wait(sm.q_empty, static_cast<uint32_t>(i & 1) ^ 1);  // Q is free (the first tile's wait returns at once)
+        if (dynamic) *sm.tile = min(tile, tiles);  // (published by the arrival on q_full below)
+        if (tile >= tiles) {
+          mbarrier_arrive(sm.q_full);  // none left: the consumers read it and stop
+          break;
+        }
+        load_q<Traits>(sm, &tm_q, w.b, w.h, static_cast<int>(w.m0));
+        for (int n = 1; n < w.n_tiles; ++n)
+          load_kv<Traits>(sm, &tm_k, &tm_v, w.b, w.hk, (w.n_first + n) * Traits::kBlockN, kv + n);
         kv += static_cast<uint32_t>(w.n_tiles);
+        tile = next_tile<kMask>(i + 1, blockIdx.x, gridDim.x, tile_counter);
       }
     }
   } else {
@@ -627,7 +649,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const char* q_w = sm.q + wg * 64 * Traits::kRowBytes;  // the warpgroup's 64 rows of every Q panel
     uint32_t kv = 0;
-    for (int i = 0, tile; (tile = next_tile<kMask>(i, blockIdx.x, gridDim.x)) < tiles; ++i) {
+    for (int i = 0, tile = blockIdx.x; tile < tiles; ++i) {
+      mbarrier_wait(sm.q_full, static_cast<uint32_t>(i & 1));
+      if (dynamic) tile = *static_cast<volatile int*>(sm.tile);
+      if (tile >= tiles) break;
       const WorkTile w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
       const int64_t row0 = w.m0 + wg * 64 + warp * 16 + lane / 4;
       ConsumerRows rows{wg, row0, w.m0 + wg * 64, lane, kMask == kMaskSpans ? 1.f : p.scale * kLog2e, w.n_first, kv};
@@ -641,12 +666,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int j = 0; j < kD / 2; ++j) o[j] = 0.f;
       float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-      mbarrier_wait(sm.q_full, static_cast<uint32_t>(i & 1));
       if (w.n_tiles > 0) {
         if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kMask>(sm, q_w, p, rows, w.n_tiles, o, m, l);
         else mainloop_serial<Traits, kMask>(sm, q_w, p, rows, w.n_tiles, o, m, l);
       }
-      if (Traits::kOwnOBuffer) release(sm.q_empty, lane);  // every product of the tile is done: Q may be replaced
+      if (Traits::kOwnOBuffer) {  // every product of the tile is done, every lane has read sm.tile: Q may be replaced
+        __syncwarp();
+        release(sm.q_empty, lane);
+      }
       write_out_lse<Traits>(o, m, l, p, sm.o, wg, w.b, w.h, w.m0, kMask == kMaskSpans ? kLn2 : p.scale);
       if (!Traits::kOwnOBuffer) {  // O was staged in Q's buffer: the copy engine may overwrite it once the warp is done
         fence_proxy_async();
@@ -654,20 +681,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         release(sm.q_empty, lane);
       }
       kv += static_cast<uint32_t>(w.n_tiles);
+      if (!dynamic) tile = next_tile<kMask>(i + 1, blockIdx.x, gridDim.x, nullptr);
     }
   }
 #endif
 }
 
 // ---- host launch -------------------------------------------------------------------------------------------------------
-// kSpans: the key-spans kernel (the call has attn_mask or a window), else the plain or causal one.
+// kSpans: the key-spans kernel (the call has attn_mask or a window), else the plain or causal one. tile_counter: null,
+// or (the plain and causal kernels then persistent and dynamic) an int in device memory that is 0.
 template <class Traits, bool kSpans>
-cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, int* tile_counter = nullptr) {
   const unsigned m_blocks = static_cast<unsigned>((p.q_len + Traits::kBlockM - 1) / Traits::kBlockM);
   const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
   if (heads == 0 || m_blocks == 0) return cudaSuccess;  // no query rows: nothing to write
   if (kSpans != has_mask_or_window(p)) return cudaErrorInvalidValue;
-  void (*kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const AttentionParams, int);
+  void (*kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const AttentionParams, int, int*);
   if constexpr (kSpans)
     kernel = flash_fwd_hopper_kernel<Traits, kMaskSpans>;
   else
@@ -686,19 +715,20 @@ cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t strea
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
 
-  // A block per work tile, or per SM (the persistent plain kernel: one block fits an SM).
+  // A block per work tile, or per SM (persistent: one block fits an SM).
   const int64_t tiles = static_cast<int64_t>(heads) * m_blocks;
   if (tiles > INT_MAX - 65536) return cudaErrorInvalidValue;  // (next_tile's ids reach tiles + gridDim.x)
   int device = 0, sms = 0;
   err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const bool persistent = !kSpans && !p.is_causal;
+  if (kSpans) tile_counter = nullptr;
+  const bool persistent = !kSpans && (!p.is_causal || tile_counter != nullptr);
   const unsigned grid = static_cast<unsigned>(persistent ? std::min<int64_t>(tiles, std::max(sms, 1)) : tiles);
   int heads_per_group = 1;
   if (err == cudaSuccess && p.is_causal && !kSpans)  // (kMaskCausal's order)
     err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, m_blocks, &heads_per_group);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p, heads_per_group);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_k, tm_v, p, heads_per_group, tile_counter);
   return cudaGetLastError();
 }
 

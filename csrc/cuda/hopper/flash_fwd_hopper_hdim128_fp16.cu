@@ -5,9 +5,9 @@ namespace cs149gpt {
 namespace cuda {
 namespace hopper {
 template <>
-cudaError_t flash_fwd_run<128, __half>(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t flash_fwd_run<128, __half>(const AttentionParams& p, cudaStream_t stream, int* tile_counter) {
   if (has_mask_or_window(p)) return launch_flash_fwd_hopper<SpansFwdTraits<128, __half>, true>(p, stream);
-  return launch_flash_fwd_hopper<DefaultFwdTraits<128, __half>, false>(p, stream);
+  return launch_flash_fwd_hopper<DefaultFwdTraits<128, __half>, false>(p, stream, tile_counter);
 }
 }  // namespace hopper
 }  // namespace cuda

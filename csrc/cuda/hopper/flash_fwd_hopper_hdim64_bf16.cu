@@ -5,9 +5,9 @@ namespace cs149gpt {
 namespace cuda {
 namespace hopper {
 template <>
-cudaError_t flash_fwd_run<64, __nv_bfloat16>(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t flash_fwd_run<64, __nv_bfloat16>(const AttentionParams& p, cudaStream_t stream, int* tile_counter) {
   if (has_mask_or_window(p)) return launch_flash_fwd_hopper<SpansFwdTraits<64, __nv_bfloat16>, true>(p, stream);
-  return launch_flash_fwd_hopper<DefaultFwdTraits<64, __nv_bfloat16>, false>(p, stream);
+  return launch_flash_fwd_hopper<DefaultFwdTraits<64, __nv_bfloat16>, false>(p, stream, tile_counter);
 }
 }  // namespace hopper
 }  // namespace cuda

@@ -11,7 +11,7 @@ namespace cuda {
 namespace hopper {
 
 template <int kHeadDim, class T>
-cudaError_t flash_fwd_run(const AttentionParams& p, cudaStream_t stream);
+cudaError_t flash_fwd_run(const AttentionParams& p, cudaStream_t stream, int* tile_counter);
 
 }  // namespace hopper
 }  // namespace cuda
