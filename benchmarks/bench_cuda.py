@@ -8,7 +8,8 @@
            is_causal) and vs cuDNN (else SDPA's default) on the padded batch with its (B, 1, N, N) mask;
   decode   one query row per sequence against a KV cache (Hq 32, Hkv 8, d 128, bf16, 1k-32k cached keys, batch
            1-64): attention_with_kvcache vs torch SDPA's best backend (each that runs is timed, the fastest kept), and
-           GB/s (K and V read once) as a share of a device-to-device copy's bandwidth measured in the same run.
+           GB/s (K and V read once) as a share of a device-to-device copy's bandwidth measured in the same run, and
+           the host's time a call (issuing calls back to back without waiting for the GPU).
 A row whose kernel this build lacks says skipped, with the error.
 
 For every (dtype, shape, causal) and pass (fwd, bwd: the backward of a forward recorded once), ours and every
@@ -25,7 +26,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import sys
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -336,6 +339,20 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / times["copy"].median / 1e9
 
 
+def host_seconds(fn, calls: int = 200, repeats: int = 5) -> float:
+    """Seconds of host work a call: the time to issue `calls` calls back to back without waiting for the GPU (the
+    launch queue holds them), the median of `repeats` such blocks."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def decode_rows(args, bandwidth: float, cases: Sequence[tuple] = ()) -> list[Row]:
     """attention_with_kvcache, one query row per sequence, vs torch SDPA's fastest backend on the same cache."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -390,7 +407,8 @@ def decode_rows(args, bandwidth: float, cases: Sequence[tuple] = ()) -> list[Row
                       tb.median * 1e3, tb.median / t.median, unit="GB/s", err=err)
             kv_bytes = 2 * b * hkv * n * d * k_cache.element_size()
             row.rate = kv_bytes / t.median / 1e9
-            row.add_note(f"{100 * row.rate / bandwidth:.0f}% of the {bandwidth:.0f} GB/s copy; sdpa " +
+            row.add_note(f"{100 * row.rate / bandwidth:.0f}% of the {bandwidth:.0f} GB/s copy; host "
+                         f"{host_seconds(ours) * 1e6:.1f} us a call; sdpa " +
                          ", ".join(f"{name} {times[name].median * 1e3:.3f} ms" for name in calls if name != "ours"))
             if errors:
                 row.add_note("refused: " + ", ".join(errors))

@@ -326,7 +326,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2), rotary_dim <= head_dim (k and v must then be
             given): q and k are rotated before attending, k at positions cache_seqlens[b] + i, q at
             cache_seqlens[b] + i when causal or windowed, else every row of q at cache_seqlens[b]; the cache receives
-            the rotated k. Positions are cache rows (cache_leftpad does not shift them), computed in float32.
+            the rotated k. Positions are cache rows (cache_leftpad does not shift them), computed in float32. A
+            position past seqlen_ro raises a ValueError on the CPU; on CUDA it is clamped into the table (the lengths
+            stay on the GPU: no synchronisation per step), as the kernel clamps the lengths themselves.
             rotary_interleaved: rotate the pairs (0, 1), (2, 3), ...; False: (0, rotary_dim / 2), ... (GPT-NeoX).
         cache_seqlens: int or (batch,) int32/int64, where each sequence's cache ends before the append; None: the
             whole cache (then k, v cannot be appended).
@@ -372,10 +374,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         per_row = causal or window != (-1, -1)
         q_pos = start + torch.arange(seqlen_q, device=q.device) if per_row else start.expand(batch, seqlen_q)
         k_pos = start + torch.arange(k.shape[1], device=q.device)
-        last = max(int(q_pos.max()), int(k_pos.max()), 0) if batch else 0
-        if last >= rotary_cos.shape[0] or int(start.min() if batch else 0) < 0:
-            raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} positions, but position {last} is needed "
-                             "(cache_seqlens + the new tokens)")
+        if start.device.type == "cuda":
+            # No synchronisation per step (cache_seqlens stays on the GPU, as the decode kernel reads it): positions
+            # are clamped into the table, so a bad length gives a wrong rotation, never a read outside it.
+            q_pos, k_pos = (pos.clamp(0, rotary_cos.shape[0] - 1) for pos in (q_pos, k_pos))
+        else:
+            last = max(int(q_pos.max()), int(k_pos.max()), 0) if batch else 0
+            if last >= rotary_cos.shape[0] or int(start.min() if batch else 0) < 0:
+                raise ValueError(f"rotary_cos: has {rotary_cos.shape[0]} positions, but position {last} is needed "
+                                 "(cache_seqlens + the new tokens)")
         q = _rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         k = _rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
     lse = (torch.empty(batch, q.shape[2], seqlen_q, dtype=torch.float32, device=q.device)

@@ -327,6 +327,16 @@ def attention_with_kvcache(
     Under torch.autocast the caches keep their dtype, since they are written in place: q, k_new and v_new are
     cast to it (torch's SDPA would cast all of them to autocast's dtype; a cache cannot be), and out is in it.
     """
+    if (not torch.compiler.is_compiling() and type(q) is _Tensor and type(k_cache) is _Tensor
+            and type(v_cache) is _Tensor and type(cache_seqlens) is _Tensor and _registered
+            and not _has_torch_function((q, k_cache, v_cache, cache_seqlens))):
+        # Plain tensors in eager mode: the argument types, the autograd decision and the call in C++ (module.cpp,
+        # kvcache_fast); None where the path below must decide (an argument to word, a gradient to refuse).
+        result = _ext._module.kvcache_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale,
+                                           is_causal, cache_batch_idx, cache_leftpad, window, softcap, alibi_slopes,
+                                           lse)
+        if result is not None:
+            return result
     if torch.is_grad_enabled():
         for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -867,6 +867,78 @@ py::object sdpa_fast(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                              std::nullopt, std::nullopt, false, attn_mask);
 }
 
+// None or a plain torch.Tensor (not a subclass) into *t; false for anything else.
+bool optional_tensor_from(py::handle x, std::optional<at::Tensor>* t) {
+  if (x.is_none()) return true;
+  if (!THPVariable_CheckExact(x.ptr())) return false;
+  *t = THPVariable_Unpack(x.ptr());
+  return plain_dense(**t);
+}
+
+// A Python float or int (not bool) into *value; false for anything else.
+bool double_from(py::handle x, double* value) {
+  if (!(PyFloat_CheckExact(x.ptr()) || PyLong_CheckExact(x.ptr()))) return false;
+  const double v = PyFloat_AsDouble(x.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  *value = v;
+  return true;
+}
+
+// cs149gpt.attention_with_kvcache(...) for plain tensors, or None: a decoding step's host work is most of its time at
+// batch 1, and this path skips the Python wrapper's checks, the boxed dispatch of 16 arguments and the autograd
+// fallback. The operator is called below autograd, so the ADInplaceOrView kernel's part (refuse_forward_ad_and_bump)
+// is done here: None for a tangent, the written tensors' versions bumped. The checks of values are the operator's.
+py::object kvcache_fast(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& cache_seqlens, py::handle k_new_arg, py::handle v_new_arg,
+                        py::handle block_table_arg, py::handle scale_arg, py::handle is_causal,
+                        py::handle cache_batch_idx_arg, py::handle cache_leftpad_arg, py::handle window,
+                        py::handle softcap_arg, py::handle alibi_slopes_arg, py::handle lse_arg) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("cs149gpt::attention_with_kvcache", "")
+                             .typed<decltype(attention_with_kvcache)>();
+  if (is_causal.ptr() != Py_True && is_causal.ptr() != Py_False) return py::none();
+  std::optional<double> scale;
+  double softcap = 0.0;
+  if (!scale_from(scale_arg, &scale) || !double_from(softcap_arg, &softcap)) return py::none();
+  std::optional<int64_t> window_left = -1, window_right = -1;
+  if (!window.is_none()) {  // (left, right), each an int >= -1; the wrapper words anything else
+    if (!PyTuple_CheckExact(window.ptr()) || PyTuple_GET_SIZE(window.ptr()) != 2) return py::none();
+    window_left.reset();
+    window_right.reset();
+    if (!int_from(PyTuple_GET_ITEM(window.ptr(), 0), &window_left) || !window_left || *window_left < -1 ||
+        !int_from(PyTuple_GET_ITEM(window.ptr(), 1), &window_right) || !window_right || *window_right < -1)
+      return py::none();
+  }
+  std::optional<at::Tensor> k_new, v_new, block_table, cache_batch_idx, cache_leftpad, alibi_slopes, lse;
+  if (!optional_tensor_from(k_new_arg, &k_new) || !optional_tensor_from(v_new_arg, &v_new) ||
+      !optional_tensor_from(block_table_arg, &block_table) ||
+      !optional_tensor_from(cache_batch_idx_arg, &cache_batch_idx) ||
+      !optional_tensor_from(cache_leftpad_arg, &cache_leftpad) ||
+      !optional_tensor_from(alibi_slopes_arg, &alibi_slopes) || !optional_tensor_from(lse_arg, &lse))
+    return py::none();
+  const bool grad_mode = at::GradMode::is_enabled();
+  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &cache_seqlens})
+    if (!plain_dense(*t) || (grad_mode && t->requires_grad()) || t->_fw_grad(/*level=*/0).defined())
+      return py::none();  // the wrapper refuses a gradient (ValueError), the operator a tangent
+  for (const std::optional<at::Tensor>* t : {&k_new, &v_new, &block_table, &cache_batch_idx, &cache_leftpad,
+                                              &alibi_slopes, &lse})
+    if (*t && ((grad_mode && (*t)->requires_grad()) || (*t)->_fw_grad(/*level=*/0).defined())) return py::none();
+  at::Tensor out;
+  {
+    py::gil_scoped_release no_gil;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = op.call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, is_causal.ptr() == Py_True,
+                  cache_batch_idx, cache_leftpad, *window_left, *window_right, softcap, alibi_slopes, lse);
+  }
+  torch::autograd::impl::bump_version(k_cache);
+  torch::autograd::impl::bump_version(v_cache);
+  if (lse) torch::autograd::impl::bump_version(*lse);
+  return py::cast(out);
+}
+
 }  // namespace
 }  // namespace cs149gpt
 
@@ -1008,6 +1080,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
      py::arg("lse") = py::none(),
      "raises what torch.ops.cs149gpt.attention_with_kvcache would for these arguments, on sizes alone");
   m.def("attention_fast", &attention_fast, "cs149gpt.attention's eager path for plain tensors (None: not taken)");
+  m.def("kvcache_fast", &kvcache_fast,
+        "cs149gpt.attention_with_kvcache's eager path for plain tensors (None: not taken)");
   m.def("sdpa_fast", &sdpa_fast,
         "cs149gpt.scaled_dot_product_attention's eager path without dropout (None: not taken)");
   m.def("isa", &isa, "the instruction set the kernels run with: amx, avx512_bf16, avx512, avx2, scalar or amx_emulated");

@@ -436,6 +436,55 @@ def test_flash_attn_with_kvcache_cuda_equals_cpu(paged_cache):
     torch.testing.assert_close(gpu[1], cpu[1], rtol=1e-4, atol=LSE_TOL)
 
 
+@pytest.mark.parametrize("paged_cache", [False, True], ids=["contiguous", "paged"])
+def test_decode_step_never_synchronises(paged_cache):
+    """A decoding step (append, rotary, attend; lse too) on CUDA makes no device-to-host synchronisation: under
+    torch.cuda.set_sync_debug_mode("error") any would raise. It takes the C++ eager path (kvcache_fast), and its
+    results match the CPU's (the same positions rotated; the kernel's error against float64 there)."""
+    from cs149gpt import _ext
+    from cs149gpt.flash_attn import flash_attn_with_kvcache
+
+    g = gen(83)
+    B, h, h_kv, d, cap, page = 2, 8, 2, 64, 256, 32
+    q = randn((B, 1, h, d), g, torch.bfloat16)
+    table = torch.randperm(B * cap // page, generator=g).view(B, cap // page).to(torch.int32) if paged_cache else None
+    shape = (B * cap // page, page, h_kv, d) if paged_cache else (B, cap, h_kv, d)
+    k_cache, v_cache = randn(shape, g, torch.bfloat16), randn(shape, g, torch.bfloat16)
+    k, v = randn((B, 1, h_kv, d), g, torch.bfloat16), randn((B, 1, h_kv, d), g, torch.bfloat16)
+    angles = torch.arange(cap)[:, None] * (10000.0 ** (-torch.arange(d // 4) / (d // 4)))[None, :]
+    cos, sin = angles.cos(), angles.sin()  # rotary_dim d / 2
+    seqlens = torch.tensor([17, 200], dtype=torch.int32)
+    results = {}
+    for device in ("cpu", CUDA):
+        kc, vc = k_cache.clone().to(device), v_cache.clone().to(device)
+        args = dict(k=k.to(device), v=v.to(device), rotary_cos=cos.to(device), rotary_sin=sin.to(device),
+                    cache_seqlens=seqlens.to(device), causal=True, return_softmax_lse=True,
+                    block_table=None if table is None else table.to(device))
+        qd = q.to(device)
+        flash_attn_with_kvcache(qd, kc.clone(), vc.clone(), **args)  # (warm-up: first-call work may synchronise)
+        if device == CUDA:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, lse = flash_attn_with_kvcache(qd, kc, vc, **args)
+            step = cs149gpt.attention_with_kvcache(qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                                   args["cache_seqlens"], block_table=args["block_table"])
+            fast = _ext.load().kvcache_fast(qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                            args["cache_seqlens"], None, None, args["block_table"], None, True, None,
+                                            None, None, 0.0, None, None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert fast is not None
+        results[device] = (out.cpu(), lse.cpu(), kc.cpu(), vc.cpu(), step.cpu())
+    cpu, gpu = results["cpu"], results[CUDA]
+    for i in (2, 3):  # the caches: the appended (rotated) rows alike to bf16 rounding, the rest untouched
+        assert (gpu[i].float() - cpu[i].float()).abs().max() <= 2.0**-7 * cpu[i].float().abs().max()
+    for i in (0, 4):
+        diff = (gpu[i].double() - cpu[i].double()).norm() / cpu[i].double().norm()
+        assert diff <= 2 * REL_TOL[torch.bfloat16]
+    torch.testing.assert_close(gpu[1], cpu[1], rtol=1e-4, atol=LSE_TOL)
+
+
 def test_opcheck():
     g, q, k, v, k_new, v_new, lengths = make_case(2, 8, 2, 1, 128, 64, torch.bfloat16, 1, seed=67)
     args = (q.to(CUDA), k.to(CUDA), v.to(CUDA), lengths.to(CUDA), k_new.to(CUDA), v_new.to(CUDA))

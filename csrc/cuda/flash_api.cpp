@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -44,10 +45,20 @@ bool config_flag(const char* name, bool default_value) {
   return value == nullptr || *value == '\0' ? default_value : std::string(value) != "0";
 }
 
+// The attributes read here (compute capability, SM count, shared memory per block) are fixed for a device: each is
+// asked of the driver once per device and then read from this table (a decoding step at batch 1 is bound by host work).
 int device_attribute(cudaDeviceAttr attr, int device) {
+  constexpr int kDevices = 64, kAttributes = 128;
+  static std::atomic<int> known[kDevices][kAttributes];  // value + 1, or 0 before the first query
+  const bool cached = device >= 0 && device < kDevices && attr >= 0 && attr < kAttributes;
+  if (cached) {
+    const int value_plus_one = known[device][attr].load(std::memory_order_relaxed);
+    if (value_plus_one > 0) return value_plus_one - 1;
+  }
   int value = 0;
   const cudaError_t err = cudaDeviceGetAttribute(&value, attr, device);
   TORCH_CHECK(err == cudaSuccess, "cs149gpt: cudaDeviceGetAttribute failed: ", cudaGetErrorString(err));
+  if (cached && value >= 0) known[device][attr].store(value + 1, std::memory_order_relaxed);
   return value;
 }
 
@@ -578,6 +589,7 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   dp.row_tiles = static_cast<int>((rows + dp.rows_per_block - 1) / dp.rows_per_block);
   dp.splits = decode_splits(p, capacity, dp.rows_per_block, device_attribute(cudaDevAttrMultiProcessorCount, device));
   dp.smem_per_block = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  dp.device = device;
   at::Tensor parts;
   if (dp.splits > 1) {  // the splits' partials: O_s (d floats), then m_s, l_s, per (batch, kv head, split, row)
     const int64_t count = B * p.num_kv_heads * dp.splits * rows;

@@ -35,6 +35,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -706,6 +707,23 @@ __global__ void __launch_bounds__(kDecodeThreads) combine_kernel(const DecodePar
     p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i] = L == 0.0f ? kNegInf : (M + log2f(L)) * kLn2;
 }
 
+// The tensor-core split kernel with a ring of Stages tiles. Its dynamic shared memory limit (above the default 48 KiB)
+// is raised once per device: cudaFuncSetAttribute is a driver call, and the limit stays set for the process.
+template <int D, class T, int Stages>
+cudaError_t launch_tensor_core(const DecodeParams& dp, const dim3& grid, cudaStream_t stream) {
+  constexpr int kSmem = Traits<D, T, Stages>::kSmemBytes, kDevices = 64;
+  static std::atomic<bool> raised[kDevices];
+  const bool cached = dp.device >= 0 && dp.device < kDevices;
+  if (!cached || !raised[dp.device].load(std::memory_order_acquire)) {
+    const cudaError_t err = cudaFuncSetAttribute(split_kernel<D, T, Stages>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+    if (cached) raised[dp.device].store(true, std::memory_order_release);
+  }
+  split_kernel<D, T, Stages><<<grid, kDecodeThreads, kSmem, stream>>>(dp);
+  return cudaGetLastError();
+}
+
 template <int D, class T>
 cudaError_t launch_split(const DecodeParams& dp, const dim3& grid, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
@@ -720,13 +738,9 @@ cudaError_t launch_split(const DecodeParams& dp, const dim3& grid, cudaStream_t 
     if (dp.rows_per_block != kDecodeTileRows) return cudaErrorInvalidValue;
     // kDecodeStages where the ring fits a block's shared memory; 2 (one tile in flight) on GPUs with less (d 128:
     // 106 KiB against 99 KiB on sm_86 / sm_89).
-    constexpr int kSmem = Traits<D, T>::kSmemBytes, kSmemTwo = Traits<D, T, 2>::kSmemBytes;
-    const bool full_ring = kSmem <= dp.smem_per_block;
-    const auto kernel = full_ring ? split_kernel<D, T, kDecodeStages> : split_kernel<D, T, 2>;
-    const int smem = full_ring ? kSmem : kSmemTwo;
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    kernel<<<grid, kDecodeThreads, smem, stream>>>(dp);
+    const bool full_ring = Traits<D, T>::kSmemBytes <= dp.smem_per_block;
+    return full_ring ? launch_tensor_core<D, T, kDecodeStages>(dp, grid, stream)
+                     : launch_tensor_core<D, T, 2>(dp, grid, stream);
   }
   return cudaGetLastError();
 }
