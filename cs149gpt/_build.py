@@ -75,7 +75,7 @@ CUDA_KERNEL_SOURCES += [f"csrc/cuda/hopper/flash_{pass_}_hopper.cu" for pass_ in
     for t in ("bf16", "fp16")
 ]
 # Decoding against a KV cache (attention_with_kvcache on CUDA).
-CUDA_KERNEL_SOURCES += ["csrc/cuda/flash_decode.cu"]
+CUDA_KERNEL_SOURCES += ["csrc/cuda/flash_decode.cu", "csrc/cuda/merge.cu"]
 CUDA_SOURCES = ["csrc/cuda/flash_api.cpp"] + CUDA_KERNEL_SOURCES
 
 # sm_80 (Ampere: mma.sync, ldmatrix, cp.async) and sm_90a (Hopper). CS149GPT_CUDA_ARCHS="90a" (say) builds one

@@ -11,7 +11,8 @@
 Each rank holds a slice of Q, K and V along the sequence. The K/V slices travel around the ring (rank r sends to
 r + 1 and receives from r − 1, W − 1 hops); at each step the rank runs cs149gpt's flash kernel
 (torch.ops.cs149gpt.flash_attention, which returns lse) on its queries and the K/V block it holds, and merges that
-partial result into its running one in float32 through the logsumexps:
+partial result into its running one in float32 through the logsumexps (torch.ops.cs149gpt.merge_partial_, one pass
+over the rows):
 
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b
 
@@ -508,14 +509,8 @@ def _merge(out_acc, lse_acc, out_b, lse_b, fresh: bool) -> None:
         out_acc.copy_(out_b)
         lse_acc.copy_(lse_b)
         return
-    m = torch.maximum(lse_acc, lse_b)
-    m = torch.where(m == -math.inf, 0.0, m)  # both −inf: weights 0, lse stays −inf
-    w_a, w_b = torch.exp(lse_acc - m), torch.exp(lse_b - m)
-    total = w_a + w_b
-    inv = torch.where(total == 0, 0.0, 1.0 / total)
-    # out_acc · w_a/total + out_b · w_b/total in two passes over out (out_b read in its own dtype)
-    out_acc.mul_((w_a * inv).unsqueeze(-1)).addcmul_(out_b, (w_b * inv).unsqueeze(-1))
-    lse_acc.copy_(m + torch.log(total))
+    # One pass over the rows (csrc/kernels/merge.cpp, cuda/merge.cu): out_b read in its own dtype.
+    torch.ops.cs149gpt.merge_partial_(out_acc, lse_acc, out_b, lse_b)
 
 
 def _rows(t, lo, hi):

@@ -983,6 +983,10 @@ def _register_python_parts() -> None:
                                      alibi_slopes)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
+    @torch.library.register_fake(lib + "merge_partial_")
+    def _(out, lse, out_block, lse_block):
+        checks.check_merge(out, lse, out_block, lse_block)
+
     torch.library.register_autograd(lib + "flash_attention", _flash_backward, setup_context=_flash_setup_context)
     torch.library.register_autograd(lib + "varlen_attention", _varlen_backward, setup_context=_varlen_setup_context)
     # Gradients that would otherwise be silently missing (None) or zero raise instead.

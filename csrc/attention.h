@@ -322,6 +322,24 @@ CS149GPT_HOST_DEVICE inline AttentionBackwardParams sequence_view(const Attentio
   return s;
 }
 
+// Two partial attention results over disjoint sets of keys merged into one (ring attention's step, merge.cpp and
+// cuda/merge.cu): for every row, with m = max(lse, lse_b) (0 where both are −inf),
+//   out ← (e^(lse − m)·out + e^(lse_b − m)·out_b) / (e^(lse − m) + e^(lse_b − m)),   lse ← m + log(e^(lse − m) + e^(lse_b − m))
+// A NaN in either lse makes the row NaN; a row that no key reached on either side (both −inf) gets 0 and stays −inf.
+// out and lse float32, in place; out_b in `dtype`, lse_b float32; all (batch, heads, rows[, head_dim]) through strides,
+// head_dim contiguous.
+struct MergeParams {
+  float* out = nullptr;
+  float* lse = nullptr;
+  const void* out_b = nullptr;
+  const float* lse_b = nullptr;
+  DType dtype = DType::f32;  // out_b's
+  int64_t batch = 0, heads = 0, rows = 0, head_dim = 0;
+  int64_t out_strides[3] = {0, 0, 0}, out_b_strides[3] = {0, 0, 0};  // [batch, head, row]
+  int64_t lse_strides[3] = {0, 0, 0}, lse_b_strides[3] = {0, 0, 0};
+  int num_threads = 1;
+};
+
 // One kernel: how much float32 workspace it needs, and the kernel itself. The caller (module.cpp)
 // allocates the workspace through torch's allocator, so the profiler sees it and a failure is a Python
 // exception; kernels allocate nothing.
@@ -354,6 +372,7 @@ struct KernelTable {
   void (*exp_row)(float* x, int64_t n);
   void (*exp2_row)(float* x, int64_t n);
   void (*tanh_row)(float* x, int64_t n);
+  void (*merge_partial)(const MergeParams& mp);  // merge.cpp
 };
 
 // The readable flash forward (csrc/kernels/flash_teaching.cpp): float32, scalar, compiled once (no ISA dispatch).

@@ -883,4 +883,53 @@ void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, cons
   }
 }
 
+// ---- merge_partial_ ----
+DType check_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
+                  const at::Tensor& lse_block) {
+  for (const auto& [name, t] : {std::pair{"out", &out}, std::pair{"lse", &lse}, std::pair{"out_block", &out_block},
+                                std::pair{"lse_block", &lse_block}})
+    check_tensor(*t, name);
+  check_devices({{"out", &out}, {"lse", &lse}, {"out_block", &out_block}, {"lse_block", &lse_block}});
+  TORCH_CHECK_VALUE(out.dim() == 4, "out must have shape (batch, heads, rows, head_dim), 4 dims; got shape ",
+                    out.sym_sizes());
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "out must be float32 (the running result), got ",
+                   out.scalar_type());
+  const at::ScalarType t = out_block.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+                   "out_block must be float32, bfloat16 or float16, got ", t);
+  CHECK_SIZES(equal_sizes(out_block.sym_sizes(), out.sym_sizes()), "out_block must have the shape of out, ",
+              out.sym_sizes(), "; got ", out_block.sym_sizes());
+  const auto rows_shape = out.sym_sizes().slice(0, 3);
+  for (const auto& [name, l] : {std::pair{"lse", &lse}, std::pair{"lse_block", &lse_block}}) {
+    TORCH_CHECK_TYPE(l->scalar_type() == at::kFloat, name, " must be float32, got ", l->scalar_type());
+    CHECK_SIZES(equal_sizes(l->sym_sizes(), rows_shape), name, " must have shape (batch, heads, rows) ",
+                rows_shape, " (out's without head_dim); got ", l->sym_sizes());
+  }
+  for (const auto& [name, o] : {std::pair{"out", &out}, std::pair{"out_block", &out_block}})
+    CHECK_SIZES(o->sym_size(3).sym_eq(1).sym_or(o->sym_stride(3).sym_eq(1)), name,
+                " must have a contiguous last dim (stride 1), got strides ", o->sym_strides());
+  // Written in place: no two elements may share memory (an expanded view), as torch refuses for its in-place ops.
+  for (const auto& [name, w] : {std::pair{"out", &out}, std::pair{"lse", &lse}})
+    TORCH_CHECK_VALUE(at::has_internal_overlap(*w) != at::MemOverlap::Yes, name,
+                      " has elements that share memory (an expanded view: strides ", w->sym_strides(),
+                      "), so it cannot be written in place");
+  return t == at::kFloat ? DType::f32 : t == at::kBFloat16 ? DType::bf16 : DType::f16;
+}
+
+MergeParams merge_params(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
+                         const at::Tensor& lse_block, DType dtype) {
+  MergeParams mp;
+  mp.out = out.data_ptr<float>();
+  mp.lse = lse.data_ptr<float>();
+  mp.out_b = out_block.data_ptr();
+  mp.lse_b = lse_block.const_data_ptr<float>();
+  mp.dtype = dtype;
+  mp.batch = out.size(0), mp.heads = out.size(1), mp.rows = out.size(2), mp.head_dim = out.size(3);
+  for (int i = 0; i < 3; ++i) {
+    mp.out_strides[i] = out.stride(i), mp.out_b_strides[i] = out_block.stride(i);
+    mp.lse_strides[i] = lse.stride(i), mp.lse_b_strides[i] = lse_block.stride(i);
+  }
+  return mp;
+}
+
 }  // namespace cs149gpt

@@ -105,6 +105,14 @@ DType check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, const std::vector<int64_t>& lengths,
                                   int64_t added, int64_t page_size, int64_t num_pages);
 
+// merge_partial_'s checks (symbolic: the fake calls it too): out (batch, heads, rows, head_dim) float32 and lse
+// (batch, heads, rows) float32, both written in place; out_block like out in float32, bfloat16 or float16, lse_block
+// like lse; last dims contiguous; one device. Returns out_block's dtype.
+DType check_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
+                  const at::Tensor& lse_block);
+MergeParams merge_params(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
+                         const at::Tensor& lse_block, DType dtype);
+
 // ---- memory: sizes that overflow int64 or exceed the machine are refused before anything is allocated ----
 int64_t physical_memory_bytes();
 // Sizes arithmetic that says when it leaves int64: -1 then (sizes are never negative, so -1 propagates).

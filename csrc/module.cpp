@@ -445,6 +445,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
   return {dq, dk, dv};
 }
 
+// merge_partial_(out, lse, out_block, lse_block): (out, lse) ← the attention of both sides' keys together, from each
+//   side's normalised output and logsumexp (attention.h, MergeParams; ring attention's step). In place, float32.
+void merge_partial_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
+                    const at::Tensor& lse_block) {
+  const DType dtype = check_merge(out, lse, out_block, lse_block);
+  if (out.numel() == 0) return;
+  MergeParams mp = merge_params(out, lse, out_block, lse_block, dtype);
+  mp.num_threads = at::get_num_threads();
+  kernels().merge_partial(mp);
+}
+
 // attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, scale, is_causal,
 //                        cache_batch_idx, cache_leftpad, window_left, window_right, softcap, alibi_slopes, lse) -> out
 //   Sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b]) of its cache (row cache_batch_idx[b] of a contiguous
@@ -971,6 +982,7 @@ TORCH_LIBRARY(cs149gpt, m) {
         "Tensor? k_new=None, Tensor? v_new=None, Tensor? block_table=None, float? scale=None, bool is_causal=True, "
         "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, int window_left=-1, int window_right=-1, "
         "float softcap=0.0, Tensor? alibi_slopes=None, Tensor(c!)? lse=None) -> Tensor");
+  m.def("merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor out_block, Tensor lse_block) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
@@ -980,6 +992,7 @@ TORCH_LIBRARY_IMPL(cs149gpt, CPU, m) {
   m.impl("attention_with_kvcache", &cs149gpt::attention_with_kvcache);
   m.impl("varlen_attention", &cs149gpt::varlen_attention);
   m.impl("varlen_attention_backward", &cs149gpt::varlen_attention_backward);
+  m.impl("merge_partial_", &cs149gpt::merge_partial_);
 }
 
 // Sparse, nested and quantized CPU tensors dispatch to these keys. The CPU implementations refuse them (check_attention: a
@@ -1000,7 +1013,8 @@ TORCH_LIBRARY_IMPL(cs149gpt, ADInplaceOrView, m) {
   for (const char* op : {"attention", "flash_attention", "flash_attention_backward", "varlen_attention",
                          "varlen_attention_backward"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad>());
-  m.impl("attention_with_kvcache", torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad_and_bump>());
+  for (const char* op : {"attention_with_kvcache", "merge_partial_"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_forward_ad_and_bump>());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1039,6 +1053,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
      py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("dropout_p") = 0.0,
      py::arg("dropout_seed") = py::none(), py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
      "raises what torch.ops.cs149gpt.flash_attention_backward would for these arguments, on sizes alone");
+  m.def("check_merge", [](const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
+                          const at::Tensor& lse_block) { check_merge(out, lse, out_block, lse_block); },
+        py::arg("out"), py::arg("lse"), py::arg("out_block"), py::arg("lse_block"),
+        "raises what torch.ops.cs149gpt.merge_partial_ would for these arguments, on sizes alone");
   m.def("check_varlen", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                            const at::Tensor& cu_k, int64_t max_q, int64_t max_k, std::optional<double> scale,
                            bool causal, int64_t window_left, int64_t window_right, double dropout_p,

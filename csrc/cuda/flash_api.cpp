@@ -601,9 +601,20 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// merge_partial_ on CUDA: the CPU op's contract (module.cpp), the same shared checks (check_merge).
+void merge_partial_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
+                    const at::Tensor& lse_block) {
+  const DType dtype = check_merge(out, lse, out_block, lse_block);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_launch(merge_partial(merge_params(out, lse, out_block, lse_block, dtype), c10::cuda::getCurrentCUDAStream()),
+               "merge_partial_");
+}
+
 }  // namespace cuda
 }  // namespace cs149gpt
 
 TORCH_LIBRARY_IMPL(cs149gpt, CUDA, m) {
   m.impl("attention_with_kvcache", &cs149gpt::cuda::attention_with_kvcache);
+  m.impl("merge_partial_", &cs149gpt::cuda::merge_partial_);
 }

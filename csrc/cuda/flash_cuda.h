@@ -109,5 +109,8 @@ int decode_rows_per_block(const AttentionParams& p);
 int decode_splits(const AttentionParams& p, int64_t capacity, int rows_per_block, int sms);
 cudaError_t flash_decode(const DecodeParams& dp, cudaStream_t stream);
 
+// The merge of two partial results (attention.h, MergeParams; merge.cu), on any dtype of out_b.
+cudaError_t merge_partial(const MergeParams& mp, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace cs149gpt

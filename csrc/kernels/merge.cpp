@@ -1,0 +1,62 @@
+// The merge of two partial attention results (attention.h, MergeParams): ring attention runs the flash kernel on its
+// queries and one block of keys at a time, and folds each block's (out_b, lse_b) into its running (out, lse).
+//
+// Softmax over the union of two disjoint key sets, from each set's normalised output and logsumexp: the weights of
+// the two sides are e^lse and e^lse_b, so with m = max(lse, lse_b) for range,
+//
+//     out = (e^(lse − m)·out + e^(lse_b − m)·out_b) / (e^(lse − m) + e^(lse_b − m)),   lse = m + log(the same sum).
+//
+// One pass over the rows: each row's two weights are two exps, then one multiply-add per element, out read and
+// written once and out_b read once (the unfused form, a dozen elementwise torch ops, passes over out twice more).
+#include "../attention.h"
+#include "../heuristics.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <omp.h>
+
+namespace cs149gpt {
+namespace CS149_ISA {
+namespace merge {
+
+template <class T>
+void run(const MergeParams& mp) {
+  const int64_t rows = mp.rows, heads = mp.heads, d = mp.head_dim, total = mp.batch * heads * rows;
+  // Threads only where each gets a share worth a parallel region's start.
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(mp.num_threads, total * d / heuristics::kMergeElementsPerThread)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t b = i / (heads * rows), h = i / rows % heads, r = i % rows;
+    float* lse = mp.lse + b * mp.lse_strides[0] + h * mp.lse_strides[1] + r * mp.lse_strides[2];
+    const float lse_b = mp.lse_b[b * mp.lse_b_strides[0] + h * mp.lse_b_strides[1] + r * mp.lse_b_strides[2]];
+    float* out = mp.out + b * mp.out_strides[0] + h * mp.out_strides[1] + r * mp.out_strides[2];
+    const T* out_b =
+        static_cast<const T*>(mp.out_b) + b * mp.out_b_strides[0] + h * mp.out_b_strides[1] + r * mp.out_b_strides[2];
+    const float a = *lse;
+    float m = (std::isnan(a) || std::isnan(lse_b)) ? std::numeric_limits<float>::quiet_NaN() : std::max(a, lse_b);
+    if (m == -std::numeric_limits<float>::infinity()) m = 0.0f;  // no key on either side: weights 0, lse −inf
+    const float w_a = std::exp(a - m), w_b = std::exp(lse_b - m), sum = w_a + w_b;
+    const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
+    const float c_a = w_a * inv, c_b = w_b * inv;
+    for (int64_t j = 0; j < d; ++j) out[j] = out[j] * c_a + static_cast<float>(out_b[j]) * c_b;
+    *lse = m + std::log(sum);
+  }
+}
+
+}  // namespace merge
+
+void merge_partial(const MergeParams& mp) {
+  switch (mp.dtype) {
+    case DType::f32: merge::run<float>(mp); break;
+    case DType::bf16: merge::run<c10::BFloat16>(mp); break;
+    case DType::f16: merge::run<c10::Half>(mp); break;
+  }
+}
+
+}  // namespace CS149_ISA
+}  // namespace cs149gpt
