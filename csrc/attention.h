@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -339,6 +340,33 @@ struct MergeParams {
   int64_t lse_strides[3] = {0, 0, 0}, lse_b_strides[3] = {0, 0, 0};
   int num_threads = 1;
 };
+
+// Row i (of batch · heads · rows, row fastest) of a merge: its out, lse and out_b, and lse_b's value.
+template <class T>
+struct MergeRow {
+  float* out;
+  float* lse;
+  const T* out_b;
+  float lse_b;
+};
+template <class T>
+CS149GPT_HOST_DEVICE inline MergeRow<T> merge_row(const MergeParams& mp, int64_t i) {
+  const int64_t b = i / (mp.heads * mp.rows), h = i / mp.rows % mp.heads, r = i % mp.rows;
+  return {mp.out + b * mp.out_strides[0] + h * mp.out_strides[1] + r * mp.out_strides[2],
+          mp.lse + b * mp.lse_strides[0] + h * mp.lse_strides[1] + r * mp.lse_strides[2],
+          static_cast<const T*>(mp.out_b) + b * mp.out_b_strides[0] + h * mp.out_b_strides[1] + r * mp.out_b_strides[2],
+          mp.lse_b[b * mp.lse_b_strides[0] + h * mp.lse_b_strides[1] + r * mp.lse_b_strides[2]]};
+}
+// The weights of one row's two sides (out ← c_a·out + c_b·out_b) from their lse a and b; returns the merged lse.
+CS149GPT_HOST_DEVICE inline float merge_weights(float a, float b, float* c_a, float* c_b) {
+  float m = (a != a || b != b) ? NAN : (a > b ? a : b);  // a NaN on either side: the row NaN
+  if (m == -INFINITY) m = 0.0f;                           // no key on either side: weights 0, lse −inf
+  const float w_a = expf(a - m), w_b = expf(b - m), sum = w_a + w_b;
+  const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
+  *c_a = w_a * inv;
+  *c_b = w_b * inv;
+  return m + logf(sum);
+}
 
 // One kernel: how much float32 workspace it needs, and the kernel itself. The caller (module.cpp)
 // allocates the workspace through torch's allocator, so the profiler sees it and a failure is a Python

@@ -5,8 +5,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cmath>
-
 #include "flash_cuda.h"
 
 namespace cs149gpt {
@@ -24,21 +22,12 @@ __global__ void __launch_bounds__(32 * kMergeRowsPerBlock) merge_kernel(const Me
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kMergeRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (i >= mp.batch * mp.heads * mp.rows) return;
-  const int64_t b = i / (mp.heads * mp.rows), h = i / mp.rows % mp.heads, r = i % mp.rows;
-  float* lse = mp.lse + b * mp.lse_strides[0] + h * mp.lse_strides[1] + r * mp.lse_strides[2];
-  const float lse_b = mp.lse_b[b * mp.lse_b_strides[0] + h * mp.lse_b_strides[1] + r * mp.lse_b_strides[2]];
-  float* out = mp.out + b * mp.out_strides[0] + h * mp.out_strides[1] + r * mp.out_strides[2];
-  const T* out_b =
-      static_cast<const T*>(mp.out_b) + b * mp.out_b_strides[0] + h * mp.out_b_strides[1] + r * mp.out_b_strides[2];
-  const float a = *lse;
-  float m = (isnan(a) || isnan(lse_b)) ? NAN : fmaxf(a, lse_b);
-  if (m == -INFINITY) m = 0.0f;  // no key on either side: weights 0, lse −inf
-  const float w_a = expf(a - m), w_b = expf(lse_b - m), sum = w_a + w_b;
-  const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
-  const float c_a = w_a * inv, c_b = w_b * inv;
-  for (int64_t j = lane; j < mp.head_dim; j += 32) out[j] = out[j] * c_a + to_f(out_b[j]) * c_b;
-  __syncwarp();  // every lane has read *lse before lane 0 writes it
-  if (lane == 0) *lse = m + logf(sum);
+  const MergeRow<T> row = merge_row<T>(mp, i);
+  float c_a, c_b;
+  const float lse = merge_weights(*row.lse, row.lse_b, &c_a, &c_b);
+  for (int64_t j = lane; j < mp.head_dim; j += 32) row.out[j] = row.out[j] * c_a + to_f(row.out_b[j]) * c_b;
+  __syncwarp();  // every lane has read *row.lse before lane 0 writes it
+  if (lane == 0) *row.lse = lse;
 }
 
 }  // namespace

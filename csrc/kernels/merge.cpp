@@ -15,8 +15,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <omp.h>
 
 namespace cs149gpt {
@@ -25,26 +23,17 @@ namespace merge {
 
 template <class T>
 void run(const MergeParams& mp) {
-  const int64_t rows = mp.rows, heads = mp.heads, d = mp.head_dim, total = mp.batch * heads * rows;
+  const int64_t d = mp.head_dim, total = mp.batch * mp.heads * mp.rows;
   // Threads only where each gets a share worth a parallel region's start.
   const int threads = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(mp.num_threads, total * d / heuristics::kMergeElementsPerThread)));
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < total; ++i) {
-    const int64_t b = i / (heads * rows), h = i / rows % heads, r = i % rows;
-    float* lse = mp.lse + b * mp.lse_strides[0] + h * mp.lse_strides[1] + r * mp.lse_strides[2];
-    const float lse_b = mp.lse_b[b * mp.lse_b_strides[0] + h * mp.lse_b_strides[1] + r * mp.lse_b_strides[2]];
-    float* out = mp.out + b * mp.out_strides[0] + h * mp.out_strides[1] + r * mp.out_strides[2];
-    const T* out_b =
-        static_cast<const T*>(mp.out_b) + b * mp.out_b_strides[0] + h * mp.out_b_strides[1] + r * mp.out_b_strides[2];
-    const float a = *lse;
-    float m = (std::isnan(a) || std::isnan(lse_b)) ? std::numeric_limits<float>::quiet_NaN() : std::max(a, lse_b);
-    if (m == -std::numeric_limits<float>::infinity()) m = 0.0f;  // no key on either side: weights 0, lse −inf
-    const float w_a = std::exp(a - m), w_b = std::exp(lse_b - m), sum = w_a + w_b;
-    const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
-    const float c_a = w_a * inv, c_b = w_b * inv;
-    for (int64_t j = 0; j < d; ++j) out[j] = out[j] * c_a + static_cast<float>(out_b[j]) * c_b;
-    *lse = m + std::log(sum);
+    const MergeRow<T> row = merge_row<T>(mp, i);
+    float c_a, c_b;
+    const float lse = merge_weights(*row.lse, row.lse_b, &c_a, &c_b);
+    for (int64_t j = 0; j < d; ++j) row.out[j] = row.out[j] * c_a + static_cast<float>(row.out_b[j]) * c_b;
+    *row.lse = lse;
   }
 }
 
