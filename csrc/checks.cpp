@@ -918,6 +918,12 @@ DType check_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor
 
 MergeParams merge_params(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
                          const at::Tensor& lse_block, DType dtype) {
+  // Rows run in parallel: an input sharing memory with another row's output would be read after that row is written.
+  at::assert_no_partial_overlap(out, out_block);
+  at::assert_no_partial_overlap(lse, lse_block);
+  at::assert_no_overlap(out, lse);
+  at::assert_no_overlap(out, lse_block);
+  at::assert_no_overlap(lse, out_block);
   MergeParams mp;
   mp.out = out.data_ptr<float>();
   mp.lse = lse.data_ptr<float>();
