@@ -886,9 +886,10 @@ void check_appended_rows_unshared(const int32_t* table, int64_t max_blocks, cons
 // ---- merge_partial_ ----
 DType check_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
                   const at::Tensor& lse_block) {
-  for (const auto& [name, t] : {std::pair{"out", &out}, std::pair{"lse", &lse}, std::pair{"out_block", &out_block},
-                                std::pair{"lse_block", &lse_block}})
-    check_tensor(*t, name);
+  check_tensor(out, "out");
+  check_tensor(out_block, "out_block");
+  check_plain(lse, "lse");  // (its rank: the shape check below names the one expected)
+  check_plain(lse_block, "lse_block");
   check_devices({{"out", &out}, {"lse", &lse}, {"out_block", &out_block}, {"lse_block", &lse_block}});
   TORCH_CHECK_VALUE(out.dim() == 4, "out must have shape (batch, heads, rows, head_dim), 4 dims; got shape ",
                     out.sym_sizes());
@@ -918,12 +919,21 @@ DType check_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor
 
 MergeParams merge_params(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
                          const at::Tensor& lse_block, DType dtype) {
-  // Rows run in parallel: an input sharing memory with another row's output would be read after that row is written.
-  at::assert_no_partial_overlap(out, out_block);
-  at::assert_no_partial_overlap(lse, lse_block);
-  at::assert_no_overlap(out, lse);
-  at::assert_no_overlap(out, lse_block);
-  at::assert_no_overlap(lse, out_block);
+  // Rows run in parallel: an input sharing memory with another row's output would be read after that row is written
+  // (the same tensor passed twice, each row its own, is fine). Decided on real tensors only (fakes have no memory).
+  using Pair = std::tuple<const char*, const at::Tensor*, const char*, const at::Tensor*, bool>;
+  for (const auto& [a, ta, b, tb, full_ok] : {Pair{"out", &out, "out_block", &out_block, true},
+                                              Pair{"lse", &lse, "lse_block", &lse_block, true},
+                                              Pair{"out", &out, "lse", &lse, false},
+                                              Pair{"out", &out, "lse_block", &lse_block, false},
+                                              Pair{"lse", &lse, "out_block", &out_block, false}}) {
+    const at::MemOverlapStatus o = at::get_overlap_status(*ta, *tb);
+    TORCH_CHECK_VALUE(o == at::MemOverlapStatus::No || o == at::MemOverlapStatus::TooHard ||
+                          (full_ok && o == at::MemOverlapStatus::Full),
+                      a, " and ", b, " share memory", full_ok ? " in part" : "", "; ", a,
+                      " is written in place, so pass ", b, full_ok ? " as the same tensor or" : "",
+                      " in memory of its own (.clone())");
+  }
   MergeParams mp;
   mp.out = out.data_ptr<float>();
   mp.lse = lse.data_ptr<float>();

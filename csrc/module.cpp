@@ -450,7 +450,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
 void merge_partial_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
                     const at::Tensor& lse_block) {
   const DType dtype = check_merge(out, lse, out_block, lse_block);
-  if (lse.numel() == 0) return;  // head_dim 0 still merges lse
+  if (lse.numel() == 0) return;  // (head_dim 0 still merges lse)
   MergeParams mp = merge_params(out, lse, out_block, lse_block, dtype);
   mp.num_threads = at::get_num_threads();
   kernels().merge_partial(mp);
@@ -706,6 +706,18 @@ void refuse_forward_ad_and_bump(const c10::OperatorHandle& op, c10::DispatchKeyS
       written.push_back((*stack)[first + i].toTensor());
   refuse_forward_ad(op, keys, stack);
   for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+}
+
+// merge_partial_ has no backward: an argument that requires grad is refused, not written behind autograd's back.
+void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  for (size_t i = 0; i < arguments.size() && at::GradMode::is_enabled(); ++i) {
+    const c10::IValue& arg = (*stack)[first + i];
+    TORCH_CHECK_VALUE(!arg.isTensor() || !arg.toTensor().requires_grad(), op.schema().name(),
+                      " has no backward, but ", arguments[i].name(), " requires grad (call it under torch.no_grad())");
+  }
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
 }
 
 }  // namespace
@@ -1009,19 +1021,6 @@ CS149GPT_REFUSING_IMPL(SparseCsrCPU)
 CS149GPT_REFUSING_IMPL(QuantizedCPU)
 CS149GPT_REFUSING_IMPL(NestedTensorCPU)
 
-namespace cs149gpt {
-// merge_partial_ has no backward: an argument that requires grad is refused, not written behind autograd's back.
-void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const auto& arguments = op.schema().arguments();
-  const size_t first = stack->size() - arguments.size();
-  for (size_t i = 0; i < arguments.size() && at::GradMode::is_enabled(); ++i) {
-    const c10::IValue& arg = (*stack)[first + i];
-    TORCH_CHECK_VALUE(!arg.isTensor() || !arg.toTensor().requires_grad(), op.schema().name(),
-                      " has no backward, but ", arguments[i].name(), " requires grad (call it under torch.no_grad())");
-  }
-  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-}
-}  // namespace cs149gpt
 TORCH_LIBRARY_IMPL(cs149gpt, Autograd, m) {
   m.impl("merge_partial_", torch::CppFunction::makeFromBoxedFunction<&cs149gpt::refuse_grad>());
 }

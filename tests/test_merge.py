@@ -115,10 +115,61 @@ def test_opcheck_and_compile(device):
     assert torch.equal(got, expected) and torch.equal(compiled[1], eager[1])
 
 
-def test_empty_rows():
-    acc, acc_lse = torch.zeros(1, 2, 0, 8), torch.zeros(1, 2, 0)
-    merge(acc, acc_lse, torch.zeros(1, 2, 0, 8), torch.zeros(1, 2, 0))
+@pytest.mark.parametrize("device", DEVICES)
+def test_ring_views_under_compile(device):
+    """The ring's call: row slices of the running buffers, compiled with inductor, as eager."""
+    out, lse, out_a, lse_a, out_b, lse_b = partials(device, n=8)
+    big, big_lse = torch.zeros(2, 3, 20, 64, device=device), torch.zeros(2, 3, 20, device=device)
+
+    def step(acc, acc_lse, block, block_lse):
+        merge(acc[:, :, 4:12], acc_lse[:, :, 4:12], block, block_lse)
+        return acc_lse * 2  # (exact: a compiled exp may differ from eager by an ulp)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        acc, acc_lse = big.clone(), big_lse.clone()
+        acc[:, :, 4:12], acc_lse[:, :, 4:12] = out_a.float(), lse_a.float()
+        results.append((fn(acc, acc_lse, out_b.bfloat16(), lse_b.float()), acc))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_rows_and_head_dim_zero(device):
+    acc, acc_lse = torch.zeros(1, 2, 0, 8, device=device), torch.zeros(1, 2, 0, device=device)
+    merge(acc, acc_lse, torch.zeros(1, 2, 0, 8, device=device), torch.zeros(1, 2, 0, device=device))
     assert acc.shape == (1, 2, 0, 8)
+    # no columns, but each row's lse still merges: log(e^0 + e^0)
+    acc, acc_lse = torch.zeros(1, 2, 3, 0, device=device), torch.zeros(1, 2, 3, device=device)
+    merge(acc, acc_lse, torch.zeros(1, 2, 3, 0, device=device), torch.zeros(1, 2, 3, device=device))
+    assert torch.allclose(acc_lse, torch.full_like(acc_lse, math.log(2)))
+
+
+def test_refuses_tensors_that_require_grad():
+    """No backward: a tensor that requires grad is refused (not rewritten behind autograd), no_grad lets it run."""
+    out, lse, out_a, lse_a, out_b, lse_b = partials("cpu")
+    acc, acc_lse, block, block_lse = out_a.float(), lse_a.float(), out_b.float(), lse_b.float()
+    for name, t in (("out", acc), ("out_block", block)):
+        t.requires_grad_()
+        with pytest.raises(ValueError, match=f"has no backward, but {name} requires grad"):
+            merge(acc, acc_lse, block, block_lse)
+        t.requires_grad_(False)
+    block.requires_grad_()
+    with torch.no_grad():
+        merge(acc, acc_lse, block, block_lse)
+    assert (acc.double() - out).abs().max().item() <= 2e-6
+
+
+def test_refuses_inputs_sharing_memory_with_outputs():
+    buf, lse = torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5)
+    with pytest.raises(ValueError, match="out and out_block share memory in part"):
+        merge(buf[:, :, 1:], lse[:, :, 1:], buf[:, :, :4], torch.zeros(1, 1, 4))
+    flat = torch.zeros(40 + 5)
+    with pytest.raises(ValueError, match="out and lse share memory"):
+        merge(flat[:40].view(1, 1, 5, 8), flat[35:40].view(1, 1, 5), torch.zeros(1, 1, 5, 8), torch.zeros(1, 1, 5))
+    # one tensor as both sides is each row merged with itself: allowed, lse + log 2, out unchanged
+    acc, acc_lse = buf.clone(), lse.clone()
+    merge(acc, acc_lse, acc, acc_lse)
+    assert torch.allclose(acc, buf, atol=1e-6) and torch.allclose(acc_lse, lse + math.log(2), atol=1e-6)
 
 
 def bad(**change):
@@ -139,6 +190,8 @@ def bad(**change):
     (bad(out=torch.zeros(1, 1, 3, 8).expand(1, 2, 3, 8)), ValueError, "out has elements that share memory"),
     (bad(lse_block=torch.zeros(1, 2, 3, device="meta")), ValueError, "must be on one device"),
     (bad(lse=None), ValueError, "lse must be a tensor, got None"),
+    (bad(lse=torch.zeros(6)), ValueError, "lse must have shape (batch, heads, rows) [1, 2, 3]"),
+    (bad(lse_block=torch.zeros(1, 2, 3, 1)), ValueError, "lse_block must have shape (batch, heads, rows)"),
 ])
 def test_bad_input(args, error, words):
     with pytest.raises(error) as e:

@@ -605,7 +605,7 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
 void merge_partial_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_block,
                     const at::Tensor& lse_block) {
   const DType dtype = check_merge(out, lse, out_block, lse_block);
-  if (out.numel() == 0) return;
+  if (lse.numel() == 0) return;  // (head_dim 0 still merges lse)
   const c10::cuda::CUDAGuard guard(out.device());
   check_launch(merge_partial(merge_params(out, lse, out_block, lse_block, dtype), c10::cuda::getCurrentCUDAStream()),
                "merge_partial_");
