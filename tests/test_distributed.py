@@ -127,6 +127,13 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                     torch.save(got, buffer)
                     results.put(("case", c["name"] + suffix, rank, buffer.getvalue()))
         if world_size == 2 and not cuda:
+            # Which operators a causal zigzag forward runs (torch.profiler): per rank, 2 kernel calls and 1 merge
+            xp = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(rank))
+            with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                cp.ring_attention(xp, xp, xp, is_causal=True, layout="zigzag")
+            counts = {e.key: e.count for e in prof.key_averages()}
+            results.put(("error", "ops", rank, ", ".join(f"{op} {counts.get(op, 0)}" for op in (
+                "cs149gpt::flash_attention", "cs149gpt::merge_partial_", "aten::addcmul_"))))
             for name, q, k, v, kwargs in error_cases(rank):
                 try:
                     cp.ring_attention(q, k, v, **kwargs)
@@ -358,6 +365,14 @@ def test_ring_errors_on_every_rank(world2, name, expect):
     assert sorted(errors[name]) == [0, 1]
     for rank, prefix in enumerate(expect):
         assert errors[name][rank].startswith(prefix), errors[name][rank]
+
+
+def test_ring_forward_runs_our_kernel_and_merge(world2):
+    """A causal zigzag forward on 2 ranks, counted by torch.profiler: on each rank the flash kernel on its local block
+    and on the other's, the two results folded by merge_partial_ (no elementwise torch merge)."""
+    _, errors = world2
+    expected = "cs149gpt::flash_attention 2, cs149gpt::merge_partial_ 1, aten::addcmul_ 0"
+    assert errors["ops"] == {0: expected, 1: expected}, errors["ops"]
 
 
 def test_ring_without_room_in_dev_shm_goes_over_gloo(world2):
