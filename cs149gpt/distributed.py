@@ -448,10 +448,12 @@ class _HostBlocks:
             offset += t.numel()
         return views
 
-    def publish(self, tensors: Sequence[torch.Tensor], what: str, who: str = "ring_attention") -> bool:
+    def publish(self, tensors: Sequence[torch.Tensor], what: str, who: str = "ring_attention", fill=None) -> bool:
         """This rank's tensors into its buffer, between two barriers: every peer is done with the last call's
         before they are overwritten, and every rank's are written before any is read. False (every rank alike)
-        under min_bytes, or where /dev/shm has no room for them: the caller's transfers go over gloo."""
+        under min_bytes, or where /dev/shm has no room for them: the caller's transfers go over gloo.
+        fill: fill(views) writes the values into this rank's views instead (tensors then give shapes and dtype only:
+        meta tensors will do)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if nbytes < self.min_bytes or not self.usable:  # (the same on every rank: the shapes agree)
             return False
@@ -459,8 +461,12 @@ class _HostBlocks:
             if nbytes > self.nbytes and not self._grow(nbytes):
                 return False
             dist.barrier(group=self.group)
-            for own, t in zip(self.views(self.rank, tensors), tensors):
-                own.copy_(t)
+            own = self.views(self.rank, tensors)
+            if fill is not None:
+                fill(own)
+            else:
+                for view, t in zip(own, tensors):
+                    view.copy_(t)
             dist.barrier(group=self.group)
         except Exception as e:  # (a timeout or a peer gone)
             raise RuntimeError(f"{who}: {what} (rank {self.rank} of {self.world_size}) failed: {e}") from e
@@ -657,16 +663,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
 
 
 # ------------------------------------------------------------------------------------------------- all-to-all
-def _all_to_all(group, sends: List[torch.Tensor], what: str) -> List[torch.Tensor]:
-    """sends[j] goes to rank j; returns what each rank i sent here, in rank order (sends share one shape). One
-    all_to_all_single over the stacked messages: gloo has no list all_to_all in every torch this runs on. On one
-    host with gloo, through shared memory instead (_HostBlocks): every rank publishes its messages, then copies out
-    the ones addressed to it."""
+def _all_to_all(group, parts: List[List[torch.Tensor]], what: str) -> List[torch.Tensor]:
+    """Rank j gets the message torch.cat(parts[j], 1); returns what each rank i sent here, in rank order (messages
+    share one shape). One all_to_all_single over the messages, concatenated straight into one buffer: gloo has no
+    list all_to_all in every torch this runs on. On one host with gloo, through shared memory instead
+    (_HostBlocks): every rank concatenates its messages into its buffer there and reads the ones addressed to it in
+    place: views, valid until this rank's next publication (the callers copy them out at once)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    shared = _HostBlocks.of(group, rank, world_size, sends[0].device)
-    if shared is not None and shared.publish(sends, what, "ulysses_attention"):
-        return [shared.views(i, sends)[rank].clone() for i in range(world_size)]
-    stacked = torch.stack(sends)
+    first = parts[0]
+    shape = list(first[0].shape)
+    shape[1] = sum(p.shape[1] for p in first)
+    like = [torch.empty(shape, dtype=first[0].dtype, device="meta")] * world_size
+    shared = _HostBlocks.of(group, rank, world_size, first[0].device)
+
+    def fill(views):
+        for view, message in zip(views, parts):
+            torch.cat(message, 1, out=view)
+
+    if shared is not None and shared.publish(like, what, "ulysses_attention", fill=fill):
+        return [shared.views(i, like)[rank] for i in range(world_size)]
+    stacked = torch.empty([world_size] + shape, dtype=first[0].dtype, device=first[0].device)
+    fill(stacked.unbind(0))
     received = torch.empty_like(stacked)
     try:
         dist.all_to_all_single(received, stacked, group=group)
@@ -692,8 +709,8 @@ def _seq_to_heads(group, world_size: int, layout: str, tensors: Sequence[torch.T
     """Each (B, Ht, n, d) tensor sharded over the sequence → (B, Ht / W, W·n, d): this rank's share of the heads
     over the whole sequence in order. Tensors of one length travel in one all-to-all (a message a pair of ranks)."""
     heads = [t.shape[1] // world_size for t in tensors]
-    sends = [torch.cat([t[:, j * h:(j + 1) * h] for t, h in zip(tensors, heads)], 1) for j in range(world_size)]
-    received = [r.split(heads, 1) for r in _all_to_all(group, sends, what)]
+    parts = [[t[:, j * h:(j + 1) * h] for t, h in zip(tensors, heads)] for j in range(world_size)]
+    received = [r.split(heads, 1) for r in _all_to_all(group, parts, what)]
     return [unshard_sequence([received[i][t] for i in range(world_size)], 2, layout=layout)
             for t in range(len(tensors))]
 
@@ -702,9 +719,9 @@ def _seq_to_heads(group, world_size: int, layout: str, tensors: Sequence[torch.T
 def _heads_to_seq(group, world_size: int, layout: str, tensors: Sequence[torch.Tensor], what: str):
     """The inverse of _seq_to_heads: (B, Ht / W, N, d) → (B, Ht, N / W, d), this rank's tokens of every head."""
     heads = [t.shape[1] for t in tensors]
-    sends = [torch.cat([shard_sequence(t, 2, world_size=world_size, rank=j, layout=layout) for t in tensors], 1)
+    parts = [[shard_sequence(t, 2, world_size=world_size, rank=j, layout=layout) for t in tensors]
              for j in range(world_size)]
-    received = [r.split(heads, 1) for r in _all_to_all(group, sends, what)]
+    received = [r.split(heads, 1) for r in _all_to_all(group, parts, what)]
     return [torch.cat([received[i][t] for i in range(world_size)], 1) for t in range(len(tensors))]
 
 
