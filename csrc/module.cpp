@@ -746,12 +746,12 @@ using FlashFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::
                                                    const std::optional<at::Tensor>&);
 
 // Whether autograd (reverse or forward mode) must record a call on these tensors: then the wrappers take it.
+// Whether autograd would record a call on t: a gradient wanted (grad mode on) or a forward-mode tangent.
+bool wants_grad(const at::Tensor& t) {
+  return (at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined();
+}
 bool autograd_needed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  for (const at::Tensor* t : {&q, &k, &v}) {
-    if (at::GradMode::is_enabled() && t->requires_grad()) return true;
-    if (t->_fw_grad(/*level=*/0).defined()) return true;
-  }
-  return false;
+  return wants_grad(q) || wants_grad(k) || wants_grad(v);
 }
 
 bool plain_dense(const at::Tensor& t) {
@@ -782,16 +782,23 @@ py::object call_below_autograd(const at::Tensor& q, const at::Tensor& k, const a
   return py::cast(out);
 }
 
-// A Python float or int (not bool) that is a finite float32 into *value; false for anything else.
-bool scale_from(py::handle scale, std::optional<double>* value) {
-  if (scale.is_none()) return true;
-  if (!(PyFloat_CheckExact(scale.ptr()) || PyLong_CheckExact(scale.ptr()))) return false;
-  const double s = PyFloat_AsDouble(scale.ptr());
+// A Python float or int (not bool) into *value; false for anything else.
+bool double_from(py::handle x, double* value) {
+  if (!(PyFloat_CheckExact(x.ptr()) || PyLong_CheckExact(x.ptr()))) return false;
+  const double v = PyFloat_AsDouble(x.ptr());
   if (PyErr_Occurred()) {
     PyErr_Clear();
     return false;
   }
-  if (!(std::isfinite(s) && std::fabs(s) < kFloat32Overflow)) return false;
+  *value = v;
+  return true;
+}
+
+// None or a Python float or int (not bool) that is a finite float32 into *value; false for anything else.
+bool scale_from(py::handle scale, std::optional<double>* value) {
+  if (scale.is_none()) return true;
+  double s = 0.0;
+  if (!double_from(scale, &s) || !(std::isfinite(s) && std::fabs(s) < kFloat32Overflow)) return false;
   *value = s;
   return true;
 }
@@ -847,7 +854,7 @@ bool mask_is_ours(const at::Tensor& mask, const at::Tensor& q, const at::Tensor&
   if (!plain_dense(mask) || mask.device() != q.device()) return false;
   const auto type = mask.scalar_type();
   if (!(type == at::kBool || type == at::kFloat || type == q.scalar_type())) return false;
-  if ((at::GradMode::is_enabled() && mask.requires_grad()) || mask._fw_grad(/*level=*/0).defined()) return false;
+  if (wants_grad(mask)) return false;
   if (mask.dim() > q.dim()) return false;
   for (int64_t i = 1; i <= mask.dim(); ++i) {  // from the last dim: keys, queries, heads, batch...
     const int64_t m = mask.size(-i), scores = i == 1 ? k.size(-2) : q.size(-i);
@@ -898,18 +905,6 @@ bool optional_tensor_from(py::handle x, std::optional<at::Tensor>* t) {
   return plain_dense(**t);
 }
 
-// A Python float or int (not bool) into *value; false for anything else.
-bool double_from(py::handle x, double* value) {
-  if (!(PyFloat_CheckExact(x.ptr()) || PyLong_CheckExact(x.ptr()))) return false;
-  const double v = PyFloat_AsDouble(x.ptr());
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  *value = v;
-  return true;
-}
-
 // cs149gpt.attention_with_kvcache(...) for plain tensors, or None: a decoding step's host work is most of its time at
 // batch 1, and this path skips the Python wrapper's checks, the boxed dispatch of 16 arguments and the autograd
 // fallback. The operator is called below autograd, so the ADInplaceOrView kernel's part (refuse_forward_ad_and_bump)
@@ -942,13 +937,11 @@ py::object kvcache_fast(const at::Tensor& q, const at::Tensor& k_cache, const at
       !optional_tensor_from(cache_leftpad_arg, &cache_leftpad) ||
       !optional_tensor_from(alibi_slopes_arg, &alibi_slopes) || !optional_tensor_from(lse_arg, &lse))
     return py::none();
-  const bool grad_mode = at::GradMode::is_enabled();
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &cache_seqlens})
-    if (!plain_dense(*t) || (grad_mode && t->requires_grad()) || t->_fw_grad(/*level=*/0).defined())
-      return py::none();  // the wrapper refuses a gradient (ValueError), the operator a tangent
+    if (!plain_dense(*t) || wants_grad(*t)) return py::none();  // the wrapper refuses a gradient, the op a tangent
   for (const std::optional<at::Tensor>* t : {&k_new, &v_new, &block_table, &cache_batch_idx, &cache_leftpad,
                                               &alibi_slopes, &lse})
-    if (*t && ((grad_mode && (*t)->requires_grad()) || (*t)->_fw_grad(/*level=*/0).defined())) return py::none();
+    if (*t && wants_grad(**t)) return py::none();
   at::Tensor out;
   {
     py::gil_scoped_release no_gil;
