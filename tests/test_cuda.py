@@ -130,10 +130,12 @@ def test_fast_forward_and_lse(dtype, d, causal, shape, forward_path):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("shape", [(4, 8, 2, 1024, 1024), (8, 8, 8, 1000, 300)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(4, 8, 2, 1024, 1024), (8, 8, 8, 1000, 300), (2, 8, 4, 600, 2100)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_forward_with_more_query_tiles_than_sms(d, causal, shape, forward_path):
     """Several query tiles a block where a grid is persistent (one block an SM walking the tiles), tiles whose rows
-    see no key among them (Nq > Nk, bottom-right): out and lse against float64."""
+    see no key among them (Nq > Nk, bottom-right), and past 2048 keys (d 128's wider key tile when not causal): out
+    and lse against float64."""
     B, Hq, Hkv, Nq, Nk = shape
     q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, d, torch.bfloat16, seed=d + Nq)
     poison_allocator()
