@@ -671,32 +671,51 @@ __global__ void __launch_bounds__(kDecodeThreads) scalar_split_kernel(const Deco
 }
 
 // ---- the merge of the splits ------------------------------------------------------------------------
-// One warp per output row (batch, kv head, ρ): the splits' partials in split order, out = O / l, lse.
+// A block per output row (batch, kv head, ρ). Its lanes find M and l together, a split a lane; its warps sum O over
+// every kWarps-th split, several splits' loads in flight (one warp walking 28 splits a load at a time: 12.5 µs of a
+// 28.5 µs step at B 1, 8192 keys, on an H200); warp 0 adds the warps' sums in order and writes out = O / l and lse.
 template <int D, class T>
 __global__ void __launch_bounds__(kDecodeThreads) combine_kernel(const DecodeParams dp) {
-  constexpr int kCols = D / 32;  // columns per lane: c = lane + 32·k, coalesced
+  constexpr int kCols = D / 32, kWarps = kDecodeThreads / 32;  // columns per lane: c = lane + 32·k, coalesced
+  __shared__ float sm_o[kWarps - 1][D];
   const AttentionParams& p = dp.p;
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int rows_total = static_cast<int>(group * p.q_len);
-  const int64_t id = static_cast<int64_t>(blockIdx.x) * (kDecodeThreads / 32) + threadIdx.x / 32;
+  const int64_t id = blockIdx.x;
   if (id >= p.batch * p.num_kv_heads * rows_total) return;
-  const int lane = threadIdx.x % 32, splits = dp.splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, splits = dp.splits;
   const int rho = static_cast<int>(id % rows_total);
   const int64_t bk = id / rows_total;
   const int b = static_cast<int>(bk / p.num_kv_heads), kvh = static_cast<int>(bk % p.num_kv_heads);
+  const int64_t split_stride = static_cast<int64_t>(rows_total);
   const float* ml = dp.part_ml + 2 * (bk * splits * rows_total + rho);
   const float* po = dp.part_o + (bk * splits * rows_total + rho) * D;
-  const int64_t split_stride = static_cast<int64_t>(rows_total);
   float M = kNegInf;
-  for (int s = 0; s < splits; ++s) M = max_nan(M, ml[2 * s * split_stride]);
-  float L = 0.0f, O[kCols];
+  for (int s = lane; s < splits; s += 32) M = max_nan(M, ml[2 * s * split_stride]);
+  for (int offset = 16; offset > 0; offset /= 2) M = max_nan(M, __shfl_xor_sync(0xffffffffu, M, offset));
+  auto weight = [&](int s) { return M == kNegInf ? 0.0f : exp2f(ml[2 * s * split_stride] - M); };
+  float L = 0.0f;
+  for (int s = lane; s < splits; s += 32) L = fmaf(weight(s), ml[2 * s * split_stride + 1], L);
+  for (int offset = 16; offset > 0; offset /= 2) L += __shfl_xor_sync(0xffffffffu, L, offset);
+  float O[kCols];
 #pragma unroll
   for (int k = 0; k < kCols; ++k) O[k] = 0.0f;
-  for (int s = 0; s < splits; ++s) {
-    const float w = M == kNegInf ? 0.0f : exp2f(ml[2 * s * split_stride] - M);
-    L = fmaf(w, ml[2 * s * split_stride + 1], L);
+#pragma unroll 4
+  for (int s = warp; s < splits; s += kWarps) {
+    const float w = weight(s);
 #pragma unroll
     for (int k = 0; k < kCols; ++k) O[k] = fmaf(w, po[s * split_stride * D + lane + 32 * k], O[k]);
+  }
+  if (warp > 0) {
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) sm_o[warp - 1][lane + 32 * k] = O[k];
+  }
+  __syncthreads();
+  if (warp > 0) return;
+#pragma unroll
+  for (int w = 0; w < kWarps - 1; ++w) {
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) O[k] += sm_o[w][lane + 32 * k];
   }
   const int h = kvh * group + rho % group, i = rho / group;
   T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[1] + i * p.out_strides[2];
@@ -760,8 +779,7 @@ cudaError_t run(const DecodeParams& dp, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch * p.num_kv_heads * dp.row_tiles), dp.splits);
   const cudaError_t err = launch_split<D, T>(dp, grid, stream);
   if (err != cudaSuccess || dp.splits == 1) return err;
-  constexpr int kWarps = kDecodeThreads / 32;
-  combine_kernel<D, T><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kDecodeThreads, 0, stream>>>(dp);
+  combine_kernel<D, T><<<static_cast<unsigned>(rows), kDecodeThreads, 0, stream>>>(dp);
   return cudaGetLastError();
 }
 
