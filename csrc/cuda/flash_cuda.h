@@ -91,9 +91,10 @@ struct DecodeParams {
 // Tile and split constants, each with its reason. bf16/fp16 run on tensor cores, float32 on the scalar kernel. With them
 // K and V stream at 76-92 % of an H200's copy rate from 8k keys at batch >= 8 (bench.py cuda --suite decode: Hq 32,
 // Hkv 8, d 128, bf16); at batch 1, 36 % at 8k keys and 66 % at 32k (a split's 2-tile ring fill and the merge: a 21 us
-// step at 8k keys). Measured alternatives (split kernel alone): 2 stages and 3 blocks an SM (splits for 3): batch 64
-// +3-4 %, batch 8 at 8k keys and batch 1 at 32k -2 %; 8 warps on 128-key tiles: batch 1 +11-18 % to 8k keys, -4 %
-// at 32k, batch 8 and 64 -2-9 %; one block an SM with 4 or 6 stages: -14-44 % (fewer splits, fewer loads in flight).
+// step at 8k keys). Measured alternatives, split kernel and merge:
+// - 2 stages, 3 blocks an SM and the splits sized for 3: batch 64 +3-4 %, batch 8 at 8k keys and batch 1 at 32k -2 %;
+// - 8 warps on 128-key tiles: batch 1 +11-18 % to 8k keys, -4 % at 32k; batch 8 and 64 -2-9 %;
+// - one block an SM with 4 or 6 stages: -14-44 % (fewer splits, fewer loads in flight).
 constexpr int kDecodeThreads = 128;        // 4 warps (tensor cores: each a 16-key slice of every key tile)
 constexpr int kDecodeTileRows = 16;        // rows a block on tensor cores: one m16 tile (G x q_len <= 16: K, V read once)
 constexpr int kDecodeBlockKeys = 64;       // keys a tile: 16 a warp, the k of one m16n8k16 P V product

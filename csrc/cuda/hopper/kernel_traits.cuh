@@ -33,7 +33,7 @@ struct FwdTraits {
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;           // query rows per block (Br)
   // Bc 128: S (64 x 128) and O (64 x d) float32 fragments, 64 + 64 registers per thread at d 128, fit the consumers'
   // 240 with room for P; 2 stages of K and V then take 128 KB (d 128) of the 227 KB. 176 (FlashAttention-3's Bc for
-  // d 128 without a causal mask; the default at d 128) fits too: 208 KB, S 88 + P 44 + O 64 registers, no spill.
+  // d 128 without a causal mask; ours there past 2048 keys) fits too: 208 KB, S 88 + P 44 + O 64 registers, no spill.
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 2;  // (K, V) tiles in flight: the copy of tile j + 1 runs under the products of tile j
   // setmaxnreg: 128 x 24 + 256 x 240 (or 384 x 160) = 64512 <= 65536 registers of the SM (one block per SM). Three
@@ -73,8 +73,8 @@ struct FwdTraits {
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3, "Br 128 or 192");
 };
 
-// The shipped schedule per head dim (H100, B 4, H 16, N 8192, bf16): ping-pong with Bc 176 at d 128, 711 TFLOP/s full
-// and 658 causal (overlap with Bc 128: 680 and 633). At d 64 three consumer warpgroups (Br 192) in ping-pong (H200,
+// The plain schedule per head dim (H100, B 4, H 16, N 8192, bf16): ping-pong with Bc 176 at d 128, 711 TFLOP/s full
+// (overlap with Bc 128: 680); causal and short calls at d 128 take Bc 128 (fwd_d128_narrow_key_tile). At d 64 three consumer warpgroups (Br 192) in ping-pong (H200,
 // B·N 16384, H 32): 1.17-1.21x two (Br 128) full, 1.06-1.12x causal at N >= 8192, 0.98-1.01x at N 2048-4096; Bc 192
 // with two is 1.03-1.09x two at Bc 128 full, 0.95-1.05x causal.
 template <int kHeadDim, class T>
