@@ -745,11 +745,11 @@ using FlashFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::
                                                    int64_t, double, const std::optional<at::Tensor>&, double,
                                                    const std::optional<at::Tensor>&);
 
-// Whether autograd (reverse or forward mode) must record a call on these tensors: then the wrappers take it.
 // Whether autograd would record a call on t: a gradient wanted (grad mode on) or a forward-mode tangent.
 bool wants_grad(const at::Tensor& t) {
   return (at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined();
 }
+// Whether autograd (reverse or forward mode) must record a call on these tensors: then the wrappers take it.
 bool autograd_needed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   return wants_grad(q) || wants_grad(k) || wants_grad(v);
 }
