@@ -148,13 +148,13 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
 template <class Traits>
 __device__ __forceinline__ void gemm_keys_x_queries(float (&acc)[Traits::kBlockM / 2], const char* keys_w,
                                                     const char* rows_tile) {
+  const uint64_t desc_a = smem_desc_sw128(keys_w, 16, 1024), desc_b = smem_desc_sw128(rows_tile, 16, 1024);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const int panel = kk / 4, bytes = (kk % 4) * 32;
-    const uint64_t desc_a = smem_desc_sw128(keys_w + panel * Traits::kKVPanelBytes + bytes, 16, 1024);
-    const uint64_t desc_b = smem_desc_sw128(rows_tile + panel * Traits::kQPanelBytes + bytes, 16, 1024);
-    wgmma_ss<Traits::kBlockM, typename Traits::T>(acc, desc_a, desc_b, kk > 0);
+    wgmma_ss<Traits::kBlockM, typename Traits::T>(acc, desc_advance(desc_a, panel * Traits::kKVPanelBytes + bytes),
+                                                  desc_advance(desc_b, panel * Traits::kQPanelBytes + bytes), kk > 0);
   }
   wgmma_commit();
 }
@@ -165,11 +165,10 @@ __device__ __forceinline__ void gemm_keys_x_queries(float (&acc)[Traits::kBlockM
 template <class Traits>
 __device__ __forceinline__ void gemm_keys_x_dim(float (&acc)[Traits::kHeadDim / 2],
                                                 const uint32_t (&a)[Traits::kBlockM / 16][4], const char* rows_tile) {
+  const uint64_t desc = smem_desc_sw128(rows_tile, Traits::kQPanelBytes, 1024);
 #pragma unroll
-  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
-    const uint64_t desc = smem_desc_sw128(rows_tile + kk * 16 * Traits::kRowBytes, Traits::kQPanelBytes, 1024);
-    wgmma_rs<Traits::kHeadDim, typename Traits::T>(acc, a[kk], desc, 1);
-  }
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk)
+    wgmma_rs<Traits::kHeadDim, typename Traits::T>(acc, a[kk], desc_advance(desc, kk * 16 * Traits::kRowBytes), 1);
 }
 
 // dQ block = dS K_j, 64 queries x 64 columns of head_dim, over the block's kBlockN keys: kBlockN / 16 k-steps, step kk
@@ -177,13 +176,13 @@ __device__ __forceinline__ void gemm_keys_x_dim(float (&acc)[Traits::kHeadDim / 
 // 64 columns; both MN-major (keys along K, the 64 queries, or columns, along the 128-byte rows). Issued and committed.
 template <class Traits>
 __device__ __forceinline__ void gemm_dq(float (&dq)[32], const char* ds_panel, const char* k_panel) {
+  const uint64_t desc_ds = smem_desc_sw128(ds_panel, Traits::kDsPanelBytes, 1024);
+  const uint64_t desc_k = smem_desc_sw128(k_panel, Traits::kKVPanelBytes, 1024);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-    const uint64_t desc_ds = smem_desc_sw128(ds_panel + kk * 16 * Traits::kRowBytes, Traits::kDsPanelBytes, 1024);
-    const uint64_t desc_k = smem_desc_sw128(k_panel + kk * 16 * Traits::kRowBytes, Traits::kKVPanelBytes, 1024);
-    wgmma_ss_mn<64, typename Traits::T>(dq, desc_ds, desc_k, kk > 0);
-  }
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
+    wgmma_ss_mn<64, typename Traits::T>(dq, desc_advance(desc_ds, kk * 16 * Traits::kRowBytes),
+                                        desc_advance(desc_k, kk * 16 * Traits::kRowBytes), kk > 0);
   wgmma_commit();
 }
 
@@ -237,18 +236,17 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2],
   }
 }
 
-// dSᵀ = Pᵀ ∘ (dPᵀ − D), in place of dPᵀ; where Pᵀ was masked, 0 (its D may be anything).
-template <class Traits>
+// dSᵀ = Pᵀ ∘ (dPᵀ − D), in place of dPᵀ; kMasked: where Pᵀ was masked, 0 (its D may be anything).
+template <class Traits, bool kMasked>
 __device__ __forceinline__ void probs_to_dscores(float (&dp)[Traits::kBlockM / 2],
-                                                 const float (&pt)[Traits::kBlockM / 2], const float* delta,
-                                                 const TileMask& mask, int lane) {
+                                                 const float (&pt)[Traits::kBlockM / 2], const float* delta, int lane) {
 #pragma unroll
   for (int j = 0; j < Traits::kBlockM / 8; ++j) {
     const float2 d = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * (lane % 4));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float ds = pt[4 * j + e] * (dp[4 * j + e] - (e % 2 ? d.y : d.x));
-      dp[4 * j + e] = !mask.needed || pt[4 * j + e] != 0.f ? ds : 0.f;
+      dp[4 * j + e] = !kMasked || pt[4 * j + e] != 0.f ? ds : 0.f;
     }
   }
 }
@@ -356,11 +354,13 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
   const int64_t head_dim = Traits::kHeadDim;
 
   mbarrier_wait(sm.kv_full, 0);
+  // Step s visits query tile m_tile of head h (steps.head(s), steps.m_tile(s), counted on instead of divided out).
+  int64_t h = steps.h_first;
+  int m_tile = steps.m_first;
   for (int s = 0; s < steps.count; ++s) {
     const int stage = bwd_stage<Traits>(s);
     const uint32_t phase = bwd_phase<Traits>(s);
-    const int64_t h = steps.head(s);
-    const int64_t m0 = static_cast<int64_t>(steps.m_tile(s)) * kBlockM;
+    const int64_t m0 = static_cast<int64_t>(m_tile) * kBlockM;
     const TileMask mask = tile_mask<Traits, kIsCausal>(p, n0, m0);
     const char* q_tile = sm.q_tile(stage);
     const char* do_tile = sm.do_tile(stage);
@@ -388,12 +388,14 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
       wgmma_commit();
       wgmma_wait<1>();
       fence_fragment(dpt);
-      probs_to_dscores<Traits>(dpt, st, sm.delta_rows(stage), mask, lane);
+      if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, sm.delta_rows(stage), lane);
+      else probs_to_dscores<Traits, false>(dpt, st, sm.delta_rows(stage), lane);
       to_a_frags<Traits>(dst16, dpt);
     } else {
       wgmma_wait<0>();
       fence_fragment(dpt);
-      probs_to_dscores<Traits>(dpt, st, sm.delta_rows(stage), mask, lane);
+      if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, sm.delta_rows(stage), lane);
+      else probs_to_dscores<Traits, false>(dpt, st, sm.delta_rows(stage), lane);
       to_a_frags<Traits>(pt16, st);
       to_a_frags<Traits>(dst16, dpt);
 
@@ -451,6 +453,10 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     fence_fragment(dk);
     fence_fragment(dst16);
     if (lane == 0) mbarrier_arrive(&sm.q_empty[stage]);
+    if (++m_tile == steps.m_first + steps.m_tiles) {
+      m_tile = steps.m_first;
+      ++h;
+    }
   }
   // The block's shared memory outlives the last reductions' reads.
   if (Traits::kDqTma && threadIdx.x % 128 == 0) bulk_wait_group<0>();
@@ -512,7 +518,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / 128;
+  // (broadcast from lane 0: the compiler then knows it is the same across a warp and keeps what derives from it, the
+  // wgmma descriptors, in uniform registers)
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     // ---- producer ----
     setmaxnreg_dec<Traits::kProducerRegs>();

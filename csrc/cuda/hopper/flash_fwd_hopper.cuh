@@ -131,13 +131,13 @@ __device__ __forceinline__ void load_kv(const SharedTiles<Traits>& sm, const CUt
 // rows of panel kk / 4 of both Q_w and K_j (K-major operands, 1024 bytes between 8-row atoms). Issued, not waited.
 template <class Traits>
 __device__ __forceinline__ void gemm_qk(float (&s)[Traits::kBlockN / 2], const char* q_w, const char* k_j) {
+  const uint64_t desc_q = smem_desc_sw128(q_w, 16, 1024), desc_k = smem_desc_sw128(k_j, 16, 1024);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const int panel = kk / 4, bytes = (kk % 4) * 32;
-    const uint64_t desc_q = smem_desc_sw128(q_w + panel * Traits::kQPanelBytes + bytes, 16, 1024);
-    const uint64_t desc_k = smem_desc_sw128(k_j + panel * Traits::kKVPanelBytes + bytes, 16, 1024);
-    wgmma_ss<Traits::kBlockN, typename Traits::T>(s, desc_q, desc_k, kk > 0);
+    wgmma_ss<Traits::kBlockN, typename Traits::T>(s, desc_advance(desc_q, panel * Traits::kQPanelBytes + bytes),
+                                                  desc_advance(desc_k, panel * Traits::kKVPanelBytes + bytes), kk > 0);
   }
   wgmma_commit();
 }
@@ -148,12 +148,11 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Traits::kBlockN / 2], const c
 template <class Traits>
 __device__ __forceinline__ void gemm_pv(float (&o)[Traits::kHeadDim / 2], const uint32_t (&p)[Traits::kBlockN / 16][4],
                                         const char* v_j) {
+  const uint64_t desc_v = smem_desc_sw128(v_j, Traits::kKVPanelBytes, 1024);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-    const uint64_t desc_v = smem_desc_sw128(v_j + kk * 16 * Traits::kRowBytes, Traits::kKVPanelBytes, 1024);
-    wgmma_rs<Traits::kHeadDim, typename Traits::T>(o, p[kk], desc_v, 1);
-  }
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk)
+    wgmma_rs<Traits::kHeadDim, typename Traits::T>(o, p[kk], desc_advance(desc_v, kk * 16 * Traits::kRowBytes), 1);
   wgmma_commit();
 }
 
@@ -613,7 +612,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / 128;
+  // (broadcast from lane 0: the compiler then knows it is the same across a warp and keeps what derives from it, the
+  // wgmma descriptors, in uniform registers)
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     // ---- producer ----
     setmaxnreg_dec<Traits::kProducerRegs>();
