@@ -166,17 +166,24 @@ constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskSpans = 2;
 
 // Keys past the end, and under the causal mask past each row's diagonal, become −inf. row0: the query index of the
 // thread's row g; n0: the tile's first key.
+// Each of the thread's rows r sees the keys of the tile below a bound, in its own coordinates (key n0 + 2·(lane % 4) is
+// 0): one 32-bit compare of a constant a score instead of 64-bit compares of the key with the end and the diagonal.
 template <class Traits, bool kIsCausal>
 __device__ __forceinline__ void mask_scores(float (&s)[Traits::kBlockN / 2], const AttentionParams& p, int64_t row0,
                                             int64_t n0, int lane) {
+  const int64_t first = n0 + (lane % 4) * 2;
+  const auto clamp = [](int64_t x) { return static_cast<int>(min64(max64(x, 0), Traits::kBlockN)); };
+  int bound[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t end = kIsCausal ? min64(p.kv_len, row0 + 8 * r + p.causal_offset + 1) : p.kv_len;
+    bound[r] = clamp(end - first);
+  }
 #pragma unroll
   for (int j = 0; j < Traits::kBlockN / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t row = row0 + (e / 2) * 8;
-      const int64_t key = n0 + j * 8 + (lane % 4) * 2 + (e % 2);
-      if (!(key < p.kv_len && (!kIsCausal || key <= row + p.causal_offset))) s[4 * j + e] = -INFINITY;
-    }
+    for (int e = 0; e < 4; ++e)
+      if (!(j * 8 + e % 2 < bound[e / 2])) s[4 * j + e] = -INFINITY;
 }
 
 // A consumer thread's two rows under key spans (flash_mask.cuh's key_span), and the (batch, head) whose attn_mask rows

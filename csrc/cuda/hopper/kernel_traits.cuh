@@ -84,7 +84,7 @@ using DefaultFwdTraits = std::conditional_t<kHeadDim == 128, FwdTraits<128, T, /
 // one persistent with a static schedule, the causal one a block per tile. Dynamic: causal d 64 +2-4% at N 2048-4096 on
 // an H200 (335 -> 343 TFLOP/s at N 2048), plain unchanged; a static causal zigzag lost 7-25% at N >= 8192.
 constexpr bool kFwdDynamicSchedule = true;
-// attn_mask and windows (key spans): Bc 128 at both head dims (ptxas, d 128: 92 bytes of spill; at Bc 176, 1.5 KB).
+// attn_mask and windows (key spans): Bc 128 at both head dims (ptxas, d 128: 36 bytes of spill; at Bc 176, 1.5 KB).
 template <int kHeadDim, class T>
 using SpansFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128>;
 // d 128 without mask or window: Bc 128 (SpansFwdTraits' tile) when causal or N_k <= 2048, else Bc 176. H200, bf16,
