@@ -17,16 +17,20 @@ over the rows):
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a − lse)·out_a + exp(lse_b − lse)·out_b
 
 The send of the next block is posted (batch_isend_irecv) before the current block is computed, so the transfer runs
-behind the kernel. On one host with gloo (CPU) the forward has no transfers: every rank puts its K/V block in shared
-memory (/dev/shm, mapped by every rank of the group; CS149GPT_RING_SHM=0 turns it off) and each step's kernel reads
-the block it needs in place (ulysses_attention's all-to-alls go the same way). The backward
+behind the kernel. On one host with gloo (CPU) the forward has no transfers and no fixed share of the work: every
+rank puts its Q, K and V in shared memory (/dev/shm, mapped by every rank of the group; CS149GPT_RING_SHM=0 turns it
+off), and the ranks take items (a query chunk of some rank x some of its kv heads, against every rank's block, the
+partials merged as above) from a counter there, heaviest first, writing each item's rows into its owner's out and
+lse: a rank slowed by a busy core or its neighbours' memory traffic takes fewer, as the threads of one process do
+(ulysses_attention's all-to-alls go through shared memory too). The backward
 (torch.ops.cs149gpt.flash_attention_backward, given the final out and lse) sends the K/V blocks around the ring once
 more, each followed by its float32 dK/dV accumulator: every rank adds the gradient its queries give that block, and
 after W hops the accumulator is back at the block's owner; dQ stays local. GQA: k and v have Hkv heads dividing q's
 H and travel as they are (never expanded). The result equals a one-process cs149gpt.attention call on the whole
 sequence up to float32 rounding of the merge (float32 inputs: about 1e-6 on unit-scale data; bfloat16/float16: each
 block's partial output comes back from the kernel in that dtype, so a few of its ulps), and is bitwise the same from
-run to run (a fixed order of operations on every rank).
+run to run (a fixed order of operations for every row, whichever rank computes it; the work-shared forward's order
+differs from the ring's, so the two routes agree to that rounding, not bitwise).
 
 Layouts (the sequence of N tokens sharded over W ranks; every rank holds the same number of tokens):
     "contiguous": rank r holds tokens [r·N/W, (r+1)·N/W). With is_causal, rank r's queries see the blocks of
@@ -355,10 +359,10 @@ def _shm_allowed() -> bool:
 
 
 class _HostBlocks:
-    """The K/V blocks of a gloo group whose ranks share one host, in shared memory: each rank's block in a file under
-    /dev/shm that every rank maps, so that a step of the forward reads the block it needs in place instead of
-    receiving it through gloo's sockets (a 64 MB K/V block between two processes of a 2-core EPYC: 82 ms over gloo,
-    10 ms to publish here). One per group, kept between calls and grown when a call needs more bytes.
+    """The blocks of a gloo group whose ranks share one host, in shared memory: each rank's block in a file under
+    /dev/shm that every rank maps, so that the forward reads the blocks it needs in place instead of receiving them
+    through gloo's sockets (a 64 MB K/V block between two processes of a 2-core EPYC: 82 ms over gloo, 10 ms to
+    publish here), and a lock file for the counter its items are claimed from. One per group, kept between calls and grown when a call needs more bytes.
     CS149GPT_RING_SHM=0: gloo's transfers (the ranks must agree: _prepare checks it). Every decision that could
     differ between ranks (room, visibility of the peers' files, mapping) is taken together, by an all_reduce."""
 
@@ -372,6 +376,7 @@ class _HostBlocks:
         self._group = weakref.ref(group) if group is not None else None
         self.rank, self.world_size = rank, world_size
         self.nbytes, self.storages, self.usable = 0, [], True
+        self.lock = None  # an open file every rank of the group flocks around a claim (_grow makes it)
 
     @property
     def group(self):
@@ -404,7 +409,9 @@ class _HostBlocks:
         token = [secrets.token_hex(8) if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=_global_rank(self.group, 0), group=self.group)
         paths = [f"/dev/shm/cs149gpt-ring-{token[0]}-{r}" for r in range(self.world_size)]
+        lock_path = f"/dev/shm/cs149gpt-ring-{token[0]}-lock"
         self.storages, self.nbytes = [], 0  # (the smaller buffers' mappings go)
+        self._close_lock()
         try:
             created = False
             try:
@@ -414,6 +421,8 @@ class _HostBlocks:
                     os.posix_fallocate(fd, 0, nbytes)
                 finally:
                     os.close(fd)
+                self.lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+                self._lock_closer = weakref.finalize(self, os.close, self.lock)
                 room = True
             except OSError:
                 room = False
@@ -430,13 +439,29 @@ class _HostBlocks:
             if not self._all(mapped):
                 return False
         finally:
-            if created:
+            for path in [paths[self.rank]] * created + [lock_path] * (self.rank == 0):
                 try:
-                    os.unlink(paths[self.rank])
+                    os.unlink(path)
                 except FileNotFoundError:
                     pass
         self.storages, self.nbytes = storages, nbytes
         return True
+
+    def _close_lock(self) -> None:
+        if self.lock is not None:
+            self._lock_closer()
+            self.lock = None
+
+    def claim(self, counter: torch.Tensor) -> int:
+        """counter[0]'s value, incremented by one (an int64 in shared memory; one rank at a time)."""
+        import fcntl
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        try:
+            i = int(counter[0])
+            counter[0] = i + 1
+        finally:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+        return i
 
     def views(self, r: int, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Rank r's published tensors, shaped as `like` (this rank's: every rank's are alike), in place."""
@@ -486,6 +511,16 @@ class _Ring:
         q_chunks = _chunks(layout, world_size, rank, nq)
         self.calls = [_block_calls(q_chunks, _chunks(layout, world_size, src, nk), offset)
                       for src in range(world_size)]
+        # The work-shared forward's plan (host_blocks): for each owner rank and each of its query chunks, the calls
+        # against every source rank's block, in the chunk's rows.
+        self.layout, self.offset, self.nq, self.nk = layout, offset, nq, nk
+        self.chunk_calls = {}
+        if host_blocks is not None:
+            for owner in range(world_size):
+                for chunk in _chunks(layout, world_size, owner, nq):
+                    self.chunk_calls[owner, chunk] = [
+                        _block_calls([(0, chunk[1], chunk[2])], _chunks(layout, world_size, src, nk), offset)
+                        for src in range(world_size)]
 
     def source(self, step: int) -> int:
         """Whose K/V block this rank holds at step (the blocks travel from rank r to r + 1)."""
@@ -523,21 +558,94 @@ def _rows(t, lo, hi):
     return t[:, :, lo:hi]
 
 
+def _chunk_attention(q_rows, blocks, calls, scale):
+    """One query chunk's (out float32, lse) against every source's K/V block: calls[src] in the chunk's rows and the
+    block's keys, each partial merged in source order (rows no call reaches: 0 and −inf)."""
+    out_acc = torch.zeros(q_rows.shape, dtype=torch.float32)
+    lse_acc = torch.full(q_rows.shape[:-1], -math.inf, dtype=torch.float32)
+    reached = set()
+    for (k, v), block_calls in zip(blocks, calls):
+        for q_lo, q_hi, k_lo, k_hi, causal in block_calls:
+            out_b, lse_b = torch.ops.cs149gpt.flash_attention(
+                _rows(q_rows, q_lo, q_hi), _rows(k, k_lo, k_hi), _rows(v, k_lo, k_hi), scale, causal)
+            fresh = all((lo >= q_hi or hi <= q_lo) for lo, hi in reached)
+            _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b, fresh)
+            reached.add((q_lo, q_hi))
+    return out_acc, lse_acc
+
+
+def _shared_forward(q, k, v, ring: _Ring, shared: "_HostBlocks"):
+    """The forward of ranks that share one host (gloo, shared memory): every rank publishes q, k and v, then the
+    ranks take work items (a query chunk of some rank x a slice of its kv heads, against every block) from a counter
+    in shared memory, heaviest first, and write each item's rows into its owner's out and lse there. A rank that runs
+    slower (a busy core, a neighbour's cache traffic) takes fewer items, as the threads of one process do, where a
+    ring's steps would wait for it. Returns this rank's (out, lse), or None where shared memory has no room."""
+    b_, h_, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group = h_ // hkv
+    cnt = 8 // q.element_size()  # an int64 counter, in q's dtype's elements
+    lse_like = torch.empty(b_ * h_ * nq * 4 // q.element_size(), dtype=q.dtype, device="meta")
+    like = (torch.empty(cnt, dtype=q.dtype, device="meta"), q, k, v, q, lse_like)
+
+    def fill(views):
+        for view, t in zip(views[1:4], (q, k, v)):
+            view.copy_(t)
+        if ring.rank == 0:
+            views[0].view(torch.int64).zero_()
+
+    if not shared.publish(like, "the forward's publication of Q, K and V in shared memory", fill=fill):
+        return None
+    views = [shared.views(r, like) for r in range(ring.world_size)]
+    counter = views[0][0].view(torch.int64)
+    # Items: (owner, chunk, batch, kv heads [hk, hk + heads)), as many as 16 a rank where the heads allow
+    heads = hkv
+    while heads > 1 and b_ * (hkv // heads) * len(ring.chunk_calls) < 16 * ring.world_size:
+        heads = next(h for h in range(heads - 1, 0, -1) if hkv % h == 0)
+    items = []
+    for (owner, chunk), calls in ring.chunk_calls.items():
+        work = sum((c[1] - c[0]) * (c[3] - c[2]) * (0.5 if c[4] != "none" else 1.0) for cs in calls for c in cs)
+        for b in range(b_):
+            for hk in range(0, hkv, heads):
+                items.append((-work, owner, chunk, b, hk))
+    items.sort(key=lambda item: item[0])  # heaviest first (ties in a fixed order: the same list on every rank)
+    i = shared.claim(counter)
+    while i < len(items):
+        _, owner, chunk, b, hk = items[i]
+        lo, hi, qh = chunk[0], chunk[0] + chunk[2], slice(hk * group, (hk + heads) * group)
+        q_rows = views[owner][1][b:b + 1, qh, lo:hi]
+        blocks = [(views[src][2][b:b + 1, hk:hk + heads], views[src][3][b:b + 1, hk:hk + heads])
+                  for src in range(ring.world_size)]
+        out_c, lse_c = _chunk_attention(q_rows, blocks, ring.chunk_calls[owner, chunk], ring.scale)
+        views[owner][4][b:b + 1, qh, lo:hi].copy_(out_c)
+        views[owner][5].view(torch.float32).view(b_, h_, nq)[b:b + 1, qh, lo:hi].copy_(lse_c)
+        i = shared.claim(counter)
+    try:
+        dist.barrier(group=shared.group)  # every item written before any rank reads its rows
+    except Exception as e:  # (a timeout or a peer gone)
+        raise RuntimeError(f"ring_attention: the work-shared forward's end (rank {ring.rank} of {ring.world_size}) "
+                           f"failed: {e}") from e
+    mine = views[ring.rank]
+    return mine[4].clone(), mine[5].view(torch.float32).view(b_, h_, nq).clone()
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
         k, v = k.contiguous(), v.contiguous()
+        shared = ring.host_blocks
+        done = _shared_forward(q.contiguous(), k, v, ring, shared) if shared is not None else None
+        if done is not None:
+            out, lse_acc = done
+            ctx.save_for_backward(q, k, v, out, lse_acc)
+            ctx.ring = ring
+            ctx.mark_non_differentiable(lse_acc)
+            return out, lse_acc
         out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse_acc = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         reached = set()  # the query row ranges a block has been merged into
         kv = (k, v)
-        shared = ring.host_blocks
-        if shared is not None and not shared.publish((k, v), "the forward's publication of K/V in shared memory"):
-            shared = None
         for step in range(ring.world_size):
-            if shared is not None:
-                kv = (k, v) if step == 0 else tuple(shared.views(ring.source(step), (k, v)))
-            elif step + 1 < ring.world_size:  # the next block travels while this one is computed
+            if step + 1 < ring.world_size:  # the next block travels while this one is computed
                 handles, incoming = ring.exchange(kv, _TAG_FWD)
             for q_lo, q_hi, k_lo, k_hi, causal in ring.calls[ring.source(step)]:
                 out_b, lse_b = torch.ops.cs149gpt.flash_attention(
@@ -545,7 +653,7 @@ class _RingAttention(torch.autograd.Function):
                 fresh = all((lo >= q_hi or hi <= q_lo) for lo, hi in reached)
                 _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b, fresh)
                 reached.add((q_lo, q_hi))
-            if shared is None and step + 1 < ring.world_size:
+            if step + 1 < ring.world_size:
                 ring.wait(handles, "the forward's K/V transfer", step + 1)
                 kv = tuple(incoming)
         out = out_acc.to(q.dtype)
