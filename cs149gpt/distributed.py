@@ -19,18 +19,18 @@ over the rows):
 The send of the next block is posted (batch_isend_irecv) before the current block is computed, so the transfer runs
 behind the kernel. On one host with gloo (CPU) the forward has no transfers and no fixed share of the work: every
 rank puts its Q, K and V in shared memory (/dev/shm, mapped by every rank of the group; CS149GPT_RING_SHM=0 turns it
-off), and the ranks take items (a query chunk of some rank x some of its kv heads, against every rank's block, the
-partials merged as above) from a counter there, heaviest first, writing each item's rows into its owner's out and
-lse: a rank slowed by a busy core or its neighbours' memory traffic takes fewer, as the threads of one process do
-(ulysses_attention's all-to-alls go through shared memory too). The backward
+off), and the ranks take items (a query chunk of some rank, one batch element and some of its kv heads, against
+every rank's block, the partials merged as above) from a counter there, heaviest first, writing each item's rows
+into its owner's out and lse: a rank slowed by a busy core or its neighbours' memory traffic takes fewer, as the
+threads of one process do (ulysses_attention's all-to-alls go through shared memory too). The backward
 (torch.ops.cs149gpt.flash_attention_backward, given the final out and lse) sends the K/V blocks around the ring once
 more, each followed by its float32 dK/dV accumulator: every rank adds the gradient its queries give that block, and
 after W hops the accumulator is back at the block's owner; dQ stays local. GQA: k and v have Hkv heads dividing q's
 H and travel as they are (never expanded). The result equals a one-process cs149gpt.attention call on the whole
 sequence up to float32 rounding of the merge (float32 inputs: about 1e-6 on unit-scale data; bfloat16/float16: each
 block's partial output comes back from the kernel in that dtype, so a few of its ulps), and is bitwise the same from
-run to run (a fixed order of operations for every row, whichever rank computes it; the work-shared forward's order
-differs from the ring's, so the two routes agree to that rounding, not bitwise).
+run to run (a fixed order of operations for every row, whichever rank computes it, where every rank runs the same
+number of threads; the work-shared forward's order differs from the ring's: the two routes agree to that rounding).
 
 Layouts (the sequence of N tokens sharded over W ranks; every rank holds the same number of tokens):
     "contiguous": rank r holds tokens [r·N/W, (r+1)·N/W). With is_causal, rank r's queries see the blocks of
@@ -362,7 +362,8 @@ class _HostBlocks:
     """The blocks of a gloo group whose ranks share one host, in shared memory: each rank's block in a file under
     /dev/shm that every rank maps, so that the forward reads the blocks it needs in place instead of receiving them
     through gloo's sockets (a 64 MB K/V block between two processes of a 2-core EPYC: 82 ms over gloo, 10 ms to
-    publish here), and a lock file for the counter its items are claimed from. One per group, kept between calls and grown when a call needs more bytes.
+    publish here), and a lock file for the counter the forward's items are claimed from. One per group, kept between
+    calls and grown when a call needs more bytes.
     CS149GPT_RING_SHM=0: gloo's transfers (the ranks must agree: _prepare checks it). Every decision that could
     differ between ranks (room, visibility of the peers' files, mapping) is taken together, by an all_reduce."""
 
@@ -427,9 +428,11 @@ class _HostBlocks:
             except OSError:
                 room = False
             if not self._all(room):
+                self._close_lock()
                 return False
             if not self._all(all(os.path.isfile(p) and os.path.getsize(p) == nbytes for p in paths)):
                 self.usable = False
+                self._close_lock()
                 return False
             try:
                 storages = [torch.UntypedStorage.from_file(p, shared=True, nbytes=nbytes) for p in paths]
@@ -437,6 +440,7 @@ class _HostBlocks:
             except Exception:  # noqa: BLE001 (out of mappings or descriptors: decided together below)
                 storages, mapped = [], False
             if not self._all(mapped):
+                self._close_lock()
                 return False
         finally:
             for path in [paths[self.rank]] * created + [lock_path] * (self.rank == 0):
@@ -576,7 +580,8 @@ def _chunk_attention(q_rows, blocks, calls, scale):
 
 def _shared_forward(q, k, v, ring: _Ring, shared: "_HostBlocks"):
     """The forward of ranks that share one host (gloo, shared memory): every rank publishes q, k and v, then the
-    ranks take work items (a query chunk of some rank x a slice of its kv heads, against every block) from a counter
+    ranks take work items (a query chunk of some rank, one batch element, a slice of its kv heads; against every
+    block) from a counter
     in shared memory, heaviest first, and write each item's rows into its owner's out and lse there. A rank that runs
     slower (a busy core, a neighbour's cache traffic) takes fewer items, as the threads of one process do, where a
     ring's steps would wait for it. Returns this rank's (out, lse), or None where shared memory has no room."""
@@ -584,7 +589,7 @@ def _shared_forward(q, k, v, ring: _Ring, shared: "_HostBlocks"):
     hkv, nk = k.shape[1], k.shape[2]
     group = h_ // hkv
     cnt = 8 // q.element_size()  # an int64 counter, in q's dtype's elements
-    lse_like = torch.empty(b_ * h_ * nq * 4 // q.element_size(), dtype=q.dtype, device="meta")
+    lse_like = torch.empty(-(-b_ * h_ * nq * 4 // q.element_size()), dtype=q.dtype, device="meta")
     like = (torch.empty(cnt, dtype=q.dtype, device="meta"), q, k, v, q, lse_like)
 
     def fill(views):
@@ -597,7 +602,8 @@ def _shared_forward(q, k, v, ring: _Ring, shared: "_HostBlocks"):
         return None
     views = [shared.views(r, like) for r in range(ring.world_size)]
     counter = views[0][0].view(torch.int64)
-    # Items: (owner, chunk, batch, kv heads [hk, hk + heads)), as many as 16 a rank where the heads allow
+    # Items: (owner, chunk, batch element, kv heads [hk, hk + heads)), at least 16 a rank where the kv heads divide
+    # that finely
     heads = hkv
     while heads > 1 and b_ * (hkv // heads) * len(ring.chunk_calls) < 16 * ring.world_size:
         heads = next(h for h in range(heads - 1, 0, -1) if hkv % h == 0)
