@@ -165,9 +165,8 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Traits::kHeadDim / 2], const 
 constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskSpans = 2;
 
 // Keys past the end, and under the causal mask past each row's diagonal, become −inf. row0: the query index of the
-// thread's row g; n0: the tile's first key.
-// Each of the thread's rows r sees the keys of the tile below a bound, in its own coordinates (key n0 + 2·(lane % 4) is
-// 0): one 32-bit compare of a constant a score instead of 64-bit compares of the key with the end and the diagonal.
+// thread's row g; n0: the tile's first key. Each of the thread's two rows sees the tile's keys below a bound, counted
+// from the thread's first key n0 + 2·(lane % 4): one 32-bit compare with a constant a score.
 template <class Traits, bool kIsCausal>
 __device__ __forceinline__ void mask_scores(float (&s)[Traits::kBlockN / 2], const AttentionParams& p, int64_t row0,
                                             int64_t n0, int lane) {
