@@ -38,7 +38,8 @@ CASES = {
         case("bottom_right_contiguous_nq_gt_nk", nq=24, nk=16, causal="bottom_right"),
         case("top_left_zigzag_nq_gt_nk", nq=24, nk=16, causal=True, layout="zigzag"),
         case("full_zigzag_nq_ne_nk_bf16", dtype=torch.bfloat16, nq=12, nk=20, layout="zigzag"),
-        case("nonfinite_causal_zigzag", causal=True, layout="zigzag", poison=True)],
+        case("nonfinite_causal_zigzag", causal=True, layout="zigzag", poison=True),
+        case("bottom_right_contiguous_batch2_nq_gt_nk", b=2, h=6, hkv=3, nq=24, nk=16, causal="bottom_right")],
     4: [case("causal_zigzag_gqa", causal=True, layout="zigzag", repeat=True),
         case("causal_contiguous_bf16", dtype=torch.bfloat16, causal=True),
         case("bottom_right_contiguous_nq_lt_nk", nq=16, nk=24, causal="bottom_right"),
@@ -46,8 +47,7 @@ CASES = {
     3: [case("causal_zigzag_longer", h=8, nq=384, nk=384, d=64, causal=True, layout="zigzag"),
         case("bottom_right_zigzag_bf16", dtype=torch.bfloat16, h=8, hkv=8, nq=192, nk=384, d=64,
              causal="bottom_right", layout="zigzag"),
-        case("full_contiguous_odd_lengths", nq=63, nk=45),
-        case("bottom_right_contiguous_batch2_nq_gt_nk", b=2, h=6, hkv=3, nq=24, nk=16, causal="bottom_right")],
+        case("full_contiguous_odd_lengths", nq=63, nk=45)],
 }
 
 
