@@ -517,7 +517,6 @@ class _Ring:
                       for src in range(world_size)]
         # The work-shared forward's plan (host_blocks): for each owner rank and each of its query chunks, the calls
         # against every source rank's block, in the chunk's rows.
-        self.layout, self.offset, self.nq, self.nk = layout, offset, nq, nk
         self.chunk_calls = {}
         if host_blocks is not None:
             for owner in range(world_size):
@@ -562,31 +561,54 @@ def _rows(t, lo, hi):
     return t[:, :, lo:hi]
 
 
+def _accumulators(q):
+    """out (float32 zeros) and lse (−inf) for q's rows, and the set of row ranges a block has been merged into."""
+    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+            torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device), set())
+
+
+def _attend_block(q, k, v, calls, scale, out_acc, lse_acc, reached) -> None:
+    """One K/V block's kernel calls (q_lo, q_hi, k_lo, k_hi, causal) on q's rows, each partial merged into out_acc,
+    lse_acc (copied where no block has reached its rows yet); rows no call reaches keep 0 and −inf."""
+    for q_lo, q_hi, k_lo, k_hi, causal in calls:
+        out_b, lse_b = torch.ops.cs149gpt.flash_attention(
+            _rows(q, q_lo, q_hi), _rows(k, k_lo, k_hi), _rows(v, k_lo, k_hi), scale, causal)
+        fresh = all((lo >= q_hi or hi <= q_lo) for lo, hi in reached)
+        _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b, fresh)
+        reached.add((q_lo, q_hi))
+
+
 def _chunk_attention(q_rows, blocks, calls, scale):
-    """One query chunk's (out float32, lse) against every source's K/V block: calls[src] in the chunk's rows and the
-    block's keys, each partial merged in source order (rows no call reaches: 0 and −inf)."""
-    out_acc = torch.zeros(q_rows.shape, dtype=torch.float32)
-    lse_acc = torch.full(q_rows.shape[:-1], -math.inf, dtype=torch.float32)
-    reached = set()
+    """One query chunk's (out float32, lse) against every source's K/V block, calls[src] merged in source order."""
+    out_acc, lse_acc, reached = _accumulators(q_rows)
     for (k, v), block_calls in zip(blocks, calls):
-        for q_lo, q_hi, k_lo, k_hi, causal in block_calls:
-            out_b, lse_b = torch.ops.cs149gpt.flash_attention(
-                _rows(q_rows, q_lo, q_hi), _rows(k, k_lo, k_hi), _rows(v, k_lo, k_hi), scale, causal)
-            fresh = all((lo >= q_hi or hi <= q_lo) for lo, hi in reached)
-            _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b, fresh)
-            reached.add((q_lo, q_hi))
+        _attend_block(q_rows, k, v, block_calls, scale, out_acc, lse_acc, reached)
     return out_acc, lse_acc
+
+
+def _ring_forward(q, k, v, ring: _Ring):
+    """The ring's forward: step s computes the block of rank − s while the next one travels; returns (out, lse)."""
+    out_acc, lse_acc, reached = _accumulators(q)
+    kv = (k, v)
+    for step in range(ring.world_size):
+        if step + 1 < ring.world_size:  # the next block travels while this one is computed
+            handles, incoming = ring.exchange(kv, _TAG_FWD)
+        _attend_block(q, kv[0], kv[1], ring.calls[ring.source(step)], ring.scale, out_acc, lse_acc, reached)
+        if step + 1 < ring.world_size:
+            ring.wait(handles, "the forward's K/V transfer", step + 1)
+            kv = tuple(incoming)
+    return out_acc.to(q.dtype), lse_acc
 
 
 def _shared_forward(q, k, v, ring: _Ring, shared: "_HostBlocks"):
     """The forward of ranks that share one host (gloo, shared memory): every rank publishes q, k and v, then the
     ranks take work items (a query chunk of some rank, one batch element, a slice of its kv heads; against every
-    block) from a counter
-    in shared memory, heaviest first, and write each item's rows into its owner's out and lse there. A rank that runs
-    slower (a busy core, a neighbour's cache traffic) takes fewer items, as the threads of one process do, where a
-    ring's steps would wait for it. Returns this rank's (out, lse), or None where shared memory has no room."""
-    b_, h_, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    block) from a counter in shared memory, heaviest first, and write each item's rows into its owner's out and lse
+    there. A rank that runs slower (a busy core, a neighbour's cache traffic) takes fewer items, as the threads of one
+    process do, where a ring's steps would wait for it. Returns this rank's (out, lse), or None where shared memory has
+    no room."""
+    b_, h_, nq, _ = q.shape
+    hkv = k.shape[1]
     group = h_ // hkv
     cnt = 8 // q.element_size()  # an int64 counter, in q's dtype's elements
     lse_like = torch.empty(-(-b_ * h_ * nq * 4 // q.element_size()), dtype=q.dtype, device="meta")
@@ -640,29 +662,7 @@ class _RingAttention(torch.autograd.Function):
         k, v = k.contiguous(), v.contiguous()
         shared = ring.host_blocks
         done = _shared_forward(q.contiguous(), k, v, ring, shared) if shared is not None else None
-        if done is not None:
-            out, lse_acc = done
-            ctx.save_for_backward(q, k, v, out, lse_acc)
-            ctx.ring = ring
-            ctx.mark_non_differentiable(lse_acc)
-            return out, lse_acc
-        out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse_acc = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
-        reached = set()  # the query row ranges a block has been merged into
-        kv = (k, v)
-        for step in range(ring.world_size):
-            if step + 1 < ring.world_size:  # the next block travels while this one is computed
-                handles, incoming = ring.exchange(kv, _TAG_FWD)
-            for q_lo, q_hi, k_lo, k_hi, causal in ring.calls[ring.source(step)]:
-                out_b, lse_b = torch.ops.cs149gpt.flash_attention(
-                    _rows(q, q_lo, q_hi), _rows(kv[0], k_lo, k_hi), _rows(kv[1], k_lo, k_hi), ring.scale, causal)
-                fresh = all((lo >= q_hi or hi <= q_lo) for lo, hi in reached)
-                _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b, fresh)
-                reached.add((q_lo, q_hi))
-            if step + 1 < ring.world_size:
-                ring.wait(handles, "the forward's K/V transfer", step + 1)
-                kv = tuple(incoming)
-        out = out_acc.to(q.dtype)
+        out, lse_acc = done if done is not None else _ring_forward(q, k, v, ring)
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.ring = ring
         ctx.mark_non_differentiable(lse_acc)
