@@ -268,12 +268,28 @@ struct Traits {
 
 // Copies keys [j0, j0 + kBlockKeys) of K and V (row `leftpad + j` of the cache; zeros from k_end on) into one stage of
 // the ring, asynchronously. Each thread keeps one 16-byte column chunk and walks rows kThreads / (D / 8) apart.
-template <class Tr, int D, class T>
+// kPaged: every row's page is looked up in the block table. Else the rows of a sequence lie a fixed stride apart, and a
+// whole tile is a pointer stepped by that stride (a row's 64-bit address arithmetic, ~40 instructions for K and V,
+// was half of the split kernel's instructions).
+template <class Tr, int D, bool kPaged, class T>
 __device__ __forceinline__ void copy_kv_tile_async(T* sK, T* sV, const DecodeParams& dp, const T* k_head,
                                                    const T* v_head, int b, const Sequence& seq, int j0, int k_end) {
   constexpr int kChunks = D / 8, kRowsPerPass = Tr::kThreads / kChunks;
   const AttentionParams& p = dp.p;
   const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+  if (!kPaged && j0 + Tr::kBlockKeys <= k_end) {
+    const int64_t t0 = seq.leftpad + j0 + r0;
+    const T* k = k_head + seq.row * p.k_strides[0] + t0 * p.k_strides[2] + col;
+    const T* v = v_head + seq.row * p.v_strides[0] + t0 * p.v_strides[2] + col;
+    const int64_t k_step = kRowsPerPass * p.k_strides[2], v_step = kRowsPerPass * p.v_strides[2];
+#pragma unroll
+    for (int i = 0; i < Tr::kBlockKeys / kRowsPerPass; ++i) {
+      const int r = r0 + i * kRowsPerPass;
+      cp_async_16(sK + r * Tr::KVTile::kStride + col, k + i * k_step, true);
+      cp_async_16(sV + r * Tr::KVTile::kStride + col, v + i * v_step, true);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < Tr::kBlockKeys / kRowsPerPass; ++i) {
     const int r = r0 + i * kRowsPerPass, j = j0 + r;
@@ -294,9 +310,13 @@ __device__ __forceinline__ void copy_kv_tile_async(T* sK, T* sV, const DecodePar
 // g + 8, keys 2t, 2t + 1 of each n8 tile), in place: S becomes P, alpha the rows' rescale. Key j0 + k of row r counts
 // iff it is in [lo, hi) of the row and before k_end; the others are −inf and weigh 0. l is this lane's part of the row
 // sum (the quad's parts are added at the end); m is the row's (quad-reduced, NaN kept).
+// kPlain: every real row sees every key of the slice and the logits are scale · qk alone (no softcap, no ALiBi), so no
+// key is tested (the padding rows then weigh keys too: their rows are never written).
+template <bool kPlain>
 __device__ __forceinline__ void slice_softmax(float (&s)[1][2][4], const AttentionParams& p, const Row (&rows)[2],
                                               int j0, int k_end, int lane, float (&m)[2], float (&l)[2],
                                               float (&alpha)[2]) {
+  const float scale_log2 = p.scale * kLog2e;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = kNegInf;
@@ -304,24 +324,28 @@ __device__ __forceinline__ void slice_softmax(float (&s)[1][2][4], const Attenti
     for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int j = j0 + n * 8 + (lane % 4) * 2 + e;
-        const bool visible = j < k_end && j >= rows[r].lo && j < rows[r].hi;
         float& x = s[0][n][2 * r + e];
-        x = visible ? logit(p, x, rows[r], j) : kNegInf;
+        if constexpr (kPlain) {
+          x *= scale_log2;
+        } else {
+          const int j = j0 + n * 8 + (lane % 4) * 2 + e;
+          const bool visible = j < k_end && j >= rows[r].lo && j < rows[r].hi;
+          x = visible ? logit(p, x, rows[r], j) : kNegInf;
+        }
         mx = max_nan(mx, x);
       }
     mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = max_nan(m[r], mx);
     // All −inf so far: weights 0, α 1 (the CPU's rule); else α = 2^(m − m'), 0 on a first key.
-    alpha[r] = m_new == kNegInf ? 1.0f : exp2f(m[r] - m_new);
+    alpha[r] = m_new == kNegInf ? 1.0f : exp2_approx(m[r] - m_new);
     float sum = 0.0f;
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[0][n][2 * r + e];
-        x = m_new == kNegInf ? 0.0f : exp2f(x - m_new);
+        x = m_new == kNegInf ? 0.0f : exp2_approx(x - m_new);
         sum += x;
       }
     l[r] = fmaf(alpha[r], l[r], sum);
@@ -373,7 +397,8 @@ __device__ __forceinline__ void slice_pv_visible_only(float (&o)[1][D / 8][4], c
 }
 
 // Grid: x = (batch · Hkv) · row tiles, y = the splits. Writes out and lse (one split), or the split's partials.
-template <int D, class T, int kRing>
+// kPaged: the cache is paged (a block table), else its rows of a sequence lie a fixed stride apart.
+template <int D, class T, int kRing, bool kPaged>
 __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParams dp) {
   using Tr = Traits<D, T, kRing>;
   constexpr int kRows = Tr::kRows, kStages = Tr::kStages, kBlockKeys = Tr::kBlockKeys;
@@ -417,6 +442,7 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
     all_hi = min(all_hi, __shfl_xor_sync(0xffffffffu, all_hi, offset));
   }
   const KeyRange keys = split_keys(k_lo, k_hi, blockIdx.y, gridDim.y, kBlockKeys);
+  const bool plain_logits = !(p.softcap > 0.0f) && !p.alibi_slopes;
   const int n_tiles = (keys.end - keys.begin + kBlockKeys - 1) / kBlockKeys;
 
   // Q's 16 rows (zeros for the padding rows) join the first tile's copy.
@@ -438,7 +464,7 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
 #pragma unroll
   for (int t = 0; t < kStages - 1; ++t) {
     if (t < n_tiles)
-      copy_kv_tile_async<Tr, D>(sK + t * Tr::KVTile::kElems, sV + t * Tr::KVTile::kElems, dp, k_head, v_head, b, seq,
+      copy_kv_tile_async<Tr, D, kPaged>(sK + t * Tr::KVTile::kElems, sV + t * Tr::KVTile::kElems, dp, k_head, v_head, b, seq,
                                 keys.begin + t * kBlockKeys, keys.end);
     cp_async_commit();
   }
@@ -454,7 +480,7 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
     {  // tile i + kStages − 1 into the stage tile i − 1 left
       const int t = i + kStages - 1;
       if (t < n_tiles)
-        copy_kv_tile_async<Tr, D>(sK + (t % kStages) * Tr::KVTile::kElems, sV + (t % kStages) * Tr::KVTile::kElems,
+        copy_kv_tile_async<Tr, D, kPaged>(sK + (t % kStages) * Tr::KVTile::kElems, sV + (t % kStages) * Tr::KVTile::kElems,
                                   dp, k_head, v_head, b, seq, keys.begin + t * kBlockKeys, keys.end);
       cp_async_commit();
     }
@@ -468,13 +494,19 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
     zero_frags(s);
     warp_gemm_rs<T, 1, 2, D, kLd, false>(s, q_frag, sKw, lane);
     float alpha[2];
-    slice_softmax(s, p, rows, j0, keys.end, lane, m, l, alpha);
+    if (plain_logits && j0 >= all_lo && j0 + Tr::kWarpKeys <= min(all_hi, keys.end))
+      slice_softmax<true>(s, p, rows, j0, keys.end, lane, m, l, alpha);
+    else
+      slice_softmax<false>(s, p, rows, j0, keys.end, lane, m, l, alpha);
+    // O ·= α, skipped where no row's max moved (most tiles once the first few have set it).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[0][n][0] *= alpha[0];
-      o[0][n][1] *= alpha[0];
-      o[0][n][2] *= alpha[1];
-      o[0][n][3] *= alpha[1];
+      for (int n = 0; n < D / 8; ++n) {
+        o[0][n][0] *= alpha[0];
+        o[0][n][1] *= alpha[0];
+        o[0][n][2] *= alpha[1];
+        o[0][n][3] *= alpha[1];
+      }
     }
     // O += P V_slice on tensor cores, unless a key some row hides has a non-finite value (rare: checked only where
     // some row hides a key of the slice).
@@ -728,19 +760,25 @@ __global__ void __launch_bounds__(kDecodeThreads) combine_kernel(const DecodePar
 
 // The tensor-core split kernel with a ring of Stages tiles. Its dynamic shared memory limit (above the default 48 KiB)
 // is raised once per device: cudaFuncSetAttribute is a driver call, and the limit stays set for the process.
-template <int D, class T, int Stages>
+template <int D, class T, int Stages, bool kPaged>
 cudaError_t launch_tensor_core(const DecodeParams& dp, const dim3& grid, cudaStream_t stream) {
   constexpr int kSmem = Traits<D, T, Stages>::kSmemBytes, kDevices = 64;
   static std::atomic<bool> raised[kDevices];
   const bool cached = dp.device >= 0 && dp.device < kDevices;
   if (!cached || !raised[dp.device].load(std::memory_order_acquire)) {
-    const cudaError_t err = cudaFuncSetAttribute(split_kernel<D, T, Stages>,
+    const cudaError_t err = cudaFuncSetAttribute(split_kernel<D, T, Stages, kPaged>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
     if (cached) raised[dp.device].store(true, std::memory_order_release);
   }
-  split_kernel<D, T, Stages><<<grid, kDecodeThreads, kSmem, stream>>>(dp);
+  split_kernel<D, T, Stages, kPaged><<<grid, kDecodeThreads, kSmem, stream>>>(dp);
   return cudaGetLastError();
+}
+
+template <int D, class T, int Stages>
+cudaError_t launch_tensor_core(const DecodeParams& dp, const dim3& grid, cudaStream_t stream) {
+  return dp.p.block_table ? launch_tensor_core<D, T, Stages, true>(dp, grid, stream)
+                          : launch_tensor_core<D, T, Stages, false>(dp, grid, stream);
 }
 
 template <int D, class T>

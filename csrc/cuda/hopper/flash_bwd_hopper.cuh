@@ -218,14 +218,33 @@ __device__ __forceinline__ constexpr bool poly_exp_group(int j) {
   return every > 0 && (j + 1) % (every > 0 ? every : 1) == 0;
 }
 
+// The thread's per-query statistics of a stage (lse·log2e or D): query columns 8j + 2(lane % 4) and + 1 of Sᵀ's
+// fragment, as float2 j: read from shared memory where used (StageStats), or into registers beforehand (HeldStats).
+struct StageStats {
+  const float* rows;
+  int lane;
+  __device__ __forceinline__ float2 operator[](int j) const {
+    return *reinterpret_cast<const float2*>(rows + 8 * j + 2 * (lane % 4));
+  }
+};
+template <int kCount>
+struct HeldStats {
+  float2 x[kCount];
+  __device__ __forceinline__ explicit HeldStats(const StageStats& from) {
+#pragma unroll
+    for (int j = 0; j < kCount; ++j) x[j] = from[j];
+  }
+  __device__ __forceinline__ float2 operator[](int j) const { return x[j]; }
+};
+
 // Pᵀ = exp2(scale·log2e · Sᵀ − lse2), in place; with kMasked, masked entries 0 (a select: the statistics of rows past
 // q_len are never written, and may be anything). key0: the tile key of the thread's row g.
-template <class Traits, bool kIsCausal, bool kMasked>
-__device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2], const float* lse2,
+template <class Traits, bool kIsCausal, bool kMasked, class Stats>
+__device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2], const Stats& lse2,
                                                 const TileMask& mask, int key0, float scale_log2, int lane) {
 #pragma unroll
   for (int j = 0; j < Traits::kBlockM / 8; ++j) {
-    const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * (lane % 4));
+    const float2 l = lse2[j];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float arg = fmaf(s[4 * j + e], scale_log2, -(e % 2 ? l.y : l.x));
@@ -237,12 +256,12 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2],
 }
 
 // dSᵀ = Pᵀ ∘ (dPᵀ − D), in place of dPᵀ; kMasked: where Pᵀ was masked, 0 (its D may be anything).
-template <class Traits, bool kMasked>
+template <class Traits, bool kMasked, class Stats>
 __device__ __forceinline__ void probs_to_dscores(float (&dp)[Traits::kBlockM / 2],
-                                                 const float (&pt)[Traits::kBlockM / 2], const float* delta, int lane) {
+                                                 const float (&pt)[Traits::kBlockM / 2], const Stats& delta) {
 #pragma unroll
   for (int j = 0; j < Traits::kBlockM / 8; ++j) {
-    const float2 d = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * (lane % 4));
+    const float2 d = delta[j];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float ds = pt[4 * j + e] * (dp[4 * j + e] - (e % 2 ? d.y : d.x));
@@ -374,35 +393,48 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     mbarrier_wait(&sm.do_full[stage], phase);
     gemm_keys_x_queries<Traits>(dpt, v_w, do_tile);
 
-    // Pᵀ (under dPᵀ's product), then dSᵀ.
-    wgmma_wait<1>();
-    fence_fragment(st);
-    if (mask.needed) scores_to_probs<Traits, kIsCausal, true>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
-    else scores_to_probs<Traits, kIsCausal, false>(st, sm.lse2_rows(stage), mask, key0, scale_log2, lane);
+    // Pᵀ (under dPᵀ's product), then dSᵀ, from the query rows' statistics lse2 and D.
     uint32_t pt16[kBlockM / 16][4], dst16[kBlockM / 16][4];
-    if constexpr (Traits::kDvEarly) {
-      // dV += Pᵀ dO now, under dSᵀ's arithmetic, its stores and the barrier; dPᵀ's group completes before it.
-      to_a_frags<Traits>(pt16, st);
-      wgmma_fence();
-      gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_fragment(dpt);
-      if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, sm.delta_rows(stage), lane);
-      else probs_to_dscores<Traits, false>(dpt, st, sm.delta_rows(stage), lane);
-      to_a_frags<Traits>(dst16, dpt);
-    } else {
-      wgmma_wait<0>();
-      fence_fragment(dpt);
-      if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, sm.delta_rows(stage), lane);
-      else probs_to_dscores<Traits, false>(dpt, st, sm.delta_rows(stage), lane);
-      to_a_frags<Traits>(pt16, st);
-      to_a_frags<Traits>(dst16, dpt);
+    auto probs_then_dscores = [&](const auto& lse2, const auto& delta) {
+      fence_fragment(st);
+      if (mask.needed) scores_to_probs<Traits, kIsCausal, true>(st, lse2, mask, key0, scale_log2, lane);
+      else scores_to_probs<Traits, kIsCausal, false>(st, lse2, mask, key0, scale_log2, lane);
+      if constexpr (Traits::kDvEarly) {
+        // dV += Pᵀ dO now, under dSᵀ's arithmetic, its stores and the barrier; dPᵀ's group completes before it.
+        to_a_frags<Traits>(pt16, st);
+        wgmma_fence();
+        gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_fragment(dpt);
+        if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, delta);
+        else probs_to_dscores<Traits, false>(dpt, st, delta);
+        to_a_frags<Traits>(dst16, dpt);
+      } else {
+        wgmma_wait<0>();
+        fence_fragment(dpt);
+        if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, delta);
+        else probs_to_dscores<Traits, false>(dpt, st, delta);
+        to_a_frags<Traits>(pt16, st);
+        to_a_frags<Traits>(dst16, dpt);
 
-      // dV += Pᵀ dO, under the stores of dSᵀ and the barrier.
-      wgmma_fence();
-      gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
-      wgmma_commit();
+        // dV += Pᵀ dO, under the stores of dSᵀ and the barrier.
+        wgmma_fence();
+        gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
+        wgmma_commit();
+      }
+    };
+    const StageStats lse2_at{sm.lse2_rows(stage), lane}, delta_at{sm.delta_rows(stage), lane};
+    if constexpr (kBlockM <= 64) {
+      // Br 64 (d 128): the statistics read into registers while the products run (read after the waits, their
+      // latency stalled every consumer thread, ~10 % of the step's stall samples); at Br 128 (d 64) their 64
+      // registers would pass the consumers' 240 (ptxas spills), so they are read where used.
+      const HeldStats<kBlockM / 8> lse2(lse2_at), delta(delta_at);
+      wgmma_wait<1>();
+      probs_then_dscores(lse2, delta);
+    } else {
+      wgmma_wait<1>();
+      probs_then_dscores(lse2_at, delta_at);
     }
 
     // dSᵀ to shared memory for dQ. Its buffer was last read by the dQ product of step s − 2, which both warpgroups
