@@ -388,53 +388,47 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     float st[kBlockM / 2], dpt[kBlockM / 2];
 #pragma unroll
     for (int i = 0; i < kBlockM / 2; ++i) st[i] = dpt[i] = 0.f;
+    // The query rows' statistics (lse·log2e, D) at Br 64 (d 128) are read into registers as soon as their stage has
+    // arrived, ahead of the products' operand reads in the shared-memory pipe (behind them, a thread's first use of
+    // lse waited ~15 % of the step's stall samples); at Br 128 (d 64) their 64 registers would pass the consumers' 240,
+    // so they are read where used.
+    using Stats = std::conditional_t<(kBlockM <= 64), HeldStats<kBlockM / 8>, StageStats>;
     mbarrier_wait(&sm.q_full[stage], phase);
+    const Stats lse2(StageStats{sm.lse2_rows(stage), lane});
     gemm_keys_x_queries<Traits>(st, k_w, q_tile);
     mbarrier_wait(&sm.do_full[stage], phase);
+    const Stats delta(StageStats{sm.delta_rows(stage), lane});
     gemm_keys_x_queries<Traits>(dpt, v_w, do_tile);
 
-    // Pᵀ (under dPᵀ's product), then dSᵀ, from the query rows' statistics lse2 and D.
+    // Pᵀ (under dPᵀ's product), then dSᵀ.
+    wgmma_wait<1>();
+    fence_fragment(st);
+    if (mask.needed) scores_to_probs<Traits, kIsCausal, true>(st, lse2, mask, key0, scale_log2, lane);
+    else scores_to_probs<Traits, kIsCausal, false>(st, lse2, mask, key0, scale_log2, lane);
     uint32_t pt16[kBlockM / 16][4], dst16[kBlockM / 16][4];
-    auto probs_then_dscores = [&](const auto& lse2, const auto& delta) {
-      fence_fragment(st);
-      if (mask.needed) scores_to_probs<Traits, kIsCausal, true>(st, lse2, mask, key0, scale_log2, lane);
-      else scores_to_probs<Traits, kIsCausal, false>(st, lse2, mask, key0, scale_log2, lane);
-      if constexpr (Traits::kDvEarly) {
-        // dV += Pᵀ dO now, under dSᵀ's arithmetic, its stores and the barrier; dPᵀ's group completes before it.
-        to_a_frags<Traits>(pt16, st);
-        wgmma_fence();
-        gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_fragment(dpt);
-        if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, delta);
-        else probs_to_dscores<Traits, false>(dpt, st, delta);
-        to_a_frags<Traits>(dst16, dpt);
-      } else {
-        wgmma_wait<0>();
-        fence_fragment(dpt);
-        if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, delta);
-        else probs_to_dscores<Traits, false>(dpt, st, delta);
-        to_a_frags<Traits>(pt16, st);
-        to_a_frags<Traits>(dst16, dpt);
-
-        // dV += Pᵀ dO, under the stores of dSᵀ and the barrier.
-        wgmma_fence();
-        gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
-        wgmma_commit();
-      }
-    };
-    const StageStats lse2_at{sm.lse2_rows(stage), lane}, delta_at{sm.delta_rows(stage), lane};
-    if constexpr (kBlockM <= 64) {
-      // Br 64 (d 128): the statistics read into registers while the products run (read after the waits, their
-      // latency stalled every consumer thread, ~10 % of the step's stall samples); at Br 128 (d 64) their 64
-      // registers would pass the consumers' 240 (ptxas spills), so they are read where used.
-      const HeldStats<kBlockM / 8> lse2(lse2_at), delta(delta_at);
+    if constexpr (Traits::kDvEarly) {
+      // dV += Pᵀ dO now, under dSᵀ's arithmetic, its stores and the barrier; dPᵀ's group completes before it.
+      to_a_frags<Traits>(pt16, st);
+      wgmma_fence();
+      gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
+      wgmma_commit();
       wgmma_wait<1>();
-      probs_then_dscores(lse2, delta);
+      fence_fragment(dpt);
+      if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, delta);
+      else probs_to_dscores<Traits, false>(dpt, st, delta);
+      to_a_frags<Traits>(dst16, dpt);
     } else {
-      wgmma_wait<1>();
-      probs_then_dscores(lse2_at, delta_at);
+      wgmma_wait<0>();
+      fence_fragment(dpt);
+      if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, delta);
+      else probs_to_dscores<Traits, false>(dpt, st, delta);
+      to_a_frags<Traits>(pt16, st);
+      to_a_frags<Traits>(dst16, dpt);
+
+      // dV += Pᵀ dO, under the stores of dSᵀ and the barrier.
+      wgmma_fence();
+      gemm_keys_x_dim<Traits>(dv, pt16, do_tile);
+      wgmma_commit();
     }
 
     // dSᵀ to shared memory for dQ. Its buffer was last read by the dQ product of step s − 2, which both warpgroups
