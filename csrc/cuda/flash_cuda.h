@@ -89,9 +89,10 @@ struct DecodeParams {
   float* part_ml = nullptr;  // (batch x Hkv, splits, G x q_len, 2) float32: m_s, l_s (base 2)
 };
 // Tile and split constants, each with its reason. bf16/fp16 run on tensor cores, float32 on the scalar kernel. With them
-// K and V stream at 76-92 % of an H200's copy rate from 8k keys at batch >= 8 (bench.py cuda --suite decode: Hq 32,
-// Hkv 8, d 128, bf16); at batch 1, 36 % at 8k keys and 66 % at 32k (a split's 2-tile ring fill and the merge: a 21 us
-// step at 8k keys). Measured alternatives, split kernel and merge:
+// K and V stream at 83-99 % of an H200's copy rate from 8k keys at batch >= 8 (bench.py cuda --suite decode: Hq 32,
+// Hkv 8, d 128, bf16); at batch 1, 46 % at 8k keys and 70 % at 32k (a split's 2-tile ring fill and the merge: a 17 us
+// step at 8k keys). Measured alternatives (before the split kernel's copy lost its per-row address arithmetic), split
+// kernel and merge:
 // - 2 stages, 3 blocks an SM and the splits sized for 3: batch 64 +3-4 %, batch 8 at 8k keys and batch 1 at 32k -2 %;
 // - 8 warps on 128-key tiles: batch 1 +11-18 % to 8k keys, -4 % at 32k; batch 8 and 64 -2-9 %;
 // - one block an SM with 4 or 6 stages: -14-44 % (fewer splits, fewer loads in flight).
