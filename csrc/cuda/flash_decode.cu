@@ -268,9 +268,8 @@ struct Traits {
 
 // Copies keys [j0, j0 + kBlockKeys) of K and V (row `leftpad + j` of the cache; zeros from k_end on) into one stage of
 // the ring, asynchronously. Each thread keeps one 16-byte column chunk and walks rows kThreads / (D / 8) apart.
-// kPaged: every row's page is looked up in the block table. Else the rows of a sequence lie a fixed stride apart, and a
-// whole tile is a pointer stepped by that stride (a row's 64-bit address arithmetic, ~40 instructions for K and V,
-// was half of the split kernel's instructions).
+// kPaged: every row's page is looked up in the block table. Else a whole tile is one pointer stepped by the row stride
+// (each row's own 64-bit address arithmetic was half of the split kernel's instructions).
 template <class Tr, int D, bool kPaged, class T>
 __device__ __forceinline__ void copy_kv_tile_async(T* sK, T* sV, const DecodeParams& dp, const T* k_head,
                                                    const T* v_head, int b, const Sequence& seq, int j0, int k_end) {
@@ -464,8 +463,8 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
 #pragma unroll
   for (int t = 0; t < kStages - 1; ++t) {
     if (t < n_tiles)
-      copy_kv_tile_async<Tr, D, kPaged>(sK + t * Tr::KVTile::kElems, sV + t * Tr::KVTile::kElems, dp, k_head, v_head, b, seq,
-                                keys.begin + t * kBlockKeys, keys.end);
+      copy_kv_tile_async<Tr, D, kPaged>(sK + t * Tr::KVTile::kElems, sV + t * Tr::KVTile::kElems, dp, k_head, v_head,
+                                        b, seq, keys.begin + t * kBlockKeys, keys.end);
     cp_async_commit();
   }
 
@@ -480,8 +479,9 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
     {  // tile i + kStages − 1 into the stage tile i − 1 left
       const int t = i + kStages - 1;
       if (t < n_tiles)
-        copy_kv_tile_async<Tr, D, kPaged>(sK + (t % kStages) * Tr::KVTile::kElems, sV + (t % kStages) * Tr::KVTile::kElems,
-                                  dp, k_head, v_head, b, seq, keys.begin + t * kBlockKeys, keys.end);
+        copy_kv_tile_async<Tr, D, kPaged>(sK + (t % kStages) * Tr::KVTile::kElems,
+                                          sV + (t % kStages) * Tr::KVTile::kElems, dp, k_head, v_head, b, seq,
+                                          keys.begin + t * kBlockKeys, keys.end);
       cp_async_commit();
     }
     // The warp's slice: keys j0 .. j0 + 15, rows warp · 16 .. of the stage.
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(kDecodeThreads) split_kernel(const DecodeParam
       slice_softmax<true>(s, p, rows, j0, keys.end, lane, m, l, alpha);
     else
       slice_softmax<false>(s, p, rows, j0, keys.end, lane, m, l, alpha);
-    // O ·= α, skipped where no row's max moved (most tiles once the first few have set it).
+    // O ·= α, skipped where every α of the warp is 1 (most tiles, once the first few have set the maxima).
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {

@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "../../attention.h"
 #include "../flash_bwd.cuh"
@@ -362,6 +363,10 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
                                                   int64_t b, int64_t n0, int wg, float (&dk)[Traits::kHeadDim / 2],
                                                   float (&dv)[Traits::kHeadDim / 2]) {
   constexpr int kBlockM = Traits::kBlockM;
+  // Br 64 (d 128): the rows' lse·log2e and D go to registers on arrival, ahead of the products' operand reads in the
+  // shared-memory pipe (after them, their loads waited behind those reads; ptxas: 4 bytes of spill without the causal
+  // mask); Br 128 (d 64) reads them where used (their 64 registers would pass the consumers' 240).
+  using Stats = std::conditional_t<(kBlockM <= 64), HeldStats<kBlockM / 8>, StageStats>;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   const int key0 = wg * 64 + warp * 16 + lane / 4;  // the tile key of the thread's row g
   const float scale_log2 = p.scale * kLog2e;
@@ -388,11 +393,6 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     float st[kBlockM / 2], dpt[kBlockM / 2];
 #pragma unroll
     for (int i = 0; i < kBlockM / 2; ++i) st[i] = dpt[i] = 0.f;
-    // The query rows' statistics (lse·log2e, D) at Br 64 (d 128) are read into registers as soon as their stage has
-    // arrived, ahead of the products' operand reads in the shared-memory pipe (behind them, a thread's first use of
-    // lse waited ~15 % of the step's stall samples); at Br 128 (d 64) their 64 registers would pass the consumers' 240,
-    // so they are read where used.
-    using Stats = std::conditional_t<(kBlockM <= 64), HeldStats<kBlockM / 8>, StageStats>;
     mbarrier_wait(&sm.q_full[stage], phase);
     const Stats lse2(StageStats{sm.lse2_rows(stage), lane});
     gemm_keys_x_queries<Traits>(st, k_w, q_tile);
