@@ -310,39 +310,6 @@ __device__ __forceinline__ void softmax_step(float (&s)[Traits::kBlockN / 2], fl
   online_softmax<Traits>(s, m, l, alpha, rows.scale_log2);
 }
 
-// One key tile after another: S = Q K_jᵀ, its softmax, O += P V_j, each product waited for before the next step.
-template <class Traits, int kMask>
-__device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, const char* q_w, const AttentionParams& p,
-                                                const ConsumerRows& rows, int n_tiles, float (&o)[Traits::kHeadDim / 2],
-                                                float (&m)[2], float (&l)[2]) {
-  float s[Traits::kBlockN / 2];
-#pragma unroll
-  for (int i = 0; i < Traits::kBlockN / 2; ++i) s[i] = 0.f;
-  uint32_t p_frag[Traits::kBlockN / 16][4];
-  for (int n = 0; n < n_tiles; ++n) {
-    const int stage = stage_of<Traits>(rows.kv + n);
-    const uint32_t phase = phase_of<Traits>(rows.kv + n);
-
-    mbarrier_wait(&sm.k_full[stage], phase);
-    gemm_qk<Traits>(s, q_w, sm.k_tile(stage));  // S = Q K_jᵀ
-    wgmma_wait<0>();
-    fence_fragment(s);
-    release(&sm.k_empty[stage], rows.lane);
-
-    float alpha[2];
-    softmax_step<Traits, kMask>(s, m, l, alpha, p, rows, n);
-    rescale_o<Traits>(o, alpha);
-    scores_to_a_frags<Traits>(p_frag, s);
-
-    mbarrier_wait(&sm.v_full[stage], phase);
-    gemm_pv<Traits>(o, p_frag, sm.v_tile(stage));  // O += P V_j
-    wgmma_wait<0>();
-    fence_fragment(o);
-    fence_fragment(p_frag);
-    release(&sm.v_empty[stage], rows.lane);
-  }
-}
-
 // Named barriers (ids; 0 is __syncthreads'): the epilogue's, one per consumer warpgroup, and the ping-pong's turns.
 constexpr int kEpilogueBarrier = 1;  // + warpgroup (at most 3)
 constexpr int kTurnBarrier = 4;      // + warpgroup
@@ -368,21 +335,82 @@ struct IssueTurns {
   }
 };
 
+// The block's key tiles past the warpgroup's own (n_own .. n_tiles − 1, which none of its rows sees): each handed back
+// once it has arrived (so that the arrivals count in their own phase), and under the ping-pong schedule one turn each,
+// taken and passed on at once (every warpgroup takes the turn the same n_tiles + 1 times).
+template <class Traits>
+__device__ __forceinline__ void skip_tiles(const SharedTiles<Traits>& sm, const ConsumerRows& rows, int n_own,
+                                           int n_tiles, IssueTurns<Traits>* turns) {
+  for (int n = n_own; n < n_tiles; ++n) {
+    const uint32_t g = rows.kv + n;
+    const int stage = stage_of<Traits>(g);
+    mbarrier_wait(&sm.k_full[stage], phase_of<Traits>(g));
+    release(&sm.k_empty[stage], rows.lane);
+    mbarrier_wait(&sm.v_full[stage], phase_of<Traits>(g));
+    release(&sm.v_empty[stage], rows.lane);
+    if (turns != nullptr) {
+      turns->take();
+      turns->hand_over();
+    }
+  }
+}
+
+// One key tile after another: S = Q K_jᵀ, its softmax, O += P V_j, each product waited for before the next step.
+template <class Traits, int kMask>
+__device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, const char* q_w, const AttentionParams& p,
+                                                const ConsumerRows& rows, int n_own, int n_tiles,
+                                                float (&o)[Traits::kHeadDim / 2], float (&m)[2], float (&l)[2]) {
+  float s[Traits::kBlockN / 2];
+#pragma unroll
+  for (int i = 0; i < Traits::kBlockN / 2; ++i) s[i] = 0.f;
+  uint32_t p_frag[Traits::kBlockN / 16][4];
+  for (int n = 0; n < n_own; ++n) {
+    const int stage = stage_of<Traits>(rows.kv + n);
+    const uint32_t phase = phase_of<Traits>(rows.kv + n);
+
+    mbarrier_wait(&sm.k_full[stage], phase);
+    gemm_qk<Traits>(s, q_w, sm.k_tile(stage));  // S = Q K_jᵀ
+    wgmma_wait<0>();
+    fence_fragment(s);
+    release(&sm.k_empty[stage], rows.lane);
+
+    float alpha[2];
+    softmax_step<Traits, kMask>(s, m, l, alpha, p, rows, n);
+    rescale_o<Traits>(o, alpha);
+    scores_to_a_frags<Traits>(p_frag, s);
+
+    mbarrier_wait(&sm.v_full[stage], phase);
+    gemm_pv<Traits>(o, p_frag, sm.v_tile(stage));  // O += P V_j
+    wgmma_wait<0>();
+    fence_fragment(o);
+    fence_fragment(p_frag);
+    release(&sm.v_empty[stage], rows.lane);
+  }
+  skip_tiles<Traits>(sm, rows, n_own, n_tiles, nullptr);
+}
+
 // FlashAttention-3's intra-warpgroup overlap: S_j = Q K_jᵀ and O += P_{j−1} V_{j−1} are issued together; once S_j is
 // done its softmax runs while P_{j−1} V_{j−1} is still on the tensor cores. O is rescaled by tile j's alpha after that
 // product: e^{scale(m_{j−1} − m_j)} (O + P_{j−1} V_{j−1}), both terms being relative to m_{j−1}.
 template <class Traits, int kMask>
 __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& sm, const char* q_w,
-                                                    const AttentionParams& p, const ConsumerRows& rows, int n_tiles,
-                                                    float (&o)[Traits::kHeadDim / 2], float (&m)[2], float (&l)[2]) {
+                                                    const AttentionParams& p, const ConsumerRows& rows, int n_own,
+                                                    int n_tiles, float (&o)[Traits::kHeadDim / 2], float (&m)[2],
+                                                    float (&l)[2]) {
   float s[Traits::kBlockN / 2];
 #pragma unroll
   for (int i = 0; i < Traits::kBlockN / 2; ++i) s[i] = 0.f;
   uint32_t p_frag[Traits::kBlockN / 16][4];
   float alpha[2];
 
-  // n_tiles + 1 issue points: S_0; then S_j with P_{j−1} V_{j−1}; then the last P V.
+  // n_tiles + 1 issue points: S_0; then S_j with P_{j−1} V_{j−1}; then the last P V; then one per skipped tile.
   IssueTurns<Traits> turns(rows.wg, n_tiles + 1);
+  if (n_own == 0) {  // (S_0's turn, with nothing to issue)
+    turns.take();
+    turns.hand_over();
+    skip_tiles<Traits>(sm, rows, 0, n_tiles, &turns);
+    return;
+  }
 
   // Tile 0: S_0 and its softmax alone (O is still 0: nothing to rescale).
   const int first = stage_of<Traits>(rows.kv);
@@ -396,7 +424,7 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   softmax_step<Traits, kMask>(s, m, l, alpha, p, rows, 0);
   scores_to_a_frags<Traits>(p_frag, s);
 
-  for (int n = 1; n < n_tiles; ++n) {
+  for (int n = 1; n < n_own; ++n) {
     const uint32_t g = rows.kv + n;  // the ring's count
     const int stage = stage_of<Traits>(g), prev = stage_of<Traits>(g - 1);
     mbarrier_wait(&sm.k_full[stage], phase_of<Traits>(g));
@@ -418,8 +446,8 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   }
 
   // The last tile's O += P V.
-  const int last = stage_of<Traits>(rows.kv + n_tiles - 1);
-  mbarrier_wait(&sm.v_full[last], phase_of<Traits>(rows.kv + n_tiles - 1));
+  const int last = stage_of<Traits>(rows.kv + n_own - 1);
+  mbarrier_wait(&sm.v_full[last], phase_of<Traits>(rows.kv + n_own - 1));
   turns.take();
   gemm_pv<Traits>(o, p_frag, sm.v_tile(last));
   turns.hand_over();
@@ -427,6 +455,7 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   fence_fragment(o);
   fence_fragment(p_frag);
   release(&sm.v_empty[last], rows.lane);
+  skip_tiles<Traits>(sm, rows, n_own, n_tiles, &turns);
 }
 
 // ---- the consumers' epilogue ------------------------------------------------------------------------------------------
@@ -536,6 +565,21 @@ __device__ __forceinline__ WorkTile work_tile(const AttentionParams& p, int tile
   }
   w.n_tiles = static_cast<int>(max64(0, (n_end + Traits::kBlockN - 1) / Traits::kBlockN - w.n_first));
   return w;
+}
+
+// How many of the work tile's key tiles (a prefix) some row of the warpgroup from wg_first sees: none past the query
+// rows; under the causal mask, those up to its last row's diagonal (at Br 192 the first warpgroup's rows end 128
+// before the block's: at N 2048 a tenth of the products the block would run is skipped); else (and under key spans)
+// all.
+template <class Traits, int kMask>
+__device__ __forceinline__ int own_key_tiles(const AttentionParams& p, const WorkTile& w, int64_t wg_first) {
+  if constexpr (kMask == kMaskSpans) return w.n_tiles;
+  if (wg_first >= p.q_len) return 0;
+  if constexpr (kMask == kMaskCausal) {
+    const int64_t n_end = max64(0, min64(p.kv_len, wg_first + 64 + p.causal_offset));
+    return static_cast<int>(min64(w.n_tiles, (n_end + Traits::kBlockN - 1) / Traits::kBlockN));
+  }
+  return w.n_tiles;
 }
 
 // Key spans: the union of the spans of the rows of query tile m0, and for each consumer warpgroup the keys
@@ -674,8 +718,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int j = 0; j < kD / 2; ++j) o[j] = 0.f;
       float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
       if (w.n_tiles > 0) {
-        if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kMask>(sm, q_w, p, rows, w.n_tiles, o, m, l);
-        else mainloop_serial<Traits, kMask>(sm, q_w, p, rows, w.n_tiles, o, m, l);
+        const int n_own = own_key_tiles<Traits, kMask>(p, w, rows.wg_first);
+        if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kMask>(sm, q_w, p, rows, n_own, w.n_tiles, o, m, l);
+        else mainloop_serial<Traits, kMask>(sm, q_w, p, rows, n_own, w.n_tiles, o, m, l);
       }
       if (Traits::kOwnOBuffer) {  // every product of the tile is done, every lane has read sm.tile: Q may be replaced
         __syncwarp();
