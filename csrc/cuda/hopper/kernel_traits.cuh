@@ -76,7 +76,8 @@ struct FwdTraits {
 // The plain schedule per head dim (H100, B 4, H 16, N 8192, bf16): ping-pong with Bc 176 at d 128, 711 TFLOP/s full
 // (overlap with Bc 128: 680); causal and short calls at d 128 take Bc 128 (fwd_d128_narrow_key_tile). At d 64 three
 // consumer warpgroups (Br 192) in ping-pong (H200, B·N 16384, H 32): 1.17-1.21x two (Br 128) full, 1.06-1.12x causal
-// at N >= 8192, 0.98-1.01x at N 2048-4096; Bc 192 with two is 1.03-1.09x two at Bc 128 full, 0.95-1.05x causal.
+// at N >= 8192, 0.98-1.01x at N 2048-4096 (before each warpgroup skipped the key tiles past its rows' diagonal, which
+// took causal N 2048 from 0.95x to 1.02x cuDNN); Bc 192 with two is 1.03-1.09x two at Bc 128 full, 0.95-1.05x causal.
 template <int kHeadDim, class T>
 using DefaultFwdTraits = std::conditional_t<kHeadDim == 128, FwdTraits<128, T, /*kOverlap=*/true, /*kPingPong=*/true, 176>,
                                             FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128, 3>>;
