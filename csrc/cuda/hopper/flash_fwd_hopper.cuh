@@ -9,6 +9,7 @@
 //                           l = e^{scale(m − m')} l + rowsum P;   O = e^{scale(m − m')} O;   m = m'
 //                           wait V_j;   O += P V_j                         (wgmma, P from registers, V transposed)
 //                           hand K_j's and V_j's buffers back to the producer as soon as their product is done
+//     (the key tiles j past its own rows' last diagonal, or all when its rows are past the end, only handed back)
 //     O /= l;   lse = scale·m + log l
 //
 // As in flash_fwd.cuh, everything is in exp2: the plain and causal kernels fold scale·log2(e) into one multiply-add per
@@ -403,7 +404,8 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
   uint32_t p_frag[Traits::kBlockN / 16][4];
   float alpha[2];
 
-  // n_tiles + 1 issue points: S_0; then S_j with P_{j−1} V_{j−1}; then the last P V; then one per skipped tile.
+  // n_tiles + 1 issue points: S_0; then S_j with P_{j−1} V_{j−1}; then the last P V; then one per skipped tile (with
+  // n_own = 0: S_0's point, empty, and one per tile).
   IssueTurns<Traits> turns(rows.wg, n_tiles + 1);
   if (n_own == 0) {  // (S_0's turn, with nothing to issue)
     turns.take();
@@ -567,10 +569,10 @@ __device__ __forceinline__ WorkTile work_tile(const AttentionParams& p, int tile
   return w;
 }
 
-// How many of the work tile's key tiles (a prefix) some row of the warpgroup from wg_first sees: none past the query
-// rows; under the causal mask, those up to its last row's diagonal (at Br 192 the first warpgroup's rows end 128
-// before the block's: at N 2048 a tenth of the products the block would run is skipped); else (and under key spans)
-// all.
+// How many of the work tile's key tiles (a prefix) some row of the warpgroup from wg_first sees. Under key spans, all
+// of them; else none when its rows are past the query rows; under the causal mask, those up to its last row's
+// diagonal (at Br 192 the first warpgroup's rows end 128 before the block's: at N 2048 a tenth of the products the
+// block would run is skipped); else all.
 template <class Traits, int kMask>
 __device__ __forceinline__ int own_key_tiles(const AttentionParams& p, const WorkTile& w, int64_t wg_first) {
   if constexpr (kMask == kMaskSpans) return w.n_tiles;
