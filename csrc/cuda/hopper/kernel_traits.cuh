@@ -78,6 +78,9 @@ struct FwdTraits {
 // consumer warpgroups (Br 192) in ping-pong (H200, B·N 16384, H 32): 1.17-1.21x two (Br 128) full, 1.06-1.12x causal
 // at N >= 8192, 0.98-1.01x at N 2048-4096 (before each warpgroup skipped the key tiles past its rows' diagonal, which
 // took causal N 2048 from 0.95x to 1.02x cuDNN); Bc 192 with two is 1.03-1.09x two at Bc 128 full, 0.95-1.05x causal.
+// Tried at d 128, Bc 128 (H200, bf16/fp16, N 1024-16384): two Q buffers, or Q handed back after a warpgroup's last S
+// rather than its last P V, +1 to -1% full, -1 to -3% causal; one pipeline across work tiles (a tile's S_0 issued with
+// the previous tile's last P V, its softmax under it) -7% full, -14% causal.
 template <int kHeadDim, class T>
 using DefaultFwdTraits = std::conditional_t<kHeadDim == 128, FwdTraits<128, T, /*kOverlap=*/true, /*kPingPong=*/true, 176>,
                                             FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128, 3>>;
