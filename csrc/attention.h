@@ -102,6 +102,8 @@ struct AttentionParams {
   // 0 .. cu_seqlens_k[b + 1] − cu_seqlens_k[b] − 1 of its pages, read through kv_row.
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
+  // The rows of the packed q and of k and v (0 where unknown): the bounds of the Hopper kernels' tensor maps.
+  int64_t total_q = 0, total_k = 0;
   // A call on some of a packed batch's sequences: sequence b then starts at cu_seqlens_q[b] (cu_seqlens_k[b]) and ends
   // at seq_end_q[b] (seq_end_k[b]) rather than at the next sequence's start. dropout_key_stride: the batch's longest key
   // sequence, which dropout's numbering multiplies by (sequence_view; 0: kv_len).

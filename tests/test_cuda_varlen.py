@@ -1,6 +1,7 @@
 """Packed variable-length sequences on CUDA: cs149gpt.varlen_attention and cs149gpt.flash_attn's functions on GPU
-tensors, through the FlashAttention-2 kernels (one launch over every sequence, each block on its own sequence).
-Skipped where torch sees no GPU.
+tensors, one launch over every sequence: the forward on Hopper's kernel (sm_90, without attn_mask, window or logit
+options; a persistent grid over the sequences' query tiles) or FlashAttention-2's (each block on its own sequence), the
+backward on FlashAttention-2's. Skipped where torch sees no GPU.
 
 References are float64 on the GPU, computed sequence by sequence from the definition (causal bottom-right in each
 sequence, FlashAttention's). For bfloat16/float16 the bar is tests/test_cuda.py's: our error against float64 at most a
@@ -163,7 +164,7 @@ def check_backward(fn, q, k, v, cu_q, cu_k, causal, dout, what):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
-def test_forward_and_lse(dtype, d, causal, heads):
+def test_forward_and_lse(dtype, d, causal, heads, forward_path):
     q, k, v, cu_q, cu_k = packed(MIXED, *heads, d, dtype, seed=d + heads[0])
     poison_allocator()
     out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
@@ -199,10 +200,9 @@ def test_backward_gqa_one_block_per_kv_head(causal, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_each_sequence_gets_its_dense_call(causal, monkeypatch):
-    """A packed call's sequence b is a dense call on that sequence alone (FlashAttention-2's kernel both): the same
-    bits, out and lse."""
-    monkeypatch.setenv("CS149GPT_HOPPER", "0")
+def test_each_sequence_gets_its_dense_call(causal, forward_path):
+    """A packed call's sequence b is a dense call on that sequence alone (the same kernel family both): the same bits,
+    out and lse, though the packed call's last key tile of a sequence reads the next sequence's rows."""
     lengths = [(96, 96), (33, 70), (200, 200), (70, 33)]
     q, k, v, cu_q, cu_k = packed(lengths, 4, 2, 128, torch.bfloat16, seed=4)
     out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
@@ -235,9 +235,9 @@ def test_many_short_sequences():
             assert max_err(a, b) / scale < 4e-2, f"causal={causal}: {name}"
 
 
-def test_one_launch_for_every_sequence():
-    """The forward is one kernel launch over all sequences, the backward one launch (and its row statistics'); no
-    Hopper kernel takes packed sequences."""
+def test_one_launch_for_every_sequence(forward_path):
+    """The forward is one kernel launch over all sequences (Hopper's on sm_90), the backward one launch of
+    FlashAttention-2's (and its row statistics')."""
     q, k, v, cu_q, cu_k = packed(MIXED, 4, 2, 64, torch.bfloat16)
     q.requires_grad_()
 
@@ -247,12 +247,34 @@ def test_one_launch_for_every_sequence():
             torch.cuda.synchronize()
         return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
-    names = kernels_run(lambda: call(q, k, v, cu_q, cu_k, is_causal=True))
-    assert sum("flash_fwd_kernel" in n for n in names) == 1, names
+    forward = "flash_fwd_hopper_kernel" if forward_path == "hopper" else "flash_fwd_kernel"
+    for causal in (False, True):
+        names = kernels_run(lambda: call(q, k, v, cu_q, cu_k, is_causal=causal))
+        assert sum(forward in n for n in names) == 1 and sum("flash_fwd" in n for n in names) == 1, names
     names = kernels_run(lambda: call(q, k, v, cu_q, cu_k, is_causal=True)[0].sum().backward())
     assert sum("flash_bwd_kernel" in n for n in names) == 1, names
     assert sum("flash_bwd_delta_kernel" in n for n in names) == 1, names
-    assert not any("hopper" in n for n in names), names
+    assert not any("bwd_hopper" in n for n in names), names
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_sequence_never_reads_the_next_ones_keys(causal, d, forward_path):
+    """NaN and inf in a sequence's k and v (its rows 0..20, inside the key tile where the sequence before it ends)
+    change nothing in the other sequences: they are another sequence's keys, never weighed, not even by 0."""
+    lengths = [(100, 100), (50, 70), (130, 30)]
+    q, k, v, cu_q, cu_k = packed(lengths, 4, 2, d, torch.bfloat16, seed=d)
+    clean, _ = call(q, k, v, cu_q, cu_k, is_causal=causal)
+    for poisoned in (1, 2):
+        k2, v2 = k.clone(), v.clone()
+        for t in (k2, v2):
+            t[cu_k[poisoned]:cu_k[poisoned] + 20:3] = float("nan")
+            t[cu_k[poisoned] + 1:cu_k[poisoned] + 20:3] = float("inf")
+        out, _ = call(q, k2, v2, cu_q, cu_k, is_causal=causal)
+        for b in range(len(lengths)):
+            rows = slice(cu_q[b], cu_q[b + 1])
+            if b != poisoned:
+                assert torch.equal(out[rows], clean[rows]), f"sequence {b} read sequence {poisoned}'s keys"
 
 
 def test_strided_views_read_in_place():

@@ -241,6 +241,8 @@ VarlenPrepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at
   p.kv_len = longest_k;
   p.cu_seqlens_q = c.cu_q.data_ptr<int32_t>();
   p.cu_seqlens_k = c.cu_k.data_ptr<int32_t>();
+  p.total_q = q.size(0);
+  p.total_k = k.size(0);
   p.is_causal = causal;  // bottom-right in each sequence (sequence_view sets the offsets)
   // Grids: (query or key blocks, heads, sequences), or one dimension of all three under the causal mask.
   TORCH_CHECK_VALUE(p.batch <= 65535 && p.num_heads <= 65535, "CUDA varlen attention takes at most 65535 sequences "
@@ -354,7 +356,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 }
 
 // varlen_attention on CUDA: one launch over every sequence (flash_fwd.cuh: a block per (query tile of the longest
-// sequence, head, sequence), exiting at once past its sequence's end). out (total_q, Hq, d), lse (Hq, total_q).
+// sequence, head, sequence), exiting at once past its sequence's end; on Hopper without attn_mask, window or logit
+// options, hopper/flash_fwd_hopper.cuh's persistent grid over the same tiles). out (total_q, Hq, d), lse (Hq, total_q).
 std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                     int64_t max_seqlen_q, int64_t max_seqlen_k,
@@ -381,8 +384,16 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const a
   p.lse_strides[1] = lse.stride(0);
   if (p.q_len > 0 && p.num_heads > 0) {  // a sequence without keys: out 0, lse −inf (the kernels write them)
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    check_launch(c.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
-                 c.fast ? "varlen flash forward" : "varlen teaching flash forward");
+    // Hopper's kernel where it takes the call (no attn_mask, window, dropout, softcap, ALiBi or pages), as run_forward.
+    if (c.fast && config_flag("CS149GPT_HOPPER", true) && hopper_fwd_supports(p)) {
+      at::Tensor tile_counter;
+      if (hopper_fwd_takes_tile_counter(p)) tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+      check_launch(flash_fwd_hopper(p, stream, tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr),
+                   "varlen Hopper flash forward");
+    } else {
+      check_launch(c.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
+                   c.fast ? "varlen flash forward" : "varlen teaching flash forward");
+    }
   }
   return {out, lse};
 }

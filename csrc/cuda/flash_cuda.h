@@ -33,8 +33,8 @@ cudaError_t mask_key_bounds(const AttentionParams& p, int64_t batch, int64_t hea
                             cudaStream_t stream);
 
 // FlashAttention-3's design on Hopper (hopper/): warp-specialized, TMA copies into a 2-stage shared-memory ring on
-// mbarriers, wgmma products, setmaxnreg. The same calls as flash_fwd without dropout, softcap, ALiBi, packed
-// sequences or a KV cache (the forward takes attn_mask and windows as key spans; the backward neither);
+// mbarriers, wgmma products, setmaxnreg. The same calls as flash_fwd without dropout, softcap, ALiBi or a KV cache
+// (the forward takes attn_mask and windows as key spans, or packed sequences without them; the backward none of these);
 // hopper_takes_shapes says whether the device, shapes and layout suit it (an sm_90a build on a compute capability 9.0
 // GPU, q, k, v, out 16-byte aligned with strides multiples of 8 elements, scale >= 0), hopper_fwd_supports whether the
 // forward takes p. flash_fwd_hopper returns cudaErrorNotSupported where it does not. hopper_fwd_takes_tile_counter:
@@ -63,8 +63,9 @@ cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_
 cudaError_t dq_convert(const float* dq_accum, void* dq, int64_t n, float scale, DType dtype, cudaStream_t stream);
 
 // The backward in FlashAttention-3's design on Hopper (hopper/flash_bwd_hopper.cuh), with flash_bwd's contract: the
-// same workspace, dq_accum and outputs. hopper_bwd_supports: hopper_takes_shapes on p.fwd without attn_mask or
-// window, plus lse given, dout 16-byte aligned with strides multiples of 8 elements, dk and dv 4-byte aligned.
+// same workspace, dq_accum and outputs. hopper_bwd_supports: hopper_takes_shapes on p.fwd without attn_mask,
+// window or packed sequences, plus lse given, dout 16-byte aligned with strides multiples of 8 elements, dk and dv
+// 4-byte aligned.
 // flash_bwd_hopper returns cudaErrorNotSupported where it does not take p.
 bool hopper_bwd_supports(const AttentionBackwardParams& p);
 cudaError_t flash_bwd_hopper(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,

@@ -22,7 +22,7 @@ bool hopper_bwd_supports(const AttentionBackwardParams& bp) {
   };
   return p.lse != nullptr && hopper::aligned16(bp.dout) &&
          hopper::strides_ok(bp.dout_strides, p.batch, p.num_heads, p.q_len) && aligned4(bp.dk, bp.dk_strides) &&
-         aligned4(bp.dv, bp.dv_strides) && !has_mask_or_window(p) && hopper_takes_shapes(p);
+         aligned4(bp.dv, bp.dv_strides) && !has_mask_or_window(p) && p.cu_seqlens_q == nullptr && hopper_takes_shapes(p);
 }
 
 cudaError_t flash_bwd_hopper(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,

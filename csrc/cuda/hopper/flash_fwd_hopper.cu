@@ -47,24 +47,31 @@ using hopper::strides_ok;
 // The shapes, layout and device the Hopper kernels take (forward and backward alike). The plain and causal kernels take
 // the max of raw scores, the logits' max only for scale >= 0: a negative scale runs the general FA2 kernel (the
 // key-spans kernel scales first, but shares this check).
+// Packed sequences (cu_seqlens_q) are the forward's only (without attn_mask or window): its tensor maps then span the
+// packed rows (total_q, total_k), one (batch) of them.
 bool hopper_takes_shapes(const AttentionParams& p) {
   constexpr int64_t kMaxRows = int64_t{1} << 30;  // TMA coordinates are int32
-  const bool call = p.dropout_p == 0.0f && !has_logit_mods(p) && p.cu_seqlens_q == nullptr &&
-                    p.block_table == nullptr && p.cache_seqlens == nullptr && p.k_new == nullptr && p.scale >= 0.f;
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const bool call = p.dropout_p == 0.0f && !has_logit_mods(p) && p.block_table == nullptr &&
+                    p.cache_seqlens == nullptr && p.k_new == nullptr && p.scale >= 0.f &&
+                    (!packed || (p.seq_end_q == nullptr && p.seq_end_k == nullptr && p.total_q > 0 && p.total_k > 0));
+  const int64_t batch = packed ? 1 : p.batch, q_rows = packed ? p.total_q : p.q_len;
+  const int64_t kv_rows = packed ? p.total_k : p.kv_len;
   const bool shapes = (p.dtype == DType::bf16 || p.dtype == DType::f16) && (p.head_dim == 64 || p.head_dim == 128) &&
-                      p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0 && p.q_len < kMaxRows &&
-                      p.kv_len < kMaxRows && p.batch * p.num_heads <= 65535;
+                      p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0 && q_rows < kMaxRows &&
+                      kv_rows < kMaxRows && p.batch * p.num_heads <= 65535;
   const bool layout = aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) &&
-                      strides_ok(p.q_strides, p.batch, p.num_heads, p.q_len) &&
-                      strides_ok(p.k_strides, p.batch, p.num_kv_heads, p.kv_len) &&
-                      strides_ok(p.v_strides, p.batch, p.num_kv_heads, p.kv_len) &&
-                      strides_ok(p.out_strides, p.batch, p.num_heads, p.q_len);
+                      strides_ok(p.q_strides, batch, p.num_heads, q_rows) &&
+                      strides_ok(p.k_strides, batch, p.num_kv_heads, kv_rows) &&
+                      strides_ok(p.v_strides, batch, p.num_kv_heads, kv_rows) &&
+                      strides_ok(p.out_strides, batch, p.num_heads, q_rows);
   return call && shapes && layout && device_runs_sm90a();
 }
 
 bool hopper_fwd_supports(const AttentionParams& p) {
   // attn_mask (through mask_key_bounds' key ranges), windows and causal: key spans.
-  return (p.mask == nullptr || p.key_ranges != nullptr) && hopper_takes_shapes(p);
+  return (p.mask == nullptr || p.key_ranges != nullptr) && !(p.cu_seqlens_q != nullptr && has_mask_or_window(p)) &&
+         hopper_takes_shapes(p);
 }
 
 bool hopper_fwd_takes_tile_counter(const AttentionParams& p) {

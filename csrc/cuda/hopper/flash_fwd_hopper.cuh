@@ -96,21 +96,33 @@ __device__ __forceinline__ void release(uint64_t* empty, int lane) {
   if (lane == 0) mbarrier_arrive(empty);
 }
 
+// A work tile: kBlockM query rows of one (batch, head), and the key tiles n_first .. n_first + n_tiles − 1 some row of
+// it sees; its sequence's lengths and causal offset (the call's, or with packed sequences, sequence b's), and where
+// the sequence's rows start in q, out, lse (q_row0) and k, v (k_row0) of batch bm (packed: 0, the rows of one batch).
+struct WorkTile {
+  int b, h, hk, bm;
+  int64_t m0;
+  int n_first, n_tiles;
+  int64_t q_len, kv_len, causal_offset, q_row0, k_row0;
+};
+
 // ---- the producer -----------------------------------------------------------------------------------------------------
 // One thread. A work tile's Q, once the consumers are done with the previous tile's (the caller has waited).
 template <class Traits>
-__device__ __forceinline__ void load_q(const SharedTiles<Traits>& sm, const CUtensorMap* tm_q, int b, int h, int m0) {
+__device__ __forceinline__ void load_q(const SharedTiles<Traits>& sm, const CUtensorMap* tm_q, const WorkTile& w) {
   mbarrier_arrive_expect_tx(sm.q_full, Traits::kQBytes);
+  const int row = static_cast<int>(w.q_row0 + w.m0);
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel)
-    tma_load_4d(sm.q + panel * Traits::kQPanelBytes, tm_q, sm.q_full, panel * Traits::kPanelCols, m0, h, b);
+    tma_load_4d(sm.q + panel * Traits::kQPanelBytes, tm_q, sm.q_full, panel * Traits::kPanelCols, row, w.h, w.bm);
 }
 
-// K and V of key tile n0 / kBlockN, the ring's tile g, each panel (64 columns of head_dim) one TMA box, each into its
-// stage's buffer once the consumers have released it.
+// K and V of the work tile's key tile n0 / kBlockN, the ring's tile g, each panel (64 columns of head_dim) one TMA
+// box, each into its stage's buffer once the consumers have released it.
 template <class Traits>
 __device__ __forceinline__ void load_kv(const SharedTiles<Traits>& sm, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
-                                        int b, int hk, int n0, uint32_t g) {
+                                        const WorkTile& w, int n0, uint32_t g) {
+  const int row = static_cast<int>(w.k_row0 + n0), hk = w.hk, b = w.bm;
   const int stage = stage_of<Traits>(g);
   const uint32_t released = phase_of<Traits>(g) ^ 1;  // the phase in which tile g − kStages was released
   mbarrier_wait(&sm.k_empty[stage], released);
@@ -118,13 +130,13 @@ __device__ __forceinline__ void load_kv(const SharedTiles<Traits>& sm, const CUt
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel)
     tma_load_4d(sm.k_tile(stage) + panel * Traits::kKVPanelBytes, tm_k, &sm.k_full[stage], panel * Traits::kPanelCols,
-                n0, hk, b);
+                row, hk, b);
   mbarrier_wait(&sm.v_empty[stage], released);
   mbarrier_arrive_expect_tx(&sm.v_full[stage], Traits::kKVBytes);
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel)
     tma_load_4d(sm.v_tile(stage) + panel * Traits::kKVPanelBytes, tm_v, &sm.v_full[stage], panel * Traits::kPanelCols,
-                n0, hk, b);
+                row, hk, b);
 }
 
 // ---- the consumers' products ------------------------------------------------------------------------------------------
@@ -165,18 +177,18 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Traits::kHeadDim / 2], const 
 // of this file).
 constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskSpans = 2;
 
-// Keys past the end, and under the causal mask past each row's diagonal, become −inf. row0: the query index of the
-// thread's row g; n0: the tile's first key. Each of the thread's two rows sees the tile's keys below a bound, counted
-// from the thread's first key n0 + 2·(lane % 4): one 32-bit compare with a constant a score.
+// Keys past the end (kv_len), and under the causal mask past each row's diagonal, become −inf. row0: the query index
+// of the thread's row g; n0: the tile's first key. Each of the thread's two rows sees the tile's keys below a bound,
+// counted from the thread's first key n0 + 2·(lane % 4): one 32-bit compare with a constant a score.
 template <class Traits, bool kIsCausal>
-__device__ __forceinline__ void mask_scores(float (&s)[Traits::kBlockN / 2], const AttentionParams& p, int64_t row0,
-                                            int64_t n0, int lane) {
+__device__ __forceinline__ void mask_scores(float (&s)[Traits::kBlockN / 2], int64_t kv_len, int64_t causal_offset,
+                                            int64_t row0, int64_t n0, int lane) {
   const int64_t first = n0 + (lane % 4) * 2;
   const auto clamp = [](int64_t x) { return static_cast<int>(min64(max64(x, 0), Traits::kBlockN)); };
   int bound[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t end = kIsCausal ? min64(p.kv_len, row0 + 8 * r + p.causal_offset + 1) : p.kv_len;
+    const int64_t end = kIsCausal ? min64(kv_len, row0 + 8 * r + causal_offset + 1) : kv_len;
     bound[r] = clamp(end - first);
   }
 #pragma unroll
@@ -282,6 +294,8 @@ struct ConsumerRows {
   float scale_log2;   // scale · log2(e): the softmax's factor on raw scores (key spans: 1, the scores pre-scaled)
   int n_first;        // the work tile's first key tile (key spans; else 0)
   uint32_t kv;        // the ring position of the work tile's first key tile
+  int64_t kv_len, causal_offset;  // the work tile's sequence's
+  int64_t v_tail;     // packed sequences: the first key whose V rows hold the next sequence's (clear_v_past); else max
   RowSpans spans;     // (key spans only)
   int full_lo, full_hi;
 };
@@ -304,9 +318,9 @@ __device__ __forceinline__ void softmax_step(float (&s)[Traits::kBlockN / 2], fl
       mask_scores_spans<Traits>(s, p, rows.spans, rows.row0, n0, rows.lane);
   } else {
     constexpr bool kIsCausal = kMask == kMaskCausal;
-    const bool needs_mask =
-        n0 + Traits::kBlockN > p.kv_len || (kIsCausal && n0 + Traits::kBlockN - 1 > rows.wg_first + p.causal_offset);
-    if (needs_mask) mask_scores<Traits, kIsCausal>(s, p, rows.row0, n0, rows.lane);
+    const bool needs_mask = n0 + Traits::kBlockN > rows.kv_len ||
+                            (kIsCausal && n0 + Traits::kBlockN - 1 > rows.wg_first + rows.causal_offset);
+    if (needs_mask) mask_scores<Traits, kIsCausal>(s, rows.kv_len, rows.causal_offset, rows.row0, n0, rows.lane);
   }
   online_softmax<Traits>(s, m, l, alpha, rows.scale_log2);
 }
@@ -314,6 +328,21 @@ __device__ __forceinline__ void softmax_step(float (&s)[Traits::kBlockN / 2], fl
 // Named barriers (ids; 0 is __syncthreads'): the epilogue's, one per consumer warpgroup, and the ping-pong's turns.
 constexpr int kEpilogueBarrier = 1;  // + warpgroup (at most 3)
 constexpr int kTurnBarrier = 4;      // + warpgroup
+
+// Packed sequences: a key tile that runs past its sequence's keys holds the next sequence's rows there (only the
+// tensor's end reads as zeros). Their P is 0, but 0 · inf is NaN: before its P V reads V_j, a warpgroup zeroes those
+// rows (every warpgroup writes the same zeros). n0: the tile's first key; from: ConsumerRows::v_tail.
+template <class Traits>
+__device__ __forceinline__ void clear_v_past(char* v_j, int64_t n0, int64_t from, int wg) {
+  if (n0 + Traits::kBlockN <= from) return;
+  const int first = static_cast<int>(max64(0, from - n0)), tid = threadIdx.x % 128;
+#pragma unroll
+  for (int panel = 0; panel < Traits::kPanels; ++panel)
+    for (int chunk = first * 8 + tid; chunk < Traits::kBlockN * 8; chunk += 128)  // 16-byte chunks, 8 a row
+      *reinterpret_cast<uint4*>(v_j + panel * Traits::kKVPanelBytes + chunk * 16) = uint4{};
+  fence_proxy_async();                             // the tensor cores read them after
+  named_barrier_sync(kEpilogueBarrier + wg, 128);  // every warp's rows
+}
 
 // The ping-pong schedule (Traits::kPingPong): a consumer warpgroup issues its products only in its turn (it waits on
 // barrier kTurnBarrier + its index) and hands the turn to the next (w + 1, the last back to 0) once they are issued, so
@@ -381,6 +410,9 @@ __device__ __forceinline__ void mainloop_serial(const SharedTiles<Traits>& sm, c
     scores_to_a_frags<Traits>(p_frag, s);
 
     mbarrier_wait(&sm.v_full[stage], phase);
+    if (n == n_tiles - 1)
+      clear_v_past<Traits>(sm.v_tile(stage), static_cast<int64_t>(rows.n_first + n) * Traits::kBlockN, rows.v_tail,
+                           rows.wg);
     gemm_pv<Traits>(o, p_frag, sm.v_tile(stage));  // O += P V_j
     wgmma_wait<0>();
     fence_fragment(o);
@@ -447,9 +479,11 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
     scores_to_a_frags<Traits>(p_frag, s);
   }
 
-  // The last tile's O += P V.
+  // The last tile's O += P V (the only one that can run past the sequence's keys: that is the work tile's last).
   const int last = stage_of<Traits>(rows.kv + n_own - 1);
   mbarrier_wait(&sm.v_full[last], phase_of<Traits>(rows.kv + n_own - 1));
+  clear_v_past<Traits>(sm.v_tile(last), static_cast<int64_t>(rows.n_first + n_own - 1) * Traits::kBlockN, rows.v_tail,
+                       rows.wg);
   turns.take();
   gemm_pv<Traits>(o, p_frag, sm.v_tile(last));
   turns.hand_over();
@@ -470,7 +504,7 @@ __device__ __forceinline__ void mainloop_overlapped(const SharedTiles<Traits>& s
 template <class Traits>
 __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim / 2], const float (&m)[2],
                                               const float (&l)[2], const AttentionParams& p, char* o_tile, int wg,
-                                              int64_t b, int64_t h, int64_t m0, float m_to_natural) {
+                                              const WorkTile& w, float m_to_natural) {
   using T = typename Traits::T;
   constexpr int kD = Traits::kHeadDim;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -502,11 +536,11 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
   constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks
   constexpr int kRowsPerPass = 128 / kChunksPerRow;
   const int chunk = tid % kChunksPerRow;
-  T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[1];
+  T* out = static_cast<T*>(p.out) + w.bm * p.out_strides[0] + w.h * p.out_strides[1] + w.q_row0 * p.out_strides[2];
 #pragma unroll
   for (int row = tid / kChunksPerRow; row < 64; row += kRowsPerPass) {
-    const int64_t q_row = m0 + wg * 64 + row;
-    if (q_row < p.q_len)
+    const int64_t q_row = w.m0 + wg * 64 + row;
+    if (q_row < w.q_len)
       *reinterpret_cast<uint4*>(out + q_row * p.out_strides[2] + chunk * 8) =
           *reinterpret_cast<const uint4*>(staged(row, chunk * 8));
   }
@@ -514,22 +548,14 @@ __device__ __forceinline__ void write_out_lse(const float (&o)[Traits::kHeadDim 
   if (p.lse != nullptr && lane % 4 == 0)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t q_row = m0 + wg * 64 + warp * 16 + lane / 4 + 8 * r;
-      if (q_row < p.q_len)
-        p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + q_row] =
+      const int64_t q_row = w.m0 + wg * 64 + warp * 16 + lane / 4 + 8 * r;
+      if (q_row < w.q_len)
+        p.lse[w.bm * p.lse_strides[0] + w.h * p.lse_strides[1] + w.q_row0 + q_row] =
             row_l[r] == 0.f ? -INFINITY : m[r] * m_to_natural + logf(row_l[r]);
     }
 }
 
 // ---- the kernel -------------------------------------------------------------------------------------------------------
-// A work tile: kBlockM query rows of one (batch, head), and the key tiles n_first .. n_first + n_tiles − 1 some row of
-// it sees.
-struct WorkTile {
-  int b, h, hk;
-  int64_t m0;
-  int n_first, n_tiles;
-};
-
 // The order of the work tiles, as flash_fwd.cuh's blocks: without a mask, query tiles within a (batch, head); causal,
 // grouped_heavy_first's (a head's last query tile is its costliest); key spans, the query tiles last first (under a
 // causal or padded-causal mask, the costliest first; under others the order does not matter). Its rows only.
@@ -551,6 +577,20 @@ __device__ __forceinline__ WorkTile tile_rows(const AttentionParams& p, int tile
   w.hk = w.h / static_cast<int>(p.num_heads / p.num_kv_heads);
   w.m0 = static_cast<int64_t>(m_block) * block_m;
   w.n_first = w.n_tiles = 0;
+  if (kMask != kMaskSpans && p.cu_seqlens_q != nullptr) {  // packed sequences: sequence b's rows of the one batch
+    w.bm = 0;
+    w.q_row0 = p.cu_seqlens_q[w.b];
+    w.k_row0 = p.cu_seqlens_k[w.b];
+    w.q_len = p.cu_seqlens_q[w.b + 1] - w.q_row0;
+    w.kv_len = p.cu_seqlens_k[w.b + 1] - w.k_row0;
+    w.causal_offset = w.kv_len - w.q_len;  // bottom-right in the sequence
+  } else {
+    w.bm = w.b;
+    w.q_row0 = w.k_row0 = 0;
+    w.q_len = p.q_len;
+    w.kv_len = p.kv_len;
+    w.causal_offset = p.causal_offset;
+  }
   return w;
 }
 
@@ -559,8 +599,8 @@ template <class Traits, int kMask>
 __device__ __forceinline__ WorkTile work_tile(const AttentionParams& p, int tile, int m_blocks, int heads_per_group,
                                               const int* span_bounds) {
   WorkTile w = tile_rows<kMask>(p, tile, m_blocks, heads_per_group, Traits::kBlockM);
-  int64_t n_end = p.kv_len;
-  if constexpr (kMask == kMaskCausal) n_end = max64(0, min64(p.kv_len, w.m0 + Traits::kBlockM + p.causal_offset));
+  int64_t n_end = w.m0 < w.q_len ? w.kv_len : 0;  // (packed: the query tiles past a sequence's end have no keys)
+  if constexpr (kMask == kMaskCausal) n_end = max64(0, min64(n_end, w.m0 + Traits::kBlockM + w.causal_offset));
   if constexpr (kMask == kMaskSpans) {
     w.n_first = span_bounds[1] > span_bounds[0] ? span_bounds[0] / Traits::kBlockN : 0;
     n_end = span_bounds[1] > span_bounds[0] ? span_bounds[1] : 0;
@@ -574,11 +614,11 @@ __device__ __forceinline__ WorkTile work_tile(const AttentionParams& p, int tile
 // diagonal (at Br 192 the first warpgroup's rows end 128 before the block's: at N 2048 a tenth of the products the
 // block would run is skipped); else all.
 template <class Traits, int kMask>
-__device__ __forceinline__ int own_key_tiles(const AttentionParams& p, const WorkTile& w, int64_t wg_first) {
+__device__ __forceinline__ int own_key_tiles(const WorkTile& w, int64_t wg_first) {
   if constexpr (kMask == kMaskSpans) return w.n_tiles;
-  if (wg_first >= p.q_len) return 0;
+  if (wg_first >= w.q_len) return 0;
   if constexpr (kMask == kMaskCausal) {
-    const int64_t n_end = max64(0, min64(p.kv_len, wg_first + 64 + p.causal_offset));
+    const int64_t n_end = max64(0, min64(w.kv_len, wg_first + 64 + w.causal_offset));
     return static_cast<int>(min64(w.n_tiles, (n_end + Traits::kBlockN - 1) / Traits::kBlockN));
   }
   return w.n_tiles;
@@ -681,16 +721,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (tile < tiles) w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
         // The tile's first K and V go ahead of its Q: their buffers free up while the previous tile is computed, Q's
         // only once it is done.
-        if (w.n_tiles > 0) load_kv<Traits>(sm, &tm_k, &tm_v, w.b, w.hk, w.n_first * Traits::kBlockN, kv);
+        if (w.n_tiles > 0) load_kv<Traits>(sm, &tm_k, &tm_v, w, w.n_first * Traits::kBlockN, kv);
         mbarrier_wait(sm.q_empty, static_cast<uint32_t>(i & 1) ^ 1);  // Q is free (the first tile's wait returns at once)
         if (dynamic) *sm.tile = min(tile, tiles);  // (published by the arrival on q_full below)
         if (tile >= tiles) {
           mbarrier_arrive(sm.q_full);  // none left: the consumers read it and stop
           break;
         }
-        load_q<Traits>(sm, &tm_q, w.b, w.h, static_cast<int>(w.m0));
+        if (w.n_tiles > 0) load_q<Traits>(sm, &tm_q, w);
+        else mbarrier_arrive(sm.q_full);  // no S reads Q (a sequence's rows past the keys, or past its end)
         for (int n = 1; n < w.n_tiles; ++n)
-          load_kv<Traits>(sm, &tm_k, &tm_v, w.b, w.hk, (w.n_first + n) * Traits::kBlockN, kv + n);
+          load_kv<Traits>(sm, &tm_k, &tm_v, w, (w.n_first + n) * Traits::kBlockN, kv + n);
         kv += static_cast<uint32_t>(w.n_tiles);
         tile = next_tile<kMask>(i + 1, blockIdx.x, gridDim.x, tile_counter);
       }
@@ -708,7 +749,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (tile >= tiles) break;
       const WorkTile w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
       const int64_t row0 = w.m0 + wg * 64 + warp * 16 + lane / 4;
-      ConsumerRows rows{wg, row0, w.m0 + wg * 64, lane, kMask == kMaskSpans ? 1.f : p.scale * kLog2e, w.n_first, kv};
+      // (packed: the rows past the sequence's keys are the next sequence's where the tensor goes on)
+      const bool tail = kMask != kMaskSpans && p.cu_seqlens_q != nullptr && w.k_row0 + w.kv_len < p.total_k;
+      ConsumerRows rows{wg,        row0, w.m0 + wg * 64, lane, kMask == kMaskSpans ? 1.f : p.scale * kLog2e,
+                        w.n_first, kv,   w.kv_len,       w.causal_offset, tail ? w.kv_len : INT64_MAX};
       if constexpr (kMask == kMaskSpans) {
         rows.spans = {{key_span(p, w.b, w.h, row0), key_span(p, w.b, w.h, row0 + 8)}, w.b, w.h};
         rows.full_lo = span_bounds[2 + 2 * wg];
@@ -720,7 +764,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int j = 0; j < kD / 2; ++j) o[j] = 0.f;
       float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
       if (w.n_tiles > 0) {
-        const int n_own = own_key_tiles<Traits, kMask>(p, w, rows.wg_first);
+        const int n_own = own_key_tiles<Traits, kMask>(w, rows.wg_first);
         if constexpr (Traits::kOverlap) mainloop_overlapped<Traits, kMask>(sm, q_w, p, rows, n_own, w.n_tiles, o, m, l);
         else mainloop_serial<Traits, kMask>(sm, q_w, p, rows, n_own, w.n_tiles, o, m, l);
       }
@@ -728,7 +772,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         __syncwarp();
         release(sm.q_empty, lane);
       }
-      write_out_lse<Traits>(o, m, l, p, sm.o, wg, w.b, w.h, w.m0, kMask == kMaskSpans ? kLn2 : p.scale);
+      write_out_lse<Traits>(o, m, l, p, sm.o, wg, w, kMask == kMaskSpans ? kLn2 : p.scale);
       if (!Traits::kOwnOBuffer) {  // O was staged in Q's buffer: the copy engine may overwrite it once the warp is done
         fence_proxy_async();
         __syncwarp();
@@ -756,14 +800,19 @@ cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t strea
   else
     kernel = p.is_causal ? flash_fwd_hopper_kernel<Traits, kMaskCausal> : flash_fwd_hopper_kernel<Traits, kMaskNone>;
 
+  // Packed sequences: the maps span the packed rows of one batch (a sequence's first row is cu_seqlens[b]).
+  const bool packed = p.cu_seqlens_q != nullptr;
+  if (packed && (kSpans || p.total_q <= 0 || p.total_k <= 0)) return cudaErrorInvalidValue;
+  const int64_t map_batch = packed ? 1 : p.batch, q_rows = packed ? p.total_q : p.q_len;
+  const int64_t kv_rows = packed ? p.total_k : p.kv_len;
   CUtensorMap tm_q, tm_k, tm_v;
-  cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, p.q_len, p.num_heads, p.batch,
+  cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, q_rows, p.num_heads, map_batch,
                                        p.q_strides, Traits::kBlockM);
   if (err == cudaSuccess)
-    err = make_head_rows_map(&tm_k, p.dtype, p.k, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.k_strides,
+    err = make_head_rows_map(&tm_k, p.dtype, p.k, Traits::kHeadDim, kv_rows, p.num_kv_heads, map_batch, p.k_strides,
                              Traits::kBlockN);
   if (err == cudaSuccess)
-    err = make_head_rows_map(&tm_v, p.dtype, p.v, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.v_strides,
+    err = make_head_rows_map(&tm_v, p.dtype, p.v, Traits::kHeadDim, kv_rows, p.num_kv_heads, map_batch, p.v_strides,
                              Traits::kBlockN);
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
