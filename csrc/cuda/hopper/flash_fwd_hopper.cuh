@@ -26,6 +26,11 @@
 // tiles some row of it sees, and masks a tile only where it is not inside every row's exact span; there, a key outside
 // the row's span is −inf and a row whose mask is not exact reads its entries (boolean: 0 hides; additive: log2(e)·entry
 // added to the base-2 logit). The producer warpgroup's 128 threads first find the block's rows' spans, one row each.
+//
+// Packed sequences (cu_seqlens, the plain and causal kernels): the work tiles are those of the longest sequence for
+// every (sequence, head), each reading its sequence's rows through maps over the packed rows; a tile past its
+// sequence's end has no key tile. A sequence's last key tile runs into the next sequence's rows: masked as past the
+// end, and their V rows zeroed in shared memory before the P V that reads them (clear_v_past).
 #pragma once
 
 #include <cuda.h>
