@@ -225,20 +225,22 @@ def test_huge_additive_entries(dtype, forward_path):
     assert torch.isnan(out[1, :, 7]).all() and torch.isfinite(out[1, :, 6]).all()
 
 
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_negative_scale(dtype, causal, forward_path):
-    """scale < 0 (torch takes any float): the largest logit is then at the smallest q·k, which the plain kernels'
-    max of raw scores would miss, and the causal mask's −inf must stay hidden."""
+def test_scale_not_positive(dtype, causal, scale, forward_path):
+    """scale <= 0 (torch takes any float): below 0 the largest logit is at the smallest q·k, which the plain kernels'
+    max of raw scores would miss; at 0 every logit is 0 (uniform weights), where the plain kernels' exp2(s·scale·log2 e
+    − shift) would turn a hidden key's −inf into −inf·0 = NaN. The causal mask's −inf must stay hidden."""
     q, k, v = make_qkv(dtype, 64, seed=8)
     q = q * 4  # logits spread wide enough that a wrong max overflows float16's P
-    out, lse = cs149gpt.attention(q, k, v, scale=-0.5, is_causal=causal, return_lse=True)
-    want, want_lse = reference(q, k, v, scale=-0.5, causal=causal)
-    check_forward(out, lse, want, want_lse, dtype, f"scale -0.5 causal={causal}")
-    check_gradients(lambda a, b, c: cs149gpt.attention(a, b, c, scale=-0.5, is_causal=causal),
-                    lambda a, b, c: reference(a, b, c, scale=-0.5, causal=causal)[0], q, k, v, dtype, "scale -0.5")
-    names = kernel_names(lambda: cs149gpt.attention(q, k, v, scale=-0.5, is_causal=causal))
-    assert not any("hopper" in n for n in names), "the Hopper kernels decline scale < 0"
+    out, lse = cs149gpt.attention(q, k, v, scale=scale, is_causal=causal, return_lse=True)
+    want, want_lse = reference(q, k, v, scale=scale, causal=causal)
+    check_forward(out, lse, want, want_lse, dtype, f"scale {scale} causal={causal}")
+    check_gradients(lambda a, b, c: cs149gpt.attention(a, b, c, scale=scale, is_causal=causal),
+                    lambda a, b, c: reference(a, b, c, scale=scale, causal=causal)[0], q, k, v, dtype, f"scale {scale}")
+    names = kernel_names(lambda: cs149gpt.attention(q, k, v, scale=scale, is_causal=causal))
+    assert not any("hopper" in n for n in names), "the Hopper kernels decline scale <= 0"
 
 
 @pytest.mark.parametrize("mask_name", MASK_NAMES)

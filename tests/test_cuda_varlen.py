@@ -201,8 +201,9 @@ def test_backward_gqa_one_block_per_kv_head(causal, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_each_sequence_gets_its_dense_call(causal, forward_path):
-    """A packed call's sequence b is a dense call on that sequence alone (the same kernel family both): the same bits,
-    out and lse, though the packed call's last key tile of a sequence reads the next sequence's rows."""
+    """A packed call's sequence b is a dense call on that sequence alone (the same kernel family and, at these lengths,
+    the same tiles): the same bits, out and lse, though the packed call's last key tile of a sequence reads the next
+    sequence's rows."""
     lengths = [(96, 96), (33, 70), (200, 200), (70, 33)]
     q, k, v, cu_q, cu_k = packed(lengths, 4, 2, 128, torch.bfloat16, seed=4)
     out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
@@ -213,6 +214,17 @@ def test_each_sequence_gets_its_dense_call(causal, forward_path):
                                               return_lse=True)
         assert torch.equal(out[rows], dense.transpose(0, 1)), f"sequence {b}"
         assert torch.equal(lse[:, rows], dense_lse), f"sequence {b}: lse"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequences_past_2048_keys(causal, forward_path):
+    """A longest sequence past 2048 keys beside short ones: d 128 without the causal mask then takes the Hopper
+    forward's wider key tile (Bc 176, O staged in Q's buffer) for every sequence."""
+    lengths = [(2500, 2500), (300, 3000), (77, 77), (3000, 300)]
+    q, k, v, cu_q, cu_k = packed(lengths, 4, 2, 128, torch.bfloat16, seed=13)
+    poison_allocator()
+    out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
+    check_forward(out, lse, q, k, v, cu_q, cu_k, causal, f"past 2048 keys, causal={causal}")
 
 
 def test_many_short_sequences():

@@ -36,7 +36,7 @@ cudaError_t mask_key_bounds(const AttentionParams& p, int64_t batch, int64_t hea
 // mbarriers, wgmma products, setmaxnreg. The same calls as flash_fwd without dropout, softcap, ALiBi or a KV cache
 // (the forward takes attn_mask and windows as key spans, or packed sequences without them; the backward none of these);
 // hopper_takes_shapes says whether the device, shapes and layout suit it (an sm_90a build on a compute capability 9.0
-// GPU, q, k, v, out 16-byte aligned with strides multiples of 8 elements, scale >= 0), hopper_fwd_supports whether the
+// GPU, q, k, v, out 16-byte aligned with strides multiples of 8 elements, scale > 0), hopper_fwd_supports whether the
 // forward takes p. flash_fwd_hopper returns cudaErrorNotSupported where it does not. hopper_fwd_takes_tile_counter:
 // whether the forward of p runs a persistent grid scheduled dynamically; then tile_counter is an int in device memory
 // that is 0 (the caller's workspace), else it is ignored.

@@ -128,9 +128,10 @@ cudaError_t launch_flash_fwd_general(const AttentionParams& p, cudaStream_t stre
 template <class Traits>
 cudaError_t launch_flash_bwd_general(const AttentionBackwardParams& bp, float* delta, float* dq_accum,
                                      bool per_query_head, cudaStream_t stream);
-// A negative scale too: the plain kernels take the max of raw scores, which is the logits' max only for scale >= 0.
+// A scale <= 0 too: the plain kernels take the max of raw scores, the logits' max only for scale > 0, and fold the
+// scale into exp2's argument, where scale 0 turns a hidden key's −inf into NaN.
 inline bool needs_general_kernel(const AttentionParams& p) {
-  return has_mask_or_window(p) || has_logit_mods(p) || p.dropout_p > 0.0f || p.scale < 0.0f;
+  return has_mask_or_window(p) || has_logit_mods(p) || p.dropout_p > 0.0f || p.scale <= 0.0f;
 }
 template <int kHeadDim, class T>
 cudaError_t launch_fwd(int config, const AttentionParams& p, cudaStream_t stream) {

@@ -45,15 +45,16 @@ using hopper::aligned16;
 using hopper::strides_ok;
 
 // The shapes, layout and device the Hopper kernels take (forward and backward alike). The plain and causal kernels take
-// the max of raw scores, the logits' max only for scale >= 0: a negative scale runs the general FA2 kernel (the
-// key-spans kernel scales first, but shares this check).
+// the max of raw scores, the logits' max only for scale > 0, and fold the scale into exp2's argument (scale 0 would
+// make a hidden key's −inf NaN): a scale <= 0 runs the general FA2 kernel (the key-spans kernel scales first, but
+// shares this check).
 // Packed sequences (cu_seqlens_q) are the forward's only (without attn_mask or window): its tensor maps then span the
 // packed rows (total_q, total_k), one (batch) of them.
 bool hopper_takes_shapes(const AttentionParams& p) {
   constexpr int64_t kMaxRows = int64_t{1} << 30;  // TMA coordinates are int32
   const bool packed = p.cu_seqlens_q != nullptr;
   const bool call = p.dropout_p == 0.0f && !has_logit_mods(p) && p.block_table == nullptr &&
-                    p.cache_seqlens == nullptr && p.k_new == nullptr && p.scale >= 0.f &&
+                    p.cache_seqlens == nullptr && p.k_new == nullptr && p.scale > 0.f &&
                     (!packed || (p.seq_end_q == nullptr && p.seq_end_k == nullptr && p.total_q > 0 && p.total_k > 0));
   const int64_t batch = packed ? 1 : p.batch, q_rows = packed ? p.total_q : p.q_len;
   const int64_t kv_rows = packed ? p.total_k : p.kv_len;
