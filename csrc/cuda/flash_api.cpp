@@ -156,6 +156,22 @@ void fill_features(Prepared& prep, const at::Tensor& q, const OptionalTensor& at
   for (int i = 0; i < 3; ++i) p.key_range_strides[i] = distinct[i] == 1 ? 0 : prep.key_bounds.stride(i);
 }
 
+// The forward of p on the current stream: Hopper's wgmma/TMA kernel where it takes the call (CS149GPT_HOPPER=0: the
+// FlashAttention-2 kernel everywhere), else FlashAttention-2's (fast: bf16/fp16) or the float32 teaching kernel.
+// what: a word errors name the call with ("", "varlen ").
+void launch_forward(const AttentionParams& p, bool fast, const at::TensorOptions& options, const std::string& what) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (fast && config_flag("CS149GPT_HOPPER", true) && hopper_fwd_supports(p)) {
+    at::Tensor tile_counter;  // (the dynamic schedule's workspace)
+    if (hopper_fwd_takes_tile_counter(p)) tile_counter = at::zeros({1}, options.dtype(at::kInt));
+    check_launch(flash_fwd_hopper(p, stream, tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr),
+                 (what + "Hopper flash forward").c_str());
+  } else {
+    check_launch(fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
+                 (what + (fast ? "flash forward" : "teaching flash forward")).c_str());
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::string& impl, std::optional<double> scale,
                                                const std::string& causal, std::optional<int64_t> block_q,
@@ -181,20 +197,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
     p.lse_strides[0] = lse.stride(0);
     p.lse_strides[1] = lse.stride(1);
   }
-  if (p.batch * p.num_heads > 0) {
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    // Hopper's wgmma/TMA kernel where it takes the call (CS149GPT_HOPPER=0: the FlashAttention-2 kernel everywhere).
-    const bool hopper = prep.fast && config_flag("CS149GPT_HOPPER", true) && hopper_fwd_supports(p);
-    if (hopper) {
-      at::Tensor tile_counter;  // (the dynamic schedule's workspace)
-      if (hopper_fwd_takes_tile_counter(p)) tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
-      check_launch(flash_fwd_hopper(p, stream, tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr),
-                   "Hopper flash forward");
-    } else {
-      check_launch(prep.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
-                   prep.fast ? "flash forward" : "teaching flash forward");
-    }
-  }
+  if (p.batch * p.num_heads > 0) launch_forward(p, prep.fast, q.options(), "");
   const auto lead = q.sizes().slice(0, q.dim() - 1);
   return {out.view(q.sizes()), want_lse ? lse.view(lead) : lse};
 }
@@ -382,19 +385,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const a
   p.lse = lse.data_ptr<float>();
   p.lse_strides[0] = 0;
   p.lse_strides[1] = lse.stride(0);
-  if (p.q_len > 0 && p.num_heads > 0) {  // a sequence without keys: out 0, lse −inf (the kernels write them)
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    // Hopper's kernel where it takes the call (no attn_mask, window, dropout, softcap, ALiBi or pages), as run_forward.
-    if (c.fast && config_flag("CS149GPT_HOPPER", true) && hopper_fwd_supports(p)) {
-      at::Tensor tile_counter;
-      if (hopper_fwd_takes_tile_counter(p)) tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
-      check_launch(flash_fwd_hopper(p, stream, tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr),
-                   "varlen Hopper flash forward");
-    } else {
-      check_launch(c.fast ? flash_fwd(p, stream) : flash_teaching_fwd(p, stream),
-                   c.fast ? "varlen flash forward" : "varlen teaching flash forward");
-    }
-  }
+  // (a sequence without keys: out 0, lse −inf, which the kernels write)
+  if (p.q_len > 0 && p.num_heads > 0) launch_forward(p, c.fast, q.options(), "varlen ");
   return {out, lse};
 }
 
