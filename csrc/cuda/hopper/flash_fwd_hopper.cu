@@ -56,8 +56,7 @@ bool hopper_takes_shapes(const AttentionParams& p) {
   const bool call = p.dropout_p == 0.0f && !has_logit_mods(p) && p.block_table == nullptr &&
                     p.cache_seqlens == nullptr && p.k_new == nullptr && p.scale > 0.f &&
                     (!packed || (p.seq_end_q == nullptr && p.seq_end_k == nullptr && p.total_q > 0 && p.total_k > 0));
-  const int64_t batch = packed ? 1 : p.batch, q_rows = packed ? p.total_q : p.q_len;
-  const int64_t kv_rows = packed ? p.total_k : p.kv_len;
+  const auto [batch, q_rows, kv_rows] = hopper::map_extent(p);
   const bool shapes = (p.dtype == DType::bf16 || p.dtype == DType::f16) && (p.head_dim == 64 || p.head_dim == 128) &&
                       p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0 && q_rows < kMaxRows &&
                       kv_rows < kMaxRows && p.batch * p.num_heads <= 65535;

@@ -582,7 +582,9 @@ __device__ __forceinline__ WorkTile tile_rows(const AttentionParams& p, int tile
   w.hk = w.h / static_cast<int>(p.num_heads / p.num_kv_heads);
   w.m0 = static_cast<int64_t>(m_block) * block_m;
   w.n_first = w.n_tiles = 0;
-  if (kMask != kMaskSpans && p.cu_seqlens_q != nullptr) {  // packed sequences: sequence b's rows of the one batch
+  // Packed sequences: sequence b's rows of the one batch, its lengths and offset as sequence_view (attention.h) has
+  // them, without copying the params.
+  if (kMask != kMaskSpans && p.cu_seqlens_q != nullptr) {
     w.bm = 0;
     w.q_row0 = p.cu_seqlens_q[w.b];
     w.k_row0 = p.cu_seqlens_k[w.b];
@@ -805,11 +807,8 @@ cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t strea
   else
     kernel = p.is_causal ? flash_fwd_hopper_kernel<Traits, kMaskCausal> : flash_fwd_hopper_kernel<Traits, kMaskNone>;
 
-  // Packed sequences: the maps span the packed rows of one batch (a sequence's first row is cu_seqlens[b]).
-  const bool packed = p.cu_seqlens_q != nullptr;
-  if (packed && (kSpans || p.total_q <= 0 || p.total_k <= 0)) return cudaErrorInvalidValue;
-  const int64_t map_batch = packed ? 1 : p.batch, q_rows = packed ? p.total_q : p.q_len;
-  const int64_t kv_rows = packed ? p.total_k : p.kv_len;
+  if (p.cu_seqlens_q != nullptr && (kSpans || p.total_q <= 0 || p.total_k <= 0)) return cudaErrorInvalidValue;
+  const auto [map_batch, q_rows, kv_rows] = map_extent(p);
   CUtensorMap tm_q, tm_k, tm_v;
   cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, q_rows, p.num_heads, map_batch,
                                        p.q_strides, Traits::kBlockM);

@@ -46,6 +46,16 @@ inline bool strides_ok(const int64_t (&strides)[3], int64_t batch, int64_t heads
   return true;
 }
 
+// The extent of q's, and of k's and v's, tensor maps: (batch, rows) of the call, or with packed sequences one batch of
+// the packed rows (a sequence's first row is cu_seqlens[b]).
+struct MapExtent {
+  int64_t batch, q_rows, kv_rows;
+};
+inline MapExtent map_extent(const AttentionParams& p) {
+  if (p.cu_seqlens_q != nullptr) return {1, p.total_q, p.total_k};
+  return {p.batch, p.q_len, p.kv_len};
+}
+
 // A 4-D map over (head_dim, rows, heads, batch), innermost first, with the tensor's own strides (elements; [batch,
 // head, row] as in AttentionParams), read in boxes of (64 columns, box_rows rows, 1 head, 1 batch) into 128-byte
 // swizzled shared memory. Rows past `rows` read as zeros, so a tile that runs off a sequence never touches the next
