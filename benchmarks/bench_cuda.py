@@ -4,8 +4,9 @@
   plain    the rows below: plain and causal attention, fwd and bwd, vs each backend;
   masked   masked prefill, bf16, d 128, N 2048-8192: a (B, 1, 1, N) bool key padding mask and a (B, 1, N, N) padded
            causal mask, ours vs torch SDPA's default backend given the same mask;
-  varlen   packed sequences (16 of N/8..N, causal): flash_attn_varlen_func vs our own padded call (key padding mask +
-           is_causal) and vs cuDNN (else SDPA's default) on the padded batch with its (B, 1, N, N) mask;
+  varlen   packed sequences (16 of N/8..N, causal), forward and forward+backward: flash_attn_varlen_func vs our own
+           padded call (key padding mask + is_causal) and vs cuDNN (else SDPA's default) on the padded batch with its
+           (B, 1, N, N) mask;
   decode   one query row per sequence against a KV cache (Hq 32, Hkv 8, d 128, bf16, 1k-32k cached keys, batch
            1-64): attention_with_kvcache vs torch SDPA's best backend (each that runs is timed, the fastest kept), and
            GB/s (K and V read once) as a share of a device-to-device copy's bandwidth measured in the same run, and
@@ -266,10 +267,8 @@ def _packed_to_padded_rows(lengths: list[int], longest: int) -> torch.Tensor:
 
 
 def varlen_rows(args, sizes: Sequence[int] = ()) -> list[Row]:
-    """Packed sequences (flash_attn_varlen_func, causal) vs the padded batch: ours padded, cuDNN (else SDPA default)."""
-    from cs149gpt.flash_attn import flash_attn_varlen_func
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """Packed sequences (flash_attn_varlen_func, causal) vs the padded batch: ours padded, cuDNN (else SDPA default);
+    the forward, and the forward and backward."""
     from bench_cpu import varlen_lengths
 
     rows = []
@@ -289,7 +288,6 @@ def varlen_rows(args, sizes: Sequence[int] = ()) -> list[Row]:
                 out[rows_of] = t
                 return out.view(b, longest, h, d).transpose(1, 2)
 
-            qp, kp, vp = padded(q), padded(k), padded(v)
             keys = torch.arange(longest, device="cuda")
             keep = (keys[None, :] < torch.tensor(lengths, device="cuda")[:, None])[:, None, None, :]  # (B, 1, 1, L)
             full = keep & (keys[None, :] <= keys[:, None])  # (B, 1, L, L): padding and causal in one mask
@@ -297,37 +295,63 @@ def varlen_rows(args, sizes: Sequence[int] = ()) -> list[Row]:
             def unpadded(out):  # (B, H, L, d) -> (total, H, d)
                 return out.transpose(1, 2).reshape(b * longest, h, d)[rows_of]
 
-            case = f"varlen fwd {b} seqs {min(lengths)}..{longest} ({total} tokens, H {h}, d {d}) causal"
-            print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
-            ours = {"varlen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)}
-            skipped = _ours_or_skip(ours["varlen"], "cuda", case, dtype, "varlen", ["ours padded", "sdpa cudnn"])
-            if skipped:
-                rows += skipped
-                continue
-            check = lambda out, ref: (out.float() - unpadded(ref).float()).abs().max().item()  # noqa: E731
-            flop = sum(4.0 * h * m * m * d * 0.5 for m in lengths)
-            rate = lambda row: flop / (row.ours_ms * 1e-3) / 1e12  # noqa: E731
-            own = lambda: cs149gpt.attention(qp, kp, vp, attn_mask=keep, is_causal=True)  # noqa: E731
-            if _ours_or_skip(own, "cuda", case, dtype, "varlen", ["ours padded"]) is None:
-                rows += _sync_rows(measured_rows("cuda", case, dtype, None, ours, ("ours padded", own), args,
-                                                 unit="TFLOP/s", check=check, sync=torch.cuda.synchronize), rate)
-            else:
-                rows.append(Row("cuda", case, dtype, None, "varlen", "ours padded", status="skipped",
-                                note="our padded masked call is not available in this build"))
-
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=full)
-
-            peer = ("sdpa cudnn", cudnn)
-            try:
-                cudnn()
-            except RuntimeError:  # cuDNN refuses this mask or shape here: SDPA's own choice of backend
-                peer = ("sdpa default", lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=full))
-            rows += _sync_rows(measured_rows("cuda", case, dtype, None, ours, peer, args, unit="TFLOP/s",
-                                             check=check, sync=torch.cuda.synchronize), rate)
-            del q, k, v, qp, kp, vp, full
+            for phase in ("fwd", "fwd+bwd"):
+                rows += _varlen_phase_rows(args, phase, dtype, lengths, (q, k, v), cu, padded, unpadded, keep, full)
+            del q, k, v, full
             torch.cuda.empty_cache()
+    return rows
+
+
+def _varlen_phase_rows(args, phase, dtype, lengths, packed, cu, padded, unpadded, keep, full) -> list[Row]:
+    """One phase of varlen_rows' case: "fwd", or "fwd+bwd" (its dV compared on the sequences' rows)."""
+    from cs149gpt.flash_attn import flash_attn_varlen_func
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, longest, total = len(lengths), max(lengths), sum(lengths)
+    h, d = packed[0].shape[1:]
+    case = f"varlen {phase} {b} seqs {min(lengths)}..{longest} ({total} tokens, H {h}, d {d}) causal"
+    print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
+    backward = phase == "fwd+bwd"
+    q, k, v = (t.detach().requires_grad_(backward) for t in packed)
+    qp, kp, vp = (padded(t.detach()).requires_grad_(backward) for t in packed)
+    dout = torch.randn_like(q)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=full)
+
+    calls = {"varlen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True),
+             "ours padded": lambda: cs149gpt.attention(qp, kp, vp, attn_mask=keep, is_causal=True),
+             "sdpa cudnn": cudnn,
+             "sdpa default": lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=full)}
+    if backward:  # (packed) dV of the forward and backward
+        grad_of = lambda f, xs, g: lambda: torch.autograd.grad(f(), xs, g)[2]  # noqa: E731
+        dout_padded = padded(dout)
+        calls = {name: grad_of(f, (q, k, v), dout) if name == "varlen" else grad_of(f, (qp, kp, vp), dout_padded)
+                 for name, f in calls.items()}
+    skipped = _ours_or_skip(calls["varlen"], "cuda", case, dtype, "varlen", ["ours padded", "sdpa cudnn"])
+    if skipped:
+        return skipped
+    check = lambda out, ref: (out.float() - unpadded(ref).float()).abs().max().item()  # noqa: E731
+    tol = 4 * MATCH_TOLERANCE[DTYPES[dtype]] if backward else None
+    flop = sum(4.0 * h * m * m * d * 0.5 for m in lengths) * (3.5 if backward else 1.0)
+    rate = lambda row: flop / (row.ours_ms * 1e-3) / 1e12  # noqa: E731
+    ours = {"varlen": calls["varlen"]}
+    rows = []
+    if _ours_or_skip(calls["ours padded"], "cuda", case, dtype, "varlen", ["ours padded"]) is None:
+        rows += _sync_rows(measured_rows("cuda", case, dtype, None, ours, ("ours padded", calls["ours padded"]), args,
+                                         unit="TFLOP/s", check=check, tolerance=tol, sync=torch.cuda.synchronize),
+                           rate)
+    else:
+        rows.append(Row("cuda", case, dtype, None, "varlen", "ours padded", status="skipped",
+                        note="our padded masked call is not available in this build"))
+    peer = "sdpa cudnn"
+    try:
+        calls[peer]()
+    except RuntimeError:  # cuDNN refuses this mask or shape here: SDPA's own choice of backend
+        peer = "sdpa default"
+    rows += _sync_rows(measured_rows("cuda", case, dtype, None, ours, (peer, calls[peer]), args, unit="TFLOP/s",
+                                     check=check, tolerance=tol, sync=torch.cuda.synchronize), rate)
     return rows
 
 

@@ -1,7 +1,7 @@
 """Packed variable-length sequences on CUDA: cs149gpt.varlen_attention and cs149gpt.flash_attn's functions on GPU
-tensors, one launch over every sequence: the forward on Hopper's kernel (sm_90, without attn_mask, window or logit
-options; a persistent grid over the sequences' query tiles) or FlashAttention-2's (each block on its own sequence), the
-backward on FlashAttention-2's. Skipped where torch sees no GPU.
+tensors, one launch over every sequence, forward and backward on Hopper's kernels (sm_90, without attn_mask, window or
+logit options) or FlashAttention-2's (each block on its own sequence); the tests taking `forward_path` run on both.
+Skipped where torch sees no GPU.
 
 References are float64 on the GPU, computed sequence by sequence from the definition (causal bottom-right in each
 sequence, FlashAttention's). For bfloat16/float16 the bar is tests/test_cuda.py's: our error against float64 at most a
@@ -175,7 +175,7 @@ def test_forward_and_lse(dtype, d, causal, heads, forward_path):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
-def test_backward(dtype, d, causal, heads):
+def test_backward(dtype, d, causal, heads, forward_path):
     q, k, v, cu_q, cu_k = packed(MIXED, *heads, d, dtype, seed=3 * d + heads[1])
     dout = rand(q.shape, dtype, 99)
     poison_allocator()
@@ -184,7 +184,7 @@ def test_backward(dtype, d, causal, heads):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_gqa_one_block_per_kv_head(causal, monkeypatch):
+def test_backward_gqa_one_block_per_kv_head(causal, forward_path, monkeypatch):
     """CS149GPT_BWD_GQA_SPLIT=0 (each block sums its kv head's group) and the default (a block per query head, the
     group's shares summed afterwards) agree, both against float64."""
     q, k, v, cu_q, cu_k = packed(MIXED, 6, 2, 128, torch.bfloat16, seed=11)
@@ -219,12 +219,14 @@ def test_each_sequence_gets_its_dense_call(causal, forward_path):
 @pytest.mark.parametrize("causal", [False, True])
 def test_sequences_past_2048_keys(causal, forward_path):
     """A longest sequence past 2048 keys beside short ones: d 128 without the causal mask then takes the Hopper
-    forward's wider key tile (Bc 176, O staged in Q's buffer) for every sequence."""
+    forward's wider key tile (Bc 176, O staged in Q's buffer) for every sequence; and the backward."""
     lengths = [(2500, 2500), (300, 3000), (77, 77), (3000, 300)]
     q, k, v, cu_q, cu_k = packed(lengths, 4, 2, 128, torch.bfloat16, seed=13)
     poison_allocator()
     out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)
     check_forward(out, lse, q, k, v, cu_q, cu_k, causal, f"past 2048 keys, causal={causal}")
+    check_backward(lambda a, b, c: call(a, b, c, cu_q, cu_k, is_causal=causal)[0], q, k, v, cu_q, cu_k, causal,
+                   rand(q.shape, torch.bfloat16, 14), f"past 2048 keys, causal={causal}")
 
 
 def test_many_short_sequences():
@@ -248,8 +250,8 @@ def test_many_short_sequences():
 
 
 def test_one_launch_for_every_sequence(forward_path):
-    """The forward is one kernel launch over all sequences (Hopper's on sm_90), the backward one launch of
-    FlashAttention-2's (and its row statistics')."""
+    """The forward is one kernel launch over all sequences, the backward one (and one of its row statistics'):
+    Hopper's on sm_90, else FlashAttention-2's."""
     q, k, v, cu_q, cu_k = packed(MIXED, 4, 2, 64, torch.bfloat16)
     q.requires_grad_()
 
@@ -264,9 +266,10 @@ def test_one_launch_for_every_sequence(forward_path):
         names = kernels_run(lambda: call(q, k, v, cu_q, cu_k, is_causal=causal))
         assert sum(forward in n for n in names) == 1 and sum("flash_fwd" in n for n in names) == 1, names
     names = kernels_run(lambda: call(q, k, v, cu_q, cu_k, is_causal=True)[0].sum().backward())
-    assert sum("flash_bwd_kernel" in n for n in names) == 1, names
-    assert sum("flash_bwd_delta_kernel" in n for n in names) == 1, names
-    assert not any("bwd_hopper" in n for n in names), names
+    backward, delta = (("flash_bwd_hopper_kernel", "flash_bwd_delta_vec_kernel") if forward_path == "hopper" else
+                       ("flash_bwd_kernel", "flash_bwd_delta_kernel"))
+    assert sum(backward in n for n in names) == 1 and sum(delta in n for n in names) == 1, names
+    assert sum("flash_bwd" in n for n in names) == 2, names
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -287,6 +290,32 @@ def test_a_sequence_never_reads_the_next_ones_keys(causal, d, forward_path):
             rows = slice(cu_q[b], cu_q[b + 1])
             if b != poisoned:
                 assert torch.equal(out[rows], clean[rows]), f"sequence {b} read sequence {poisoned}'s keys"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_sequences_gradients_never_see_the_next_ones(causal, d, forward_path):
+    """NaN and inf in a sequence's q, k, v and dout (its rows 0..20, inside the query and key tiles where the sequence
+    before it ends) change no other sequence's dq, dk or dv, bit for bit: the backward weighs those rows by 0, and
+    0 · inf is NaN, so they must never reach its products (nor the poisoned sequence's dq rows past its end the
+    next sequence's dq). Keys at most one tile per sequence: each dq row then sums in a fixed order."""
+    lengths = [(100, 100), (50, 70), (120, 30)]
+    q, k, v, cu_q, cu_k = packed(lengths, 4, 2, d, torch.bfloat16, seed=d + 1)
+    dout = rand(q.shape, torch.bfloat16, 21)
+    fn = lambda a, b, c: call(a, b, c, cu_q, cu_k, is_causal=causal)[0]  # noqa: E731
+    clean = grads(fn, q, k, v, dout)
+    for poisoned in (1, 2):
+        q2, k2, v2, dout2 = (t.clone() for t in (q, k, v, dout))
+        for t, cu in ((q2, cu_q), (k2, cu_k), (v2, cu_k), (dout2, cu_q)):
+            t[cu[poisoned]:cu[poisoned] + 20:3] = float("nan")
+            t[cu[poisoned] + 1:cu[poisoned] + 20:3] = float("inf")
+        got = grads(fn, q2, k2, v2, dout2)
+        for b in range(len(lengths)):
+            if b == poisoned:
+                continue
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            for name, g, c, at in zip(("dq", "dk", "dv"), got, clean, (rows, keys, keys)):
+                assert torch.equal(g[at], c[at]), f"sequence {b}'s {name} saw sequence {poisoned}'s values"
 
 
 def test_strided_views_read_in_place():

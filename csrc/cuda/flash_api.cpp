@@ -390,9 +390,10 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
-// varlen_attention_backward on CUDA: flash_bwd.cuh's kernels over every sequence at once (a block per (key tile of the
-// longest sequence, head, sequence)); dQ accumulates in float32 rows (heads, total_q, d), dK and dV are written in the
-// packed layout. GQA as flash_attention_backward: one share per query head, the group's summed here.
+// varlen_attention_backward on CUDA: one launch over every sequence (a block per (key tile of the longest sequence,
+// head, sequence)): on Hopper without attn_mask, window or logit options hopper/flash_bwd_hopper.cuh's kernel, else
+// flash_bwd.cuh's; dQ accumulates in float32 rows (heads, total_q, d), dK and dV are written in the packed layout.
+// GQA as flash_attention_backward: one share per query head, the group's summed here.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
@@ -441,9 +442,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
   const bool launch = bp.fwd.q_len > 0 && bp.fwd.kv_len > 0 && heads > 0;
   if (launch) {
     at::Tensor stats = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
-    check_launch(flash_bwd(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head,
-                           c10::cuda::getCurrentCUDAStream()),
-                 "varlen flash backward");
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    if (config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp))
+      check_launch(flash_bwd_hopper(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, stream),
+                   "varlen Hopper flash backward");
+    else
+      check_launch(flash_bwd(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, stream),
+                   "varlen flash backward");
     if (per_query_head) {  // (total_k, kv heads, group, d) summed over the group
       at::sum_out(dk, dk_heads.view({total_k, kv_heads, group, d}), {2});
       at::sum_out(dv, dv_heads.view({total_k, kv_heads, group, d}), {2});

@@ -63,8 +63,8 @@ cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_
 cudaError_t dq_convert(const float* dq_accum, void* dq, int64_t n, float scale, DType dtype, cudaStream_t stream);
 
 // The backward in FlashAttention-3's design on Hopper (hopper/flash_bwd_hopper.cuh), with flash_bwd's contract: the
-// same workspace, dq_accum and outputs. hopper_bwd_supports: hopper_takes_shapes on p.fwd without attn_mask,
-// window or packed sequences, plus lse given, dout 16-byte aligned with strides multiples of 8 elements, dk and dv
+// same workspace, dq_accum and outputs. hopper_bwd_supports: hopper_takes_shapes on p.fwd (packed sequences too)
+// without attn_mask or window, plus lse given, dout 16-byte aligned with strides multiples of 8 elements, dk and dv
 // 4-byte aligned.
 // flash_bwd_hopper returns cudaErrorNotSupported where it does not take p.
 bool hopper_bwd_supports(const AttentionBackwardParams& p);

@@ -19,6 +19,12 @@
 // register, the A operands of dV += Pᵀ dO and dK += dSᵀ Q (ptx.cuh), as P is of P V in the forward. Masked entries
 // (keys past kv_len, query rows past q_len, the causal mask) are 0 in Pᵀ and dSᵀ. The contract (workspace, dq_accum,
 // scaling, GQA) is flash_bwd's (flash_cuda.h).
+//
+// Packed sequences (cu_seqlens): a block per (key tile of the longest sequence, head, sequence), reading its sequence's
+// rows of the packed tensors (BwdSequence). A tile that runs past its sequence's end holds the next sequence's rows
+// (only the tensor's end reads as zeros): their entries of Pᵀ and dSᵀ are masked, but 0 · inf is NaN, so the consumers
+// zero those rows of K (once) and of Q and dO (in the step of a sequence's last query tile) before a product reads
+// them, and drop dQ's rows past the sequence: no sequence's gradients see another's values.
 #pragma once
 
 #include <cuda.h>
@@ -95,6 +101,26 @@ __device__ __forceinline__ int bwd_stage(int s) { return s % Traits::kStages; }
 template <class Traits>
 __device__ __forceinline__ uint32_t bwd_phase(int s) { return static_cast<uint32_t>((s / Traits::kStages) & 1); }
 
+// The block's sequence: its lengths and causal offset, where its rows start in q, dout (q_row0) and in k, v, dk, dv
+// (k_row0), and its batch coordinate in the tensor maps (bm). Dense: batch b, rows from 0. Packed: sequence b's rows
+// of the one batch, as sequence_view (attention.h) has them, without copying the params (kPacked: a kernel of its own,
+// so that a dense call's code is what it was without them). In 32 bits, as TMA's coordinates (rows < 2^30:
+// hopper_takes_shapes); the packed kernel's mainloop keeps them in registers.
+struct BwdSequence {
+  int bm, q_len, kv_len, causal_offset, q_row0, k_row0;
+};
+template <bool kPacked>
+__device__ __forceinline__ BwdSequence bwd_sequence(const AttentionParams& p, int64_t b) {
+  if constexpr (!kPacked) {
+    return {static_cast<int>(b), static_cast<int>(p.q_len), static_cast<int>(p.kv_len),
+            static_cast<int>(p.causal_offset), 0, 0};
+  } else {
+    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+    const int q_len = p.cu_seqlens_q[b + 1] - q0, kv_len = p.cu_seqlens_k[b + 1] - k0;
+    return {0, q_len, kv_len, kv_len - q_len, q0, k0};
+  }
+}
+
 // ---- the producer -----------------------------------------------------------------------------------------------------
 // One thread. The per-row statistics come from flash_bwd_delta_kernel's workspace (rows of a head q_pad floats apart):
 // the copy stops at the head's padded end, so that it never reads past the workspace; the rows it leaves out are past
@@ -103,14 +129,15 @@ template <class Traits>
 __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_do, const CUtensorMap* tm_k,
                                                const CUtensorMap* tm_v, const AttentionParams& p, const float* stats,
-                                               const BwdSteps& steps, int64_t b, int64_t hk, int n0) {
+                                               const BwdSteps& steps, const BwdSequence& seq, int64_t b, int64_t hk,
+                                               int n0) {
   mbarrier_arrive_expect_tx(sm.kv_full, 2 * Traits::kKVBytes);
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel) {
-    tma_load_4d(sm.k + panel * Traits::kKVPanelBytes, tm_k, sm.kv_full, panel * Traits::kPanelCols, n0,
-                static_cast<int>(hk), static_cast<int>(b));
-    tma_load_4d(sm.v + panel * Traits::kKVPanelBytes, tm_v, sm.kv_full, panel * Traits::kPanelCols, n0,
-                static_cast<int>(hk), static_cast<int>(b));
+    tma_load_4d(sm.k + panel * Traits::kKVPanelBytes, tm_k, sm.kv_full, panel * Traits::kPanelCols,
+                seq.k_row0 + n0, static_cast<int>(hk), seq.bm);
+    tma_load_4d(sm.v + panel * Traits::kKVPanelBytes, tm_v, sm.kv_full, panel * Traits::kPanelCols,
+                seq.k_row0 + n0, static_cast<int>(hk), seq.bm);
   }
 
   const int64_t q_pad = q_padded(p.q_len);
@@ -121,6 +148,7 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
     const uint32_t released = bwd_phase<Traits>(s) ^ 1;  // the phase in which step s − kStages was handed back
     const int64_t h = steps.head(s);
     const int m0 = steps.m_tile(s) * Traits::kBlockM;
+    const int row = seq.q_row0 + m0;  // in q's and dout's maps
     const int64_t row_at = (b * p.num_heads + h) * q_pad + m0;
     const uint32_t stat_bytes = 4u * static_cast<uint32_t>(min64(Traits::kBlockM, q_pad - m0));
 
@@ -129,7 +157,7 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
 #pragma unroll
     for (int panel = 0; panel < Traits::kPanels; ++panel)
       tma_load_4d(sm.q_tile(stage) + panel * Traits::kQPanelBytes, tm_q, &sm.q_full[stage],
-                  panel * Traits::kPanelCols, m0, static_cast<int>(h), static_cast<int>(b));
+                  panel * Traits::kPanelCols, row, static_cast<int>(h), seq.bm);
     bulk_load(sm.lse2_rows(stage), lse2_all + row_at, stat_bytes, &sm.q_full[stage]);
 
     mbarrier_wait(&sm.do_empty[stage], released);
@@ -137,7 +165,7 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
 #pragma unroll
     for (int panel = 0; panel < Traits::kPanels; ++panel)
       tma_load_4d(sm.do_tile(stage) + panel * Traits::kQPanelBytes, tm_do, &sm.do_full[stage],
-                  panel * Traits::kPanelCols, m0, static_cast<int>(h), static_cast<int>(b));
+                  panel * Traits::kPanelCols, row, static_cast<int>(h), seq.bm);
     bulk_load(sm.delta_rows(stage), delta_all + row_at, stat_bytes, &sm.do_full[stage]);
   }
 }
@@ -201,13 +229,13 @@ struct TileMask {
   }
 };
 template <class Traits, bool kIsCausal>
-__device__ __forceinline__ TileMask tile_mask(const AttentionParams& p, int64_t n0, int64_t m0) {
+__device__ __forceinline__ TileMask tile_mask(const BwdSequence& seq, int n0, int m0) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   TileMask mask;
-  mask.keys_valid = static_cast<int>(min64(kBlockN, p.kv_len - n0));
-  mask.rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
-  const int64_t diag = m0 + p.causal_offset - n0;
-  mask.diag = static_cast<int>(max64(-(kBlockM + kBlockN), min64(diag, kBlockM + kBlockN)));
+  mask.keys_valid = min(kBlockN, seq.kv_len - n0);
+  mask.rows_valid = min(kBlockM, seq.q_len - m0);
+  const int diag = m0 + seq.causal_offset - n0;
+  mask.diag = max(-(kBlockM + kBlockN), min(diag, kBlockM + kBlockN));
   mask.needed = mask.keys_valid < kBlockN || mask.rows_valid < kBlockM || (kIsCausal && diag < kBlockN - 1);
   return mask;
 }
@@ -348,19 +376,33 @@ __device__ __forceinline__ void write_dkv(typename Traits::T* out, int64_t row_s
   }
 }
 
+// Packed sequences: rows `from` .. `rows` − 1 of every panel of a tile (panels `panel_bytes` apart, 128-byte rows) set
+// to 0, one 16-byte store a step of `threads` threads (index tid).
+template <class Traits>
+__device__ __forceinline__ void zero_rows(char* tile, int panel_bytes, int rows, int from, int tid, int threads) {
+#pragma unroll
+  for (int panel = 0; panel < Traits::kPanels; ++panel)
+    for (int chunk = from * 8 + tid; chunk < rows * 8; chunk += threads)
+      *reinterpret_cast<uint4*>(tile + panel * panel_bytes + chunk * 16) = uint4{};
+}
+
 // Named barriers (id; 0 is __syncthreads'): both consumer warpgroups have written their halves of a step's dSᵀ; the
-// four warps of consumer warpgroup w have written its dQ block (kDqWrittenBarrier + w).
+// four warps of consumer warpgroup w have written its dQ block (kDqWrittenBarrier + w), or zeroed its keys past the
+// sequence (kKeysZeroedBarrier + w); both have zeroed a stage's rows past the sequence (kRowsZeroedBarrier).
 constexpr int kDsWrittenBarrier = 1;
 constexpr int kDqWrittenBarrier = 2;
+constexpr int kKeysZeroedBarrier = 4;
+constexpr int kRowsZeroedBarrier = 6;
 
 // ---- the consumers' mainloop --------------------------------------------------------------------------------------------
 // Per step (query head h, query tile at m0), the products in five groups: {Sᵀ}, {dPᵀ}, {dV}, then after the barrier
 // {dQ}, {dK}. The exponentials of Pᵀ run while dPᵀ is on the tensor cores, the stores of dSᵀ and the barrier while dV
 // is (with kDvEarly also dSᵀ's arithmetic), and dQ's way to global memory while dK is (FlashAttention-3's order).
-template <class Traits, bool kIsCausal>
+template <class Traits, bool kIsCausal, bool kPacked>
 __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& sm, const AttentionParams& p,
-                                                  const BwdSteps& steps, float* dq_accum, const CUtensorMap* tm_dq,
-                                                  int64_t b, int64_t n0, int wg, float (&dk)[Traits::kHeadDim / 2],
+                                                  const BwdSteps& steps, const BwdSequence& seq, float* dq_accum,
+                                                  const CUtensorMap* tm_dq, int64_t b, int64_t n0, int wg,
+                                                  float (&dk)[Traits::kHeadDim / 2],
                                                   float (&dv)[Traits::kHeadDim / 2]) {
   constexpr int kBlockM = Traits::kBlockM;
   // Br 64 (d 128): the rows' lse·log2e and D go to registers on arrival, ahead of the products' operand reads in the
@@ -378,6 +420,14 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
   const int64_t head_dim = Traits::kHeadDim;
 
   mbarrier_wait(sm.kv_full, 0);
+  if (kPacked && seq.kv_len - n0 < Traits::kBlockN) {
+    // The warpgroup's keys past the sequence's, for dQ = dS K (either warpgroup's dQ reads both halves of K after the
+    // barrier of step 0, which follows these stores and the fence below).
+    const int own = max(0, min(64, seq.kv_len - static_cast<int>(n0) - wg * 64));
+    zero_rows<Traits>(sm.k + wg * 64 * Traits::kRowBytes, Traits::kKVPanelBytes, 64, own, threadIdx.x % 128, 128);
+    fence_proxy_async();  // the tensor cores read them after
+    named_barrier_sync(kKeysZeroedBarrier + wg, 128);
+  }
   // Step s visits query tile m_tile of head h (steps.head(s), steps.m_tile(s), counted on instead of divided out).
   int64_t h = steps.h_first;
   int m_tile = steps.m_first;
@@ -385,9 +435,19 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     const int stage = bwd_stage<Traits>(s);
     const uint32_t phase = bwd_phase<Traits>(s);
     const int64_t m0 = static_cast<int64_t>(m_tile) * kBlockM;
-    const TileMask mask = tile_mask<Traits, kIsCausal>(p, n0, m0);
+    const TileMask mask = tile_mask<Traits, kIsCausal>(seq, static_cast<int>(n0), static_cast<int>(m0));
     const char* q_tile = sm.q_tile(stage);
     const char* do_tile = sm.do_tile(stage);
+    if (kPacked && mask.rows_valid < kBlockM) {
+      // The sequence's last query tile: its rows past the sequence's, for dK += dSᵀ Q and dV += Pᵀ dO.
+      const int tid = threadIdx.x - 128, threads = 128 * Traits::kConsumerWarpgroups;
+      mbarrier_wait(&sm.q_full[stage], phase);
+      mbarrier_wait(&sm.do_full[stage], phase);
+      zero_rows<Traits>(sm.q_tile(stage), Traits::kQPanelBytes, kBlockM, mask.rows_valid, tid, threads);
+      zero_rows<Traits>(sm.do_tile(stage), Traits::kQPanelBytes, kBlockM, mask.rows_valid, tid, threads);
+      fence_proxy_async();
+      named_barrier_sync(kRowsZeroedBarrier, threads);
+    }
 
     // Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ, both in flight.
     float st[kBlockM / 2], dpt[kBlockM / 2];
@@ -454,6 +514,19 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     fence_fragment(dq);
     fence_fragment(dv);
     fence_fragment(pt16);
+    if constexpr (kPacked) {
+      // Rows past the sequence's queries to 0: the reduction below adds them into the next sequence's rows (their dS
+      // is 0, but 0 · K is NaN where a key is not finite; dense, TMA drops rows past q_len).
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool past = dq_row0 + 16 * warp + lane / 4 + 8 * r >= mask.rows_valid;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          dq[4 * j + 2 * r] = past ? 0.f : dq[4 * j + 2 * r];
+          dq[4 * j + 2 * r + 1] = past ? 0.f : dq[4 * j + 2 * r + 1];
+        }
+      }
+    }
     if (lane == 0) mbarrier_arrive(&sm.do_empty[stage]);
     if constexpr (Traits::kDqTma) {
       // The block to shared memory; once all four warps have written it, one thread adds it into dq_accum.
@@ -465,14 +538,14 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
 #pragma unroll
           for (int box = 0; box < 2; ++box)
             tma_reduce_add_4d(tm_dq, sm.dq_block(wg) + box * Traits::kDqBoxBytes, dq_col0 + 32 * box,
-                              static_cast<int>(m0) + dq_row0, static_cast<int>(h), static_cast<int>(b));
+                              seq.q_row0 + static_cast<int>(m0) + dq_row0, static_cast<int>(h), seq.bm);
           bulk_commit_group();
         }
       } else {
         named_barrier_arrive(kDqWrittenBarrier + wg, 128);
       }
     } else {
-      add_dq_block(dq_accum + (b * p.num_heads + h) * p.q_len * head_dim, p.q_len, head_dim,
+      add_dq_block(dq_accum + dq_accum_offset(p, b, h, Traits::kHeadDim), seq.q_len, head_dim,
                    m0 + dq_row0 + warp * 16, dq_col0, dq, lane);
     }
     wgmma_wait<0>();  // dK is done: Q is free
@@ -492,7 +565,7 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
 // Grid and GQA as flash_bwd.cuh: (key blocks, batch x kv heads), or with kPerQueryHead (key blocks, batch x query
 // heads), each block then writing its query head's share of dK, dV; under a causal mask one dimension in
 // grouped_heavy_first's order (a head's first key block sees the most query tiles).
-template <class Traits, bool kIsCausal, bool kPerQueryHead>
+template <class Traits, bool kIsCausal, bool kPerQueryHead, bool kPacked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_hopper_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                             const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -521,13 +594,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t hk = kPerQueryHead ? head / group : head;
   const int64_t n0 = static_cast<int64_t>(n_block) * kBlockN;
+  const BwdSequence seq = bwd_sequence<kPacked>(p, b);
 
   // The query tiles that see some key of this block: all, or under the causal mask those with a row
-  // i >= n0 − causal_offset; for each query head of the block (one, or the kv head's group).
+  // i >= n0 − causal_offset; for each query head of the block (one, or the kv head's group). None where the block's
+  // keys are past its sequence's (packed: a shorter sequence than the longest).
   BwdSteps steps;
-  const int m_tiles_all = static_cast<int>((p.q_len + kBlockM - 1) / kBlockM);
-  steps.m_first = kIsCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - p.causal_offset) / kBlockM)) : 0;
-  steps.m_tiles = m_tiles_all - steps.m_first;
+  const int m_tiles_all = static_cast<int>((seq.q_len + kBlockM - 1) / kBlockM);
+  steps.m_first = kIsCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - seq.causal_offset) / kBlockM)) : 0;
+  steps.m_tiles = n0 < seq.kv_len ? m_tiles_all - steps.m_first : 0;
   steps.h_first = kPerQueryHead ? head : hk * group;
   steps.count = (kPerQueryHead ? 1 : static_cast<int>(group)) * steps.m_tiles;
 
@@ -555,7 +630,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       prefetch_tensor_map(&tm_do);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
-      load_bwd_tiles<Traits>(sm, &tm_q, &tm_do, &tm_k, &tm_v, p, stats, steps, b, hk, static_cast<int>(n0));
+      load_bwd_tiles<Traits>(sm, &tm_q, &tm_do, &tm_k, &tm_v, p, stats, steps, seq, b, hk, static_cast<int>(n0));
     }
   } else {
     // ---- consumers ----
@@ -565,15 +640,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float dk[kD / 2], dv[kD / 2];  // the warpgroup's 64 keys x head_dim
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
-    if (steps.count > 0) consumer_mainloop<Traits, kIsCausal>(sm, p, steps, dq_accum, &tm_dq, b, n0, wg, dk, dv);
+    if (steps.count > 0)
+      consumer_mainloop<Traits, kIsCausal, kPacked>(sm, p, steps, seq, dq_accum, &tm_dq, b, n0, wg, dk, dv);
 
     // dK (scaled) and dV of the warpgroup's keys, summed over the query heads the block visited; 0 where none saw them.
     using T = typename Traits::T;
     const int64_t key0 = n0 + wg * 64 + warp * 16 + lane / 4;
-    write_dkv<Traits>(head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, b, head), bp.dk_strides[2], p.kv_len, key0, dk,
-                      p.scale, lane);
-    write_dkv<Traits>(head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, b, head), bp.dv_strides[2], p.kv_len, key0, dv,
-                      1.f, lane);
+    T* dk_rows = head_ptr(static_cast<T*>(bp.dk), bp.dk_strides, seq.bm, head) + int64_t{seq.k_row0} * bp.dk_strides[2];
+    T* dv_rows = head_ptr(static_cast<T*>(bp.dv), bp.dv_strides, seq.bm, head) + int64_t{seq.k_row0} * bp.dv_strides[2];
+    write_dkv<Traits>(dk_rows, bp.dk_strides[2], seq.kv_len, key0, dk, p.scale, lane);
+    write_dkv<Traits>(dv_rows, bp.dv_strides[2], seq.kv_len, key0, dv, 1.f, lane);
   }
 #endif
 }
@@ -583,16 +659,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // lanes a row, each summing 8 products, then a shuffle reduction among them (out and dout rows are 16-byte aligned:
 // hopper_bwd_supports).
 template <class T, int kHeadDim>
-__global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams bp, float* stats) {
+__global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams params, float* stats) {
   constexpr int kLanesPerRow = kHeadDim / 8;
   static_assert(32 % kLanesPerRow == 0, "a row's lanes within one warp");
-  const AttentionParams& p = bp.fwd;
-  const int64_t rows = p.batch * p.num_heads * p.q_len;
+  const AttentionParams& all = params.fwd;  // packed sequences: the longest one's rows, sequence b's below
+  const int64_t rows = all.batch * all.num_heads * all.q_len;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;
   const int chunk = threadIdx.x % kLanesPerRow;
-  const bool valid = row < rows;
-  const int64_t i = valid ? row % p.q_len : 0, bh = valid ? row / p.q_len : 0;
-  const int64_t b = bh / p.num_heads, h = bh % p.num_heads;
+  const int64_t i = row < rows ? row % all.q_len : 0, bh = row < rows ? row / all.q_len : 0;
+  const int64_t b = bh / all.num_heads, h = bh % all.num_heads;
+  const AttentionBackwardParams bp = sequence_view(params, b);
+  const AttentionParams& p = bp.fwd;
+  const bool valid = row < rows && i < p.q_len;
   float sum = 0.f;
   if (valid) {
     const T* o = head_ptr(static_cast<const T*>(p.out), p.out_strides, b, h) + i * p.out_strides[2] + chunk * 8;
@@ -608,10 +686,10 @@ __global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams bp, flo
 #pragma unroll
   for (int off = kLanesPerRow / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
   if (valid && chunk == 0) {
-    const int64_t q_pad = q_padded(p.q_len), at = bh * q_pad + i;
+    const int64_t q_pad = q_padded(all.q_len), at = bh * q_pad + i;
     const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
     stats[at] = sum;
-    stats[p.batch * p.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    stats[all.batch * all.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
   }
 }
 
@@ -634,25 +712,30 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
   const unsigned heads = static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads));
   const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
   if (heads == 0 || n_blocks == 0) return cudaSuccess;  // no keys: dK, dV are empty, dQ stays 0
-  auto kernel = p.is_causal ? (per_query_head ? flash_bwd_hopper_kernel<Traits, true, true>
-                                              : flash_bwd_hopper_kernel<Traits, true, false>)
-                            : (per_query_head ? flash_bwd_hopper_kernel<Traits, false, true>
-                                              : flash_bwd_hopper_kernel<Traits, false, false>);
+  // [causal][per query head][packed]
+  decltype(&flash_bwd_hopper_kernel<Traits, false, false, false>) const kernels[2][2][2] = {
+      {{flash_bwd_hopper_kernel<Traits, false, false, false>, flash_bwd_hopper_kernel<Traits, false, false, true>},
+       {flash_bwd_hopper_kernel<Traits, false, true, false>, flash_bwd_hopper_kernel<Traits, false, true, true>}},
+      {{flash_bwd_hopper_kernel<Traits, true, false, false>, flash_bwd_hopper_kernel<Traits, true, false, true>},
+       {flash_bwd_hopper_kernel<Traits, true, true, false>, flash_bwd_hopper_kernel<Traits, true, true, true>}}};
+  const auto kernel = kernels[p.is_causal][per_query_head][p.cu_seqlens_q != nullptr];
 
+  // (packed sequences: maps over the packed rows, one batch; dq_accum is then (heads, total_q, head_dim))
+  const MapExtent ext = map_extent(p);
   CUtensorMap tm_q, tm_do, tm_k, tm_v, tm_dq{};
-  cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, p.q_len, p.num_heads, p.batch,
+  cudaError_t err = make_head_rows_map(&tm_q, p.dtype, p.q, Traits::kHeadDim, ext.q_rows, p.num_heads, ext.batch,
                                        p.q_strides, Traits::kBlockM);
   if (err == cudaSuccess)
-    err = make_head_rows_map(&tm_do, p.dtype, bp.dout, Traits::kHeadDim, p.q_len, p.num_heads, p.batch,
+    err = make_head_rows_map(&tm_do, p.dtype, bp.dout, Traits::kHeadDim, ext.q_rows, p.num_heads, ext.batch,
                              bp.dout_strides, Traits::kBlockM);
   if (err == cudaSuccess)
-    err = make_head_rows_map(&tm_k, p.dtype, p.k, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.k_strides,
-                             Traits::kBlockN);
+    err = make_head_rows_map(&tm_k, p.dtype, p.k, Traits::kHeadDim, ext.kv_rows, p.num_kv_heads, ext.batch,
+                             p.k_strides, Traits::kBlockN);
   if (err == cudaSuccess)
-    err = make_head_rows_map(&tm_v, p.dtype, p.v, Traits::kHeadDim, p.kv_len, p.num_kv_heads, p.batch, p.v_strides,
-                             Traits::kBlockN);
+    err = make_head_rows_map(&tm_v, p.dtype, p.v, Traits::kHeadDim, ext.kv_rows, p.num_kv_heads, ext.batch,
+                             p.v_strides, Traits::kBlockN);
   if (err == cudaSuccess && Traits::kDqTma)
-    err = make_dq_accum_map(&tm_dq, dq_accum, Traits::kHeadDim, p.q_len, p.num_heads, p.batch);
+    err = make_dq_accum_map(&tm_dq, dq_accum, Traits::kHeadDim, ext.q_rows, p.num_heads, ext.batch);
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
