@@ -318,6 +318,34 @@ def test_a_sequences_gradients_never_see_the_next_ones(causal, d, forward_path):
                 assert torch.equal(g[at], c[at]), f"sequence {b}'s {name} saw sequence {poisoned}'s values"
 
 
+@pytest.mark.parametrize("split", ["1", "0"], ids=["split", "whole"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_stay_in_their_sequence_past_the_first_tiles(causal, split, forward_path, monkeypatch):
+    """As above with a first sequence of two query and two key tiles (the tiles that run into the next sequence start
+    past 0), GQA with one block per query head or per kv head, and NaN/inf in rows after the last sequence (cu_seqlens
+    not covering the tensor): every other sequence's dk, dv bit for bit, its dq (summed over key tiles in any order)
+    finite and within rounding."""
+    monkeypatch.setenv("CS149GPT_BWD_GQA_SPLIT", split)
+    q, k, v, cu_q, cu_k = packed([(200, 230), (50, 70), (120, 30), (10, 10)], 4, 2, 64, torch.bfloat16, seed=31)
+    cu_q, cu_k = cu_q[:-1], cu_k[:-1]  # the last 10 rows belong to no sequence
+    dout = rand(q.shape, torch.bfloat16, 32)
+    fn = lambda a, b, c: call(a, b, c, cu_q, cu_k, is_causal=causal)[0]  # noqa: E731
+    clean = grads(fn, q, k, v, dout)
+    q2, k2, v2, dout2 = (t.clone() for t in (q, k, v, dout))
+    for t, cu in ((q2, cu_q), (k2, cu_k), (v2, cu_k), (dout2, cu_q)):
+        t[cu[1]:cu[1] + 20:3] = float("nan")
+        t[cu[1] + 1:cu[1] + 20:3] = float("inf")
+        t[cu[-1]::2] = float("nan")
+        t[cu[-1] + 1::2] = float("-inf")
+    got = grads(fn, q2, k2, v2, dout2)
+    for b in (0, 2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        assert torch.equal(got[1][keys], clean[1][keys]) and torch.equal(got[2][keys], clean[2][keys]), \
+            f"sequence {b}'s dk or dv saw another sequence's values"
+        assert torch.isfinite(got[0][rows]).all(), f"sequence {b}'s dq saw another sequence's values"
+        assert max_err(got[0][rows], clean[0][rows]) <= 1e-2 * clean[0][rows].abs().max().item(), f"sequence {b}: dq"
+
+
 def test_strided_views_read_in_place():
     """q, k, v as views into one (total, 3, H, d) projection, the layout of a fused qkv Linear; and kv packed."""
     lengths = [(100, 100), (1, 1), (110, 110)]

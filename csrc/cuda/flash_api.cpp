@@ -391,7 +391,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const a
 }
 
 // varlen_attention_backward on CUDA: one launch over every sequence (a block per (key tile of the longest sequence,
-// head, sequence)): on Hopper without attn_mask, window or logit options hopper/flash_bwd_hopper.cuh's kernel, else
+// head, sequence)): on Hopper without attn_mask, window, dropout or logit options hopper/flash_bwd_hopper.cuh's, else
 // flash_bwd.cuh's; dQ accumulates in float32 rows (heads, total_q, d), dK and dV are written in the packed layout.
 // GQA as flash_attention_backward: one share per query head, the group's summed here.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(

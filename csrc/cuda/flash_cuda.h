@@ -34,7 +34,8 @@ cudaError_t mask_key_bounds(const AttentionParams& p, int64_t batch, int64_t hea
 
 // FlashAttention-3's design on Hopper (hopper/): warp-specialized, TMA copies into a 2-stage shared-memory ring on
 // mbarriers, wgmma products, setmaxnreg. The same calls as flash_fwd without dropout, softcap, ALiBi or a KV cache
-// (the forward takes attn_mask and windows as key spans, or packed sequences without them; the backward none of these);
+// (the forward takes attn_mask and windows as key spans, or packed sequences without them; the backward only the
+// latter);
 // hopper_takes_shapes says whether the device, shapes and layout suit it (an sm_90a build on a compute capability 9.0
 // GPU, q, k, v, out 16-byte aligned with strides multiples of 8 elements, scale > 0), hopper_fwd_supports whether the
 // forward takes p. flash_fwd_hopper returns cudaErrorNotSupported where it does not. hopper_fwd_takes_tile_counter:

@@ -104,8 +104,7 @@ __device__ __forceinline__ uint32_t bwd_phase(int s) { return static_cast<uint32
 // The block's sequence: its lengths and causal offset, where its rows start in q, dout (q_row0) and in k, v, dk, dv
 // (k_row0), and its batch coordinate in the tensor maps (bm). Dense: batch b, rows from 0. Packed: sequence b's rows
 // of the one batch, as sequence_view (attention.h) has them, without copying the params (kPacked: a kernel of its own,
-// so that a dense call's code is what it was without them). In 32 bits, as TMA's coordinates (rows < 2^30:
-// hopper_takes_shapes); the packed kernel's mainloop keeps them in registers.
+// which a dense call's never pays for). In 32 bits, as TMA's coordinates (rows < 2^30: hopper_takes_shapes).
 struct BwdSequence {
   int bm, q_len, kv_len, causal_offset, q_row0, k_row0;
 };
@@ -376,13 +375,13 @@ __device__ __forceinline__ void write_dkv(typename Traits::T* out, int64_t row_s
   }
 }
 
-// Packed sequences: rows `from` .. `rows` − 1 of every panel of a tile (panels `panel_bytes` apart, 128-byte rows) set
-// to 0, one 16-byte store a step of `threads` threads (index tid).
+// Packed sequences: rows first .. end − 1 of every panel of a tile (panels `panel_bytes` apart, 128-byte rows) set to
+// 0, one 16-byte store a step of `threads` threads (index tid).
 template <class Traits>
-__device__ __forceinline__ void zero_rows(char* tile, int panel_bytes, int rows, int from, int tid, int threads) {
+__device__ __forceinline__ void zero_rows(char* tile, int panel_bytes, int first, int end, int tid, int threads) {
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel)
-    for (int chunk = from * 8 + tid; chunk < rows * 8; chunk += threads)
+    for (int chunk = first * 8 + tid; chunk < end * 8; chunk += threads)
       *reinterpret_cast<uint4*>(tile + panel * panel_bytes + chunk * 16) = uint4{};
 }
 
@@ -406,8 +405,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
                                                   float (&dv)[Traits::kHeadDim / 2]) {
   constexpr int kBlockM = Traits::kBlockM;
   // Br 64 (d 128): the rows' lse·log2e and D go to registers on arrival, ahead of the products' operand reads in the
-  // shared-memory pipe (after them, their loads waited behind those reads; ptxas: 4 bytes of spill without the causal
-  // mask); Br 128 (d 64) reads them where used (their 64 registers would pass the consumers' 240).
+  // shared-memory pipe (after them, their loads waited behind those reads); Br 128 (d 64) reads them where used (their
+  // 64 registers would pass the consumers' 240).
   using Stats = std::conditional_t<(kBlockM <= 64), HeldStats<kBlockM / 8>, StageStats>;
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   const int key0 = wg * 64 + warp * 16 + lane / 4;  // the tile key of the thread's row g
@@ -421,10 +420,11 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
 
   mbarrier_wait(sm.kv_full, 0);
   if (kPacked && seq.kv_len - n0 < Traits::kBlockN) {
-    // The warpgroup's keys past the sequence's, for dQ = dS K (either warpgroup's dQ reads both halves of K after the
-    // barrier of step 0, which follows these stores and the fence below).
+    // The warpgroup's keys past the sequence's, for dQ = dS K. Its own barrier orders them before its Sᵀ = K_w Qᵀ;
+    // the other warpgroup reads them only in dQ's product, after step 0's kDsWrittenBarrier (both warpgroups pass it
+    // after these stores and this fence).
     const int own = max(0, min(64, seq.kv_len - static_cast<int>(n0) - wg * 64));
-    zero_rows<Traits>(sm.k + wg * 64 * Traits::kRowBytes, Traits::kKVPanelBytes, 64, own, threadIdx.x % 128, 128);
+    zero_rows<Traits>(sm.k + wg * 64 * Traits::kRowBytes, Traits::kKVPanelBytes, own, 64, threadIdx.x % 128, 128);
     fence_proxy_async();  // the tensor cores read them after
     named_barrier_sync(kKeysZeroedBarrier + wg, 128);
   }
@@ -439,12 +439,13 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     const char* q_tile = sm.q_tile(stage);
     const char* do_tile = sm.do_tile(stage);
     if (kPacked && mask.rows_valid < kBlockM) {
-      // The sequence's last query tile: its rows past the sequence's, for dK += dSᵀ Q and dV += Pᵀ dO.
+      // The sequence's last query tile: its rows past the sequence's, for dK += dSᵀ Q and dV += Pᵀ dO, which both
+      // warpgroups read whole (so all 256 threads zero them, and wait for each other).
       const int tid = threadIdx.x - 128, threads = 128 * Traits::kConsumerWarpgroups;
       mbarrier_wait(&sm.q_full[stage], phase);
       mbarrier_wait(&sm.do_full[stage], phase);
-      zero_rows<Traits>(sm.q_tile(stage), Traits::kQPanelBytes, kBlockM, mask.rows_valid, tid, threads);
-      zero_rows<Traits>(sm.do_tile(stage), Traits::kQPanelBytes, kBlockM, mask.rows_valid, tid, threads);
+      zero_rows<Traits>(sm.q_tile(stage), Traits::kQPanelBytes, mask.rows_valid, kBlockM, tid, threads);
+      zero_rows<Traits>(sm.do_tile(stage), Traits::kQPanelBytes, mask.rows_valid, kBlockM, tid, threads);
       fence_proxy_async();
       named_barrier_sync(kRowsZeroedBarrier, threads);
     }

@@ -48,8 +48,8 @@ using hopper::strides_ok;
 // the max of raw scores, the logits' max only for scale > 0, and fold the scale into exp2's argument (scale 0 would
 // make a hidden key's −inf NaN): a scale <= 0 runs the general FA2 kernel (the key-spans kernel scales first, but
 // shares this check).
-// Packed sequences (cu_seqlens_q) are the forward's only (without attn_mask or window): its tensor maps then span the
-// packed rows (total_q, total_k), one (batch) of them.
+// Packed sequences (cu_seqlens_q; both passes, without attn_mask or window): the tensor maps then span the packed
+// rows (total_q, total_k), one (batch) of them.
 bool hopper_takes_shapes(const AttentionParams& p) {
   constexpr int64_t kMaxRows = int64_t{1} << 30;  // TMA coordinates are int32
   const bool packed = p.cu_seqlens_q != nullptr;
