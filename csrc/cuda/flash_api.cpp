@@ -172,6 +172,18 @@ void launch_forward(const AttentionParams& p, bool fast, const at::TensorOptions
   }
 }
 
+// The backward of bp on the current stream: Hopper's kernel where it takes the call (CS149GPT_HOPPER=0: the
+// FlashAttention-2 kernel everywhere), else FlashAttention-2's. what: a word errors name the call with ("", "varlen ").
+void launch_backward(const AttentionBackwardParams& bp, float* stats, float* dq_accum, bool per_query_head,
+                     const std::string& what) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp))
+    check_launch(flash_bwd_hopper(bp, stats, dq_accum, per_query_head, stream),
+                 (what + "Hopper flash backward").c_str());
+  else
+    check_launch(flash_bwd(bp, stats, dq_accum, per_query_head, stream), (what + "flash backward").c_str());
+}
+
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::string& impl, std::optional<double> scale,
                                                const std::string& causal, std::optional<int64_t> block_q,
@@ -333,17 +345,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dq_accum = at::zeros({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len, bp.fwd.head_dim}, f32);
   at::Tensor delta = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
-  if (bp.fwd.batch * bp.fwd.num_heads > 0) {
-    // Hopper's wgmma/TMA backward where it takes the call, same contract (CS149GPT_HOPPER=0: FA2's everywhere).
-    const bool hopper = config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    if (hopper)
-      check_launch(flash_bwd_hopper(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, stream),
-                   "Hopper flash backward");
-    else
-      check_launch(flash_bwd(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, stream),
-                   "flash backward");
-  }
+  if (bp.fwd.batch * bp.fwd.num_heads > 0)
+    launch_backward(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, "");
   if (per_query_head) {  // (batch, kv heads, group, kv_len, d) summed over the group
     const auto grouped = [&](const at::Tensor& t) {
       return t.view({bp.fwd.batch, bp.fwd.num_kv_heads, group, bp.fwd.kv_len, bp.fwd.head_dim});
@@ -442,13 +445,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
   const bool launch = bp.fwd.q_len > 0 && bp.fwd.kv_len > 0 && heads > 0;
   if (launch) {
     at::Tensor stats = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    if (config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp))
-      check_launch(flash_bwd_hopper(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, stream),
-                   "varlen Hopper flash backward");
-    else
-      check_launch(flash_bwd(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, stream),
-                   "varlen flash backward");
+    launch_backward(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, "varlen ");
     if (per_query_head) {  // (total_k, kv heads, group, d) summed over the group
       at::sum_out(dk, dk_heads.view({total_k, kv_heads, group, d}), {2});
       at::sum_out(dv, dv_heads.view({total_k, kv_heads, group, d}), {2});

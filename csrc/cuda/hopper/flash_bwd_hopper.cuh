@@ -21,7 +21,7 @@
 // scaling, GQA) is flash_bwd's (flash_cuda.h).
 //
 // Packed sequences (cu_seqlens): a block per (key tile of the longest sequence, head, sequence), reading its sequence's
-// rows of the packed tensors (BwdSequence). A tile that runs past its sequence's end holds the next sequence's rows
+// rows of the packed tensors (packed.cuh). A tile that runs past its sequence's end holds the next sequence's rows
 // (only the tensor's end reads as zeros): their entries of Pᵀ and dSᵀ are masked, but 0 · inf is NaN, so the consumers
 // zero those rows of K (once) and of Q and dO (in the step of a sequence's last query tile) before a product reads
 // them, and drop dQ's rows past the sequence: no sequence's gradients see another's values.
@@ -40,6 +40,7 @@
 #include "../flash_common.cuh"
 #include "flash_bwd_hopper_launch.h"
 #include "kernel_traits.cuh"
+#include "packed.cuh"
 #include "ptx.cuh"
 #include "tensor_map.h"
 
@@ -101,25 +102,6 @@ __device__ __forceinline__ int bwd_stage(int s) { return s % Traits::kStages; }
 template <class Traits>
 __device__ __forceinline__ uint32_t bwd_phase(int s) { return static_cast<uint32_t>((s / Traits::kStages) & 1); }
 
-// The block's sequence: its lengths and causal offset, where its rows start in q, dout (q_row0) and in k, v, dk, dv
-// (k_row0), and its batch coordinate in the tensor maps (bm). Dense: batch b, rows from 0. Packed: sequence b's rows
-// of the one batch, as sequence_view (attention.h) has them, without copying the params (kPacked: a kernel of its own,
-// which a dense call's never pays for). In 32 bits, as TMA's coordinates (rows < 2^30: hopper_takes_shapes).
-struct BwdSequence {
-  int bm, q_len, kv_len, causal_offset, q_row0, k_row0;
-};
-template <bool kPacked>
-__device__ __forceinline__ BwdSequence bwd_sequence(const AttentionParams& p, int64_t b) {
-  if constexpr (!kPacked) {
-    return {static_cast<int>(b), static_cast<int>(p.q_len), static_cast<int>(p.kv_len),
-            static_cast<int>(p.causal_offset), 0, 0};
-  } else {
-    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
-    const int q_len = p.cu_seqlens_q[b + 1] - q0, kv_len = p.cu_seqlens_k[b + 1] - k0;
-    return {0, q_len, kv_len, kv_len - q_len, q0, k0};
-  }
-}
-
 // ---- the producer -----------------------------------------------------------------------------------------------------
 // One thread. The per-row statistics come from flash_bwd_delta_kernel's workspace (rows of a head q_pad floats apart):
 // the copy stops at the head's padded end, so that it never reads past the workspace; the rows it leaves out are past
@@ -128,7 +110,7 @@ template <class Traits>
 __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_do, const CUtensorMap* tm_k,
                                                const CUtensorMap* tm_v, const AttentionParams& p, const float* stats,
-                                               const BwdSteps& steps, const BwdSequence& seq, int64_t b, int64_t hk,
+                                               const BwdSteps& steps, const SequenceRows& seq, int64_t b, int64_t hk,
                                                int n0) {
   mbarrier_arrive_expect_tx(sm.kv_full, 2 * Traits::kKVBytes);
 #pragma unroll
@@ -228,7 +210,7 @@ struct TileMask {
   }
 };
 template <class Traits, bool kIsCausal>
-__device__ __forceinline__ TileMask tile_mask(const BwdSequence& seq, int n0, int m0) {
+__device__ __forceinline__ TileMask tile_mask(const SequenceRows& seq, int n0, int m0) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   TileMask mask;
   mask.keys_valid = min(kBlockN, seq.kv_len - n0);
@@ -375,16 +357,6 @@ __device__ __forceinline__ void write_dkv(typename Traits::T* out, int64_t row_s
   }
 }
 
-// Packed sequences: rows first .. end − 1 of every panel of a tile (panels `panel_bytes` apart, 128-byte rows) set to
-// 0, one 16-byte store a step of `threads` threads (index tid).
-template <class Traits>
-__device__ __forceinline__ void zero_rows(char* tile, int panel_bytes, int first, int end, int tid, int threads) {
-#pragma unroll
-  for (int panel = 0; panel < Traits::kPanels; ++panel)
-    for (int chunk = first * 8 + tid; chunk < end * 8; chunk += threads)
-      *reinterpret_cast<uint4*>(tile + panel * panel_bytes + chunk * 16) = uint4{};
-}
-
 // Named barriers (id; 0 is __syncthreads'): both consumer warpgroups have written their halves of a step's dSᵀ; the
 // four warps of consumer warpgroup w have written its dQ block (kDqWrittenBarrier + w), or zeroed its keys past the
 // sequence (kKeysZeroedBarrier + w); both have zeroed a stage's rows past the sequence (kRowsZeroedBarrier).
@@ -399,7 +371,7 @@ constexpr int kRowsZeroedBarrier = 6;
 // is (with kDvEarly also dSᵀ's arithmetic), and dQ's way to global memory while dK is (FlashAttention-3's order).
 template <class Traits, bool kIsCausal, bool kPacked>
 __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& sm, const AttentionParams& p,
-                                                  const BwdSteps& steps, const BwdSequence& seq, float* dq_accum,
+                                                  const BwdSteps& steps, const SequenceRows& seq, float* dq_accum,
                                                   const CUtensorMap* tm_dq, int64_t b, int64_t n0, int wg,
                                                   float (&dk)[Traits::kHeadDim / 2],
                                                   float (&dv)[Traits::kHeadDim / 2]) {
@@ -424,7 +396,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     // the other warpgroup reads them only in dQ's product, after step 0's kDsWrittenBarrier (both warpgroups pass it
     // after these stores and this fence).
     const int own = max(0, min(64, seq.kv_len - static_cast<int>(n0) - wg * 64));
-    zero_rows<Traits>(sm.k + wg * 64 * Traits::kRowBytes, Traits::kKVPanelBytes, own, 64, threadIdx.x % 128, 128);
+    zero_rows<Traits::kPanels>(sm.k + wg * 64 * Traits::kRowBytes, Traits::kKVPanelBytes, own, 64, threadIdx.x % 128,
+                               128);
     fence_proxy_async();  // the tensor cores read them after
     named_barrier_sync(kKeysZeroedBarrier + wg, 128);
   }
@@ -444,8 +417,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
       const int tid = threadIdx.x - 128, threads = 128 * Traits::kConsumerWarpgroups;
       mbarrier_wait(&sm.q_full[stage], phase);
       mbarrier_wait(&sm.do_full[stage], phase);
-      zero_rows<Traits>(sm.q_tile(stage), Traits::kQPanelBytes, mask.rows_valid, kBlockM, tid, threads);
-      zero_rows<Traits>(sm.do_tile(stage), Traits::kQPanelBytes, mask.rows_valid, kBlockM, tid, threads);
+      zero_rows<Traits::kPanels>(sm.q_tile(stage), Traits::kQPanelBytes, mask.rows_valid, kBlockM, tid, threads);
+      zero_rows<Traits::kPanels>(sm.do_tile(stage), Traits::kQPanelBytes, mask.rows_valid, kBlockM, tid, threads);
       fence_proxy_async();
       named_barrier_sync(kRowsZeroedBarrier, threads);
     }
@@ -595,7 +568,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t hk = kPerQueryHead ? head / group : head;
   const int64_t n0 = static_cast<int64_t>(n_block) * kBlockN;
-  const BwdSequence seq = bwd_sequence<kPacked>(p, b);
+  const SequenceRows seq = sequence_rows(p, b, kPacked);  // (kPacked: its own kernel, which dense calls never pay for)
 
   // The query tiles that see some key of this block: all, or under the causal mask those with a row
   // i >= n0 − causal_offset; for each query head of the block (one, or the kv head's group). None where the block's

@@ -47,6 +47,7 @@
 #include "../flash_mask.cuh"
 #include "flash_fwd_hopper_launch.h"
 #include "kernel_traits.cuh"
+#include "packed.cuh"
 #include "ptx.cuh"
 #include "tensor_map.h"
 
@@ -340,11 +341,8 @@ constexpr int kTurnBarrier = 4;      // + warpgroup
 template <class Traits>
 __device__ __forceinline__ void clear_v_past(char* v_j, int64_t n0, int64_t from, int wg) {
   if (n0 + Traits::kBlockN <= from) return;
-  const int first = static_cast<int>(max64(0, from - n0)), tid = threadIdx.x % 128;
-#pragma unroll
-  for (int panel = 0; panel < Traits::kPanels; ++panel)
-    for (int chunk = first * 8 + tid; chunk < Traits::kBlockN * 8; chunk += 128)  // 16-byte chunks, 8 a row
-      *reinterpret_cast<uint4*>(v_j + panel * Traits::kKVPanelBytes + chunk * 16) = uint4{};
+  zero_rows<Traits::kPanels>(v_j, Traits::kKVPanelBytes, static_cast<int>(max64(0, from - n0)), Traits::kBlockN,
+                             threadIdx.x % 128, 128);
   fence_proxy_async();                             // the tensor cores read them after
   named_barrier_sync(kEpilogueBarrier + wg, 128);  // every warp's rows
 }
@@ -583,7 +581,8 @@ __device__ __forceinline__ WorkTile tile_rows(const AttentionParams& p, int tile
   w.m0 = static_cast<int64_t>(m_block) * block_m;
   w.n_first = w.n_tiles = 0;
   // Packed sequences: sequence b's rows of the one batch, its lengths and offset as sequence_view (attention.h) has
-  // them, without copying the params.
+  // them, without copying the params (packed.cuh's sequence_rows in 64 bits: its 32-bit fields change this kernel's
+  // code, dense calls' included).
   if (kMask != kMaskSpans && p.cu_seqlens_q != nullptr) {
     w.bm = 0;
     w.q_row0 = p.cu_seqlens_q[w.b];
