@@ -263,7 +263,7 @@ def test_backward_memory_follows_the_tokens_not_the_longest_sequence(forward_pat
     before = torch.cuda.memory_allocated()
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - before < 12 * q.numel() * 4, "a workspace grew with the longest sequence"
+    assert torch.cuda.max_memory_allocated() - before < 6 * q.numel() * 4, "a workspace grew with the longest sequence"
     # A one-token sequence attends to itself with weight 1: dq = dk = 0 and dv = dout, up to rounding.
     short = slice(0, 2000)
     assert dq[short].abs().max().item() < 1e-2 and dk[short].abs().max().item() < 1e-2
