@@ -249,6 +249,32 @@ def test_many_short_sequences():
             assert max_err(a, b) / scale < 4e-2, f"causal={causal}: {name}"
 
 
+def test_backward_memory_follows_the_tokens_not_the_longest_sequence(forward_path):
+    """2000 one-token sequences beside one of 4096: the backward's workspaces scale with the packed tokens (its row
+    statistics laid out by packed row, not by sequence x longest length: 42x the tokens' float32 size here), and its
+    gradients are right."""
+    lengths = [(1, 1)] * 2000 + [(4096, 4096)]
+    q, k, v, cu_q, cu_k = packed(lengths, 4, 4, 64, torch.bfloat16, seed=41)
+    dout = rand(q.shape, torch.bfloat16, 42)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = call(q, k, v, cu_q, cu_k, is_causal=True)[0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 6 * q.numel() * 4, "a workspace grew with the longest sequence"
+    # A one-token sequence attends to itself with weight 1: dq = dk = 0 and dv = dout, up to rounding.
+    short = slice(0, 2000)
+    assert dq[short].abs().max().item() < 1e-2 and dk[short].abs().max().item() < 1e-2
+    assert max_err(dv[short], dout[short]) < 2e-2
+    ref = grads(lambda a, b, c: reference(a, b, c, [0, 4096], [0, 4096], True)[0], q[2000:].double(),
+                k[2000:].double(), v[2000:].double(), dout[2000:].double())
+    scale = max(r.abs().max().item() for r in ref)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq[2000:], dk[2000:], dv[2000:]), ref):
+        assert max_err(got, want) / scale < 4e-2, name
+
+
 def test_one_launch_for_every_sequence(forward_path):
     """The forward is one kernel launch over all sequences, the backward one (and one of its row statistics'):
     Hopper's on sm_90, else FlashAttention-2's."""

@@ -18,6 +18,7 @@
 #include <cmath>
 
 #include "flash_common.cuh"
+#include "flash_cuda.h"
 #include "flash_mask.cuh"
 #include "kernel_traits.cuh"
 #include "warp_gemm.cuh"
@@ -25,23 +26,44 @@
 namespace cs149gpt {
 namespace cuda {
 
-// The per-row statistics the backward reads, in the workspace `stats` (flash_cuda.h: bwd_row_stats_floats):
-// stats[(b·H + h)·q_pad + i] = D_i and stats[B·H·q_pad + (b·H + h)·q_pad + i] = lse_i·log2(e) (+inf for a row that
-// sees no key: its P is then exp2(-inf) = 0). Rows padded to q_pad (a multiple of 4), so the main kernel copies
-// both with 16-byte cp.async, off its critical path.
-__device__ __forceinline__ int64_t q_padded(int64_t q_len) { return (q_len + 3) / 4 * 4; }
+// The per-row statistics the backward reads, in the workspace `stats` (flash_cuda.h: bwd_row_stats_floats, its
+// layout), 16-byte aligned so that the main kernels copy them with 16-byte copies, off their critical path.
+__device__ __forceinline__ int64_t q_padded(int64_t q_len) { return round_up4(q_len); }
 
-// D_i = sum_d dO[i, d] O[i, d] and lse_i·log2(e), one warp per row; rows past q_len are never read.
+// Task `task` of bwd_stats_tasks(all) (flash_cuda.h) as its row i of (batch or sequence b, head h); false where it
+// is no sequence's row (packed: rows before the first or after the last). Packed: t's sequence is the last b with
+// cu_seqlens_q[b] <= t, by binary search.
+__device__ __forceinline__ bool bwd_stats_task(const AttentionParams& all, int64_t task, int64_t& b, int64_t& h,
+                                               int64_t& i) {
+  if (all.cu_seqlens_q == nullptr) {
+    const int64_t bh = task / all.q_len;
+    i = task % all.q_len, b = bh / all.num_heads, h = bh % all.num_heads;
+    return true;
+  }
+  h = task / all.total_q;
+  const int64_t t = task % all.total_q;
+  const int32_t* cu = all.cu_seqlens_q;
+  if (t < cu[0] || t >= cu[all.batch]) return false;
+  int64_t lo = 0, hi = all.batch;  // cu[lo] <= t < cu[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (cu[mid] <= t) lo = mid;
+    else hi = mid;
+  }
+  b = lo, i = t - cu[lo];
+  return true;
+}
+
+// D_i = sum_d dO[i, d] O[i, d] and lse_i·log2(e), one warp per row of a sequence; rows past q_len are never read.
 template <class T, int kHeadDim>
 __global__ void flash_bwd_delta_kernel(const AttentionBackwardParams params, float* stats) {
-  const AttentionParams& all = params.fwd;  // packed sequences: the longest one's rows, sequence b's below
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const AttentionParams& all = params.fwd;  // packed sequences: every sequence, sequence b's below
+  const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= all.batch * all.num_heads * all.q_len) return;
-  const int64_t i = row % all.q_len, bh = row / all.q_len, b = bh / all.num_heads, h = bh % all.num_heads;
+  int64_t b, h, i;
+  if (task >= bwd_stats_tasks(all) || !bwd_stats_task(all, task, b, h, i)) return;
   const AttentionBackwardParams bp = sequence_view(params, b);
   const AttentionParams& p = bp.fwd;
-  if (i >= p.q_len) return;
   const T* o = head_ptr(static_cast<const T*>(p.out), p.out_strides, b, h) + i * p.out_strides[2];
   const T* dout = head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + i * bp.dout_strides[2];
   float sum = 0.f;
@@ -54,10 +76,10 @@ __global__ void flash_bwd_delta_kernel(const AttentionBackwardParams params, flo
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
   if (lane == 0) {
-    const int64_t q_pad = q_padded(all.q_len), at = bh * q_pad + i;
+    const int64_t at = bwd_stats_row0(all, b, h) + i;
     const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
     stats[at] = sum;
-    stats[all.batch * all.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    stats[bwd_stats_half(all) + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
   }
 }
 
@@ -185,9 +207,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   copy_tile_async<typename Traits::KVTile, kNThreads>(sK, k, p.k_strides[2], keys_valid);
   copy_tile_async<typename Traits::KVTile, kNThreads>(sV, v, p.v_strides[2], keys_valid);
 
-  const int64_t q_pad = q_padded(all.q_len);
-  const float* delta_rows = stats + b * p.num_heads * q_pad;
-  const float* lse2_rows = stats + (all.batch + b) * p.num_heads * q_pad;
+  const int64_t head_stride = bwd_stats_head_stride(all);
+  const float* delta_rows = stats + bwd_stats_row0(all, b, 0);  // head h's rows from h · head_stride on
+  const float* lse2_rows = delta_rows + bwd_stats_half(all);
   // Copies the step (query head h, query rows m0 ..) into buffer buf, asynchronously: Q, dO, lse·log2e, D.
   auto load_step = [&](int h, int64_t m0, int buf) {
     const int rows = static_cast<int>(min64(kBlockM, p.q_len - m0));
@@ -199,8 +221,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         head_ptr(static_cast<const T*>(bp.dout), bp.dout_strides, b, h) + m0 * bp.dout_strides[2], bp.dout_strides[2],
         rows);
     // (rows past q_len read 0 here; the mask zeroes their P)
-    copy_floats_async<kBlockM>(sLse + buf * kBlockM, lse2_rows + h * q_pad + m0, rows);
-    copy_floats_async<kBlockM>(sDelta + buf * kBlockM, delta_rows + h * q_pad + m0, rows);
+    copy_floats_async<kBlockM>(sLse + buf * kBlockM, lse2_rows + h * head_stride + m0, rows);
+    copy_floats_async<kBlockM>(sDelta + buf * kBlockM, delta_rows + h * head_stride + m0, rows);
     if constexpr (kGeneral)
       if (threadIdx.x < kBlockM) {
         const KeySpan span = key_span(p, b, h, m0 + threadIdx.x);
@@ -340,7 +362,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // D = rowsum(dO ∘ O) and lse·log2(e) per query row (flash_bwd_delta_kernel, a warp a row): both backwards' first step.
 template <class Traits>
 cudaError_t launch_row_stats(const AttentionBackwardParams& bp, float* stats, cudaStream_t stream) {
-  const int64_t rows = bp.fwd.batch * bp.fwd.num_heads * bp.fwd.q_len;
+  const int64_t rows = bwd_stats_tasks(bp.fwd);
+  if (rows == 0) return cudaSuccess;
   flash_bwd_delta_kernel<typename Traits::T, Traits::kHeadDim>
       <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(bp, stats);
   return cudaGetLastError();

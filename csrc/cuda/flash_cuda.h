@@ -46,16 +46,38 @@ bool hopper_fwd_supports(const AttentionParams& p);
 bool hopper_fwd_takes_tile_counter(const AttentionParams& p);
 cudaError_t flash_fwd_hopper(const AttentionParams& p, cudaStream_t stream, int* tile_counter = nullptr);
 
-// Backward of flash_fwd. `delta`: float32 workspace of bwd_row_stats_floats(p.fwd) floats (per query row D = dO·O and
-// lse·log2(e), rows padded to a multiple of 4 for 16-byte copies); `dq_accum` (batch, num_heads,
-// q_len, head_dim) float32, contiguous, zeroed by the caller: dq = scale * dq_accum afterwards (the caller
-// converts). Writes dk, dv, already scaled: summed over the query heads of each kv head's group, or with
-// dkv_per_query_head one share per query head (dk, dv then have num_heads heads; the caller sums each group's).
-// Packed sequences as flash_fwd (batch counts them; the stats' rows are the longest's): dq_accum is then
-// (num_heads, total_q, head_dim), total_q = lse_strides[1], and dk, dv are packed like k and v.
-inline int64_t bwd_row_stats_floats(const AttentionParams& p) {
-  return 2 * p.batch * p.num_heads * ((p.q_len + 3) / 4 * 4);
+// The backward's per-row statistics, a float32 workspace of bwd_row_stats_floats(p) floats: D_i = rowsum(dO_i ∘ O_i)
+// in the first half, lse_i·log2(e) in the second (+inf for a row that sees no key: its P is then exp2(-inf) = 0), row
+// i of (batch or sequence b, head h) at bwd_stats_row0(p, b, h) + i in each. A head's rows start 16-byte aligned, for
+// the kernels' 16-byte copies: dense, (b·H + h)·q_pad (q_pad: q_len rounded up to 4); packed sequences, h·S +
+// round_up(cu_seqlens_q[b], 4) + 4b with S = round_up(total_q, 4) + 4·batch, O(H·total_q) floats however long the
+// longest sequence (round_up(x, 4) + round_up(y, 4) <= round_up(x + y, 4) + 4: a sequence's padded rows end before
+// the next one's begin).
+CS149GPT_HOST_DEVICE inline int64_t round_up4(int64_t x) { return (x + 3) / 4 * 4; }
+CS149GPT_HOST_DEVICE inline int64_t bwd_stats_head_stride(const AttentionParams& p) {
+  return p.cu_seqlens_q != nullptr ? round_up4(p.total_q) + 4 * p.batch : round_up4(p.q_len);
 }
+CS149GPT_HOST_DEVICE inline int64_t bwd_stats_half(const AttentionParams& p) {
+  return (p.cu_seqlens_q != nullptr ? 1 : p.batch) * p.num_heads * bwd_stats_head_stride(p);
+}
+inline int64_t bwd_row_stats_floats(const AttentionParams& p) { return 2 * bwd_stats_half(p); }
+// (packed sequences: reads cu_seqlens_q, in device memory)
+CS149GPT_HOST_DEVICE inline int64_t bwd_stats_row0(const AttentionParams& p, int64_t b, int64_t h) {
+  if (p.cu_seqlens_q != nullptr) return h * bwd_stats_head_stride(p) + round_up4(p.cu_seqlens_q[b]) + 4 * b;
+  return (b * p.num_heads + h) * bwd_stats_head_stride(p);
+}
+// The rows the statistics' kernels run over, a thread group each: dense (b, h, i) for i < q_len; packed (h, t) for
+// every packed row t < total_q (the sequence found from cu_seqlens_q; rows outside every sequence skipped).
+CS149GPT_HOST_DEVICE inline int64_t bwd_stats_tasks(const AttentionParams& p) {
+  return p.num_heads * (p.cu_seqlens_q != nullptr ? p.total_q : p.batch * p.q_len);
+}
+
+// Backward of flash_fwd. `delta`: the row statistics' workspace (above); `dq_accum` (batch, num_heads, q_len,
+// head_dim) float32, contiguous, zeroed by the caller: dq = scale * dq_accum afterwards (the caller converts). Writes
+// dk, dv, already scaled: summed over the query heads of each kv head's group, or with dkv_per_query_head one share
+// per query head (dk, dv then have num_heads heads; the caller sums each group's). Packed sequences as flash_fwd
+// (batch counts them): dq_accum is then (num_heads, total_q, head_dim), total_q = lse_strides[1], and dk, dv are
+// packed like k and v.
 cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,
                       cudaStream_t stream);
 

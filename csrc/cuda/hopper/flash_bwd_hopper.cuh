@@ -103,9 +103,9 @@ template <class Traits>
 __device__ __forceinline__ uint32_t bwd_phase(int s) { return static_cast<uint32_t>((s / Traits::kStages) & 1); }
 
 // ---- the producer -----------------------------------------------------------------------------------------------------
-// One thread. The per-row statistics come from flash_bwd_delta_kernel's workspace (rows of a head q_pad floats apart):
-// the copy stops at the head's padded end, so that it never reads past the workspace; the rows it leaves out are past
-// q_len and masked.
+// One thread. The per-row statistics come from the delta kernel's workspace (flash_cuda.h: bwd_row_stats_floats): the
+// copy stops at the end of the sequence's rows rounded up to 4, so that it never reads past the workspace; the rows it
+// leaves out are past q_len and masked.
 template <class Traits>
 __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
                                                const CUtensorMap* tm_do, const CUtensorMap* tm_k,
@@ -121,16 +121,16 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
                 seq.k_row0 + n0, static_cast<int>(hk), seq.bm);
   }
 
-  const int64_t q_pad = q_padded(p.q_len);
-  const float* delta_all = stats;                                      // D
-  const float* lse2_all = stats + p.batch * p.num_heads * q_pad;       // lse·log2e
+  const int64_t q_pad = q_padded(seq.q_len), head_stride = bwd_stats_head_stride(p);
+  const float* delta_rows = stats + bwd_stats_row0(p, b, 0);  // D of head h from h · head_stride on
+  const float* lse2_rows = delta_rows + bwd_stats_half(p);    // lse·log2e
   for (int s = 0; s < steps.count; ++s) {
     const int stage = bwd_stage<Traits>(s);
     const uint32_t released = bwd_phase<Traits>(s) ^ 1;  // the phase in which step s − kStages was handed back
     const int64_t h = steps.head(s);
     const int m0 = steps.m_tile(s) * Traits::kBlockM;
     const int row = seq.q_row0 + m0;  // in q's and dout's maps
-    const int64_t row_at = (b * p.num_heads + h) * q_pad + m0;
+    const int64_t row_at = h * head_stride + m0;
     const uint32_t stat_bytes = 4u * static_cast<uint32_t>(min64(Traits::kBlockM, q_pad - m0));
 
     mbarrier_wait(&sm.q_empty[stage], released);
@@ -139,7 +139,7 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
     for (int panel = 0; panel < Traits::kPanels; ++panel)
       tma_load_4d(sm.q_tile(stage) + panel * Traits::kQPanelBytes, tm_q, &sm.q_full[stage],
                   panel * Traits::kPanelCols, row, static_cast<int>(h), seq.bm);
-    bulk_load(sm.lse2_rows(stage), lse2_all + row_at, stat_bytes, &sm.q_full[stage]);
+    bulk_load(sm.lse2_rows(stage), lse2_rows + row_at, stat_bytes, &sm.q_full[stage]);
 
     mbarrier_wait(&sm.do_empty[stage], released);
     mbarrier_arrive_expect_tx(&sm.do_full[stage], Traits::kQBytes + stat_bytes);
@@ -147,7 +147,7 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
     for (int panel = 0; panel < Traits::kPanels; ++panel)
       tma_load_4d(sm.do_tile(stage) + panel * Traits::kQPanelBytes, tm_do, &sm.do_full[stage],
                   panel * Traits::kPanelCols, row, static_cast<int>(h), seq.bm);
-    bulk_load(sm.delta_rows(stage), delta_all + row_at, stat_bytes, &sm.do_full[stage]);
+    bulk_load(sm.delta_rows(stage), delta_rows + row_at, stat_bytes, &sm.do_full[stage]);
   }
 }
 
@@ -636,15 +636,13 @@ template <class T, int kHeadDim>
 __global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams params, float* stats) {
   constexpr int kLanesPerRow = kHeadDim / 8;
   static_assert(32 % kLanesPerRow == 0, "a row's lanes within one warp");
-  const AttentionParams& all = params.fwd;  // packed sequences: the longest one's rows, sequence b's below
-  const int64_t rows = all.batch * all.num_heads * all.q_len;
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;
+  const AttentionParams& all = params.fwd;  // packed sequences: every sequence, sequence b's below
+  const int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;
   const int chunk = threadIdx.x % kLanesPerRow;
-  const int64_t i = row < rows ? row % all.q_len : 0, bh = row < rows ? row / all.q_len : 0;
-  const int64_t b = bh / all.num_heads, h = bh % all.num_heads;
+  int64_t b = 0, h = 0, i = 0;
+  const bool valid = task < bwd_stats_tasks(all) && bwd_stats_task(all, task, b, h, i);
   const AttentionBackwardParams bp = sequence_view(params, b);
   const AttentionParams& p = bp.fwd;
-  const bool valid = row < rows && i < p.q_len;
   float sum = 0.f;
   if (valid) {
     const T* o = head_ptr(static_cast<const T*>(p.out), p.out_strides, b, h) + i * p.out_strides[2] + chunk * 8;
@@ -660,10 +658,10 @@ __global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams params,
 #pragma unroll
   for (int off = kLanesPerRow / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
   if (valid && chunk == 0) {
-    const int64_t q_pad = q_padded(all.q_len), at = bh * q_pad + i;
+    const int64_t at = bwd_stats_row0(all, b, h) + i;
     const float lse = p.lse[b * p.lse_strides[0] + h * p.lse_strides[1] + i];
     stats[at] = sum;
-    stats[all.batch * all.num_heads * q_pad + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    stats[bwd_stats_half(all) + at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
   }
 }
 
@@ -672,7 +670,7 @@ template <class Traits>
 cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* stats, float* dq_accum,
                                     bool per_query_head, cudaStream_t stream) {
   const AttentionParams& p = bp.fwd;
-  const int64_t rows = p.batch * p.num_heads * p.q_len;
+  const int64_t rows = bwd_stats_tasks(p);
   if (rows > 0) {
     if constexpr (Traits::kDeltaVec)
       flash_bwd_delta_vec_kernel<typename Traits::T, Traits::kHeadDim>
