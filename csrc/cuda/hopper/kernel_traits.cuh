@@ -172,12 +172,13 @@ struct BwdTraits {
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536, "the SM's registers");
 };
 
-// The shipped backward per head dim: FlashAttention-3's tiles and dQ path, dV before dSᵀ, D with 16-byte loads.
-// On an H200 (bf16/fp16, d 64/128, N 2048-8192): 1.11-1.25x the register-reduction dQ with dV after dSᵀ; kDvEarly
-// alone is 0.97-1.04x; the polynomial exponentials gain at d 64 causal only (+2 %) and lose elsewhere.
+// The shipped backward per head dim: FlashAttention-3's tiles and dQ path, D with 16-byte loads, dV before dSᵀ at d 64.
+// On an H200 (bf16/fp16, d 64/128, N 2048-8192): 1.11-1.25x the register-reduction dQ with dV after dSᵀ; the polynomial
+// exponentials gain at d 64 causal only (+2 %) and lose elsewhere. kDvEarly at d 128: 7-8 % slower without the causal
+// mask, the same with it (bf16, N 2048-8192).
 template <int kHeadDim, class T>
 using DefaultBwdTraits =
-    BwdTraits<kHeadDim, T, /*kDqTma=*/true, /*kDvEarly=*/true, /*kPolyExpEvery=*/0, /*kDeltaVec=*/true>;
+    BwdTraits<kHeadDim, T, /*kDqTma=*/true, /*kDvEarly=*/kHeadDim == 64, /*kPolyExpEvery=*/0, /*kDeltaVec=*/true>;
 
 }  // namespace hopper
 }  // namespace cuda
