@@ -397,23 +397,93 @@ def kernels_run(fn):
 
 @pytest.mark.parametrize("hopper", ["1", "0"])
 def test_which_kernels_take_the_options(hopper, monkeypatch):
-    """attn_mask and windows: the Hopper forward's key spans on a Hopper GPU (the FlashAttention-2 general kernel
-    elsewhere, and with CS149GPT_HOPPER=0), the FlashAttention-2 general backward everywhere; softcap, ALiBi and dropout:
-    the FlashAttention-2 general kernels both ways (hopper_fwd_supports / hopper_bwd_supports decline them). attn_mask's
-    key bounds are found on the GPU."""
+    """attn_mask and windows: the Hopper kernels' key spans on a Hopper GPU, forward and, for a boolean mask or a
+    window, backward (an additive mask's backward: the FlashAttention-2 general kernel); elsewhere, and with
+    CS149GPT_HOPPER=0, the FlashAttention-2 general kernels. softcap, ALiBi and dropout: the FlashAttention-2 general
+    kernels both ways (hopper_fwd_supports / hopper_bwd_supports decline them). attn_mask's key bounds are found on
+    the GPU."""
     monkeypatch.setenv("CS149GPT_HOPPER", hopper)
     on_hopper = hopper == "1" and torch.cuda.get_device_capability() == (9, 0)
     q, k, v = (t.requires_grad_() for t in make_qkv((1, 2, 2, 128, 128), 64, torch.bfloat16, seed=121))
     mask = torch.ones(128, 128, dtype=torch.bool, device=CUDA).tril()
-    for kw in (dict(attn_mask=mask), dict(window=(8, 8)), dict(softcap=5.0), dict(dropout_p=0.1),
-               dict(alibi_slopes=torch.ones(2, device=CUDA))):
+    additive = torch.zeros(128, 128, device=CUDA).masked_fill(~mask, NEG_INF)
+    for kw in (dict(attn_mask=mask), dict(window=(8, 8)), dict(attn_mask=additive), dict(softcap=5.0),
+               dict(dropout_p=0.1), dict(alibi_slopes=torch.ones(2, device=CUDA))):
         names = kernels_run(lambda: cs149gpt.attention(q, k, v, **kw).sum().backward())
         spans = on_hopper and ("attn_mask" in kw or "window" in kw)
+        spans_bwd = spans and not ("attn_mask" in kw and kw["attn_mask"].is_floating_point())
         assert any("flash_fwd_hopper_kernel" in n for n in names) == spans, (kw, names)
         assert any("flash_fwd_kernel" in n for n in names) != spans, (kw, names)
-        assert any("flash_bwd_kernel" in n for n in names), (kw, names)
-        assert not any("flash_bwd_hopper" in n for n in names), (kw, names)
+        assert any("flash_bwd_hopper_kernel" in n for n in names) == spans_bwd, (kw, names)
+        assert any("bwd_span_tiles_kernel" in n for n in names) == spans_bwd, (kw, names)
+        assert any("flash_bwd_kernel" in n for n in names) != spans_bwd, (kw, names)
         assert any("mask_key_bounds" in n for n in names) == ("attn_mask" in kw), (kw, names)
+
+
+def block_diagonal(shape, cuts):
+    """A packed-documents mask (B, 1, Nq, Nk): query i sees the keys of its own document, documents split at `cuts`
+    (query and key positions alike, Nq == Nk), causal inside each."""
+    _, _, _, Nq, Nk = shape
+    doc = torch.bucketize(torch.arange(Nk, device=CUDA), torch.tensor(cuts, device=CUDA), right=True)
+    i = torch.arange(Nq, device=CUDA)[:, None]
+    j = torch.arange(Nk, device=CUDA)[None, :]
+    return ((doc[:, None] == doc[None, :]) & (j <= i))[None, None].expand(shape[0], 1, Nq, Nk)
+
+
+# Cases with several key blocks (128 keys) and query tiles (64 or 128 rows), so that the backward's producer skips
+# tiles, visits some whole and masks others: (name, shape, ours' options, the reference's options).
+def _hopper_span_cases():
+    s1, s2 = (2, 4, 2, 700, 700), (1, 4, 4, 333, 1100)
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    holes = torch.rand(2, 1, 700, 700, generator=g, device=CUDA) < 0.9  # rows not exact: entries read
+    lengths = torch.tensor([700, 301], device=CUDA)
+    padding = torch.arange(700, device=CUDA)[None, None, None, :] < lengths[:, None, None, None]
+    docs = block_diagonal(s1, [130, 131, 400])
+    return [
+        ("key padding", s1, dict(attn_mask=padding), dict(mask=padding)),
+        ("padded causal", s1, dict(attn_mask=padding, is_causal=True), dict(mask=padding, causal=True)),
+        ("documents", s1, dict(attn_mask=docs), dict(mask=docs)),
+        ("holes", s1, dict(attn_mask=holes, is_causal="bottom_right"), dict(mask=holes, causal="bottom_right")),
+        ("window", s1, dict(window=(200, 0)), dict(window=(200, 0))),
+        ("window both ways", s1, dict(window=(64, 130)), dict(window=(64, 130))),
+        ("window, Nq < Nk", s2, dict(window=(300, 40), is_causal="bottom_right"),
+         dict(window=(300, 40), causal="bottom_right")),
+        ("window and padding", s1, dict(window=(150, 0), attn_mask=padding), dict(window=(150, 0), mask=padding)),
+    ]
+
+
+@pytest.mark.parametrize("dtype,d", ALL_DT_D, ids=str)
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_hopper_backward_key_spans(dtype, d, split, monkeypatch):
+    """The Hopper backward's key spans (a boolean mask, windows, the causal mask with them) against float64, GQA with
+    one block per query head and per kv head; on a Hopper GPU the test also checks that the kernel ran."""
+    monkeypatch.setenv("CS149GPT_BWD_GQA_SPLIT", split)
+    on_hopper = torch.cuda.get_device_capability() == (9, 0)
+    for name, shape, ours, ref in _hopper_span_cases():
+        q, k, v = make_qkv(shape, d, dtype, seed=shape[3])
+        if on_hopper:
+            qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            names = kernels_run(lambda: cs149gpt.attention(qs, ks, vs, **ours).sum().backward())
+            assert any("flash_bwd_hopper_kernel" in n for n in names), (name, names)
+        check(q, k, v, name, ours, ref)
+
+
+@pytest.mark.parametrize("dtype,d", DT_D, ids=str)
+def test_hopper_backward_key_spans_match_the_general_kernel(dtype, d, monkeypatch):
+    """The same gradients from the Hopper backward's key spans and FlashAttention-2's general kernel (CS149GPT_HOPPER=0)
+    for every case, to the rounding of their different orders of summation."""
+    for name, shape, ours, _ in _hopper_span_cases():
+        q, k, v = make_qkv(shape, d, dtype, seed=shape[3] + 1)
+        dout = rand(q.shape, dtype, 5)
+        monkeypatch.setenv("CS149GPT_HOPPER", "1")
+        a = run(q, k, v, dout, **ours)
+        monkeypatch.setenv("CS149GPT_HOPPER", "0")
+        b = run(q, k, v, dout, **ours)
+        for what, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
+            finite = torch.isfinite(y)
+            assert torch.equal(torch.isfinite(x), finite), (name, what)
+            scale = y[finite].abs().max().item() + 1e-6 if finite.any() else 1.0
+            assert max_err(x[finite], y[finite]) / scale <= GRAD_CAP[dtype], (name, what)
 
 
 def test_float32_teaching_kernel_refuses_the_options():

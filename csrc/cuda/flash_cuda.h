@@ -34,8 +34,8 @@ cudaError_t mask_key_bounds(const AttentionParams& p, int64_t batch, int64_t hea
 
 // FlashAttention-3's design on Hopper (hopper/): warp-specialized, TMA copies into a 2-stage shared-memory ring on
 // mbarriers, wgmma products, setmaxnreg. The same calls as flash_fwd without dropout, softcap, ALiBi or a KV cache
-// (the forward takes attn_mask and windows as key spans, or packed sequences without them; the backward only the
-// latter);
+// (both take attn_mask and windows as key spans, the backward only a boolean mask; or packed sequences without
+// them);
 // hopper_takes_shapes says whether the device, shapes and layout suit it (an sm_90a build on a compute capability 9.0
 // GPU, q, k, v, out 16-byte aligned with strides multiples of 8 elements, scale > 0), hopper_fwd_supports whether the
 // forward takes p. flash_fwd_hopper returns cudaErrorNotSupported where it does not. hopper_fwd_takes_tile_counter:
@@ -60,7 +60,17 @@ CS149GPT_HOST_DEVICE inline int64_t bwd_stats_head_stride(const AttentionParams&
 CS149GPT_HOST_DEVICE inline int64_t bwd_stats_half(const AttentionParams& p) {
   return (p.cu_seqlens_q != nullptr ? 1 : p.batch) * p.num_heads * bwd_stats_head_stride(p);
 }
-inline int64_t bwd_row_stats_floats(const AttentionParams& p) { return 2 * bwd_stats_half(p); }
+// Dense calls with attn_mask or a window add, after the two halves, the Hopper backward's table of query tiles
+// (hopper/flash_bwd_hopper.cuh): for each (b, h, tile of kBwdSpanTileRows rows) an int4 {first, end, full_lo,
+// full_hi}, the keys [first, end) some row of the tile sees and [full_lo, full_hi) every row sees exactly (both from
+// flash_mask.cuh's key_span). 4 floats a 64-row tile: FlashAttention-2's backward, which does not read it, is given it
+// too.
+constexpr int kBwdSpanTileRows = 64;
+inline int64_t bwd_span_tiles(const AttentionParams& p) {
+  const bool spans = p.cu_seqlens_q == nullptr && has_mask_or_window(p);
+  return spans ? p.batch * p.num_heads * ((p.q_len + kBwdSpanTileRows - 1) / kBwdSpanTileRows) : 0;
+}
+inline int64_t bwd_row_stats_floats(const AttentionParams& p) { return 2 * bwd_stats_half(p) + 4 * bwd_span_tiles(p); }
 // (packed sequences: reads cu_seqlens_q, in device memory)
 CS149GPT_HOST_DEVICE inline int64_t bwd_stats_row0(const AttentionParams& p, int64_t b, int64_t h) {
   if (p.cu_seqlens_q != nullptr) return h * bwd_stats_head_stride(p) + round_up4(p.cu_seqlens_q[b]) + 4 * b;
@@ -86,9 +96,9 @@ cudaError_t flash_bwd(const AttentionBackwardParams& p, float* delta, float* dq_
 cudaError_t dq_convert(const float* dq_accum, void* dq, int64_t n, float scale, DType dtype, cudaStream_t stream);
 
 // The backward in FlashAttention-3's design on Hopper (hopper/flash_bwd_hopper.cuh), with flash_bwd's contract: the
-// same workspace, dq_accum and outputs. hopper_bwd_supports: hopper_takes_shapes on p.fwd (packed sequences too)
-// without attn_mask or window, plus lse given, dout 16-byte aligned with strides multiples of 8 elements, dk and dv
-// 4-byte aligned.
+// same workspace, dq_accum and outputs. hopper_bwd_supports: hopper_takes_shapes on p.fwd (a boolean attn_mask and
+// windows as key spans, or packed sequences without them), plus lse given, dout 16-byte aligned with strides multiples of 8
+// elements, dk and dv 4-byte aligned.
 // flash_bwd_hopper returns cudaErrorNotSupported where it does not take p.
 bool hopper_bwd_supports(const AttentionBackwardParams& p);
 cudaError_t flash_bwd_hopper(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,

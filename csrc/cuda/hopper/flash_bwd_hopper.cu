@@ -12,8 +12,9 @@ namespace cs149gpt {
 namespace cuda {
 
 // The forward's conditions on q, k, v, out, the call and the device (out is read only by the delta kernel, but the
-// same alignment costs nothing), without attn_mask or window (the backward has no key spans), plus: lse given, dout
-// read by TMA like q, dk and dv written with 4-byte stores. Packed sequences as the forward takes them.
+// same alignment costs nothing), plus: lse given, dout read by TMA like q, dk and dv written with 4-byte stores.
+// Windows and a boolean attn_mask as key spans (an additive one: FlashAttention-2's kernel, whose logits take its
+// values), packed sequences without them, as the forward takes them.
 bool hopper_bwd_supports(const AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
   const auto aligned4 = [](const void* ptr, const int64_t (&strides)[3]) {
@@ -23,7 +24,7 @@ bool hopper_bwd_supports(const AttentionBackwardParams& bp) {
   const hopper::MapExtent ext = hopper::map_extent(p);
   return p.lse != nullptr && hopper::aligned16(bp.dout) &&
          hopper::strides_ok(bp.dout_strides, ext.batch, p.num_heads, ext.q_rows) && aligned4(bp.dk, bp.dk_strides) &&
-         aligned4(bp.dv, bp.dv_strides) && !has_mask_or_window(p) && hopper_takes_shapes(p);
+         aligned4(bp.dv, bp.dv_strides) && p.mask_kind != MaskKind::additive && hopper_fwd_supports(p);
 }
 
 cudaError_t flash_bwd_hopper(const AttentionBackwardParams& p, float* delta, float* dq_accum, bool dkv_per_query_head,

@@ -25,6 +25,17 @@
 // (only the tensor's end reads as zeros): their entries of Pᵀ and dSᵀ are masked, but 0 · inf is NaN, so the consumers
 // zero those rows of K (once) and of Q and dO (in the step of a sequence's last query tile) before a product reads
 // them, and drop dQ's rows past the sequence: no sequence's gradients see another's values.
+//
+// Key spans (a boolean attn_mask, windows, with or without the causal mask; dense calls): the forward's
+// (flash_fwd_hopper.cuh) in the other direction. Before the kernel, a table gives each 64-row query tile the keys
+// [first, end) some row of it sees and the keys [full_lo, full_hi) every row of it sees exactly (flash_cuda.h,
+// bwd_span_tiles). A block's producer warp reads the table 32 query tiles at a time and visits only the tiles whose
+// [first, end) meets the block's keys. For a tile not inside [full_lo, full_hi) it also writes, for each query row,
+// which of the block's 128 keys the row sees (in its span, and where the row is not exact, a true attn_mask entry) as
+// 128 bits in shared memory. It hands each step's (query head, query tile, whether it needs the mask) to the consumers
+// with the step's Q, and ends the block with a step marked empty. On such a tile the consumers set Pᵀ (so dSᵀ) to 0
+// where a bit is clear: they test bits and never read attn_mask (whose reads in the consumers cost 70-200 bytes of
+// spilled registers in the main loop).
 #pragma once
 
 #include <cuda.h>
@@ -64,6 +75,8 @@ struct BwdSharedTiles {
   uint64_t* do_full;   // [kStages]: dO and D of the stage have arrived
   uint64_t* q_empty;   // [kStages]: every consumer warp is done with the stage's Q (and lse2)
   uint64_t* do_empty;  // [kStages]: every consumer warp is done with the stage's dO (and D)
+  int4* steps;         // key spans: [kStages] the stage's step (BwdStep)
+  uint32_t* row_bits;  // key spans: [kStages][kBlockM][4] which of the tile's 128 keys each query row sees
 
   __device__ explicit BwdSharedTiles(char* base)
       : k(base + Traits::kSmemK),
@@ -78,13 +91,23 @@ struct BwdSharedTiles {
         q_full(kv_full + 1),
         do_full(q_full + Traits::kStages),
         q_empty(do_full + Traits::kStages),
-        do_empty(q_empty + Traits::kStages) {}
+        do_empty(q_empty + Traits::kStages),
+        steps(reinterpret_cast<int4*>(base + Traits::kSmemSteps)),
+        row_bits(reinterpret_cast<uint32_t*>(base + Traits::kSmemRowBits)) {}
   __device__ char* q_tile(int stage) const { return q + stage * Traits::kQBytes; }
   __device__ char* do_tile(int stage) const { return dout + stage * Traits::kQBytes; }
   __device__ char* ds_tile(int step) const { return ds + (step % 2) * Traits::kDsBytes; }
   __device__ char* dq_block(int wg) const { return dq + wg * Traits::kDqBytes; }
   __device__ float* lse2_rows(int stage) const { return lse2 + stage * Traits::kBlockM; }
   __device__ float* delta_rows(int stage) const { return delta + stage * Traits::kBlockM; }
+  __device__ uint32_t* bits_of(int stage) const { return row_bits + stage * Traits::kBlockM * 4; }
+};
+
+// Key spans: a step as the producer hands it to the consumers (an int4 in shared memory). valid = 0 ends the block.
+struct BwdStep {
+  int h, m_tile, needs_mask, valid;
+  __device__ static BwdStep from(int4 x) { return {x.x, x.y, x.z, x.w}; }
+  __device__ int4 packed() const { return make_int4(h, m_tile, needs_mask, valid); }
 };
 
 // The block's steps: the (query head, query tile) pairs that see some key of the block, query tiles fastest; step s
@@ -103,15 +126,12 @@ template <class Traits>
 __device__ __forceinline__ uint32_t bwd_phase(int s) { return static_cast<uint32_t>((s / Traits::kStages) & 1); }
 
 // ---- the producer -----------------------------------------------------------------------------------------------------
-// One thread. The per-row statistics come from the delta kernel's workspace (flash_cuda.h: bwd_row_stats_floats): the
-// copy stops at the end of the sequence's rows rounded up to 4, so that it never reads past the workspace; the rows it
-// leaves out are past q_len and masked.
+// One thread issues the copies. The per-row statistics come from the delta kernel's workspace (flash_cuda.h:
+// bwd_row_stats_floats): a copy stops at the end of the sequence's rows rounded up to 4, so that it never reads past the
+// workspace; the rows it leaves out are past q_len and masked.
 template <class Traits>
-__device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
-                                               const CUtensorMap* tm_do, const CUtensorMap* tm_k,
-                                               const CUtensorMap* tm_v, const AttentionParams& p, const float* stats,
-                                               const BwdSteps& steps, const SequenceRows& seq, int64_t b, int64_t hk,
-                                               int n0) {
+__device__ __forceinline__ void load_kv_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_k,
+                                              const CUtensorMap* tm_v, const SequenceRows& seq, int64_t hk, int n0) {
   mbarrier_arrive_expect_tx(sm.kv_full, 2 * Traits::kKVBytes);
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel) {
@@ -120,34 +140,156 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
     tma_load_4d(sm.v + panel * Traits::kKVPanelBytes, tm_v, sm.kv_full, panel * Traits::kPanelCols,
                 seq.k_row0 + n0, static_cast<int>(hk), seq.bm);
   }
+}
 
-  const int64_t q_pad = q_padded(seq.q_len), head_stride = bwd_stats_head_stride(p);
-  const float* delta_rows = stats + bwd_stats_row0(p, b, 0);  // D of head h from h · head_stride on
-  const float* lse2_rows = delta_rows + bwd_stats_half(p);    // lse·log2e
+// Where a (b, h)'s rows start in the statistics' workspace, and how many of them a copy may read.
+struct StatRows {
+  const float* delta;  // D of head h from h · head_stride on
+  const float* lse2;   // lse·log2e, the same
+  int64_t head_stride, q_pad;
+};
+__device__ __forceinline__ StatRows stat_rows(const AttentionParams& p, const float* stats, const SequenceRows& seq,
+                                              int64_t b) {
+  const float* delta = stats + bwd_stats_row0(p, b, 0);
+  return {delta, delta + bwd_stats_half(p), bwd_stats_head_stride(p), q_padded(seq.q_len)};
+}
+
+// Query tile m0 of head h into stage `stage`, whose Q half the consumers have handed back (the caller waited for it):
+// Q and lse2, then, once they have handed back its dO half, dO and D.
+template <class Traits>
+__device__ __forceinline__ void load_step_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
+                                                const CUtensorMap* tm_do, const StatRows& rows,
+                                                const SequenceRows& seq, int64_t h, int m0, int stage,
+                                                uint32_t released) {
+  const int row = seq.q_row0 + m0;  // in q's and dout's maps
+  const int64_t row_at = h * rows.head_stride + m0;
+  const uint32_t stat_bytes = 4u * static_cast<uint32_t>(min64(Traits::kBlockM, rows.q_pad - m0));
+  mbarrier_arrive_expect_tx(&sm.q_full[stage], Traits::kQBytes + stat_bytes);
+#pragma unroll
+  for (int panel = 0; panel < Traits::kPanels; ++panel)
+    tma_load_4d(sm.q_tile(stage) + panel * Traits::kQPanelBytes, tm_q, &sm.q_full[stage],
+                panel * Traits::kPanelCols, row, static_cast<int>(h), seq.bm);
+  bulk_load(sm.lse2_rows(stage), rows.lse2 + row_at, stat_bytes, &sm.q_full[stage]);
+
+  mbarrier_wait(&sm.do_empty[stage], released);
+  mbarrier_arrive_expect_tx(&sm.do_full[stage], Traits::kQBytes + stat_bytes);
+#pragma unroll
+  for (int panel = 0; panel < Traits::kPanels; ++panel)
+    tma_load_4d(sm.do_tile(stage) + panel * Traits::kQPanelBytes, tm_do, &sm.do_full[stage],
+                panel * Traits::kPanelCols, row, static_cast<int>(h), seq.bm);
+  bulk_load(sm.delta_rows(stage), rows.delta + row_at, stat_bytes, &sm.do_full[stage]);
+}
+
+// The plain, causal and packed kernels' producer: one thread, the steps known in advance (BwdSteps).
+template <class Traits>
+__device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
+                                               const CUtensorMap* tm_do, const CUtensorMap* tm_k,
+                                               const CUtensorMap* tm_v, const AttentionParams& p, const float* stats,
+                                               const BwdSteps& steps, const SequenceRows& seq, int64_t b, int64_t hk,
+                                               int n0) {
+  load_kv_tiles<Traits>(sm, tm_k, tm_v, seq, hk, n0);
+  const StatRows rows = stat_rows(p, stats, seq, b);
   for (int s = 0; s < steps.count; ++s) {
     const int stage = bwd_stage<Traits>(s);
     const uint32_t released = bwd_phase<Traits>(s) ^ 1;  // the phase in which step s − kStages was handed back
-    const int64_t h = steps.head(s);
-    const int m0 = steps.m_tile(s) * Traits::kBlockM;
-    const int row = seq.q_row0 + m0;  // in q's and dout's maps
-    const int64_t row_at = h * head_stride + m0;
-    const uint32_t stat_bytes = 4u * static_cast<uint32_t>(min64(Traits::kBlockM, q_pad - m0));
-
     mbarrier_wait(&sm.q_empty[stage], released);
-    mbarrier_arrive_expect_tx(&sm.q_full[stage], Traits::kQBytes + stat_bytes);
-#pragma unroll
-    for (int panel = 0; panel < Traits::kPanels; ++panel)
-      tma_load_4d(sm.q_tile(stage) + panel * Traits::kQPanelBytes, tm_q, &sm.q_full[stage],
-                  panel * Traits::kPanelCols, row, static_cast<int>(h), seq.bm);
-    bulk_load(sm.lse2_rows(stage), lse2_rows + row_at, stat_bytes, &sm.q_full[stage]);
+    load_step_tiles<Traits>(sm, tm_q, tm_do, rows, seq, steps.head(s), steps.m_tile(s) * Traits::kBlockM, stage,
+                            released);
+  }
+}
 
-    mbarrier_wait(&sm.do_empty[stage], released);
-    mbarrier_arrive_expect_tx(&sm.do_full[stage], Traits::kQBytes + stat_bytes);
+// Key spans: which of the keys n0 .. n0 + 127 each row of query tile m0 sees, as 4 words a row (bit l of word w: key
+// n0 + 32w + l), by the 32 lanes of a warp: lane l decides key n0 + 32w + l of a row, a ballot makes the word. A key
+// is seen when it lies in the row's span (flash_mask.cuh's key_span), and where the row is not exact its boolean
+// attn_mask entry is true (entries are read only there).
+template <class Traits>
+__device__ __forceinline__ void write_row_bits(uint32_t* bits, const AttentionParams& p, int64_t b, int64_t h, int m0,
+                                               int n0, int lane) {
+  const Logits logits(p, b, h);  // (attn_mask's entries of this (b, h), if any)
+  for (int r0 = 0; r0 < Traits::kBlockM; r0 += 32) {
+    const KeySpan mine = key_span(p, b, h, m0 + r0 + lane);  // lane l's: row r0 + l
+    for (int i = 0; i < 32; ++i) {
+      const int lo = __shfl_sync(0xffffffffu, mine.lo, i), hi = __shfl_sync(0xffffffffu, mine.hi, i);
+      const bool exact = __shfl_sync(0xffffffffu, mine.exact, i);
+      const char* entries = exact ? nullptr : logits.mask + static_cast<int64_t>(m0 + r0 + i) * logits.mask_row;
+      uint32_t word[4];
 #pragma unroll
-    for (int panel = 0; panel < Traits::kPanels; ++panel)
-      tma_load_4d(sm.do_tile(stage) + panel * Traits::kQPanelBytes, tm_do, &sm.do_full[stage],
-                  panel * Traits::kPanelCols, row, static_cast<int>(h), seq.bm);
-    bulk_load(sm.delta_rows(stage), delta_rows + row_at, stat_bytes, &sm.do_full[stage]);
+      for (int w = 0; w < 4; ++w) {
+        const int key = n0 + 32 * w + lane;
+        bool seen = key >= lo && key < hi;
+        if (seen && !exact) seen = *reinterpret_cast<const uint8_t*>(entries + key * logits.mask_key) != 0;
+        word[w] = __ballot_sync(0xffffffffu, seen);
+      }
+      if (lane == 0) reinterpret_cast<uint4*>(bits)[r0 + i] = make_uint4(word[0], word[1], word[2], word[3]);
+    }
+  }
+}
+
+// The key spans kernel's producer: warp 0 of the producer warpgroup (lane 0 issues the copies). For each query head
+// h_first .. h_first + heads − 1, the lanes read 32 query tiles' entries of the table (span_tiles: flash_cuda.h) at a
+// time and keep those that some row sees a key of [n0, n0 + kBlockN) in; each kept tile is a step. A step whose tile
+// is not inside every row's exact span, or runs past q_len or kv_len, needs the mask: the lanes first write its rows'
+// bits to the stage. After the last step, a step marked empty.
+template <class Traits>
+__device__ __forceinline__ void load_bwd_tiles_spans(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
+                                                     const CUtensorMap* tm_do, const CUtensorMap* tm_k,
+                                                     const CUtensorMap* tm_v, const AttentionParams& p,
+                                                     const float* stats, const int4* span_tiles,
+                                                     const SequenceRows& seq, int64_t b, int64_t hk, int64_t h_first,
+                                                     int heads, int n0) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kPer = kBlockM / kBwdSpanTileRows;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) load_kv_tiles<Traits>(sm, tm_k, tm_v, seq, hk, n0);
+  const StatRows rows = stat_rows(p, stats, seq, b);
+  const int table_tiles = (seq.q_len + kBwdSpanTileRows - 1) / kBwdSpanTileRows;
+  const int m_tiles = (seq.q_len + kBlockM - 1) / kBlockM;
+  const int n_end = n0 + kBlockN;
+  const bool keys_whole = n_end <= seq.kv_len;
+  int s = 0;
+  for (int64_t h = h_first; h < h_first + heads; ++h) {
+    const int4* tiles = span_tiles + (b * p.num_heads + h) * table_tiles;
+    for (int base = 0; base < m_tiles; base += 32) {
+      // Lane l: query tile base + l, from its kPer entries of the table.
+      const int m_tile = base + lane;
+      int first = INT_MAX, end = 0, full_lo = 0, full_hi = INT_MAX;
+      if (m_tile < m_tiles) {
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          const int t = m_tile * kPer + e;
+          const int4 x = t < table_tiles ? tiles[t] : make_int4(INT_MAX, 0, 0, 0);
+          first = min(first, x.x);
+          end = max(end, x.y);
+          full_lo = max(full_lo, x.z);
+          full_hi = min(full_hi, x.w);
+        }
+      }
+      const bool sees = m_tile < m_tiles && first < end && first < n_end && end > n0;
+      const bool whole = keys_whole && (m_tile + 1) * kBlockM <= seq.q_len && full_lo <= n0 && n_end <= full_hi;
+      uint32_t visit = __ballot_sync(0xffffffffu, sees);
+      const uint32_t masked = __ballot_sync(0xffffffffu, sees && !whole);
+      while (visit != 0) {
+        const int i = __ffs(visit) - 1;
+        visit &= visit - 1;
+        const int stage = bwd_stage<Traits>(s);
+        const uint32_t released = bwd_phase<Traits>(s) ^ 1;
+        const int m0 = (base + i) * kBlockM;
+        const bool needs_mask = (masked >> i) & 1u;
+        mbarrier_wait(&sm.q_empty[stage], released);
+        if (needs_mask) write_row_bits<Traits>(sm.bits_of(stage), p, b, h, m0, n0, lane);
+        if (lane == 0) {  // (lane 0 wrote the bits too: its arrival on q_full releases them with the step)
+          sm.steps[stage] = BwdStep{static_cast<int>(h), base + i, needs_mask, 1}.packed();
+          load_step_tiles<Traits>(sm, tm_q, tm_do, rows, seq, h, m0, stage, released);
+        }
+        ++s;
+      }
+    }
+  }
+  // The end: a step marked empty, in the next stage once the consumers have handed it back.
+  const int stage = bwd_stage<Traits>(s);
+  mbarrier_wait(&sm.q_empty[stage], bwd_phase<Traits>(s) ^ 1);
+  if (lane == 0) {
+    sm.steps[stage] = BwdStep{0, 0, 0, 0}.packed();
+    mbarrier_arrive(&sm.q_full[stage]);
   }
 }
 
@@ -265,6 +407,30 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[Traits::kBlockM / 2],
   }
 }
 
+// Key spans, a step that needs the mask: Pᵀ as scores_to_probs, key kj of the tile visible to query row qi iff bit kj
+// of the row's 128 is set (the stage's bits, which the producer wrote). The thread's keys key0 and key0 + 8 are bits
+// key0 % 32 and key0 % 32 + 8 of one word (key0 % 32 < 24). Hidden entries are set to 0, never multiplied.
+template <class Traits, class Stats>
+__device__ __forceinline__ void scores_to_probs_bits(float (&s)[Traits::kBlockM / 2], const Stats& lse2,
+                                                     const uint32_t* bits, int key0, float scale_log2, int lane) {
+  const uint32_t* words = bits + key0 / 32;
+  const int shift = key0 % 32;
+#pragma unroll
+  for (int j = 0; j < Traits::kBlockM / 8; ++j) {
+    const float2 l = lse2[j];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t w = words[4 * (8 * j + 2 * (lane % 4) + c)] >> shift;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int e = 2 * r + c;
+        const float x = exp2_approx(fmaf(s[4 * j + e], scale_log2, -(c ? l.y : l.x)));
+        s[4 * j + e] = (w >> (8 * r)) & 1u ? x : 0.f;
+      }
+    }
+  }
+}
+
 // dSᵀ = Pᵀ ∘ (dPᵀ − D), in place of dPᵀ; kMasked: where Pᵀ was masked, 0 (its D may be anything).
 template <class Traits, bool kMasked, class Stats>
 __device__ __forceinline__ void probs_to_dscores(float (&dp)[Traits::kBlockM / 2],
@@ -369,13 +535,15 @@ constexpr int kRowsZeroedBarrier = 6;
 // Per step (query head h, query tile at m0), the products in five groups: {Sᵀ}, {dPᵀ}, {dV}, then after the barrier
 // {dQ}, {dK}. The exponentials of Pᵀ run while dPᵀ is on the tensor cores, the stores of dSᵀ and the barrier while dV
 // is (with kDvEarly also dSᵀ's arithmetic), and dQ's way to global memory while dK is (FlashAttention-3's order).
-template <class Traits, bool kIsCausal, bool kPacked>
+// Key spans: the steps come from the producer (BwdStep in the stage), until one marked empty.
+template <class Traits, int kMask, bool kPacked>
 __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& sm, const AttentionParams& p,
                                                   const BwdSteps& steps, const SequenceRows& seq, float* dq_accum,
                                                   const CUtensorMap* tm_dq, int64_t b, int64_t n0, int wg,
                                                   float (&dk)[Traits::kHeadDim / 2],
                                                   float (&dv)[Traits::kHeadDim / 2]) {
   constexpr int kBlockM = Traits::kBlockM;
+  constexpr bool kIsCausal = kMask == kMaskCausal;
   // Br 64 (d 128): the rows' lse·log2e and D go to registers on arrival, ahead of the products' operand reads in the
   // shared-memory pipe (after them, their loads waited behind those reads); Br 128 (d 64) reads them where used (their
   // 64 registers would pass the consumers' 240).
@@ -404,11 +572,21 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
   // Step s visits query tile m_tile of head h (steps.head(s), steps.m_tile(s), counted on instead of divided out).
   int64_t h = steps.h_first;
   int m_tile = steps.m_first;
-  for (int s = 0; s < steps.count; ++s) {
+  for (int s = 0; kMask == kMaskSpans || s < steps.count; ++s) {
     const int stage = bwd_stage<Traits>(s);
     const uint32_t phase = bwd_phase<Traits>(s);
+    bool spans_masked = false;
+    if constexpr (kMask == kMaskSpans) {
+      mbarrier_wait(&sm.q_full[stage], phase);
+      const BwdStep step = BwdStep::from(sm.steps[stage]);
+      if (!step.valid) break;
+      h = step.h;
+      m_tile = step.m_tile;
+      spans_masked = step.needs_mask;
+    }
     const int64_t m0 = static_cast<int64_t>(m_tile) * kBlockM;
     const TileMask mask = tile_mask<Traits, kIsCausal>(seq, static_cast<int>(n0), static_cast<int>(m0));
+    const bool masked = kMask == kMaskSpans ? spans_masked : mask.needed;
     const char* q_tile = sm.q_tile(stage);
     const char* do_tile = sm.do_tile(stage);
     if (kPacked && mask.rows_valid < kBlockM) {
@@ -437,8 +615,12 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     // Pᵀ (under dPᵀ's product), then dSᵀ.
     wgmma_wait<1>();
     fence_fragment(st);
-    if (mask.needed) scores_to_probs<Traits, kIsCausal, true>(st, lse2, mask, key0, scale_log2, lane);
-    else scores_to_probs<Traits, kIsCausal, false>(st, lse2, mask, key0, scale_log2, lane);
+    if (kMask == kMaskSpans && masked)
+      scores_to_probs_bits<Traits>(st, lse2, sm.bits_of(stage), key0, scale_log2, lane);
+    else if (kMask != kMaskSpans && masked)
+      scores_to_probs<Traits, kIsCausal, true>(st, lse2, mask, key0, scale_log2, lane);
+    else
+      scores_to_probs<Traits, kIsCausal, false>(st, lse2, mask, key0, scale_log2, lane);
     uint32_t pt16[kBlockM / 16][4], dst16[kBlockM / 16][4];
     if constexpr (Traits::kDvEarly) {
       // dV += Pᵀ dO now, under dSᵀ's arithmetic, its stores and the barrier; dPᵀ's group completes before it.
@@ -448,13 +630,13 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
       wgmma_commit();
       wgmma_wait<1>();
       fence_fragment(dpt);
-      if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, delta);
+      if (masked) probs_to_dscores<Traits, true>(dpt, st, delta);
       else probs_to_dscores<Traits, false>(dpt, st, delta);
       to_a_frags<Traits>(dst16, dpt);
     } else {
       wgmma_wait<0>();
       fence_fragment(dpt);
-      if (mask.needed) probs_to_dscores<Traits, true>(dpt, st, delta);
+      if (masked) probs_to_dscores<Traits, true>(dpt, st, delta);
       else probs_to_dscores<Traits, false>(dpt, st, delta);
       to_a_frags<Traits>(pt16, st);
       to_a_frags<Traits>(dst16, dpt);
@@ -526,7 +708,7 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     fence_fragment(dk);
     fence_fragment(dst16);
     if (lane == 0) mbarrier_arrive(&sm.q_empty[stage]);
-    if (++m_tile == steps.m_first + steps.m_tiles) {
+    if (kMask != kMaskSpans && ++m_tile == steps.m_first + steps.m_tiles) {
       m_tile = steps.m_first;
       ++h;
     }
@@ -538,13 +720,13 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
 // ---- the kernel -------------------------------------------------------------------------------------------------------
 // Grid and GQA as flash_bwd.cuh: (key blocks, batch x kv heads), or with kPerQueryHead (key blocks, batch x query
 // heads), each block then writing its query head's share of dK, dV; under a causal mask one dimension in
-// grouped_heavy_first's order (a head's first key block sees the most query tiles).
-template <class Traits, bool kIsCausal, bool kPerQueryHead, bool kPacked>
+// grouped_heavy_first's order (a head's first key block sees the most query tiles). span_tiles: key spans' table.
+template <class Traits, int kMask, bool kPerQueryHead, bool kPacked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_hopper_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                             const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                             const __grid_constant__ CUtensorMap tm_dq, const AttentionBackwardParams bp,
-                            const float* stats, float* dq_accum, int heads_per_group) {
+                            const float* stats, const int4* span_tiles, float* dq_accum, int heads_per_group) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kHeadDim;
   const AttentionParams& p = bp.fwd;
@@ -554,7 +736,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int64_t heads_here = kPerQueryHead ? p.num_heads : p.num_kv_heads;
   int n_block, bh;
-  if constexpr (kIsCausal) {
+  if constexpr (kMask == kMaskCausal) {
     const int n_blocks = static_cast<int>((p.kv_len + kBlockN - 1) / kBlockN);
     const HeadTile ht = grouped_heavy_first(blockIdx.x, static_cast<int>(p.batch * heads_here), n_blocks,
                                             heads_per_group);
@@ -572,10 +754,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // The query tiles that see some key of this block: all, or under the causal mask those with a row
   // i >= n0 − causal_offset; for each query head of the block (one, or the kv head's group). None where the block's
-  // keys are past its sequence's (packed: a shorter sequence than the longest).
+  // keys are past its sequence's (packed: a shorter sequence than the longest). (Key spans: the producer finds them.)
   BwdSteps steps;
   const int m_tiles_all = static_cast<int>((seq.q_len + kBlockM - 1) / kBlockM);
-  steps.m_first = kIsCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - seq.causal_offset) / kBlockM)) : 0;
+  steps.m_first =
+      kMask == kMaskCausal ? static_cast<int>(min64(m_tiles_all, max64(0, n0 - seq.causal_offset) / kBlockM)) : 0;
   steps.m_tiles = n0 < seq.kv_len ? m_tiles_all - steps.m_first : 0;
   steps.h_first = kPerQueryHead ? head : hk * group;
   steps.count = (kPerQueryHead ? 1 : static_cast<int>(group)) * steps.m_tiles;
@@ -599,7 +782,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {
     // ---- producer ----
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0 && steps.count > 0) {
+    if constexpr (kMask == kMaskSpans) {
+      if (threadIdx.x < 32)
+        load_bwd_tiles_spans<Traits>(sm, &tm_q, &tm_do, &tm_k, &tm_v, p, stats, span_tiles, seq, b, hk, steps.h_first,
+                                     kPerQueryHead ? 1 : static_cast<int>(group), static_cast<int>(n0));
+    } else if (threadIdx.x == 0 && steps.count > 0) {
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_do);
       prefetch_tensor_map(&tm_k);
@@ -614,8 +801,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float dk[kD / 2], dv[kD / 2];  // the warpgroup's 64 keys x head_dim
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
-    if (steps.count > 0)
-      consumer_mainloop<Traits, kIsCausal, kPacked>(sm, p, steps, seq, dq_accum, &tm_dq, b, n0, wg, dk, dv);
+    if (kMask == kMaskSpans || steps.count > 0)
+      consumer_mainloop<Traits, kMask, kPacked>(sm, p, steps, seq, dq_accum, &tm_dq, b, n0, wg, dk, dv);
 
     // dK (scaled) and dV of the warpgroup's keys, summed over the query heads the block visited; 0 where none saw them.
     using T = typename Traits::T;
@@ -665,6 +852,33 @@ __global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams params,
   }
 }
 
+// ---- key spans' table of query tiles ---------------------------------------------------------------------------------
+// flash_cuda.h's bwd_span_tiles (after the statistics' two halves): a warp a 64-row tile, two rows a lane.
+__global__ void bwd_span_tiles_kernel(const AttentionParams p, int4* tiles) {
+  static_assert(kBwdSpanTileRows == 64, "two rows a lane");
+  const int64_t per_head = (p.q_len + kBwdSpanTileRows - 1) / kBwdSpanTileRows;
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (t >= p.batch * p.num_heads * per_head) return;  // (whole warps: blockDim is a multiple of 32)
+  const int lane = threadIdx.x % 32;
+  const int64_t bh = t / per_head, m0 = (t % per_head) * kBwdSpanTileRows;
+  int first = INT_MAX, end = 0, full_lo = 0, full_hi = INT_MAX;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const KeySpan span = key_span(p, bh / p.num_heads, bh % p.num_heads, m0 + lane + 32 * r);
+    if (span.hi > span.lo) {
+      first = min(first, span.lo);
+      end = max(end, span.hi);
+    }
+    full_lo = max(full_lo, span.lo);
+    full_hi = min(full_hi, span.exact ? span.hi : 0);
+  }
+  first = __reduce_min_sync(0xffffffffu, first);
+  end = __reduce_max_sync(0xffffffffu, end);
+  full_lo = __reduce_max_sync(0xffffffffu, full_lo);
+  full_hi = __reduce_min_sync(0xffffffffu, full_hi);
+  if (lane == 0) tiles[t] = make_int4(first, end, full_lo, full_hi);
+}
+
 // ---- host launch -------------------------------------------------------------------------------------------------------
 template <class Traits>
 cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* stats, float* dq_accum,
@@ -684,13 +898,29 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
   const unsigned heads = static_cast<unsigned>(p.batch * (per_query_head ? p.num_heads : p.num_kv_heads));
   const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
   if (heads == 0 || n_blocks == 0) return cudaSuccess;  // no keys: dK, dV are empty, dQ stays 0
-  // [causal][per query head][packed]
-  decltype(&flash_bwd_hopper_kernel<Traits, false, false, false>) const kernels[2][2][2] = {
-      {{flash_bwd_hopper_kernel<Traits, false, false, false>, flash_bwd_hopper_kernel<Traits, false, false, true>},
-       {flash_bwd_hopper_kernel<Traits, false, true, false>, flash_bwd_hopper_kernel<Traits, false, true, true>}},
-      {{flash_bwd_hopper_kernel<Traits, true, false, false>, flash_bwd_hopper_kernel<Traits, true, false, true>},
-       {flash_bwd_hopper_kernel<Traits, true, true, false>, flash_bwd_hopper_kernel<Traits, true, true, true>}}};
-  const auto kernel = kernels[p.is_causal][per_query_head][p.cu_seqlens_q != nullptr];
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int mask = has_mask_or_window(p) ? kMaskSpans : p.is_causal ? kMaskCausal : kMaskNone;
+  if (mask == kMaskSpans && packed) return cudaErrorNotSupported;
+  int4* span_tiles = nullptr;
+  if (mask == kMaskSpans) {
+    span_tiles = reinterpret_cast<int4*>(stats + 2 * bwd_stats_half(p));
+    const int64_t tiles = bwd_span_tiles(p);
+    bwd_span_tiles_kernel<<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, stream>>>(p, span_tiles);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  // [mask][per query head][packed] (key spans: dense calls only)
+  decltype(&flash_bwd_hopper_kernel<Traits, kMaskNone, false, false>) const kernels[3][2][2] = {
+      {{flash_bwd_hopper_kernel<Traits, kMaskNone, false, false>, flash_bwd_hopper_kernel<Traits, kMaskNone, false, true>},
+       {flash_bwd_hopper_kernel<Traits, kMaskNone, true, false>, flash_bwd_hopper_kernel<Traits, kMaskNone, true, true>}},
+      {{flash_bwd_hopper_kernel<Traits, kMaskCausal, false, false>,
+        flash_bwd_hopper_kernel<Traits, kMaskCausal, false, true>},
+       {flash_bwd_hopper_kernel<Traits, kMaskCausal, true, false>,
+        flash_bwd_hopper_kernel<Traits, kMaskCausal, true, true>}},
+      {{flash_bwd_hopper_kernel<Traits, kMaskSpans, false, false>, nullptr},
+       {flash_bwd_hopper_kernel<Traits, kMaskSpans, true, false>, nullptr}}};
+  const auto kernel = kernels[mask][per_query_head][packed];
+  const int smem_bytes = mask == kMaskSpans ? Traits::kSmemBytesSpans : Traits::kSmemBytes;
 
   // (packed sequences: maps over the packed rows, one batch; dq_accum is then (heads, total_q, head_dim))
   const MapExtent ext = map_extent(p);
@@ -709,15 +939,16 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
   if (err == cudaSuccess && Traits::kDqTma)
     err = make_dq_accum_map(&tm_dq, dq_accum, Traits::kHeadDim, ext.q_rows, p.num_heads, ext.batch);
   if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return err;
 
-  const dim3 grid = p.is_causal ? dim3(heads * n_blocks) : dim3(n_blocks, heads);
+  const bool heavy_first = mask == kMaskCausal;
+  const dim3 grid = heavy_first ? dim3(heads * n_blocks) : dim3(n_blocks, heads);
   int heads_per_group = 1;
-  if (p.is_causal) err = group_heads(kernel, Traits::kNThreads, Traits::kSmemBytes, n_blocks, &heads_per_group);
+  if (heavy_first) err = group_heads(kernel, Traits::kNThreads, smem_bytes, n_blocks, &heads_per_group);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(tm_q, tm_do, tm_k, tm_v, tm_dq, bp, stats,
-                                                                  dq_accum, heads_per_group);
+  kernel<<<grid, Traits::kNThreads, smem_bytes, stream>>>(tm_q, tm_do, tm_k, tm_v, tm_dq, bp, stats, span_tiles,
+                                                          dq_accum, heads_per_group);
   return cudaGetLastError();
 }
 

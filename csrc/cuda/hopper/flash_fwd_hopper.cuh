@@ -179,10 +179,6 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Traits::kHeadDim / 2], const 
 // Each thread holds two rows of its warp's 16: r = 0 (row g) in s[4j], s[4j+1], r = 1 (row g + 8) in s[4j+2], s[4j+3],
 // at key columns 8j + 2t, 8j + 2t + 1 (g = lane / 4, t = lane % 4); a row's 4 threads are a quad.
 
-// The kernel's masking (kMask): none, the causal mask, or key spans (attn_mask's key ranges, windows, causal: the top
-// of this file).
-constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskSpans = 2;
-
 // Keys past the end (kv_len), and under the causal mask past each row's diagonal, become −inf. row0: the query index
 // of the thread's row g; n0: the tile's first key. Each of the thread's two rows sees the tile's keys below a bound,
 // counted from the thread's first key n0 + 2·(lane % 4): one 32-bit compare with a constant a score.

@@ -15,6 +15,10 @@ namespace cs149gpt {
 namespace cuda {
 namespace hopper {
 
+// The kernels' masking (kMask): none, the causal mask, or key spans (attn_mask's key ranges, windows, causal: the tops
+// of flash_fwd_hopper.cuh and flash_bwd_hopper.cuh).
+constexpr int kMaskNone = 0, kMaskCausal = 1, kMaskSpans = 2;
+
 // kOverlap: each consumer warpgroup issues S_{j+1} = Q K_{j+1}ᵀ and O += P_j V_j together and runs the softmax of
 // S_{j+1} while P_j V_j is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap); false: S, softmax,
 // P V one after another.
@@ -163,12 +167,18 @@ struct BwdTraits {
   static constexpr int kSmemBarriers = kSmemDelta + kStages * kStatBytes;
   static constexpr int kBarriers = 1 + 4 * kStages;  // K and V full; Q full, dO full, Q empty, dO empty per stage
   static constexpr int kSmemBytes = kSmemBarriers + 8 * kBarriers + 1024;
+  // Key spans (kMaskSpans) only, after the barriers (the other kernels' layout and size stay as above): per stage the
+  // step the producer chose (an int4), and which of the tile's 128 keys each query row sees (128 bits a row).
+  static constexpr int kSmemSteps = (kSmemBarriers + 8 * kBarriers + 15) / 16 * 16;
+  static constexpr int kSmemRowBits = kSmemSteps + 16 * kStages;
+  static constexpr int kSmemBytesSpans = kSmemRowBits + 16 * kStages * kBlockM + 1024;
 
   static_assert(sizeof(T) == 2, "wgmma .bf16 / .f16 operands");
   static_assert(kHeadDim % kPanelCols == 0 && kBlockM % kPanelCols == 0, "whole 64-column panels");
   static_assert((kBlockM / 64) * (kHeadDim / 64) == kConsumerWarpgroups, "dQ is one 64 x 64 block per warpgroup");
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box and a wgmma N are at most 256");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one H100 block");
+  static_assert(kBlockN == 128, "key spans: 128 bits of keys a query row");
+  static_assert(kSmemBytesSpans <= 227 * 1024, "shared memory of one H100 block");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWarpgroups <= 65536, "the SM's registers");
 };
 
