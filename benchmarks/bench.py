@@ -9,7 +9,7 @@
 Subcommands:
     summary   the README's rows: CPU forward (float32, bfloat16; causal or not), backward, decode vs torch SDPA; packed
               sequences (varlen), softcap and ALiBi;
-              with a GPU, the CUDA forward and backward vs cuDNN, masked prefill, packed sequences and decoding
+              with a GPU, the CUDA forward and backward vs cuDNN, masked attention, packed sequences and decoding
     ladder    every rung (naive, blocked, fused, flash_teaching, flash) vs torch SDPA
     forward   the flash forward vs torch SDPA (--peer manual: the textbook softmax(q kᵀ) v)
     backward  the flash backward alone and forward + backward vs torch SDPA's
@@ -24,7 +24,7 @@ Subcommands:
     trainpacked  padding-free training steps of a Llama (DataCollatorWithFlattening, our varlen through
               transformers' flash path) vs "sdpa" on the same sequences padded, tokens/s of real tokens
     cuda      the CUDA kernels vs each torch SDPA backend (cuDNN, flash, efficient, math); skipped without a GPU;
-              --suite masked,varlen,decode: masked prefill, packed sequences, KV-cache decoding (bench_cuda.py)
+              --suite masked,varlen,decode: masked attention, packed sequences, KV-cache decoding (bench_cuda.py)
     ring      context-parallel ring attention (cs149gpt.distributed) over W gloo processes vs one process with all
               threads; --device cuda: W GPUs (NCCL) vs one GPU at the same per-GPU length, and vs torch's
               context_parallel
@@ -79,9 +79,9 @@ def summary_cpu(args) -> list[Row]:
 
 
 def summary_cuda(args) -> list[Row]:
-    """10 rows, bfloat16: forward and backward, causal and not, vs cuDNN; masked prefill (key padding, padded causal)
-    vs SDPA's default given the mask; packed sequences vs cuDNN on the padded batch and vs our padded call; decoding
-    (batch 8 and 64, 8192 cached keys) vs SDPA's fastest backend."""
+    """14 rows, bfloat16: forward and backward, causal and not, vs cuDNN; masked attention (key padding, padded
+    causal; forward, and forward and backward) vs SDPA's default given the mask; packed sequences vs cuDNN on the padded
+    batch and vs our padded call; decoding (batch 8 and 64, 8192 cached keys) vs SDPA's fastest backend."""
     if not torch.cuda.is_available():
         return bench_cuda.run_cuda(args)
     shape = (4, 16, 16, 1024, 128) if args.quick else (2, 16, 16, 8192, 128)

@@ -2,8 +2,8 @@
 
 --suite picks the row groups (comma list; default plain):
   plain    the rows below: plain and causal attention, fwd and bwd, vs each backend;
-  masked   masked prefill, bf16, d 128, N 2048-8192: a (B, 1, 1, N) bool key padding mask and a (B, 1, N, N) padded
-           causal mask, ours vs torch SDPA's default backend given the same mask;
+  masked   masked attention, bf16, d 128, N 2048-8192: a (B, 1, 1, N) bool key padding mask and a (B, 1, N, N) padded
+           causal mask, forward and forward+backward, ours vs torch SDPA's default backend given the same mask;
   varlen   packed sequences (16 of N/8..N, causal), forward and forward+backward: flash_attn_varlen_func vs our own
            padded call (key padding mask + is_causal) and vs cuDNN (else SDPA's default) on the padded batch with its
            (B, 1, N, N) mask;
@@ -226,8 +226,9 @@ def _sync_rows(rows: list[Row], rate_of=None) -> list[Row]:
     return rows
 
 
-def masked_rows(args, sizes: Sequence[int] = ()) -> list[Row]:
-    """Masked prefill: ours vs torch SDPA's default backend given the same mask, bf16, d 128."""
+def masked_rows(args, sizes: Sequence[int] = (), phases: Sequence[str] = ("fwd", "fwd+bwd")) -> list[Row]:
+    """Masked prefill and training: ours vs torch SDPA's default backend given the same boolean mask, bf16, d 128; the
+    forward, and the forward and backward (dV compared)."""
     rows = []
     sizes = sizes or ((2048,) if args.quick else (2048, 4096, 8192))
     for dtype in args.dtype or ["bfloat16"]:
@@ -235,28 +236,36 @@ def masked_rows(args, sizes: Sequence[int] = ()) -> list[Row]:
             b, h, d = max(TOKENS // n, 1), MODEL_DIM // 128, 128
             g = torch.Generator(device="cuda").manual_seed(n)
             q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g).to(DTYPES[dtype]) for _ in range(3))
+            dout = torch.randn(b, h, n, d, device="cuda", generator=g).to(DTYPES[dtype])
             # Row i keeps its first lengths[i] keys: from all N down to N/2 (right padding, as a training batch).
             lengths = torch.linspace(n, n // 2, b, device="cuda").round().long()
             keys = torch.arange(n, device="cuda")
             padding = (keys[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, N)
             causal = keys[None, :] <= keys[:, None]
-            for name, mask, work in (("key padding (B,1,1,N)", padding, 1.0),
-                                     ("padded causal (B,1,N,N)", padding & causal, 0.5)):
-                case = f"masked fwd ({b},{h},{n},{d}) {name}"
-                print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
-                ours = lambda mask=mask: cs149gpt.attention(q, k, v, attn_mask=mask)  # noqa: E731
-                skipped = _ours_or_skip(ours, "cuda", case, dtype, "ours", ["sdpa default"])
-                if skipped:
-                    rows += skipped
-                    continue
-                peer = lambda mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
-                flop = 4.0 * b * h * n * n * d * work
-                rows += _sync_rows(measured_rows("cuda", case, dtype, None, {"ours": ours}, ("sdpa default", peer),
-                                                 args, unit="TFLOP/s", sync=torch.cuda.synchronize),
-                                   lambda row, flop=flop: flop / (row.ours_ms * 1e-3) / 1e12)
-                for row in rows[-1:]:
-                    row.add_note("TFLOP/s of the dense" + (" causal" if work < 1 else "") + " N² product")
-            del q, k, v
+            for phase in phases:
+                backward = phase == "fwd+bwd"
+                for name, mask, work in (("key padding (B,1,1,N)", padding, 1.0),
+                                         ("padded causal (B,1,N,N)", padding & causal, 0.5)):
+                    case = f"masked {phase} ({b},{h},{n},{d}) {name}"
+                    print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
+                    ours = lambda mask=mask: cs149gpt.attention(q, k, v, attn_mask=mask)  # noqa: E731
+                    peer = lambda mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+                    if backward:
+                        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+                        grad_v = lambda f: lambda: torch.autograd.grad(f(), (q, k, v), dout)[2]  # noqa: E731
+                        ours, peer = grad_v(ours), grad_v(peer)
+                    skipped = _ours_or_skip(ours, "cuda", case, dtype, "ours", ["sdpa default"])
+                    if skipped:
+                        rows += skipped
+                        continue
+                    flop = 4.0 * b * h * n * n * d * work * (3.5 if backward else 1.0)
+                    rows += _sync_rows(measured_rows("cuda", case, dtype, None, {"ours": ours}, ("sdpa default", peer),
+                                                     args, unit="TFLOP/s", sync=torch.cuda.synchronize),
+                                       lambda row, flop=flop: flop / (row.ours_ms * 1e-3) / 1e12)
+                    for row in rows[-1:]:
+                        row.add_note("TFLOP/s of the dense" + (" causal" if work < 1 else "") + " N² product")
+                q.requires_grad_(False), k.requires_grad_(False), v.requires_grad_(False)
+            del q, k, v, dout
             torch.cuda.empty_cache()
     return rows
 
