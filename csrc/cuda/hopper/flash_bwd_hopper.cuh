@@ -198,30 +198,36 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
   }
 }
 
-// Key spans: which of the keys n0 .. n0 + 127 each row of query tile m0 sees, as 4 words a row (bit l of word w: key
-// n0 + 32w + l), by the 32 lanes of a warp: lane l decides key n0 + 32w + l of a row, a ballot makes the word. A key
-// is seen when it lies in the row's span (flash_mask.cuh's key_span), and where the row is not exact its boolean
-// attn_mask entry is true (entries are read only there).
+// Bits lo .. hi − 1 of a word (0 <= lo, hi <= 32; none when hi <= lo).
+__device__ __forceinline__ uint32_t bit_range(int lo, int hi) {
+  const uint32_t below_hi = hi >= 32 ? 0xffffffffu : (1u << max(hi, 0)) - 1u;
+  const uint32_t below_lo = lo >= 32 ? 0xffffffffu : (1u << max(lo, 0)) - 1u;
+  return below_hi & ~below_lo;
+}
+
+// Key spans: which of the keys n0 .. n0 + 127 each row of query tile m0 sees, 4 words a row (bit l of word w: key
+// n0 + 32w + l), a lane a row: the keys of the row's span (flash_mask.cuh's key_span), and where the row is not exact,
+// of those only the ones whose boolean attn_mask entry is true (entries are read only there).
 template <class Traits>
 __device__ __forceinline__ void write_row_bits(uint32_t* bits, const AttentionParams& p, int64_t b, int64_t h, int m0,
                                                int n0, int lane) {
   const Logits logits(p, b, h);  // (attn_mask's entries of this (b, h), if any)
-  for (int r0 = 0; r0 < Traits::kBlockM; r0 += 32) {
-    const KeySpan mine = key_span(p, b, h, m0 + r0 + lane);  // lane l's: row r0 + l
-    for (int i = 0; i < 32; ++i) {
-      const int lo = __shfl_sync(0xffffffffu, mine.lo, i), hi = __shfl_sync(0xffffffffu, mine.hi, i);
-      const bool exact = __shfl_sync(0xffffffffu, mine.exact, i);
-      const char* entries = exact ? nullptr : logits.mask + static_cast<int64_t>(m0 + r0 + i) * logits.mask_row;
-      uint32_t word[4];
+  for (int r = lane; r < Traits::kBlockM; r += 32) {
+    const KeySpan span = key_span(p, b, h, m0 + r);
+    uint32_t word[4];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const int key = n0 + 32 * w + lane;
-        bool seen = key >= lo && key < hi;
-        if (seen && !exact) seen = *reinterpret_cast<const uint8_t*>(entries + key * logits.mask_key) != 0;
-        word[w] = __ballot_sync(0xffffffffu, seen);
-      }
-      if (lane == 0) reinterpret_cast<uint4*>(bits)[r0 + i] = make_uint4(word[0], word[1], word[2], word[3]);
+    for (int w = 0; w < 4; ++w) word[w] = bit_range(span.lo - (n0 + 32 * w), span.hi - (n0 + 32 * w));
+    if (!span.exact) {
+      const char* entries = logits.mask + static_cast<int64_t>(m0 + r) * logits.mask_row;
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        for (uint32_t left = word[w]; left != 0; left &= left - 1) {
+          const int key = n0 + 32 * w + __ffs(left) - 1;
+          if (*reinterpret_cast<const uint8_t*>(entries + key * logits.mask_key) == 0)
+            word[w] &= ~(1u << (__ffs(left) - 1));
+        }
     }
+    reinterpret_cast<uint4*>(bits)[r] = make_uint4(word[0], word[1], word[2], word[3]);
   }
 }
 
@@ -276,7 +282,8 @@ __device__ __forceinline__ void load_bwd_tiles_spans(const BwdSharedTiles<Traits
         const bool needs_mask = (masked >> i) & 1u;
         mbarrier_wait(&sm.q_empty[stage], released);
         if (needs_mask) write_row_bits<Traits>(sm.bits_of(stage), p, b, h, m0, n0, lane);
-        if (lane == 0) {  // (lane 0 wrote the bits too: its arrival on q_full releases them with the step)
+        __syncwarp();  // the lanes' bits before lane 0's arrival on q_full, which releases them with the step
+        if (lane == 0) {
           sm.steps[stage] = BwdStep{static_cast<int>(h), base + i, needs_mask, 1}.packed();
           load_step_tiles<Traits>(sm, tm_q, tm_do, rows, seq, h, m0, stage, released);
         }
