@@ -911,10 +911,12 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
   int4* span_tiles = nullptr;
   if (mask == kMaskSpans) {
     span_tiles = reinterpret_cast<int4*>(stats + 2 * bwd_stats_half(p));
-    const int64_t tiles = bwd_span_tiles(p);
-    bwd_span_tiles_kernel<<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, stream>>>(p, span_tiles);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
+    const int64_t tiles = bwd_span_tiles(p);  // (none without query rows: the blocks then only write dK = dV = 0)
+    if (tiles > 0) {
+      bwd_span_tiles_kernel<<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, stream>>>(p, span_tiles);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
   }
   // [mask][per query head][packed] (key spans: dense calls only)
   decltype(&flash_bwd_hopper_kernel<Traits, kMaskNone, false, false>) const kernels[3][2][2] = {
