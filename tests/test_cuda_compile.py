@@ -2,8 +2,8 @@
 
 The .cu files under csrc/cuda/ include no torch header (flash_api.cpp alone touches Tensors), so a machine
 without a GPU, and CI, can catch a compile error in them. Skipped where nvcc is not on PATH. Compile only, host and device
-code both (`-c`, as the JIT build compiles them; `-cubin` alone would miss host-side errors in the launchers):
-nothing runs.
+code both (`-c`, as the JIT build compiles them; `-cubin` alone would miss host-side errors in the launchers), then
+one relocatable link of the objects (`ld -r`: a symbol defined twice): nothing runs.
 The default run compiles the shipped tile configuration of each kernel (-DCS149GPT_DEFAULT_CONFIG_ONLY, about
 30 s on 2 cores); `pytest -m slow` also compiles every configuration the sweep can select (over a minute).
 """
@@ -38,6 +38,14 @@ def compile_all(arch, tmp_path, extra):
         results = list(pool.map(compile_one, _build.CUDA_KERNEL_SOURCES))
     failed = [f"{src}:\n{r.stderr}" for src, r in results if r.returncode != 0]
     assert not failed, "\n".join(failed)
+    # One relocatable link of all the objects, as the extension links them: a kernel or function defined in a header
+    # that several files include, without a template or inline, is defined twice.
+    ld = shutil.which("ld")
+    if ld is not None:
+        objects = [str(tmp_path / (os.path.basename(src) + ".o")) for src in _build.CUDA_KERNEL_SOURCES]
+        linked = subprocess.run([ld, "-r", "-o", str(tmp_path / "all.o"), *objects], capture_output=True, text=True,
+                                env=NVCC_ENV)
+        assert linked.returncode == 0, linked.stderr
 
 
 @pytest.mark.parametrize("arch", ["80", "90a"])

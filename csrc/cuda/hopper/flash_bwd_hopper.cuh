@@ -155,8 +155,9 @@ __device__ __forceinline__ StatRows stat_rows(const AttentionParams& p, const fl
 }
 
 // Query tile m0 of head h into stage `stage`, whose Q half the consumers have handed back (the caller waited for it):
-// Q and lse2, then, once they have handed back its dO half, dO and D.
-template <class Traits>
+// Q and lse2, then, once they have handed back its dO half, dO and D. kArrive false (key spans): Q's bytes are only
+// announced, the caller arrives on q_full once it has written the step (after the copies, which run meanwhile).
+template <class Traits, bool kArrive = true>
 __device__ __forceinline__ void load_step_tiles(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_q,
                                                 const CUtensorMap* tm_do, const StatRows& rows,
                                                 const SequenceRows& seq, int64_t h, int m0, int stage,
@@ -164,7 +165,8 @@ __device__ __forceinline__ void load_step_tiles(const BwdSharedTiles<Traits>& sm
   const int row = seq.q_row0 + m0;  // in q's and dout's maps
   const int64_t row_at = h * rows.head_stride + m0;
   const uint32_t stat_bytes = 4u * static_cast<uint32_t>(min64(Traits::kBlockM, rows.q_pad - m0));
-  mbarrier_arrive_expect_tx(&sm.q_full[stage], Traits::kQBytes + stat_bytes);
+  if constexpr (kArrive) mbarrier_arrive_expect_tx(&sm.q_full[stage], Traits::kQBytes + stat_bytes);
+  else mbarrier_expect_tx(&sm.q_full[stage], Traits::kQBytes + stat_bytes);
 #pragma unroll
   for (int panel = 0; panel < Traits::kPanels; ++panel)
     tma_load_4d(sm.q_tile(stage) + panel * Traits::kQPanelBytes, tm_q, &sm.q_full[stage],
@@ -281,11 +283,14 @@ __device__ __forceinline__ void load_bwd_tiles_spans(const BwdSharedTiles<Traits
         const int m0 = (base + i) * kBlockM;
         const bool needs_mask = (masked >> i) & 1u;
         mbarrier_wait(&sm.q_empty[stage], released);
+        // The copies first (Q's bytes announced, not arrived), the bits while they run, then the step and the arrival
+        // on q_full that releases them with it (after the lanes' bits: __syncwarp).
+        if (lane == 0) load_step_tiles<Traits, false>(sm, tm_q, tm_do, rows, seq, h, m0, stage, released);
         if (needs_mask) write_row_bits<Traits>(sm.bits_of(stage), p, b, h, m0, n0, lane);
-        __syncwarp();  // the lanes' bits before lane 0's arrival on q_full, which releases them with the step
+        __syncwarp();
         if (lane == 0) {
           sm.steps[stage] = BwdStep{static_cast<int>(h), base + i, needs_mask, 1}.packed();
-          load_step_tiles<Traits>(sm, tm_q, tm_do, rows, seq, h, m0, stage, released);
+          mbarrier_arrive(&sm.q_full[stage]);
         }
         ++s;
       }
@@ -431,7 +436,8 @@ __device__ __forceinline__ void scores_to_probs_bits(float (&s)[Traits::kBlockM 
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int e = 2 * r + c;
-        const float x = exp2_approx(fmaf(s[4 * j + e], scale_log2, -(c ? l.y : l.x)));
+        const float arg = fmaf(s[4 * j + e], scale_log2, -(c ? l.y : l.x));
+        const float x = poly_exp_group<Traits>(j) ? exp2_poly(arg) : exp2_approx(arg);
         s[4 * j + e] = (w >> (8 * r)) & 1u ? x : 0.f;
       }
     }
@@ -861,13 +867,15 @@ __global__ void flash_bwd_delta_vec_kernel(const AttentionBackwardParams params,
 
 // ---- key spans' table of query tiles ---------------------------------------------------------------------------------
 // flash_cuda.h's bwd_span_tiles (after the statistics' two halves): a warp a 64-row tile, two rows a lane.
+// (a template, so that the four files that include this header may each define it)
+template <int kRows = kBwdSpanTileRows>
 __global__ void bwd_span_tiles_kernel(const AttentionParams p, int4* tiles) {
-  static_assert(kBwdSpanTileRows == 64, "two rows a lane");
-  const int64_t per_head = (p.q_len + kBwdSpanTileRows - 1) / kBwdSpanTileRows;
+  static_assert(kRows == 64, "two rows a lane");
+  const int64_t per_head = (p.q_len + kRows - 1) / kRows;
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (t >= p.batch * p.num_heads * per_head) return;  // (whole warps: blockDim is a multiple of 32)
   const int lane = threadIdx.x % 32;
-  const int64_t bh = t / per_head, m0 = (t % per_head) * kBwdSpanTileRows;
+  const int64_t bh = t / per_head, m0 = (t % per_head) * kRows;
   int first = INT_MAX, end = 0, full_lo = 0, full_hi = INT_MAX;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -913,7 +921,7 @@ cudaError_t launch_flash_bwd_hopper(const AttentionBackwardParams& bp, float* st
     span_tiles = reinterpret_cast<int4*>(stats + 2 * bwd_stats_half(p));
     const int64_t tiles = bwd_span_tiles(p);  // (none without query rows: the blocks then only write dK = dV = 0)
     if (tiles > 0) {
-      bwd_span_tiles_kernel<<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, stream>>>(p, span_tiles);
+      bwd_span_tiles_kernel<><<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, stream>>>(p, span_tiles);
       const cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
     }
