@@ -209,7 +209,8 @@ __device__ __forceinline__ uint32_t bit_range(int lo, int hi) {
 
 // Key spans: which of the keys n0 .. n0 + 127 each row of query tile m0 sees, 4 words a row (bit l of word w: key
 // n0 + 32w + l), a lane a row: the keys of the row's span (flash_mask.cuh's key_span), and where the row is not exact,
-// of those only the ones whose boolean attn_mask entry is true (entries are read only there).
+// of those only the ones whose boolean attn_mask entry is true (entries are read only there: 16 at a time where the
+// row's 128 are contiguous, 16-byte aligned and inside the mask, else one at a time).
 template <class Traits>
 __device__ __forceinline__ void write_row_bits(uint32_t* bits, const AttentionParams& p, int64_t b, int64_t h, int m0,
                                                int n0, int lane) {
@@ -221,13 +222,27 @@ __device__ __forceinline__ void write_row_bits(uint32_t* bits, const AttentionPa
     for (int w = 0; w < 4; ++w) word[w] = bit_range(span.lo - (n0 + 32 * w), span.hi - (n0 + 32 * w));
     if (!span.exact) {
       const char* entries = logits.mask + static_cast<int64_t>(m0 + r) * logits.mask_row;
+      const char* at = entries + static_cast<int64_t>(n0) * logits.mask_key;
+      if (logits.mask_key == 1 && n0 + 128 <= p.kv_len && reinterpret_cast<uintptr_t>(at) % 16 == 0) {
+        // The row's 128 entries in 8 loads of 16 bytes, all in flight: a byte that is 0 clears its key's bit.
 #pragma unroll
-      for (int w = 0; w < 4; ++w)
-        for (uint32_t left = word[w]; left != 0; left &= left - 1) {
-          const int key = n0 + 32 * w + __ffs(left) - 1;
-          if (*reinterpret_cast<const uint8_t*>(entries + key * logits.mask_key) == 0)
-            word[w] &= ~(1u << (__ffs(left) - 1));
+        for (int c = 0; c < 8; ++c) {
+          const uint4 x = reinterpret_cast<const uint4*>(at)[c];
+          const uint32_t bytes[4] = {x.x, x.y, x.z, x.w};
+          uint32_t seen = 0;  // bit k: entry 16c + k is not 0
+#pragma unroll
+          for (int k = 0; k < 16; ++k) seen |= static_cast<uint32_t>(((bytes[k / 4] >> (8 * (k % 4))) & 0xffu) != 0) << k;
+          word[c / 2] &= ~((~seen & 0xffffu) << (16 * (c % 2)));
         }
+      } else {
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          for (uint32_t left = word[w]; left != 0; left &= left - 1) {
+            const int key = n0 + 32 * w + __ffs(left) - 1;
+            if (*reinterpret_cast<const uint8_t*>(entries + key * logits.mask_key) == 0)
+              word[w] &= ~(1u << (__ffs(left) - 1));
+          }
+      }
     }
     reinterpret_cast<uint4*>(bits)[r] = make_uint4(word[0], word[1], word[2], word[3]);
   }
