@@ -231,7 +231,8 @@ __device__ __forceinline__ void write_row_bits(uint32_t* bits, const AttentionPa
           const uint32_t bytes[4] = {x.x, x.y, x.z, x.w};
           uint32_t seen = 0;  // bit k: entry 16c + k is not 0
 #pragma unroll
-          for (int k = 0; k < 16; ++k) seen |= static_cast<uint32_t>(((bytes[k / 4] >> (8 * (k % 4))) & 0xffu) != 0) << k;
+          for (int k = 0; k < 16; ++k)
+            seen |= static_cast<uint32_t>(((bytes[k / 4] >> (8 * (k % 4))) & 0xffu) != 0) << k;
           word[c / 2] &= ~((~seen & 0xffffu) << (16 * (c % 2)));
         }
       } else {
