@@ -200,7 +200,7 @@ __device__ __forceinline__ void load_bwd_tiles(const BwdSharedTiles<Traits>& sm,
   }
 }
 
-// Bits lo .. hi − 1 of a word (0 <= lo, hi <= 32; none when hi <= lo).
+// Bits lo .. hi − 1 of a word, clamped to 0 .. 31 (none when hi <= lo).
 __device__ __forceinline__ uint32_t bit_range(int lo, int hi) {
   const uint32_t below_hi = hi >= 32 ? 0xffffffffu : (1u << max(hi, 0)) - 1u;
   const uint32_t below_lo = lo >= 32 ? 0xffffffffu : (1u << max(lo, 0)) - 1u;
@@ -209,8 +209,8 @@ __device__ __forceinline__ uint32_t bit_range(int lo, int hi) {
 
 // Key spans: which of the keys n0 .. n0 + 127 each row of query tile m0 sees, 4 words a row (bit l of word w: key
 // n0 + 32w + l), a lane a row: the keys of the row's span (flash_mask.cuh's key_span), and where the row is not exact,
-// of those only the ones whose boolean attn_mask entry is true (entries are read only there: 16 at a time where the
-// row's 128 are contiguous, 16-byte aligned and inside the mask, else one at a time).
+// of those only the ones whose boolean attn_mask entry is true (entries are read only there: 16 or 4 at a time where
+// the row's 128 are contiguous, aligned and inside the mask, else one at a time).
 template <class Traits>
 __device__ __forceinline__ void write_row_bits(uint32_t* bits, const AttentionParams& p, int64_t b, int64_t h, int m0,
                                                int n0, int lane) {
@@ -223,8 +223,9 @@ __device__ __forceinline__ void write_row_bits(uint32_t* bits, const AttentionPa
     if (!span.exact) {
       const char* entries = logits.mask + static_cast<int64_t>(m0 + r) * logits.mask_row;
       const char* at = entries + static_cast<int64_t>(n0) * logits.mask_key;
-      if (logits.mask_key == 1 && n0 + 128 <= p.kv_len && reinterpret_cast<uintptr_t>(at) % 16 == 0) {
-        // The row's 128 entries in 8 loads of 16 bytes, all in flight: a byte that is 0 clears its key's bit.
+      const uintptr_t address = reinterpret_cast<uintptr_t>(at);
+      if (logits.mask_key == 1 && n0 + 128 <= p.kv_len && address % 16 == 0) {
+        // The row's 128 entries in 8 loads of 16 bytes: a byte that is 0 clears its key's bit.
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           const uint4 x = reinterpret_cast<const uint4*>(at)[c];
@@ -234,6 +235,16 @@ __device__ __forceinline__ void write_row_bits(uint32_t* bits, const AttentionPa
           for (int k = 0; k < 16; ++k)
             seen |= static_cast<uint32_t>(((bytes[k / 4] >> (8 * (k % 4))) & 0xffu) != 0) << k;
           word[c / 2] &= ~((~seen & 0xffffu) << (16 * (c % 2)));
+        }
+      } else if (logits.mask_key == 1 && n0 + 128 <= p.kv_len && address % 4 == 0) {
+        // (rows of a kv_len that is a multiple of 4 but not of 16) 32 loads of 4 bytes, unrolled: several in flight.
+#pragma unroll
+        for (int c = 0; c < 32; ++c) {
+          const uint32_t bytes = reinterpret_cast<const uint32_t*>(at)[c];
+          uint32_t seen = 0;  // bit k: entry 4c + k is not 0
+#pragma unroll
+          for (int k = 0; k < 4; ++k) seen |= static_cast<uint32_t>(((bytes >> (8 * k)) & 0xffu) != 0) << k;
+          word[c / 8] &= ~((~seen & 0xfu) << (4 * (c % 8)));
         }
       } else {
 #pragma unroll
