@@ -571,10 +571,30 @@ constexpr int kDqWrittenBarrier = 2;
 constexpr int kKeysZeroedBarrier = 4;
 constexpr int kRowsZeroedBarrier = 6;
 
+// kDqTma: once each of the warpgroup's threads has written its part of the dQ block to shared memory, one thread adds
+// the block into rows row .. row + 63 of head h's dq_accum (two bulk tensor reduce-adds, committed as one group).
+template <class Traits>
+__device__ __forceinline__ void reduce_dq_block(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_dq, int wg,
+                                                int warp, int lane, int col0, int row, int h, int bm) {
+  fence_proxy_async();  // the copy engine reads what this thread's stores wrote
+  if (warp == 0) {
+    named_barrier_sync(kDqWrittenBarrier + wg, 128);
+    if (lane == 0) {
+#pragma unroll
+      for (int box = 0; box < 2; ++box)
+        tma_reduce_add_4d(tm_dq, sm.dq_block(wg) + box * Traits::kDqBoxBytes, col0 + 32 * box, row, h, bm);
+      bulk_commit_group();
+    }
+  } else {
+    named_barrier_arrive(kDqWrittenBarrier + wg, 128);
+  }
+}
+
 // ---- the consumers' mainloop --------------------------------------------------------------------------------------------
 // Per step (query head h, query tile at m0), the products in five groups: {Sᵀ}, {dPᵀ}, {dV}, then after the barrier
 // {dQ}, {dK}. The exponentials of Pᵀ run while dPᵀ is on the tensor cores, the stores of dSᵀ and the barrier while dV
-// is (with kDvEarly also dSᵀ's arithmetic), and dQ's way to global memory while dK is (FlashAttention-3's order).
+// is (with kDvEarly also dSᵀ's arithmetic), and dQ's way to shared memory while dK is (FlashAttention-3's order), its
+// reduction into dq_accum then (or with kDqDefer under the next step's Sᵀ and dPᵀ).
 // Key spans: the steps come from the producer (BwdStep in the stage), until one marked empty.
 template <class Traits, int kMask, bool kPacked>
 __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& sm, const AttentionParams& p,
@@ -584,6 +604,7 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
                                                   float (&dv)[Traits::kHeadDim / 2]) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr bool kIsCausal = kMask == kMaskCausal;
+  constexpr bool kDqDefer = Traits::kDqDefer && bwd_dq_defer(Traits::kHeadDim, kMask);
   // Br 64 (d 128): the rows' lse·log2e and D go to registers on arrival, ahead of the products' operand reads in the
   // shared-memory pipe (after them, their loads waited behind those reads); Br 128 (d 64) reads them where used (their
   // 64 registers would pass the consumers' 240).
@@ -609,6 +630,9 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     fence_proxy_async();  // the tensor cores read them after
     named_barrier_sync(kKeysZeroedBarrier + wg, 128);
   }
+  // kDqDefer: the dQ block in shared memory whose reduction is still to be issued, and its rows and head.
+  bool dq_pending = false;
+  int dq_pending_row = 0, dq_pending_h = 0;
   // Step s visits query tile m_tile of head h (steps.head(s), steps.m_tile(s), counted on instead of divided out).
   int64_t h = steps.h_first;
   int m_tile = steps.m_first;
@@ -651,6 +675,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     mbarrier_wait(&sm.do_full[stage], phase);
     const Stats delta(StageStats{sm.delta_rows(stage), lane});
     gemm_keys_x_queries<Traits>(dpt, v_w, do_tile);
+    if (kDqDefer && dq_pending)  // the previous step's dQ block, under these two products
+      reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm);
 
     // Pᵀ (under dPᵀ's product), then dSᵀ.
     wgmma_wait<1>();
@@ -725,20 +751,15 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     }
     if (lane == 0) mbarrier_arrive(&sm.do_empty[stage]);
     if constexpr (Traits::kDqTma) {
-      // The block to shared memory; once all four warps have written it, one thread adds it into dq_accum.
+      // The block to shared memory, then into dq_accum (kDqDefer: in the next step).
       store_dq_block<Traits>(sm.dq_block(wg), dq, warp, lane);
-      fence_proxy_async();  // the copy engine reads what these stores wrote
-      if (warp == 0) {
-        named_barrier_sync(kDqWrittenBarrier + wg, 128);
-        if (lane == 0) {
-#pragma unroll
-          for (int box = 0; box < 2; ++box)
-            tma_reduce_add_4d(tm_dq, sm.dq_block(wg) + box * Traits::kDqBoxBytes, dq_col0 + 32 * box,
-                              seq.q_row0 + static_cast<int>(m0) + dq_row0, static_cast<int>(h), seq.bm);
-          bulk_commit_group();
-        }
+      const int dq_row = seq.q_row0 + static_cast<int>(m0) + dq_row0;
+      if constexpr (kDqDefer) {
+        dq_pending = true;
+        dq_pending_row = dq_row;
+        dq_pending_h = static_cast<int>(h);
       } else {
-        named_barrier_arrive(kDqWrittenBarrier + wg, 128);
+        reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_row, static_cast<int>(h), seq.bm);
       }
     } else {
       add_dq_block(dq_accum + dq_accum_offset(p, b, h, Traits::kHeadDim), seq.q_len, head_dim,
@@ -753,6 +774,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
       ++h;
     }
   }
+  if (kDqDefer && dq_pending)
+    reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm);
   // The block's shared memory outlives the last reductions' reads.
   if (Traits::kDqTma && threadIdx.x % 128 == 0) bulk_wait_group<0>();
 }

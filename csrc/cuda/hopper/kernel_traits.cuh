@@ -119,8 +119,11 @@ constexpr bool fwd_d128_narrow_key_tile(bool causal, int64_t kv_len) { return ca
 // product they hide under), so that both units share the work.
 // kDeltaVec: D = rowsum(dO ∘ O) by flash_bwd_delta_vec_kernel (16-byte loads, head_dim / 8 lanes a row); false: by
 // flash_bwd.cuh's flash_bwd_delta_kernel (4-byte loads, a warp a row).
+// kDqDefer (with kDqTma): a step's dQ block is written to shared memory at once, but fenced and handed to the copy
+// engine in the next step, under its Sᵀ and dPᵀ products; false: at once, where the fence waits for the stores while
+// the tensor cores, done with dK, have nothing to do.
 template <int kHeadDim_, class T_, bool kDqTma_ = false, bool kDvEarly_ = false, int kPolyExpEvery_ = 0,
-          bool kDeltaVec_ = false, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64)>
+          bool kDeltaVec_ = false, int kBlockM_ = (kHeadDim_ == 64 ? 128 : 64), bool kDqDefer_ = false>
 struct BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -138,6 +141,7 @@ struct BwdTraits {
   static constexpr bool kDvEarly = kDvEarly_;
   static constexpr int kPolyExpEvery = kPolyExpEvery_;
   static constexpr bool kDeltaVec = kDeltaVec_;
+  static constexpr bool kDqDefer = kDqTma_ && kDqDefer_;
 
   static constexpr int kPanelCols = 64;
   static constexpr int kPanels = kHeadDim / kPanelCols;
@@ -155,7 +159,8 @@ struct BwdTraits {
   // Layout (byte offsets from a 1024-byte aligned base):
   //   K | V | Q[kStages] | dO[kStages] | dS[2] | dQ[kConsumerWarpgroups] | lse2[kStages] | D[kStages] | mbarriers
   // dS is double-buffered: a warpgroup writes dS_{i+1} while the other may still read dS_i in its dQ product. dQ is
-  // not: its reduction of step i has a whole step to read it before step i + 1 writes it.
+  // not: its reduction of step i is issued by step i + 1's products at the latest, and read before step i + 1's dS
+  // barrier, after which the block is written again.
   static constexpr int kSmemK = 0;
   static constexpr int kSmemV = kSmemK + kKVBytes;
   static constexpr int kSmemQ = kSmemV + kKVBytes;
@@ -185,10 +190,14 @@ struct BwdTraits {
 // The shipped backward per head dim: FlashAttention-3's tiles and dQ path, D with 16-byte loads, dV before dSᵀ at d 64.
 // On an H200 (bf16/fp16, d 64/128, N 2048-8192): 1.11-1.25x the register-reduction dQ with dV after dSᵀ; the polynomial
 // exponentials gain at d 64 causal only (+2 %) and lose elsewhere. kDvEarly at d 128: 7-8 % slower without the causal
-// mask, the same with it (bf16, N 2048-8192).
+// mask, the same with it (bf16, N 2048-8192). kDqDefer: see bwd_dq_defer.
 template <int kHeadDim, class T>
-using DefaultBwdTraits =
-    BwdTraits<kHeadDim, T, /*kDqTma=*/true, /*kDvEarly=*/kHeadDim == 64, /*kPolyExpEvery=*/0, /*kDeltaVec=*/true>;
+using DefaultBwdTraits = BwdTraits<kHeadDim, T, /*kDqTma=*/true, /*kDvEarly=*/kHeadDim == 64, /*kPolyExpEvery=*/0,
+                                   /*kDeltaVec=*/true, /*kBlockM=*/kHeadDim == 64 ? 128 : 64, /*kDqDefer=*/true>;
+
+// Which kernels of a kDqDefer backward defer dQ's reduction (same run vs cuDNN, H200): +6-7 % at d 64 with and without
+// the causal mask and at d 128 with it; -1 % at d 128 without it (bf16 N 2048, fp16 N 8192), which keeps the old order.
+constexpr bool bwd_dq_defer(int head_dim, int mask_kind) { return head_dim == 64 || mask_kind != kMaskNone; }
 
 }  // namespace hopper
 }  // namespace cuda
