@@ -62,8 +62,8 @@ CS149GPT_HOST_DEVICE inline int64_t bwd_stats_half(const AttentionParams& p) {
 }
 // Dense calls with attn_mask or a window add, after the two halves, the Hopper backward's table of query tiles
 // (hopper/flash_bwd_hopper.cuh): for each (b, h, tile of kBwdSpanTileRows rows) an int4 {first, end, full_lo,
-// full_hi}, the keys [first, end) some row of the tile sees and [full_lo, full_hi) every row sees exactly (both from
-// flash_mask.cuh's key_span). 4 floats a 64-row tile: FlashAttention-2's backward, which does not read it, is given it
+// full_hi}, the keys [first, end) some row of the tile sees and [full_lo, full_hi) every row sees exactly
+// (flash_mask.cuh's SpanSummary of its rows' key_span). 4 floats a 64-row tile: FlashAttention-2's backward, which does not read it, is given it
 // too.
 constexpr int kBwdSpanTileRows = 64;
 inline int64_t bwd_span_tiles(const AttentionParams& p) {

@@ -46,6 +46,34 @@ __device__ __forceinline__ KeySpan key_span(const AttentionParams& p, int64_t b,
   return {static_cast<int>(lo), static_cast<int>(max64(lo, hi)), exact};
 }
 
+// A group of rows' key spans summed up (the Hopper kernels' key spans): the keys [first, end) some row sees (INT_MAX,
+// 0: none), and the keys [full_lo, full_hi) every row sees exactly (empty where a row is not exact or sees none).
+struct SpanSummary {
+  int first = INT_MAX, end = 0, full_lo = 0, full_hi = INT_MAX;
+
+  __device__ __forceinline__ void add(const KeySpan& span) {
+    if (span.hi > span.lo) {
+      first = min(first, span.lo);
+      end = max(end, span.hi);
+    }
+    full_lo = max(full_lo, span.lo);
+    full_hi = min(full_hi, span.exact ? span.hi : 0);
+  }
+  __device__ __forceinline__ void merge(const SpanSummary& o) {
+    first = min(first, o.first);
+    end = max(end, o.end);
+    full_lo = max(full_lo, o.full_lo);
+    full_hi = min(full_hi, o.full_hi);
+  }
+  // Over the warp's 32 lanes' summaries (every lane gets it).
+  __device__ __forceinline__ SpanSummary over_warp() const {
+    return {__reduce_min_sync(0xffffffffu, first), __reduce_max_sync(0xffffffffu, end),
+            __reduce_max_sync(0xffffffffu, full_lo), __reduce_min_sync(0xffffffffu, full_hi)};
+  }
+  __device__ __forceinline__ int4 packed() const { return make_int4(first, end, full_lo, full_hi); }
+  __device__ __forceinline__ static SpanSummary from(int4 x) { return {x.x, x.y, x.z, x.w}; }
+};
+
 // The keys some row of the block sees: [*first, *end) over every thread's spans (lo, hi: the thread's own, over its
 // non-empty spans; lo = INT_MAX, hi = 0 when it has none). Every thread of the block must call it.
 __device__ __forceinline__ void block_key_range(int lo, int hi, int* first, int* end) {

@@ -286,20 +286,17 @@ __device__ __forceinline__ void load_bwd_tiles_spans(const BwdSharedTiles<Traits
     for (int base = 0; base < m_tiles; base += 32) {
       // Lane l: query tile base + l, from its kPer entries of the table.
       const int m_tile = base + lane;
-      int first = INT_MAX, end = 0, full_lo = 0, full_hi = INT_MAX;
+      SpanSummary tile;
       if (m_tile < m_tiles) {
 #pragma unroll
         for (int e = 0; e < kPer; ++e) {
           const int t = m_tile * kPer + e;
-          const int4 x = t < table_tiles ? tiles[t] : make_int4(INT_MAX, 0, 0, 0);
-          first = min(first, x.x);
-          end = max(end, x.y);
-          full_lo = max(full_lo, x.z);
-          full_hi = min(full_hi, x.w);
+          tile.merge(SpanSummary::from(t < table_tiles ? tiles[t] : make_int4(INT_MAX, 0, 0, 0)));
         }
       }
-      const bool sees = m_tile < m_tiles && first < end && first < n_end && end > n0;
-      const bool whole = keys_whole && (m_tile + 1) * kBlockM <= seq.q_len && full_lo <= n0 && n_end <= full_hi;
+      const bool sees = m_tile < m_tiles && tile.first < tile.end && tile.first < n_end && tile.end > n0;
+      const bool whole =
+          keys_whole && (m_tile + 1) * kBlockM <= seq.q_len && tile.full_lo <= n0 && n_end <= tile.full_hi;
       uint32_t visit = __ballot_sync(0xffffffffu, sees);
       const uint32_t masked = __ballot_sync(0xffffffffu, sees && !whole);
       while (visit != 0) {
@@ -926,22 +923,11 @@ __global__ void bwd_span_tiles_kernel(const AttentionParams p, int4* tiles) {
   if (t >= p.batch * p.num_heads * per_head) return;  // (whole warps: blockDim is a multiple of 32)
   const int lane = threadIdx.x % 32;
   const int64_t bh = t / per_head, m0 = (t % per_head) * kRows;
-  int first = INT_MAX, end = 0, full_lo = 0, full_hi = INT_MAX;
+  SpanSummary rows;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const KeySpan span = key_span(p, bh / p.num_heads, bh % p.num_heads, m0 + lane + 32 * r);
-    if (span.hi > span.lo) {
-      first = min(first, span.lo);
-      end = max(end, span.hi);
-    }
-    full_lo = max(full_lo, span.lo);
-    full_hi = min(full_hi, span.exact ? span.hi : 0);
-  }
-  first = __reduce_min_sync(0xffffffffu, first);
-  end = __reduce_max_sync(0xffffffffu, end);
-  full_lo = __reduce_max_sync(0xffffffffu, full_lo);
-  full_hi = __reduce_min_sync(0xffffffffu, full_hi);
-  if (lane == 0) tiles[t] = make_int4(first, end, full_lo, full_hi);
+  for (int r = 0; r < 2; ++r) rows.add(key_span(p, bh / p.num_heads, bh % p.num_heads, m0 + lane + 32 * r));
+  const SpanSummary tile = rows.over_warp();
+  if (lane == 0) tiles[t] = tile.packed();
 }
 
 // ---- host launch -------------------------------------------------------------------------------------------------------

@@ -636,18 +636,15 @@ __device__ __forceinline__ void find_span_bounds(const AttentionParams& p, int b
     span_bounds[threadIdx.x] = threadIdx.x == 0 ? INT_MAX : threadIdx.x == 1 ? 0 : threadIdx.x % 2 ? INT_MAX : 0;
   __syncthreads();
   if (threadIdx.x < Traits::kBlockM) {
-    const KeySpan span = key_span(p, b, h, m0 + threadIdx.x);
-    const bool sees = span.hi > span.lo;
-    const int first = __reduce_min_sync(0xffffffffu, sees ? span.lo : INT_MAX);
-    const int end = __reduce_max_sync(0xffffffffu, sees ? span.hi : 0);
-    const int full_lo = __reduce_max_sync(0xffffffffu, span.lo);
-    const int full_hi = __reduce_min_sync(0xffffffffu, span.exact ? span.hi : 0);
+    SpanSummary rows;
+    rows.add(key_span(p, b, h, m0 + threadIdx.x));
+    const SpanSummary warp = rows.over_warp();
     if (threadIdx.x % 32 == 0) {
       const int wg = threadIdx.x / 64;
-      atomicMin(&span_bounds[0], first);
-      atomicMax(&span_bounds[1], end);
-      atomicMax(&span_bounds[2 + 2 * wg], full_lo);
-      atomicMin(&span_bounds[3 + 2 * wg], full_hi);
+      atomicMin(&span_bounds[0], warp.first);
+      atomicMax(&span_bounds[1], warp.end);
+      atomicMax(&span_bounds[2 + 2 * wg], warp.full_lo);
+      atomicMin(&span_bounds[3 + 2 * wg], warp.full_hi);
     }
   }
   __syncthreads();
