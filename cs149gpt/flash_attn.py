@@ -35,7 +35,7 @@ Supported:
 CUDA tensors run the same functions on the GPU kernels (bfloat16/float16 with head_dim 64 or 128 on tensor cores,
 forward and backward; float32 forward only), the varlen ones in one launch over all sequences, each reading its own;
 an argument the CUDA kernels do not take yet is refused with an error naming it (a paged varlen call's block_table
-among them).
+in float32 among them).
 
 Every argument of these functions is honoured. Differences: S_dmask (return_attn_probs) holds the normalised
 probabilities (FlashAttention's are scaled per block: "possibly with different scaling"); a paged varlen call has no

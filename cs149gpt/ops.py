@@ -410,7 +410,8 @@ def varlen_attention(
             (cu_seqlens_k gives the lengths only). Sequences may share blocks (a common prefix). Each block a
             sequence uses must be in [0, num_blocks) (IndexError) and within the table's columns (ValueError).
             The kernel reads the keys through the table: one call prefills and decodes many sequences (a query
-            length of 1 is a decode step). Inference only: it runs with grad mode on, but its backward raises.
+            length of 1 is a decode step). Inference only: it runs with grad mode on, but its backward raises. On
+            CUDA: bfloat16 or float16 (FlashAttention-2's forward, on every GPU), NotImplementedError for float32.
         return_lse: also return lse, (Hq, total_q) float32.
 
     Differentiable in q, k and v (the backward is one kernel call too: a task per (sequence, kv head)); not with

@@ -486,10 +486,12 @@ DType check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   };
   check_options(q, Impl::flash, dtype, false, window_left, window_right, dropout_p, dropout_seed, softcap,
                 alibi_slopes, slopes_shape);
-  // The CUDA varlen kernels take what dense CUDA calls take, but not a paged cache (csrc/cuda/flash_api.cpp).
+  // The CUDA varlen kernels take what dense CUDA calls take; a paged cache only on the tensor-core kernels (the
+  // float32 teaching kernel reads packed k and v; csrc/cuda/flash_api.cpp).
   if (q.device().is_cuda())
-    TORCH_CHECK_NOT_IMPLEMENTED(!paged, "block_table (a paged KV cache) in varlen_attention is not supported on CUDA "
-                                "yet (CPU only); pass k and v packed, (total_k, heads_kv, head_dim)");
+    TORCH_CHECK_NOT_IMPLEMENTED(!paged || dtype != DType::f32, "block_table (a paged KV cache) in varlen_attention on "
+                                "CUDA needs bfloat16 or float16 (the float32 CUDA kernel reads packed k and v only), "
+                                "got float32; pass k and v packed, (total_k, heads_kv, head_dim)");
   return dtype;
 }
 

@@ -517,22 +517,136 @@ def test_compile_fullgraph_forward_backward():
 
 
 def test_what_cuda_does_not_take_is_refused_alike_in_eager_and_fake():
-    """A paged KV cache (block_table) in varlen calls is refused on CUDA, by the check the fake shares: the same error
-    in eager mode and in FakeTensorMode (so torch.compile refuses it while tracing)."""
+    """A paged KV cache (block_table) in a float32 varlen call is refused on CUDA (the float32 kernel reads packed k
+    and v only), by the check the fake shares: the same error in eager mode and in FakeTensorMode (so torch.compile
+    refuses it while tracing)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    q, k, v, cu_q, cu_k = packed([(12, 12), (5, 9)], 4, 2, 64, torch.bfloat16)
-    cache = rand((4, 16, 2, 64), torch.bfloat16, 3)
+    q, k, v, cu_q, cu_k = packed([(12, 12), (5, 9)], 4, 2, 64, torch.float32)
+    cache = rand((4, 16, 2, 64), torch.float32, 3)
     table = torch.tensor([[0], [1]], dtype=torch.int32, device=CUDA)
     fn = lambda q, k, v, cq, ck, t: cs149gpt.varlen_attention(q, k, v, cq, ck, 12, 12, block_table=t)  # noqa: E731
     args = (q, cache, cache, int32(cu_q), int32(cu_k), table)
-    with pytest.raises(NotImplementedError, match="block_table") as eager:
+    with pytest.raises(NotImplementedError, match="block_table.*float32") as eager:
         fn(*args)
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in args]
         with pytest.raises(NotImplementedError, match="block_table") as traced:
             fn(*fake)
     assert str(eager.value) == str(traced.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A paged KV cache (block_table): FlashAttention-2's forward gathers each key tile's rows through the sequence's table
+# (any page size; pages shuffled, shared between sequences); against float64 from the definition on the keys gathered
+# from the pages (tests/test_varlen_paged.py's reference), and bit for bit against the same kernel on those keys packed.
+# ---------------------------------------------------------------------------------------------------------
+def paged_setup(lengths, page, heads, d, dtype, seed, **kw):
+    """q on the GPU; k_cache, v_cache, block_table on the GPU and their CPU copies (paged_cache's), the offsets."""
+    from tests.test_varlen_paged import paged_cache
+
+    g = torch.Generator().manual_seed(seed)
+    cu_q, key_lengths = offsets([a for a, _ in lengths]), [b for _, b in lengths]
+    q = torch.randn(cu_q[-1], heads[0], d, generator=g).to(dtype)
+    kc, vc, table = paged_cache(key_lengths, page, heads[1], d, dtype, g, **kw)
+    return q.to(CUDA), kc.to(CUDA), vc.to(CUDA), table.to(CUDA), (q, kc, vc, table), cu_q, key_lengths
+
+
+def paged_call(q, kc, vc, table, cu_q, key_lengths, **kw):
+    longest = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+    return cs149gpt.varlen_attention(q, kc, vc, int32(cu_q), int32(offsets(key_lengths)), longest, max(key_lengths),
+                                     block_table=table, return_lse=True, **kw)
+
+
+def paged_reference(cpu, cu_q, key_lengths, **kw):
+    from tests.test_varlen_paged import gather, reference
+
+    q, kc, vc, table = cpu
+    return reference(q, cu_q, gather(kc, table, key_lengths), gather(vc, table, key_lengths), scale=q.shape[-1] ** -0.5,
+                     **kw)
+
+
+def check_paged(got, want, dtype):
+    out, lse = (t.cpu() for t in got)
+    ref_out, ref_lse = want
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and out.dtype == dtype
+    assert (out.double() - ref_out).abs().max().item() <= CAPS[dtype]
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(lse[~seen], ref_lse[~seen].float())  # −inf: a row that sees no key
+    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() <= 1e-3
+    assert torch.all(out[(~seen).transpose(0, 1)] == 0)
+
+
+# (Nq, Nk): decode steps beside prefills, chunked prefill (Nq < Nk), empty sequences, keys without queries, queries
+# without keys, and sequences of several key tiles.
+PAGED = [(1, 40), (70, 70), (0, 0), (1, 1), (33, 90), (0, 17), (1, 300), (3, 0), (130, 200), (200, 1000)]
+
+
+@pytest.mark.parametrize("dtype", FAST_DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS, ids=["mha", "gqa", "mqa"])
+def test_paged_cache_forward(dtype, d, causal, heads):
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup(PAGED, 16, heads, d, dtype, seed=d + causal)
+    check_paged(paged_call(q, kc, vc, table, cu_q, nk, is_causal=causal), paged_reference(cpu, cu_q, nk, causal=causal),
+                dtype)
+
+
+@pytest.mark.parametrize("page", [1, 5, 64, 100, 256])
+def test_paged_cache_page_sizes(page):
+    """Pages of one key, of an odd count, as long as a key tile, ending inside one, longer than one."""
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup([(1, 700), (257, 300), (64, 64), (1, 1)], page, (4, 2), 128,
+                                                  torch.bfloat16, seed=page)
+    for causal in (False, True):
+        check_paged(paged_call(q, kc, vc, table, cu_q, nk, is_causal=causal),
+                    paged_reference(cpu, cu_q, nk, causal=causal), torch.bfloat16)
+
+
+def test_paged_cache_options_and_shared_prefix():
+    """Windows, softcap and ALiBi (the general kernel) through the table, with sequences sharing their first blocks."""
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup([(1, 200), (1, 150), (40, 230), (1, 64), (90, 90)], 32, (4, 2), 64,
+                                                  torch.float16, seed=11, shared_prefix_pages=2)
+    assert torch.equal(table[1, :2], table[0, :2])
+    slopes = torch.rand(4, generator=torch.Generator().manual_seed(5)) * 0.2
+    for kw in (dict(window=(16, 0)), dict(softcap=5.0), dict(alibi_slopes=slopes)):
+        ref_kw = dict(window=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0), slopes=kw.get("alibi_slopes"))
+        dev_kw = {**kw, **({"alibi_slopes": slopes.to(CUDA)} if "alibi_slopes" in kw else {})}
+        check_paged(paged_call(q, kc, vc, table, cu_q, nk, is_causal=True, **dev_kw),
+                    paged_reference(cpu, cu_q, nk, causal=True, **ref_kw), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", FAST_DTYPES)
+def test_paged_cache_equals_packed_keys(dtype, monkeypatch):
+    """The paged call gives, bit for bit, what FlashAttention-2's kernel gives on the keys gathered into packed k, v:
+    only where a key is read from differs."""
+    from tests.test_varlen_paged import gather
+
+    monkeypatch.setenv("CS149GPT_HOPPER", "0")
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup(PAGED, 16, (8, 2), 128, dtype, seed=3)
+    k = torch.cat(gather(cpu[1], cpu[3], nk)).to(CUDA)
+    v = torch.cat(gather(cpu[2], cpu[3], nk)).to(CUDA)
+    for causal in (False, True):
+        out, lse = paged_call(q, kc, vc, table, cu_q, nk, is_causal=causal)
+        out_packed, lse_packed = call(q, k, v, cu_q, offsets(nk), is_causal=causal)
+        assert torch.equal(out, out_packed) and torch.equal(lse, lse_packed)
+
+
+def test_paged_cache_flash_attn_varlen_func():
+    """FlashAttention's call on CUDA: cu_seqlens_k gives the lengths only, lse +inf where a row sees no key; a bad
+    table entry is an IndexError (also a RuntimeError, as FlashAttention raises it) naming it."""
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup(PAGED, 16, (4, 2), 64, torch.bfloat16, seed=9)
+    cu_k = int32(offsets(nk)) + 1000
+    out, lse, _ = flash_attn_varlen_func(q, kc, vc, int32(cu_q), cu_k, 200, 1000, causal=True, block_table=table,
+                                         return_attn_probs=True)
+    ref_out, ref_lse = paged_reference(cpu, cu_q, nk, causal=True)
+    assert (out.cpu().double() - ref_out).abs().max().item() <= CAPS[torch.bfloat16]
+    seen = torch.isfinite(ref_lse)
+    assert torch.all(lse.cpu()[~seen] == math.inf)
+    bad = table.clone()
+    bad[1, 2] = kc.shape[0]
+    with pytest.raises(IndexError, match=r"block_table\[1, 2\] = ") as e:
+        flash_attn_varlen_func(q, kc, vc, int32(cu_q), cu_k, 200, 1000, block_table=bad)
+    assert isinstance(e.value, RuntimeError)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -218,9 +218,12 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
 // (total_k, Hkv, d) seen as (1, heads, total, d), sequence b at rows [cu_seqlens[b], cu_seqlens[b + 1]) (attention.h);
 // batch counts the sequences and q_len, kv_len are the longest's. cu_seqlens are read on the host once (one small
 // device-to-host copy) to check them as the CPU does (varlen_lengths: the same errors) and to size the grid; the
-// kernels read them in device memory, each block its own sequence's (sequence_view).
+// kernels read them in device memory, each block its own sequence's (sequence_view). With block_table (forward only),
+// k and v are a paged cache (num_blocks, page_block_size, Hkv, d) seen as (num_blocks, Hkv, page_block_size, d), pages
+// k_strides[0] apart (attention.h): cu_seqlens_k gives the lengths only; the table is checked on the host too (one
+// more copy) and read on the device by the FlashAttention-2 forward (copy_paged_tile_async).
 struct VarlenPrepared {
-  at::Tensor q4, k4, v4, cu_q, cu_k;
+  at::Tensor q4, k4, v4, cu_q, cu_k, table;
   AttentionParams p;
   bool fast;    // tensor cores (bf16/f16) rather than the teaching kernel (f32)
   bool covers;  // the sequences cover every row of q and k (else the rows outside them get zeros)
@@ -235,7 +238,8 @@ void point_at_packed(void*& ptr, int64_t (&strides)[3], const at::Tensor& t4) { 
 }
 VarlenPrepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                              int64_t max_seqlen_k, DType dtype, std::optional<double> scale, bool causal) {
+                              int64_t max_seqlen_k, DType dtype, std::optional<double> scale, bool causal,
+                              const std::optional<at::Tensor>& block_table = {}) {
   const bool fast = dtype != DType::f32;
   if (fast) {
     const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, q.device().index());
@@ -243,12 +247,20 @@ VarlenPrepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at
                 " needs a GPU of compute capability 8.0 or newer (tensor-core mma.sync, cp.async); this one is ", major,
                 ".x");
   }
-  VarlenPrepared c{packed_as_4d(q, fast), packed_as_4d(k, fast), packed_as_4d(v, fast), cu_seqlens_q.contiguous(),
-                   cu_seqlens_k.contiguous(), {}, fast, true};
+  const bool paged = block_table.has_value() && block_table->defined();
+  const auto kv_as_4d = [&](const at::Tensor& t) {
+    return paged ? as_4d_aligned(t.transpose(1, 2), fast) : packed_as_4d(t, fast);
+  };
+  VarlenPrepared c{packed_as_4d(q, fast), kv_as_4d(k), kv_as_4d(v), cu_seqlens_q.contiguous(),
+                   cu_seqlens_k.contiguous(), paged ? block_table->contiguous() : at::Tensor(), {}, fast, true};
   const int64_t n = c.cu_q.size(0);
   const at::Tensor host = at::cat({c.cu_q, c.cu_k}).cpu();
-  const auto [longest_q, longest_k] = varlen_lengths(host.narrow(0, 0, n), host.narrow(0, n, n), q.size(0), k.size(0),
-                                                     max_seqlen_q, max_seqlen_k, &c.covers);
+  const at::Tensor host_k = host.narrow(0, n, n);
+  // A paged cache's keys are not rows of k: its sequences' lengths bound nothing but themselves.
+  const int64_t total_k = paged ? host_k.data_ptr<int32_t>()[n - 1] : k.size(0);
+  const auto [longest_q, longest_k] = varlen_lengths(host.narrow(0, 0, n), host_k, q.size(0), total_k, max_seqlen_q,
+                                                     max_seqlen_k, &c.covers);
+  if (paged) check_varlen_pages(c.table.cpu(), host_k, k.size(1), k.size(0));
   AttentionParams& p = c.p;
   fill_params(p, c.q4, c.k4, c.v4, dtype, scale, "none");
   p.batch = n - 1;
@@ -257,7 +269,13 @@ VarlenPrepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at
   p.cu_seqlens_q = c.cu_q.data_ptr<int32_t>();
   p.cu_seqlens_k = c.cu_k.data_ptr<int32_t>();
   p.total_q = q.size(0);
-  p.total_k = k.size(0);
+  p.total_k = total_k;
+  if (paged) {
+    p.block_table = c.table.data_ptr<int32_t>();
+    p.block_table_stride = c.table.size(1);
+    p.page_size = k.size(1);
+    p.num_pages = k.size(0);
+  }
   p.is_causal = causal;  // bottom-right in each sequence (sequence_view sets the offsets)
   // Grids: (query or key blocks, heads, sequences), or one dimension of all three under the causal mask.
   TORCH_CHECK_VALUE(p.batch <= 65535 && p.num_heads <= 65535, "CUDA varlen attention takes at most 65535 sequences "
@@ -377,7 +395,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(const at::Tensor& q, const a
                                    block_table);
   const c10::cuda::CUDAGuard guard(q.device());
   VarlenPrepared c = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dtype, scale,
-                                    causal);
+                                    causal, block_table);
   AttentionParams& p = c.p;
   const at::Tensor alibi = fill_options(p, p.q_len + p.kv_len, window_left, window_right, dropout_p, dropout_seed,
                                         softcap, alibi_slopes);

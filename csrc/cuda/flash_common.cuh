@@ -44,6 +44,30 @@ __device__ __forceinline__ void copy_tile_async(T* smem, const T* gmem, int64_t 
   }
 }
 
+// copy_tile_async for the keys n1 .. n1 + rows_valid − 1 of a paged KV cache (packed sequences with block_table; the
+// sequence's view, whose table is its own row): key t is row t % page_size of page block_table[t / page_size], pages
+// strides[0] apart from `head` (the kv head's first row of page 0): a table read for each row a thread copies.
+template <class Tile, int kNThreads, class T>
+__device__ __forceinline__ void copy_paged_tile_async(T* smem, const T* head, const AttentionParams& p,
+                                                      const int64_t (&strides)[3], int64_t n1, int rows_valid) {
+  constexpr int kChunksPerRow = Tile::kCols / 8;
+  constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
+  const int r0 = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * 8;
+  T* dst = smem + r0 * Tile::kStride + col;
+#pragma unroll
+  for (int i = 0; i < Tile::kRows / kRowsPerPass; ++i) {
+    const int r = r0 + i * kRowsPerPass;
+    const bool valid = r < rows_valid;
+    const T* src = head;
+    if (valid) {  // (keys and pages counted in 32 bits, as block_table's)
+      const int t = static_cast<int>(n1) + r, page_size = static_cast<int>(p.page_size);
+      const int page = t / page_size;
+      src += p.block_table[page] * strides[0] + (t - page * page_size) * strides[2] + col;
+    }
+    cp_async_16(dst + i * kRowsPerPass * Tile::kStride, src, valid);
+  }
+}
+
 // Copies n_valid floats (n_valid <= kCount, kCount a multiple of 4, src and dst 16-byte aligned) into shared
 // memory, zeros past n_valid; asynchronous like copy_tile_async. Threads 0 .. kCount / 4 - 1 take a chunk each.
 template <int kCount>

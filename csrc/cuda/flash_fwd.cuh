@@ -120,8 +120,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));
 
   const T* q = head_ptr(static_cast<const T*>(p.q), p.q_strides, b, h) + m0 * p.q_strides[2];
-  const T* k = head_ptr(static_cast<const T*>(p.k), p.k_strides, b, hk);
-  const T* v = head_ptr(static_cast<const T*>(p.v), p.v_strides, b, hk);
+  // A paged cache (packed sequences with block_table): k and v at the kv head's rows of page 0, each tile's rows
+  // gathered through the table (copy_paged_tile_async).
+  const bool paged = kPacked && p.block_table != nullptr;
+  const T* k = head_ptr(static_cast<const T*>(p.k), p.k_strides, paged ? 0 : b, hk);
+  const T* v = head_ptr(static_cast<const T*>(p.v), p.v_strides, paged ? 0 : b, hk);
   T* out = head_ptr(static_cast<T*>(p.out), p.out_strides, b, h) + m0 * p.out_strides[2];
 
   constexpr int kMi = Traits::kMi;
@@ -158,10 +161,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int64_t n1 = static_cast<int64_t>(j_begin) * kBlockN;
     const int first_keys = static_cast<int>(min64(kBlockN, p.kv_len - n1));
     const int buf = j_begin % 2;
-    copy_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k + n1 * p.k_strides[2],
-                                                        p.k_strides[2], first_keys);
-    copy_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v + n1 * p.v_strides[2],
-                                                        p.v_strides[2], first_keys);
+    if (paged) {
+      copy_paged_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k, p, p.k_strides,
+                                                                n1, first_keys);
+      copy_paged_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v, p, p.v_strides,
+                                                                n1, first_keys);
+    } else {
+      copy_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k + n1 * p.k_strides[2],
+                                                          p.k_strides[2], first_keys);
+      copy_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v + n1 * p.v_strides[2],
+                                                          p.v_strides[2], first_keys);
+    }
     cp_async_commit();
   }
   [[maybe_unused]] const Logits logits = kGeneral ? Logits(p, b, h) : Logits();
@@ -190,10 +200,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int64_t n1 = static_cast<int64_t>(j + 1) * kBlockN;
       const int keys = static_cast<int>(min64(kBlockN, p.kv_len - n1));
       const int buf = (j + 1) % 2;
-      copy_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k + n1 * p.k_strides[2],
-                                                          p.k_strides[2], keys);
-      copy_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v + n1 * p.v_strides[2],
-                                                          p.v_strides[2], keys);
+      if (paged) {
+        copy_paged_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k, p, p.k_strides,
+                                                                  n1, keys);
+        copy_paged_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v, p, p.v_strides,
+                                                                  n1, keys);
+      } else {
+        copy_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k + n1 * p.k_strides[2],
+                                                            p.k_strides[2], keys);
+        copy_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v + n1 * p.v_strides[2],
+                                                            p.v_strides[2], keys);
+      }
       cp_async_commit();
     }
     const T* sKj = sK + (j % 2) * Traits::KVTile::kElems;

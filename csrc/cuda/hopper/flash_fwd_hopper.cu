@@ -69,9 +69,10 @@ bool hopper_takes_shapes(const AttentionParams& p) {
 }
 
 bool hopper_fwd_supports(const AttentionParams& p) {
-  // attn_mask (through mask_key_bounds' key ranges), windows and causal: key spans.
+  // attn_mask (through mask_key_bounds' key ranges), windows and causal: key spans. Not a paged cache (its tiles are
+  // gathered row by row: the FlashAttention-2 forward).
   return (p.mask == nullptr || p.key_ranges != nullptr) && !(p.cu_seqlens_q != nullptr && has_mask_or_window(p)) &&
-         hopper_takes_shapes(p);
+         p.block_table == nullptr && hopper_takes_shapes(p);
 }
 
 bool hopper_fwd_takes_tile_counter(const AttentionParams& p) {
