@@ -81,6 +81,22 @@ __device__ __forceinline__ void rescale_o(float (&o)[Traits::kMi][Traits::kHeadD
     }
 }
 
+// Keys n1 .. n1 + keys − 1 of k and v (their kv head's rows) into buffer buf of sK and sV: rows strides[2] apart, or
+// with `paged` a paged cache's, gathered through the sequence's table.
+template <class Traits, class T>
+__device__ __forceinline__ void copy_kv_tiles(T* sK, T* sV, int buf, const T* k, const T* v, const AttentionParams& p,
+                                              bool paged, int64_t n1, int keys) {
+  using Tile = typename Traits::KVTile;
+  constexpr int kNThreads = Traits::kNThreads;
+  if (paged) {
+    copy_paged_tile_async<Tile, kNThreads>(sK + buf * Tile::kElems, k, p, p.k_strides, n1, keys);
+    copy_paged_tile_async<Tile, kNThreads>(sV + buf * Tile::kElems, v, p, p.v_strides, n1, keys);
+  } else {
+    copy_tile_async<Tile, kNThreads>(sK + buf * Tile::kElems, k + n1 * p.k_strides[2], p.k_strides[2], keys);
+    copy_tile_async<Tile, kNThreads>(sV + buf * Tile::kElems, v + n1 * p.v_strides[2], p.v_strides[2], keys);
+  }
+}
+
 // kPacked: packed sequences (params.cu_seqlens_q set), a kernel of its own so that a dense call keeps every size in
 // the kernel's parameter space (the view's sizes take registers: d 128 spilled 80 bytes instead of 20). kGeneral: the
 // logit pipeline of flash_mask.cuh (attn_mask, window, softcap, ALiBi, dropout), causal or not at run time.
@@ -160,18 +176,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     copy_tile_async<typename Traits::QTile, kNThreads>(sQ, q, p.q_strides[2], rows_valid);
     const int64_t n1 = static_cast<int64_t>(j_begin) * kBlockN;
     const int first_keys = static_cast<int>(min64(kBlockN, p.kv_len - n1));
-    const int buf = j_begin % 2;
-    if (paged) {
-      copy_paged_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k, p, p.k_strides,
-                                                                n1, first_keys);
-      copy_paged_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v, p, p.v_strides,
-                                                                n1, first_keys);
-    } else {
-      copy_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k + n1 * p.k_strides[2],
-                                                          p.k_strides[2], first_keys);
-      copy_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v + n1 * p.v_strides[2],
-                                                          p.v_strides[2], first_keys);
-    }
+    copy_kv_tiles<Traits>(sK, sV, j_begin % 2, k, v, p, paged, n1, first_keys);
     cp_async_commit();
   }
   [[maybe_unused]] const Logits logits = kGeneral ? Logits(p, b, h) : Logits();
@@ -199,18 +204,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (j + 1 < n_tiles) {  // copy tile j + 1 while tile j is multiplied
       const int64_t n1 = static_cast<int64_t>(j + 1) * kBlockN;
       const int keys = static_cast<int>(min64(kBlockN, p.kv_len - n1));
-      const int buf = (j + 1) % 2;
-      if (paged) {
-        copy_paged_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k, p, p.k_strides,
-                                                                  n1, keys);
-        copy_paged_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v, p, p.v_strides,
-                                                                  n1, keys);
-      } else {
-        copy_tile_async<typename Traits::KVTile, kNThreads>(sK + buf * Traits::KVTile::kElems, k + n1 * p.k_strides[2],
-                                                            p.k_strides[2], keys);
-        copy_tile_async<typename Traits::KVTile, kNThreads>(sV + buf * Traits::KVTile::kElems, v + n1 * p.v_strides[2],
-                                                            p.v_strides[2], keys);
-      }
+      copy_kv_tiles<Traits>(sK, sV, (j + 1) % 2, k, v, p, paged, n1, keys);
       cp_async_commit();
     }
     const T* sKj = sK + (j % 2) * Traits::KVTile::kElems;
