@@ -411,7 +411,9 @@ def varlen_attention(
             sequence uses must be in [0, num_blocks) (IndexError) and within the table's columns (ValueError).
             The kernel reads the keys through the table: one call prefills and decodes many sequences (a query
             length of 1 is a decode step). Inference only: it runs with grad mode on, but its backward raises. On
-            CUDA: bfloat16 or float16 (FlashAttention-2's forward, on every GPU), NotImplementedError for float32.
+            CUDA: bfloat16 or float16 (NotImplementedError for float32); on sm_90 pages of a multiple of 128 rows
+            laid one after another (a (num_blocks, page, Hkv, d) tensor with contiguous rows) run Hopper's forward,
+            a TMA copy per key tile; other pages FlashAttention-2's, which gathers the rows.
         return_lse: also return lse, (Hq, total_q) float32.
 
     Differentiable in q, k and v (the backward is one kernel call too: a task per (sequence, kv head)); not with

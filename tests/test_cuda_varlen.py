@@ -615,6 +615,30 @@ def test_paged_cache_options_and_shared_prefix():
                     paged_reference(cpu, cu_q, nk, causal=True, **ref_kw), torch.float16)
 
 
+@pytest.mark.parametrize("page", [128, 256, 48])
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_cache_on_both_paths(page, d, forward_path):
+    """Pages of a multiple of 128 rows, one after another in memory: on sm_90 Hopper's forward reads each key tile with
+    one TMA copy at its page's row (a profiler count); other pages, and CS149GPT_HOPPER=0: FlashAttention-2's. The
+    slots past each sequence's last key (its last page's rest, every unused block) are NaN: never in an output."""
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup(PAGED, page, (8, 2), d, torch.bfloat16, seed=page + d)
+    used = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(nk):
+        for t in range(n):
+            used[cpu[3][b, t // page], t % page] = True
+    kc[~used.to(CUDA)] = float("nan")
+    vc[~used.to(CUDA)] = float("nan")
+    hopper = forward_path == "hopper" and page % 128 == 0
+    for causal in (False, True):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = paged_call(q, kc, vc, table, cu_q, nk, is_causal=causal)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel = "flash_fwd_hopper_kernel" if hopper else "flash_fwd_kernel"
+        assert sum(kernel in n for n in names) == 1 and sum("flash_fwd" in n for n in names) == 1, names
+        check_paged(got, paged_reference(cpu, cu_q, nk, causal=causal), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", FAST_DTYPES)
 def test_paged_cache_equals_packed_keys(dtype, monkeypatch):
     """The paged call gives, bit for bit, what FlashAttention-2's kernel gives on the keys gathered into packed k, v:

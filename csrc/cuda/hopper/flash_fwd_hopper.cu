@@ -49,11 +49,16 @@ using hopper::strides_ok;
 // make a hidden key's −inf NaN): a scale <= 0 runs the general FA2 kernel (the key-spans kernel scales first, but
 // shares this check).
 // Packed sequences (cu_seqlens_q; both passes, without attn_mask or window): the tensor maps then span the packed
-// rows (total_q, total_k), one (batch) of them.
+// rows (total_q, total_k), one (batch) of them; with a paged KV cache (the forward), k's and v's every page's rows, a
+// page kPagedKeyTile rows or a multiple, the pages one after another in memory (a key tile is then rows of one page,
+// one TMA coordinate through the table).
 bool hopper_takes_shapes(const AttentionParams& p) {
   constexpr int64_t kMaxRows = int64_t{1} << 30;  // TMA coordinates are int32
   const bool packed = p.cu_seqlens_q != nullptr;
-  const bool call = p.dropout_p == 0.0f && !has_logit_mods(p) && p.block_table == nullptr &&
+  const bool pages = p.block_table == nullptr ||
+                     (packed && p.page_size % hopper::kPagedKeyTile == 0 &&
+                      p.k_strides[0] == p.page_size * p.k_strides[2] && p.v_strides[0] == p.page_size * p.v_strides[2]);
+  const bool call = p.dropout_p == 0.0f && !has_logit_mods(p) && pages &&
                     p.cache_seqlens == nullptr && p.k_new == nullptr && p.scale > 0.f &&
                     (!packed || (p.seq_end_q == nullptr && p.seq_end_k == nullptr && p.total_q > 0 && p.total_k > 0));
   const auto [batch, q_rows, kv_rows] = hopper::map_extent(p);
@@ -69,10 +74,9 @@ bool hopper_takes_shapes(const AttentionParams& p) {
 }
 
 bool hopper_fwd_supports(const AttentionParams& p) {
-  // attn_mask (through mask_key_bounds' key ranges), windows and causal: key spans. Not a paged cache (its tiles are
-  // gathered row by row: the FlashAttention-2 forward).
+  // attn_mask (through mask_key_bounds' key ranges), windows and causal: key spans.
   return (p.mask == nullptr || p.key_ranges != nullptr) && !(p.cu_seqlens_q != nullptr && has_mask_or_window(p)) &&
-         p.block_table == nullptr && hopper_takes_shapes(p);
+         hopper_takes_shapes(p);
 }
 
 bool hopper_fwd_takes_tile_counter(const AttentionParams& p) {

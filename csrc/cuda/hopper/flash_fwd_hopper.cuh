@@ -124,11 +124,17 @@ __device__ __forceinline__ void load_q(const SharedTiles<Traits>& sm, const CUte
 }
 
 // K and V of the work tile's key tile n0 / kBlockN, the ring's tile g, each panel (64 columns of head_dim) one TMA
-// box, each into its stage's buffer once the consumers have released it.
+// box, each into its stage's buffer once the consumers have released it. A paged cache: the tile is rows n0 % page_size
+// on of page block_table[b, n0 / page_size] (a page holds whole tiles: hopper_takes_shapes).
 template <class Traits>
 __device__ __forceinline__ void load_kv(const SharedTiles<Traits>& sm, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
-                                        const WorkTile& w, int n0, uint32_t g) {
-  const int row = static_cast<int>(w.k_row0 + n0), hk = w.hk, b = w.bm;
+                                        const AttentionParams& p, const WorkTile& w, int n0, uint32_t g) {
+  int row = static_cast<int>(w.k_row0 + n0);
+  if (p.block_table != nullptr) {
+    const int page_size = static_cast<int>(p.page_size), page = n0 / page_size;
+    row = p.block_table[w.b * p.block_table_stride + page] * page_size + (n0 - page * page_size);
+  }
+  const int hk = w.hk, b = w.bm;
   const int stage = stage_of<Traits>(g);
   const uint32_t released = phase_of<Traits>(g) ^ 1;  // the phase in which tile g − kStages was released
   mbarrier_wait(&sm.k_empty[stage], released);
@@ -586,6 +592,7 @@ __device__ __forceinline__ WorkTile tile_rows(const AttentionParams& p, int tile
     w.q_len = p.cu_seqlens_q[w.b + 1] - w.q_row0;
     w.kv_len = p.cu_seqlens_k[w.b + 1] - w.k_row0;
     w.causal_offset = w.kv_len - w.q_len;  // bottom-right in the sequence
+    if (p.block_table != nullptr) w.k_row0 = 0;  // a paged cache: its keys' rows through the table (load_kv)
   } else {
     w.bm = w.b;
     w.q_row0 = w.k_row0 = 0;
@@ -720,7 +727,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (tile < tiles) w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
         // The tile's first K and V go ahead of its Q: their buffers free up while the previous tile is computed, Q's
         // only once it is done.
-        if (w.n_tiles > 0) load_kv<Traits>(sm, &tm_k, &tm_v, w, w.n_first * Traits::kBlockN, kv);
+        if (w.n_tiles > 0) load_kv<Traits>(sm, &tm_k, &tm_v, p, w, w.n_first * Traits::kBlockN, kv);
         mbarrier_wait(sm.q_empty, static_cast<uint32_t>(i & 1) ^ 1);  // Q is free (the first tile's wait returns at once)
         if (dynamic) *sm.tile = min(tile, tiles);  // (published by the arrival on q_full below)
         if (tile >= tiles) {
@@ -730,7 +737,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (w.n_tiles > 0) load_q<Traits>(sm, &tm_q, w);
         else mbarrier_arrive(sm.q_full);  // no S reads Q (a sequence's rows past the keys, or past its end)
         for (int n = 1; n < w.n_tiles; ++n)
-          load_kv<Traits>(sm, &tm_k, &tm_v, w, (w.n_first + n) * Traits::kBlockN, kv + n);
+          load_kv<Traits>(sm, &tm_k, &tm_v, p, w, (w.n_first + n) * Traits::kBlockN, kv + n);
         kv += static_cast<uint32_t>(w.n_tiles);
         tile = next_tile<kMask>(i + 1, blockIdx.x, gridDim.x, tile_counter);
       }
@@ -748,8 +755,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (tile >= tiles) break;
       const WorkTile w = work_tile<Traits, kMask>(p, tile, m_blocks, heads_per_group, span_bounds);
       const int64_t row0 = w.m0 + wg * 64 + warp * 16 + lane / 4;
-      // (packed: the rows past the sequence's keys are the next sequence's where the tensor goes on)
-      const bool tail = kMask != kMaskSpans && p.cu_seqlens_q != nullptr && w.k_row0 + w.kv_len < p.total_k;
+      // (packed: the rows past the sequence's keys are the next sequence's where the tensor goes on; paged: the rest
+      // of the last page, unused slots)
+      const bool tail = kMask != kMaskSpans && p.cu_seqlens_q != nullptr &&
+                        (p.block_table != nullptr || w.k_row0 + w.kv_len < p.total_k);
       ConsumerRows rows{wg,        row0, w.m0 + wg * 64, lane, kMask == kMaskSpans ? 1.f : p.scale * kLog2e,
                         w.n_first, kv,   w.kv_len,       w.causal_offset, tail ? w.kv_len : INT64_MAX};
       if constexpr (kMask == kMaskSpans) {
@@ -793,6 +802,7 @@ cudaError_t launch_flash_fwd_hopper(const AttentionParams& p, cudaStream_t strea
   const unsigned heads = static_cast<unsigned>(p.batch * p.num_heads);
   if (heads == 0 || m_blocks == 0) return cudaSuccess;  // no query rows: nothing to write
   if (kSpans != has_mask_or_window(p)) return cudaErrorInvalidValue;
+  if (p.block_table != nullptr && Traits::kBlockN != kPagedKeyTile) return cudaErrorInvalidValue;  // (load_kv's pages)
   void (*kernel)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const AttentionParams, int, int*);
   if constexpr (kSpans)
     kernel = flash_fwd_hopper_kernel<Traits, kMaskSpans>;

@@ -7,7 +7,7 @@ namespace hopper {
 template <>
 cudaError_t flash_fwd_run<128, __nv_bfloat16>(const AttentionParams& p, cudaStream_t stream, int* tile_counter) {
   if (has_mask_or_window(p)) return launch_flash_fwd_hopper<SpansFwdTraits<128, __nv_bfloat16>, true>(p, stream);
-  if (fwd_d128_narrow_key_tile(p.is_causal, p.kv_len))
+  if (fwd_d128_narrow_key_tile(p.is_causal, p.kv_len, p.block_table != nullptr))
     return launch_flash_fwd_hopper<SpansFwdTraits<128, __nv_bfloat16>, false>(p, stream, tile_counter);
   return launch_flash_fwd_hopper<DefaultFwdTraits<128, __nv_bfloat16>, false>(p, stream, tile_counter);
 }

@@ -98,7 +98,11 @@ using SpansFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/t
 // d 128 without mask or window: Bc 128 (SpansFwdTraits' tile) when causal or N_k <= 2048, else Bc 176. H200, bf16,
 // B·N 32768, H 16, dynamic schedule, Bc 128 vs 176: causal +11-14% at N 2048, +5-8% at 4096, +4-7% at 8192, +0-7% at
 // 16384; full +3-4% at 2048, -1-3% at 4096, -1% at 8192, -3-4% at 16384.
-constexpr bool fwd_d128_narrow_key_tile(bool causal, int64_t kv_len) { return causal || kv_len <= 2048; }
+// A paged KV cache: Bc 128 at both head dims, whose pages (a multiple of kPagedKeyTile rows) hold whole key tiles.
+constexpr bool fwd_d128_narrow_key_tile(bool causal, int64_t kv_len, bool paged) {
+  return causal || kv_len <= 2048 || paged;
+}
+constexpr int kPagedKeyTile = 128;
 
 // ---- the backward -----------------------------------------------------------------------------------------------------
 // One block = 3 warpgroups and one key tile of kBlockN = 128 keys (Bc): warpgroup 0 the producer (one thread: K, V once,

@@ -47,12 +47,13 @@ inline bool strides_ok(const int64_t (&strides)[3], int64_t batch, int64_t heads
 }
 
 // The extent of q's, and of k's and v's, tensor maps: (batch, rows) of the call, or with packed sequences one batch of
-// the packed rows (a sequence's first row is cu_seqlens[b]).
+// the packed rows (a sequence's first row is cu_seqlens[b]); a paged cache's k and v: every page's rows, one page after
+// another (hopper_takes_shapes checks that they are).
 struct MapExtent {
   int64_t batch, q_rows, kv_rows;
 };
 inline MapExtent map_extent(const AttentionParams& p) {
-  if (p.cu_seqlens_q != nullptr) return {1, p.total_q, p.total_k};
+  if (p.cu_seqlens_q != nullptr) return {1, p.total_q, p.block_table ? p.num_pages * p.page_size : p.total_k};
   return {p.batch, p.q_len, p.kv_len};
 }
 
