@@ -411,9 +411,10 @@ def varlen_attention(
             sequence uses must be in [0, num_blocks) (IndexError) and within the table's columns (ValueError).
             The kernel reads the keys through the table: one call prefills and decodes many sequences (a query
             length of 1 is a decode step). Inference only: it runs with grad mode on, but its backward raises. On
-            CUDA: bfloat16 or float16 (NotImplementedError for float32); on sm_90 pages of a multiple of 128 rows
-            laid one after another (a (num_blocks, page, Hkv, d) tensor with contiguous rows) run Hopper's forward,
-            a TMA copy per key tile; other pages FlashAttention-2's, which gathers the rows.
+            CUDA: bfloat16 or float16 (NotImplementedError for float32); on sm_90, where the call is one Hopper's
+            forward takes (d 64 or 128, no window, softcap, ALiBi or dropout), pages of a multiple of 128 rows whose
+            rows follow one page after another in memory (k.stride(0) == page_block_size * k.stride(1)) are read a
+            key tile per TMA copy; other pages by FlashAttention-2's forward, which gathers the rows.
         return_lse: also return lse, (Hq, total_q) float32.
 
     Differentiable in q, k and v (the backward is one kernel call too: a task per (sequence, kv head)); not with

@@ -582,12 +582,14 @@ def check_paged(got, want, dtype):
 PAGED = [(1, 40), (70, 70), (0, 0), (1, 1), (33, 90), (0, 17), (1, 300), (3, 0), (130, 200), (200, 1000)]
 
 
+@pytest.mark.parametrize("page", [16, 128])
 @pytest.mark.parametrize("dtype", FAST_DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", HEADS, ids=["mha", "gqa", "mqa"])
-def test_paged_cache_forward(dtype, d, causal, heads):
-    q, kc, vc, table, cpu, cu_q, nk = paged_setup(PAGED, 16, heads, d, dtype, seed=d + causal)
+def test_paged_cache_forward(page, dtype, d, causal, heads):
+    """Pages of 16 (FlashAttention-2's forward) and of 128 (Hopper's on sm_90)."""
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup(PAGED, page, heads, d, dtype, seed=d + causal)
     check_paged(paged_call(q, kc, vc, table, cu_q, nk, is_causal=causal), paged_reference(cpu, cu_q, nk, causal=causal),
                 dtype)
 
@@ -620,8 +622,10 @@ def test_paged_cache_options_and_shared_prefix():
 def test_paged_cache_on_both_paths(page, d, forward_path):
     """Pages of a multiple of 128 rows, one after another in memory: on sm_90 Hopper's forward reads each key tile with
     one TMA copy at its page's row (a profiler count); other pages, and CS149GPT_HOPPER=0: FlashAttention-2's. The
-    slots past each sequence's last key (its last page's rest, every unused block) are NaN: never in an output."""
-    q, kc, vc, table, cpu, cu_q, nk = paged_setup(PAGED, page, (8, 2), d, torch.bfloat16, seed=page + d)
+    slots past each sequence's last key (its last page's rest, every unused block) are NaN: never in an output. A
+    sequence of 3000 keys: d 128 past 2048 keys keeps the paged tile (Bc 128) without the causal mask too."""
+    lengths = PAGED + [(64, 3000)]
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup(lengths, page, (8, 2), d, torch.bfloat16, seed=page + d)
     used = torch.zeros(kc.shape[:2], dtype=torch.bool)
     for b, n in enumerate(nk):
         for t in range(n):
@@ -637,6 +641,27 @@ def test_paged_cache_on_both_paths(page, d, forward_path):
         kernel = "flash_fwd_hopper_kernel" if hopper else "flash_fwd_kernel"
         assert sum(kernel in n for n in names) == 1 and sum("flash_fwd" in n for n in names) == 1, names
         check_paged(got, paged_reference(cpu, cu_q, nk, causal=causal), torch.bfloat16)
+
+
+def test_paged_cache_layouts(forward_path):
+    """Pages of 128 rows whose rows are not one page after another (every other block of a larger buffer) take
+    FlashAttention-2's forward on every GPU; a cache stored (Hkv, num_blocks, page, d) and permuted to the call's
+    shape has them one after another within each head: Hopper's on sm_90. Both as the reference."""
+    q, kc, vc, table, cpu, cu_q, nk = paged_setup(PAGED, 128, (4, 2), 128, torch.float16, seed=21)
+    want = paged_reference(cpu, cu_q, nk, causal=True)
+    apart_k = torch.full((2 * kc.shape[0],) + kc.shape[1:], float("nan"), dtype=kc.dtype, device=CUDA)
+    apart_v = apart_k.clone()
+    apart_k[::2], apart_v[::2] = kc, vc
+    head_major_k = kc.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    head_major_v = vc.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    for k, v, hopper in ((apart_k[::2], apart_v[::2], False), (head_major_k, head_major_v, forward_path == "hopper")):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = paged_call(q, k, v, table, cu_q, nk, is_causal=True)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernel = "flash_fwd_hopper_kernel" if hopper else "flash_fwd_kernel"
+        assert sum(kernel in n for n in names) == 1 and sum("flash_fwd" in n for n in names) == 1, names
+        check_paged(got, want, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", FAST_DTYPES)
