@@ -558,6 +558,17 @@ def paged_call(q, kc, vc, table, cu_q, key_lengths, **kw):
                                      block_table=table, return_lse=True, **kw)
 
 
+def paged_call_on(hopper, *args, **kw):
+    """paged_call's result, asserting (torch.profiler) that one forward kernel ran: Hopper's, or FlashAttention-2's."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = paged_call(*args, **kw)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel = "flash_fwd_hopper_kernel" if hopper else "flash_fwd_kernel"
+    assert sum(kernel in n for n in names) == 1 and sum("flash_fwd" in n for n in names) == 1, names
+    return got
+
+
 def paged_reference(cpu, cu_q, key_lengths, **kw):
     from tests.test_varlen_paged import gather, reference
 
@@ -634,12 +645,7 @@ def test_paged_cache_on_both_paths(page, d, forward_path):
     vc[~used.to(CUDA)] = float("nan")
     hopper = forward_path == "hopper" and page % 128 == 0
     for causal in (False, True):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            got = paged_call(q, kc, vc, table, cu_q, nk, is_causal=causal)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernel = "flash_fwd_hopper_kernel" if hopper else "flash_fwd_kernel"
-        assert sum(kernel in n for n in names) == 1 and sum("flash_fwd" in n for n in names) == 1, names
+        got = paged_call_on(hopper, q, kc, vc, table, cu_q, nk, is_causal=causal)
         check_paged(got, paged_reference(cpu, cu_q, nk, causal=causal), torch.bfloat16)
 
 
@@ -655,13 +661,7 @@ def test_paged_cache_layouts(forward_path):
     head_major_k = kc.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     head_major_v = vc.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     for k, v, hopper in ((apart_k[::2], apart_v[::2], False), (head_major_k, head_major_v, forward_path == "hopper")):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            got = paged_call(q, k, v, table, cu_q, nk, is_causal=True)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernel = "flash_fwd_hopper_kernel" if hopper else "flash_fwd_kernel"
-        assert sum(kernel in n for n in names) == 1 and sum("flash_fwd" in n for n in names) == 1, names
-        check_paged(got, want, torch.float16)
+        check_paged(paged_call_on(hopper, q, k, v, table, cu_q, nk, is_causal=True), want, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", FAST_DTYPES)
