@@ -222,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Te
 // k and v are a paged cache (num_blocks, page_block_size, Hkv, d) seen as (num_blocks, Hkv, page_block_size, d), pages
 // k_strides[0] apart (attention.h): cu_seqlens_k gives the lengths only; the table is checked on the host too (one
 // more copy) and read on the device by the forwards (Hopper's: a key tile's page, hopper_takes_shapes; FlashAttention-2's:
-// each row's, copy_paged_tile_async).
+// each row's, copy_paged_kv_tiles_async).
 struct VarlenPrepared {
   at::Tensor q4, k4, v4, cu_q, cu_k, table;
   AttentionParams p;

@@ -44,27 +44,31 @@ __device__ __forceinline__ void copy_tile_async(T* smem, const T* gmem, int64_t 
   }
 }
 
-// copy_tile_async for the keys n1 .. n1 + rows_valid − 1 of a paged KV cache (packed sequences with block_table; the
-// sequence's view, whose table is its own row): key t is row t % page_size of page block_table[t / page_size], pages
-// strides[0] apart from `head` (the kv head's first row of page 0): a table read for each row a thread copies.
+// copy_tile_async of the key tile and the value tile of keys n1 .. n1 + rows_valid − 1 from a paged KV cache (packed
+// sequences with block_table; the sequence's view, whose table is its own row): key t is row t % page_size of page
+// block_table[t / page_size], pages k_strides[0] (v_strides[0]) apart from k_head (v_head), the kv head's first row
+// of page 0. One table read per row serves both tiles (K and V share the table).
 template <class Tile, int kNThreads, class T>
-__device__ __forceinline__ void copy_paged_tile_async(T* smem, const T* head, const AttentionParams& p,
-                                                      const int64_t (&strides)[3], int64_t n1, int rows_valid) {
+__device__ __forceinline__ void copy_paged_kv_tiles_async(T* sK, T* sV, const T* k_head, const T* v_head,
+                                                          const AttentionParams& p, int64_t n1, int rows_valid) {
   constexpr int kChunksPerRow = Tile::kCols / 8;
   constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
   const int r0 = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * 8;
-  T* dst = smem + r0 * Tile::kStride + col;
+  const int page_size = static_cast<int>(p.page_size);
+  const int offset = r0 * Tile::kStride + col;
 #pragma unroll
   for (int i = 0; i < Tile::kRows / kRowsPerPass; ++i) {
     const int r = r0 + i * kRowsPerPass;
     const bool valid = r < rows_valid;
-    const T* src = head;
+    const T *k_src = k_head, *v_src = v_head;
     if (valid) {  // (keys and pages counted in 32 bits, as block_table's)
-      const int t = static_cast<int>(n1) + r, page_size = static_cast<int>(p.page_size);
-      const int page = t / page_size;
-      src += p.block_table[page] * strides[0] + (t - page * page_size) * strides[2] + col;
+      const int t = static_cast<int>(n1) + r, page = t / page_size, row = t - page * page_size;
+      const int64_t entry = p.block_table[page];
+      k_src += entry * p.k_strides[0] + row * p.k_strides[2] + col;
+      v_src += entry * p.v_strides[0] + row * p.v_strides[2] + col;
     }
-    cp_async_16(dst + i * kRowsPerPass * Tile::kStride, src, valid);
+    cp_async_16(sK + offset + i * kRowsPerPass * Tile::kStride, k_src, valid);
+    cp_async_16(sV + offset + i * kRowsPerPass * Tile::kStride, v_src, valid);
   }
 }
 

@@ -89,8 +89,7 @@ __device__ __forceinline__ void copy_kv_tiles(T* sK, T* sV, int buf, const T* k,
   using Tile = typename Traits::KVTile;
   constexpr int kNThreads = Traits::kNThreads;
   if (paged) {
-    copy_paged_tile_async<Tile, kNThreads>(sK + buf * Tile::kElems, k, p, p.k_strides, n1, keys);
-    copy_paged_tile_async<Tile, kNThreads>(sV + buf * Tile::kElems, v, p, p.v_strides, n1, keys);
+    copy_paged_kv_tiles_async<Tile, kNThreads>(sK + buf * Tile::kElems, sV + buf * Tile::kElems, k, v, p, n1, keys);
   } else {
     copy_tile_async<Tile, kNThreads>(sK + buf * Tile::kElems, k + n1 * p.k_strides[2], p.k_strides[2], keys);
     copy_tile_async<Tile, kNThreads>(sV + buf * Tile::kElems, v + n1 * p.v_strides[2], p.v_strides[2], keys);
@@ -137,7 +136,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const T* q = head_ptr(static_cast<const T*>(p.q), p.q_strides, b, h) + m0 * p.q_strides[2];
   // A paged cache (packed sequences with block_table): k and v at the kv head's rows of page 0, each tile's rows
-  // gathered through the table (copy_paged_tile_async).
+  // gathered through the table (copy_paged_kv_tiles_async).
   const bool paged = kPacked && p.block_table != nullptr;
   const T* k = head_ptr(static_cast<const T*>(p.k), p.k_strides, paged ? 0 : b, hk);
   const T* v = head_ptr(static_cast<const T*>(p.v), p.v_strides, paged ? 0 : b, hk);
