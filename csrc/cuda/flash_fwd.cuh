@@ -180,6 +180,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   [[maybe_unused]] const Logits logits = kGeneral ? Logits(p, b, h) : Logits();
   [[maybe_unused]] const bool dropout = kGeneral && p.dropout_p > 0.f;
+  [[maybe_unused]] const bool plain_logits = kGeneral && !(p.softcap > 0.f) && p.alibi_slopes == nullptr;
 
   // (kGeneral: the pipeline's logits are in base 2 already)
   const float scale_log2 = kGeneral ? 1.f : p.scale * kLog2e;
@@ -220,9 +221,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float alpha[kMi][2];
 #pragma unroll
     for (int mi = 0; mi < kMi; ++mi) {
-      if constexpr (kGeneral)
-        tile_logits(s[mi], p, logits, span[mi], m0 + row0 + mi * 16, n0, lane);
-      else if (needs_mask)
+      if constexpr (kGeneral) {
+        if (plain_logits && sees_whole_tile(span[mi], n0, kBlockN)) scale_tile_logits(s[mi], p);
+        else tile_logits(s[mi], p, logits, span[mi], m0 + row0 + mi * 16, n0, lane);
+      } else if (needs_mask)
         mask_scores<Traits, kIsCausal>(s[mi], p, m0, row0 + mi * 16, n0, lane);
       online_softmax<Traits>(s[mi], m[mi], l[mi], alpha[mi], scale_log2);
     }

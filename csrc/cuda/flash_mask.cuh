@@ -179,6 +179,21 @@ __device__ __forceinline__ void tile_logits(float (&s)[kNj][4], const AttentionP
     }
 }
 
+// Forward, tile_logits' shortcut: where both of the thread's rows see every key n0 .. n0 + keys − 1 with no attn_mask
+// entry to read, and the call has neither softcap nor ALiBi (plain), the base-2 logit is s · scale · log2 e, what
+// Logits gives there, bit for bit.
+__device__ __forceinline__ bool sees_whole_tile(const KeySpan (&span)[2], int64_t n0, int keys) {
+  return span[0].exact && span[1].exact && span[0].lo <= n0 && span[1].lo <= n0 && span[0].hi >= n0 + keys &&
+         span[1].hi >= n0 + keys;
+}
+template <int kNj>
+__device__ __forceinline__ void scale_tile_logits(float (&s)[kNj][4], const AttentionParams& p) {
+#pragma unroll
+  for (int n = 0; n < kNj; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = s[n][e] * (p.scale * kLog2e);
+}
+
 // Forward: P ∘ Z on the same fragments (after the softmax summed P).
 template <int kNj>
 __device__ __forceinline__ void tile_dropout(float (&s)[kNj][4], const AttentionParams& p, const Dropout& z,
