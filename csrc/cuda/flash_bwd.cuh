@@ -239,6 +239,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   zero_frags(dk);
   zero_frags(dv);
   [[maybe_unused]] const bool dropout = kGeneral && p.dropout_p > 0.f;
+  // kGeneral: a step whose rows all see the block's keys whole (`whole`) takes tile_backward_whole's shortcut, without
+  // dropout, softcap or ALiBi.
+  [[maybe_unused]] const bool plain_logits = kGeneral && !dropout && !(p.softcap > 0.f) && p.alibi_slopes == nullptr;
 
   for (int s = 0; s < steps; ++s) {
     const int buf = s % 2;
@@ -250,10 +253,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // step s is in buffer s % 2; every warp is done with the other buffer and with sPt, sdSt. kGeneral: whether some
     // row of the step may see a key of this block (each thread reads the span it wrote itself).
     bool seen = true;
+    [[maybe_unused]] bool whole = false;  // kGeneral: every row of the step sees all kBlockN keys, no entry to read
     if constexpr (kGeneral) {
       const int t = threadIdx.x;
       const int4 span = t < kBlockM ? sSpan[buf * kBlockM + t] : make_int4(0, 0, 1, 0);
       seen = __syncthreads_or(span.x < span.y && span.x < n0 + keys_valid && span.y > n0);
+      whole = __syncthreads_and(t >= kBlockM || (span.z != 0 && span.x <= n0 && span.y >= n0 + kBlockN));
     } else {
       __syncthreads();
     }
@@ -280,10 +285,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       zero_frags(dst);
       warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(dst, sV + sdp_key0 * kLdKV,
                                                                      sdOs + sdp_q0 * kLdQ, lane);
-      const Logits logits(p, b, h);
-      const Dropout z = dropout ? Dropout(p, b, h) : Dropout();
-      tile_backward(pt, dst, p, logits, z, dropout, sSpan + buf * kBlockM, lse2, d_row, m0, n0, sdp_key0, sdp_q0,
-                    lane);
+      if (whole && plain_logits) {
+        tile_backward_whole(pt, dst, p, lse2, d_row, sdp_q0, lane);
+      } else {
+        const Logits logits(p, b, h);
+        const Dropout z = dropout ? Dropout(p, b, h) : Dropout();
+        tile_backward(pt, dst, p, logits, z, dropout, sSpan + buf * kBlockM, lse2, d_row, m0, n0, sdp_key0, sdp_q0,
+                      lane);
+      }
     } else {
       // In tile coordinates: key kj (< keys_valid) is visible to query qi (< rows_valid) iff kj - qi <= diag.
       const int rows_valid = static_cast<int>(min64(kBlockM, p.q_len - m0));

@@ -234,5 +234,27 @@ __device__ __forceinline__ void tile_backward(float (&pt)[kMi][kNj][4], float (&
       }
 }
 
+// tile_backward's shortcut for a step every query row of which sees every key of the tile, with no attn_mask entry to
+// read, no softcap, ALiBi or dropout: the same values, bit for bit (x = s · scale · log2 e; P = exp2(x − lse·log2 e);
+// dS = P ∘ (dP − D)), without reading the spans or the logit options per entry.
+template <int kMi, int kNj>
+__device__ __forceinline__ void tile_backward_whole(float (&pt)[kMi][kNj][4], float (&dst)[kMi][kNj][4],
+                                                    const AttentionParams& p, const float* lse2, const float* d_row,
+                                                    int q0, int lane) {
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi)
+#pragma unroll
+    for (int n = 0; n < kNj; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = q0 + n * 8 + (lane % 4) * 2 + (e % 2);
+        const float x = pt[mi][n][e] * (p.scale * kLog2e);
+        const bool hidden = x == -INFINITY;  // (a −inf logit hides its key, as in tile_backward)
+        const float prob = hidden ? 0.f : exp2_approx(x - lse2[qi]);
+        dst[mi][n][e] = hidden ? 0.f : prob * (dst[mi][n][e] - d_row[qi]);
+        pt[mi][n][e] = prob;
+      }
+}
+
 }  // namespace cuda
 }  // namespace cs149gpt
