@@ -56,7 +56,8 @@ visible logit of a row is −inf contributes exactly 0 to that row, even where i
 process multiplies them by the weight 0: NaN).
 
 Checks: before the ring starts, one all_gather of a few int64 per rank (the shapes, dtype, layout, causal mode,
-scale and whether a backward will run) — ranks that disagree get a ValueError on every rank naming the argument
+scale and whether a backward will run; on CUDA on a stream of its own, so the host waits for it alone, not for the
+kernels queued before the call) — ranks that disagree get a ValueError on every rank naming the argument
 and each rank's value, never a hang. A rank whose own input is wrong (not 4-D, heads not dividing, head dims or
 dtypes differing, ...) raises ValueError/TypeError naming the argument, and the others raise ValueError naming that
 rank. A transfer that fails or times out (the process group's timeout) raises RuntimeError naming the step.
@@ -86,6 +87,8 @@ buffer_seq_dims=...) may shard a batch whose model attends through ring_attentio
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import secrets
@@ -273,6 +276,20 @@ def _block_calls(q_chunks, k_chunks, offset: Optional[int]) -> list:
     return best
 
 
+def _offset(causal: str, world_size: int, nq: int, nk: int) -> Optional[int]:
+    """_block_calls' offset for a causal mode and the local lengths."""
+    return {"none": None, "top_left": 0, "bottom_right": world_size * (nk - nq)}[causal]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(layout: str, world_size: int, rank: int, nq: int, nk: int, offset: Optional[int]) -> tuple:
+    """The rank's kernel calls against each source rank's block (cached: a call's host time is on the GPU's critical
+    path at the ring's start)."""
+    q_chunks = _chunks(layout, world_size, rank, nq)
+    return tuple(tuple(_block_calls(q_chunks, _chunks(layout, world_size, src, nk), offset))
+                 for src in range(world_size))
+
+
 # ------------------------------------------------------------------------------------------------- the checks
 def _causal_mode(is_causal) -> Optional[str]:
     if is_causal is True:
@@ -331,12 +348,26 @@ def _describe(field: int, value: int) -> str:
     return str(value)
 
 
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
 def _agree(group, world_size: int, device, local_error, fields: List[int], who: str = "ring_attention") -> None:
     """One all_gather of (status, *fields) from every rank; raises on every rank unless all are fine and equal."""
-    mine = torch.tensor([0 if local_error is None else 1, *fields], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).cpu().tolist()
+    # On CUDA, on a stream of its own: the host waits for the all_gather only, not for the kernels queued before
+    # the call (NCCL's stream waits on the stream current at the call).
+    side = _side_stream(device) if device.type == "cuda" else None
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        mine = torch.tensor([0 if local_error is None else 1, *fields], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine, group=group)
+        table = torch.stack(gathered).cpu().tolist()
     if local_error is not None:
         raise local_error
     bad = [r for r, row in enumerate(table) if row[0]]
@@ -511,10 +542,8 @@ class _Ring:
         self.host_blocks = host_blocks  # _HostBlocks: the forward reads the blocks in shared memory
         self.next = _global_rank(group, (rank + 1) % world_size)
         self.prev = _global_rank(group, (rank - 1) % world_size)
-        offset = {"none": None, "top_left": 0, "bottom_right": world_size * (nk - nq)}[causal]
-        q_chunks = _chunks(layout, world_size, rank, nq)
-        self.calls = [_block_calls(q_chunks, _chunks(layout, world_size, src, nk), offset)
-                      for src in range(world_size)]
+        offset = _offset(causal, world_size, nq, nk)
+        self.calls = _plan(layout, world_size, rank, nq, nk, offset)
         # The work-shared forward's plan (host_blocks): for each owner rank and each of its query chunks, the calls
         # against every source rank's block, in the chunk's rows.
         self.chunk_calls = {}
@@ -561,21 +590,62 @@ def _rows(t, lo, hi):
     return t[:, :, lo:hi]
 
 
+class _Reached:
+    """The row ranges (dim 2) of an accumulator that partials have been written into. Accumulators start
+    uninitialised (torch.empty): a partial that is the first on all its rows is copied in (no fill, no second pass);
+    rows get their initial value (0; lse −inf) only where a partial lands on them partly, or none ever does."""
+
+    def __init__(self, n: int):
+        self.n, self.spans = n, []
+
+    def gaps(self, lo: int, hi: int) -> List[Tuple[int, int]]:
+        """The parts of [lo, hi) no partial has reached."""
+        gaps, at = [], lo
+        for a, b in sorted(self.spans):
+            if a >= hi:
+                break
+            if a > at:
+                gaps.append((at, a))
+            at = max(at, b)
+        if at < hi:
+            gaps.append((at, hi))
+        return gaps
+
+    def first(self, lo: int, hi: int, *accs_and_values) -> bool:
+        """Marks [lo, hi) reached; True where no partial had reached any of it, else sets the rows of it no partial
+        had reached to their initial values (pairs of accumulator, value) and returns False."""
+        gaps = self.gaps(lo, hi)
+        self.spans.append((lo, hi))
+        if gaps == [(lo, hi)]:
+            return True
+        self._fill(gaps, accs_and_values)
+        return False
+
+    def finish(self, *accs_and_values) -> None:
+        """The rows no partial reached: their initial values."""
+        self._fill(self.gaps(0, self.n), accs_and_values)
+
+    @staticmethod
+    def _fill(gaps, accs_and_values) -> None:
+        for a, b in gaps:
+            for acc, value in zip(accs_and_values[::2], accs_and_values[1::2]):
+                _rows(acc, a, b).fill_(value)
+
+
 def _accumulators(q):
-    """out (float32 zeros) and lse (−inf) for q's rows, and the set of row ranges a block has been merged into."""
-    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
-            torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device), set())
+    """out and lse (float32, uninitialised) for q's rows, and the rows partials have reached (_Reached)."""
+    return (torch.empty(q.shape, dtype=torch.float32, device=q.device),
+            torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device), _Reached(q.shape[2]))
 
 
 def _attend_block(q, k, v, calls, scale, out_acc, lse_acc, reached) -> None:
     """One K/V block's kernel calls (q_lo, q_hi, k_lo, k_hi, causal) on q's rows, each partial merged into out_acc,
-    lse_acc (copied where no block has reached its rows yet); rows no call reaches keep 0 and −inf."""
+    lse_acc (copied where no block has reached its rows yet; reached.finish gives the rows none reaches 0, −inf)."""
     for q_lo, q_hi, k_lo, k_hi, causal in calls:
         out_b, lse_b = torch.ops.cs149gpt.flash_attention(
             _rows(q, q_lo, q_hi), _rows(k, k_lo, k_hi), _rows(v, k_lo, k_hi), scale, causal)
-        fresh = all((lo >= q_hi or hi <= q_lo) for lo, hi in reached)
+        fresh = reached.first(q_lo, q_hi, out_acc, 0.0, lse_acc, -math.inf)
         _merge(_rows(out_acc, q_lo, q_hi), lse_acc[:, :, q_lo:q_hi], out_b, lse_b, fresh)
-        reached.add((q_lo, q_hi))
 
 
 def _chunk_attention(q_rows, blocks, calls, scale):
@@ -583,6 +653,7 @@ def _chunk_attention(q_rows, blocks, calls, scale):
     out_acc, lse_acc, reached = _accumulators(q_rows)
     for (k, v), block_calls in zip(blocks, calls):
         _attend_block(q_rows, k, v, block_calls, scale, out_acc, lse_acc, reached)
+    reached.finish(out_acc, 0.0, lse_acc, -math.inf)
     return out_acc, lse_acc
 
 
@@ -597,6 +668,7 @@ def _ring_forward(q, k, v, ring: _Ring):
         if step + 1 < ring.world_size:
             ring.wait(handles, "the forward's K/V transfer", step + 1)
             kv = tuple(incoming)
+    reached.finish(out_acc, 0.0, lse_acc, -math.inf)
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -673,10 +745,12 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # float32 accumulators, uninitialised (_Reached: a block's partial copied where it is the first)
+        dq, dq_reached = torch.empty(q.shape, dtype=torch.float32, device=q.device), _Reached(q.shape[2])
         # The accumulator of the block held now: ours at step 0, then the one that arrives with its block.
-        dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-               torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+        dkv = (torch.empty(k.shape, dtype=torch.float32, device=k.device),
+               torch.empty(v.shape, dtype=torch.float32, device=v.device))
+        own_reached = _Reached(k.shape[2])
         kv, grad_handles = (k, v), None
         for step in range(ring.world_size):
             if step + 1 < ring.world_size:
@@ -686,14 +760,23 @@ class _RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = torch.ops.cs149gpt.flash_attention_backward(
                     _rows(dout, q_lo, q_hi), _rows(q, q_lo, q_hi), _rows(kv[0], k_lo, k_hi),
                     _rows(kv[1], k_lo, k_hi), _rows(out, q_lo, q_hi), lse[:, :, q_lo:q_hi], ring.scale, causal)
-                _rows(dq, q_lo, q_hi).add_(dq_b)
+                if dq_reached.first(q_lo, q_hi, dq, 0.0):
+                    _rows(dq, q_lo, q_hi).copy_(dq_b)
+                else:
+                    _rows(dq, q_lo, q_hi).add_(dq_b)
                 blocks.append((k_lo, k_hi, dk_b, dv_b))
             if grad_handles is not None:  # this block's accumulator, from the previous rank
                 ring.wait(grad_handles, "the backward's dK/dV transfer", step)
                 dkv = tuple(grad_incoming)
             for k_lo, k_hi, dk_b, dv_b in blocks:
-                _rows(dkv[0], k_lo, k_hi).add_(dk_b)
-                _rows(dkv[1], k_lo, k_hi).add_(dv_b)
+                if step == 0 and own_reached.first(k_lo, k_hi, dkv[0], 0.0, dkv[1], 0.0):
+                    _rows(dkv[0], k_lo, k_hi).copy_(dk_b)
+                    _rows(dkv[1], k_lo, k_hi).copy_(dv_b)
+                else:
+                    _rows(dkv[0], k_lo, k_hi).add_(dk_b)
+                    _rows(dkv[1], k_lo, k_hi).add_(dv_b)
+            if step == 0:  # (before it travels: the ranks after us add to every row)
+                own_reached.finish(dkv[0], 0.0, dkv[1], 0.0)
             if ring.world_size > 1:  # on to the next rank; after the last step it arrives at its owner
                 grad_handles, grad_incoming = ring.exchange(dkv, _TAG_BWD_GRAD)
             if step + 1 < ring.world_size:
@@ -702,6 +785,7 @@ class _RingAttention(torch.autograd.Function):
         if grad_handles is not None:
             ring.wait(grad_handles, "the backward's dK/dV return", ring.world_size)
             dkv = tuple(grad_incoming)
+        dq_reached.finish(dq, 0.0)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 

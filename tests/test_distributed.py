@@ -550,3 +550,22 @@ def test_shard_unshard_and_positions():
         cp.shard_sequence(torch.zeros(12), 0, world_size=4, rank=0, layout="zigzag")
     with pytest.raises(ValueError, match="layout must be one of"):
         cp.shard_sequence(x, 1, world_size=2, rank=0, layout="striped")
+
+
+@pytest.mark.parametrize("spans", [[(0, 8)], [(2, 5), (4, 9), (0, 3)], [(3, 6), (3, 6), (7, 10)], []])
+def test_accumulators_start_uninitialised(spans):
+    """An accumulator filled as the ring fills its own (torch.empty, each partial copied where it is the first on
+    all its rows, added otherwise; the rows no partial reaches set at the end) holds what zeros + adding every
+    partial holds, whatever the empty memory held (NaN here)."""
+    n, g = 10, torch.Generator().manual_seed(0)
+    acc, want = torch.full((1, 2, n, 3), math.nan), torch.zeros(1, 2, n, 3)
+    reached = cp._Reached(n)
+    for lo, hi in spans:
+        part = torch.randn(1, 2, hi - lo, 3, generator=g)
+        want[:, :, lo:hi] += part
+        if reached.first(lo, hi, acc, 0.0):
+            acc[:, :, lo:hi].copy_(part)
+        else:
+            acc[:, :, lo:hi].add_(part)
+    reached.finish(acc, 0.0)
+    assert torch.equal(acc, want)
