@@ -102,7 +102,8 @@ import torch.distributed as dist
 
 import cs149gpt  # noqa: F401  (loads the extension: torch.ops.cs149gpt.*)
 
-__all__ = ["ring_attention", "ulysses_attention", "shard_sequence", "unshard_sequence", "shard_positions", "LAYOUTS"]
+__all__ = ["ring_attention", "ulysses_attention", "usp_attention", "shard_sequence", "unshard_sequence",
+           "shard_positions", "LAYOUTS"]
 
 LAYOUTS = ("contiguous", "zigzag")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -789,10 +790,12 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_rank=False):
-    """The checks both algorithms make, then the agreement of every rank (_agree): (group, rank, world size, q, k,
+def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_rank=False, then=None):
+    """The checks every algorithm makes, then the agreement of every rank (_agree): (group, rank, world size, q, k,
     v (in autocast's dtype where it is on), causal mode, scale). heads_per_rank: the query heads must divide over
-    the ranks (ulysses_attention)."""
+    the ranks (ulysses_attention). then: (group, world size) of a second agreement that every rank makes after this
+    group's, fine or not (usp_attention: the Ulysses group, then the ring group, whose rank then holds the group's
+    whole local sequence: an error anywhere in the mesh raises on every rank)."""
     group, rank, world_size = _resolve_group(group, mesh_dim)
     error = _local_error(q, k, v, who)
     if error is None and heads_per_rank and q.shape[1] % world_size:
@@ -807,7 +810,8 @@ def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_
                            f"{is_causal!r}")
     if error is None and layout not in LAYOUTS:
         error = ValueError(f"{who}: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
-    if error is None and layout == "zigzag" and (q.shape[2] % 2 or k.shape[2] % 2):
+    span = world_size if then is not None else 1  # (usp_attention: the ring's local lengths are the group's)
+    if error is None and layout == "zigzag" and (q.shape[2] * span % 2 or k.shape[2] * span % 2):
         error = ValueError(f"{who}: layout='zigzag' needs even local lengths (two chunks a rank); got "
                            f"q.shape[2] = {q.shape[2]}, k.shape[2] = {k.shape[2]}")
     if error is None and scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
@@ -825,7 +829,15 @@ def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_
         if device is None:  # the device the group's collectives take
             device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
                       else torch.device("cpu"))
-    _agree(group, world_size, device, error, fields, who)
+    if then is None:
+        _agree(group, world_size, device, error, fields, who)
+    else:
+        try:
+            _agree(group, world_size, device, error, fields, who)
+            error = None
+        except Exception as e:  # noqa: BLE001 (the second agreement carries it to the other groups' ranks)
+            error = e
+        _agree(*then, device, error, fields, who)
     return group, rank, world_size, q, k, v, causal, scale
 
 
@@ -975,3 +987,61 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         lse = _heads_to_seq(group, world_size, layout, [lse.unsqueeze(-1).contiguous()],
                             "the all-to-all of lse")[0].squeeze(-1)
     return out, lse
+
+
+@torch.compiler.disable  # a graph break: collectives on a process group are not traced here
+def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh=None, ring_group=None,
+                  ulysses_group=None, is_causal: Union[bool, str] = False, scale: Optional[float] = None,
+                  layout: str = "contiguous", return_lse: bool = False
+                  ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """The two routes combined (USP, "unified sequence parallelism"): W = R·U ranks in R ring groups' worth of U
+    Ulysses groups. Within a Ulysses group an all-to-all turns each rank's tokens for all heads into the group's
+    tokens for H / U heads (ulysses_attention's exchange); ring_attention then runs over the ring group (the ranks
+    holding the same heads in the other Ulysses groups) on those tokens, and a second all-to-all returns every rank
+    its own tokens. The all-to-alls stay among U ranks (one node's fast links) while the ring's K/V hops cross the
+    R groups; heads need only divide over U, not W.
+
+    The tokens: the sequence is sharded over the ring groups as shard_sequence(x, 2, world_size=R, rank=r,
+    layout=layout) gives them (zigzag balances the causal work), and that share over the Ulysses group contiguously,
+    so rank (r, u) holds shard_sequence(shard_sequence(x, 2, world_size=R, rank=r, layout=layout), 2, world_size=U,
+    rank=u) (and those tokens' shard_positions, sliced the same way).
+
+    Args:
+        q, k, v: this rank's slices, (B, H, n_q, d) and (B, Hkv, n_k, d); H divides over U; k and v's heads are
+            repeated up to a multiple of U where they do not divide over it.
+        mesh: a 2-D DeviceMesh, dimension 0 the ring and dimension 1 Ulysses; or ring_group and ulysses_group
+            (ProcessGroups: the ranks of each ring group hold the same share of the heads after the all-to-all).
+        is_causal, scale, layout, return_lse: as ring_attention's (layout: the ring groups' sharding).
+
+    Returns:
+        out (B, H, n_q, d) in q's dtype (differentiable in q, k and v), or (out, lse (B, H, n_q) float32).
+
+    Checks and errors as ring_attention's, agreed first within the Ulysses group and then within the ring group, so
+    that a bad input on any rank raises on every rank of the mesh."""
+    if mesh is not None:
+        if ring_group is not None or ulysses_group is not None:
+            raise ValueError("usp_attention: pass mesh, or ring_group and ulysses_group, not both")
+        if getattr(mesh, "ndim", None) != 2:
+            raise ValueError(f"usp_attention: mesh must be a 2-D DeviceMesh (ring, Ulysses), got {mesh!r}")
+        ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
+    elif ring_group is None or ulysses_group is None:
+        raise ValueError("usp_attention: pass mesh (a 2-D DeviceMesh), or both ring_group and ulysses_group")
+    ring = _resolve_group(ring_group, None)
+    group, _, world_size, q, k, v, causal, scale = _prepare(
+        q, k, v, ulysses_group, None, is_causal, scale, layout, "usp_attention", heads_per_rank=True,
+        then=(ring[0], ring[2]))
+    repeat = world_size // math.gcd(k.shape[1], world_size)  # kv heads up to a multiple of U (as ulysses_attention)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    if world_size > 1:
+        q, k, v = _Exchange.apply(True, "q, k, v", group, world_size, "contiguous", q.contiguous(), k.contiguous(),
+                                  v.contiguous())
+    mode = {"none": False, "top_left": "top_left", "bottom_right": "bottom_right"}[causal]
+    out, lse = ring_attention(q, k, v, group=ring_group, is_causal=mode, scale=scale, layout=layout, return_lse=True)
+    if world_size > 1:
+        (out,) = _Exchange.apply(False, "out", group, world_size, "contiguous", out.contiguous())
+        if return_lse:
+            with torch.no_grad():
+                lse = _heads_to_seq(group, world_size, "contiguous", [lse.unsqueeze(-1).contiguous()],
+                                    "the all-to-all of lse")[0].squeeze(-1)
+    return (out, lse) if return_lse else out

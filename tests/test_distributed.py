@@ -89,6 +89,29 @@ def ring_run(c, q, k, v, dout, algorithm=None):
             for name, t in (("out", out), ("lse", lse), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
 
 
+def usp_run(c, q, k, v, dout, rank, world_size, groups):
+    """cp.usp_attention on a (ring R = 2) x (Ulysses U = W / 2) mesh of the W ranks (rank = r·U + u): this rank's
+    tokens are part u (contiguous) of ring share r (c's layout); the whole sequence's out, lse and gradients."""
+    ring_groups, ulysses_groups, mesh = groups
+    u_size = world_size // 2
+    r, u = divmod(rank, u_size)
+
+    def shard(t):
+        share = cp.shard_sequence(t, 2, world_size=2, rank=r, layout=c["layout"])
+        return cp.shard_sequence(share, 2, world_size=u_size, rank=u)
+
+    def unshard(t):
+        share = cp.unshard_sequence(t, 2, ulysses_groups[r])
+        return cp.unshard_sequence(share, 2, ring_groups[u], layout=c["layout"])
+
+    ql, kl, vl = (shard(t).detach().clone().requires_grad_() for t in (q, k, v))
+    route = dict(mesh=mesh) if mesh is not None else dict(ring_group=ring_groups[u], ulysses_group=ulysses_groups[r])
+    out, lse = cp.usp_attention(ql, kl, vl, is_causal=c["causal"], layout=c["layout"], return_lse=True, **route)
+    out.backward(shard(dout))
+    return {name: unshard(t) for name, t in
+            (("out", out), ("lse", lse), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
+
+
 def error_cases(rank):
     """(name, q, k, v, kwargs) where rank 1 differs from the others."""
     x = torch.randn(1, 2, 8, 16)
@@ -130,6 +153,32 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                     buffer = io.BytesIO()
                     torch.save(got, buffer)
                     results.put(("case", c["name"] + suffix, rank, buffer.getvalue()))
+        if world_size == 4:
+            # usp_attention on 2 ring groups x 2 Ulysses groups (every rank makes every group, in one order), and
+            # once through a 2-D DeviceMesh
+            ring_groups = [torch.distributed.new_group([u, u + 2]) for u in range(2)]
+            ulysses_groups = [torch.distributed.new_group([2 * r, 2 * r + 1]) for r in range(2)]
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh(device, (2, 2))
+            for c in (CUDA_CASES if cuda else CASES)[4]:
+                q, k, v, dout = (t.to(device) for t in inputs(c))
+                got = usp_run(c, q, k, v, dout, rank, world_size, (ring_groups, ulysses_groups, None))
+                got = {name: t.cpu() for name, t in got.items()}
+                if c["repeat"]:
+                    via_mesh = usp_run(c, q, k, v, dout, rank, world_size, (ring_groups, ulysses_groups, mesh))
+                    got["same_bits"] = torch.tensor(all(torch.equal(got[n], via_mesh[n].cpu()) for n in via_mesh))
+                if rank == 0:
+                    buffer = io.BytesIO()
+                    torch.save(got, buffer)
+                    results.put(("case", c["name"] + "/usp", rank, buffer.getvalue()))
+            # A bad input on rank 3 only (3 query heads do not divide over its Ulysses group): every rank raises,
+            # the ranks of the other Ulysses group too (the ring group's agreement carries it)
+            x = torch.randn(1, 3 if rank == 3 else 4, 8, 16, device=device)
+            try:
+                cp.usp_attention(x, x, x, ring_group=ring_groups[rank % 2], ulysses_group=ulysses_groups[rank // 2])
+                results.put(("error", "usp_bad_heads", rank, "no error"))
+            except Exception as e:  # noqa: BLE001
+                results.put(("error", "usp_bad_heads", rank, f"{type(e).__name__}: {e}"))
         if world_size == 2 and not cuda:
             # Which operators a causal zigzag forward runs (torch.profiler), summed over the ranks
             xp = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(rank))
@@ -370,6 +419,28 @@ def test_ring_nccl(world_size, tmp_path):
     for c in CUDA_CASES[world_size]:
         check(c, cases[c["name"]], "cuda")
         check(c, cases[c["name"] + "/ulysses"], "cuda")
+        if world_size == 4:
+            check(c, cases[c["name"] + "/usp"], "cuda")
+
+
+@pytest.mark.parametrize("c", CASES[4], ids=[c["name"] for c in CASES[4]])
+def test_usp(world4, c):
+    """Ulysses within ring (usp_attention, 2 x 2 ranks): one process's results, forward and backward; the 2-D
+    DeviceMesh route gives the same bits as the two groups."""
+    cases, _ = world4
+    check(c, cases[c["name"] + "/usp"])
+
+
+def test_usp_error_on_every_rank(world4):
+    """One rank's bad input raises on all four, its Ulysses partner naming it, the other group's ranks naming their
+    ring partner; no hang."""
+    _, errors = world4
+    got = errors["usp_bad_heads"]
+    assert sorted(got) == [0, 1, 2, 3], got
+    assert got[3].startswith("ValueError: usp_attention: q's 3 heads do not divide"), got[3]
+    assert got[2].startswith("ValueError: usp_attention: rank(s) [1] of the group rejected"), got[2]
+    for r in (0, 1):
+        assert got[r].startswith("ValueError: usp_attention: rank(s) [1] of the group rejected"), got[r]
 
 
 @pytest.mark.slow
