@@ -32,6 +32,9 @@ block's partial output comes back from the kernel in that dtype, so a few of its
 run to run (a fixed order of operations for every row, whichever rank computes it, where every rank runs the same
 number of threads; the work-shared forward's order differs from the ring's: the two routes agree to that rounding).
 
+Other routes with the same contract: ulysses_attention (all-to-alls: the whole sequence for H / W heads a rank, one
+kernel call) and usp_attention (both on a 2-D mesh: all-to-alls within Ulysses groups, the ring across them).
+
 Layouts (the sequence of N tokens sharded over W ranks; every rank holds the same number of tokens):
     "contiguous": rank r holds tokens [r·N/W, (r+1)·N/W). With is_causal, rank r's queries see the blocks of
         ranks <= r only, so rank W − 1 works W times as long as rank 0.
@@ -359,8 +362,11 @@ def _side_stream(device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[index]
 
 
-def _agree(group, world_size: int, device, local_error, fields: List[int], who: str = "ring_attention") -> None:
-    """One all_gather of (status, *fields) from every rank; raises on every rank unless all are fine and equal."""
+def _agree(group, world_size: int, device, local_error, fields: List[int], who: str = "ring_attention",
+           extra: Sequence[Tuple[str, int]] = ()) -> None:
+    """One all_gather of (status, *fields, *extra values) from every rank; raises on every rank unless all are fine
+    and equal (ranks named by their global rank). extra: (name, value) pairs past _FIELDS."""
+    fields = [*fields, *(value for _, value in extra)]
     # On CUDA, on a stream of its own: the host waits for the all_gather only, not for the kernels queued before
     # the call (NCCL's stream waits on the stream current at the call).
     side = _side_stream(device) if device.type == "cuda" else None
@@ -371,15 +377,18 @@ def _agree(group, world_size: int, device, local_error, fields: List[int], who: 
         table = torch.stack(gathered).cpu().tolist()
     if local_error is not None:
         raise local_error
-    bad = [r for r, row in enumerate(table) if row[0]]
+    ranks = [_global_rank(group, r) for r in range(world_size)]
+    bad = [ranks[r] for r, row in enumerate(table) if row[0]]
     if bad:
         raise ValueError(f"{who}: rank(s) {bad} of the group rejected their local input (their error names "
                          "the argument); no rank started a transfer")
     wrong = []
-    for f in range(len(_FIELDS)):
+    for f in range(len(fields)):
         values = [row[1 + f] for row in table]
         if len(set(values)) > 1:
-            wrong.append(f"{_FIELDS[f]}: " + ", ".join(f"rank {r}: {_describe(f, x)}" for r, x in enumerate(values)))
+            name = _FIELDS[f] if f < len(_FIELDS) else extra[f - len(_FIELDS)][0]
+            show = (lambda x, f=f: _describe(f, x)) if f < len(_FIELDS) else str
+            wrong.append(f"{name}: " + ", ".join(f"rank {ranks[r]}: {show(x)}" for r, x in enumerate(values)))
     if wrong:
         raise ValueError(f"{who}: the ranks disagree on " + "; ".join(wrong))
 
@@ -812,7 +821,8 @@ def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_
         error = ValueError(f"{who}: layout must be one of {', '.join(map(repr, LAYOUTS))}; got {layout!r}")
     span = world_size if then is not None else 1  # (usp_attention: the ring's local lengths are the group's)
     if error is None and layout == "zigzag" and (q.shape[2] * span % 2 or k.shape[2] * span % 2):
-        error = ValueError(f"{who}: layout='zigzag' needs even local lengths (two chunks a rank); got "
+        times = f" times the Ulysses group's {span} ranks" if span > 1 else ""
+        error = ValueError(f"{who}: layout='zigzag' needs even local lengths{times} (two chunks a rank); got "
                            f"q.shape[2] = {q.shape[2]}, k.shape[2] = {k.shape[2]}")
     if error is None and scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         error = ValueError(f"{who}: scale must be a finite float or None, got {scale!r}")
@@ -832,12 +842,16 @@ def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_
     if then is None:
         _agree(group, world_size, device, error, fields, who)
     else:
+        # The groups must form a mesh: one ring rank across a Ulysses group, one Ulysses rank across a ring group
+        ring_rank = dist.get_rank(then[0])
         try:
-            _agree(group, world_size, device, error, fields, who)
+            _agree(group, world_size, device, error, fields, who,
+                   [("rank in the ring group (ring_group)", ring_rank), ("ring group size", then[1])])
             error = None
         except Exception as e:  # noqa: BLE001 (the second agreement carries it to the other groups' ranks)
             error = e
-        _agree(*then, device, error, fields, who)
+        _agree(*then, device, error, fields, who,
+               [("rank in the Ulysses group (ulysses_group)", rank), ("Ulysses group size", world_size)])
     return group, rank, world_size, q, k, v, causal, scale
 
 
@@ -1004,7 +1018,10 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh=Non
     The tokens: the sequence is sharded over the ring groups as shard_sequence(x, 2, world_size=R, rank=r,
     layout=layout) gives them (zigzag balances the causal work), and that share over the Ulysses group contiguously,
     so rank (r, u) holds shard_sequence(shard_sequence(x, 2, world_size=R, rank=r, layout=layout), 2, world_size=U,
-    rank=u) (and those tokens' shard_positions, sliced the same way).
+    rank=u) (and those tokens' shard_positions, sliced the same way), with r = dist.get_rank(ring_group) and
+    u = dist.get_rank(ulysses_group): a rank's index in each group (for a DeviceMesh, its groups' ranks, which are
+    its coordinates where the mesh's ranks increase along each dimension). The groups must form a mesh (every rank of
+    a Ulysses group has one r, every rank of a ring group one u): the checks refuse others.
 
     Args:
         q, k, v: this rank's slices, (B, H, n_q, d) and (B, Hkv, n_k, d); H divides over U; k and v's heads are

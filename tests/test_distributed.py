@@ -179,6 +179,15 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                 results.put(("error", "usp_bad_heads", rank, "no error"))
             except Exception as e:  # noqa: BLE001
                 results.put(("error", "usp_bad_heads", rank, f"{type(e).__name__}: {e}"))
+            # Groups that do not form a mesh (ring groups {0, 3}, {1, 2}: each pairs Ulysses ranks 0 and 1)
+            crossed = [torch.distributed.new_group([0, 3]), torch.distributed.new_group([1, 2])]
+            try:
+                y = torch.randn(1, 4, 8, 16, device=device)
+                cp.usp_attention(y, y, y, ring_group=crossed[0 if rank in (0, 3) else 1],
+                                 ulysses_group=ulysses_groups[rank // 2])
+                results.put(("error", "usp_not_a_mesh", rank, "no error"))
+            except Exception as e:  # noqa: BLE001
+                results.put(("error", "usp_not_a_mesh", rank, f"{type(e).__name__}: {e}"))
         if world_size == 2 and not cuda:
             # Which operators a causal zigzag forward runs (torch.profiler), summed over the ranks
             xp = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(rank))
@@ -433,14 +442,18 @@ def test_usp(world4, c):
 
 def test_usp_error_on_every_rank(world4):
     """One rank's bad input raises on all four, its Ulysses partner naming it, the other group's ranks naming their
-    ring partner; no hang."""
+    ring partner (global ranks); groups that do not form a mesh raise on all four; no hang."""
     _, errors = world4
     got = errors["usp_bad_heads"]
     assert sorted(got) == [0, 1, 2, 3], got
     assert got[3].startswith("ValueError: usp_attention: q's 3 heads do not divide"), got[3]
-    assert got[2].startswith("ValueError: usp_attention: rank(s) [1] of the group rejected"), got[2]
-    for r in (0, 1):
-        assert got[r].startswith("ValueError: usp_attention: rank(s) [1] of the group rejected"), got[r]
+    for r, named in ((2, 3), (0, 2), (1, 3)):  # Ulysses group {2, 3}; ring groups {0, 2} and {1, 3}
+        assert got[r].startswith(f"ValueError: usp_attention: rank(s) [{named}] of the group rejected"), got[r]
+    got = errors["usp_not_a_mesh"]
+    assert sorted(got) == [0, 1, 2, 3], got
+    for r in range(4):
+        assert got[r].startswith("ValueError: usp_attention: the ranks disagree on rank in the Ulysses group "
+                                 "(ulysses_group)"), got[r]
 
 
 @pytest.mark.slow
