@@ -1,5 +1,5 @@
 """The ring subcommand of bench.py: cs149gpt.distributed.ring_attention (and, --algorithm ulysses, its all-to-all
-twin ulysses_attention) over W processes of one host.
+twin ulysses_attention; usp, the two combined on W/2 ring groups of 2 Ulysses ranks) over W processes of one host.
 
 CPU (gloo): W processes, each pinned to its own usable CPUs with threads // W threads, on one sequence of N tokens,
 against one process with all threads on the whole sequence (strong scaling at equal total cores: peer/ours >= 0.8
@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,34 @@ def tokens(kind: int, spec: dict, ranges, device) -> torch.Tensor:
 
 def local_ranges(spec: dict, world_size: int, rank: int):
     return [(g, n) for _, g, n in cp._chunks(spec["layout"], world_size, rank, spec["n"] // world_size)]
+
+
+def usp_shape(world_size: int) -> Tuple[int, int]:
+    """--algorithm usp's mesh (R ring groups' ranks, U a Ulysses group's): U = 2 where W is even, so 4 ranks are 2 x 2
+    (and 2 ranks one Ulysses group)."""
+    u = 2 if world_size % 2 == 0 else 1
+    return world_size // u, u
+
+
+def usp_ranges(spec: dict, world_size: int, rank: int):
+    """Rank (r, u)'s tokens (rank = r·U + u): part u, contiguous, of ring share r (usp_attention's docstring)."""
+    r_size, u_size = usp_shape(world_size)
+    r, u = divmod(rank, u_size)
+    share = local_ranges(spec, r_size, r)
+    part = spec["n"] // world_size
+    lo, hi, at, ranges = u * part, (u + 1) * part, 0, []
+    for start, length in share:  # the share's runs, cut to [lo, hi) of their concatenation
+        a, b = max(lo, at), min(hi, at + length)
+        if a < b:
+            ranges.append((start + a - at, b - a))
+        at += length
+    return ranges
+
+
+def usp_unshard(outs, spec: dict, world_size: int) -> torch.Tensor:
+    r_size, u_size = usp_shape(world_size)
+    shares = [torch.cat(outs[r * u_size:(r + 1) * u_size], 2) for r in range(r_size)]
+    return cp.unshard_sequence(shares, 2, layout=spec["layout"])
 
 
 def flops(spec: dict, n: int) -> float:
@@ -133,15 +162,21 @@ def rank_run(rank: int, world_size: int, spec: dict, store_path: str) -> dict:
     store = torch.distributed.FileStore(store_path, world_size)
     torch.distributed.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
                                          timeout=timedelta(seconds=600), device_id=device if cuda else None)
-    ranges = local_ranges(spec, world_size, rank)
-    q, k, v, dout = (tokens(kind, spec, ranges, device) for kind in range(4))
-    for t in (q, k, v):
-        t.requires_grad_()
     barrier = torch.distributed.barrier
     report = {}
+    if "usp" in spec["algorithms"]:  # its groups (every rank makes every group, in one order)
+        r_size, u_size = usp_shape(world_size)
+        rings = [torch.distributed.new_group(list(range(u, world_size, u_size))) for u in range(u_size)]
+        ulysses = [torch.distributed.new_group(list(range(r * u_size, (r + 1) * u_size))) for r in range(r_size)]
+        groups = dict(ring_group=rings[rank % u_size], ulysses_group=ulysses[rank // u_size])
     for algorithm in spec["algorithms"]:
+        ranges = (usp_ranges if algorithm == "usp" else local_ranges)(spec, world_size, rank)
+        q, k, v, dout = (tokens(kind, spec, ranges, device) for kind in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
         attend = getattr(cp, f"{algorithm}_attention")
-        call = lambda q, k, v: attend(q, k, v, is_causal=spec["causal"], layout=spec["layout"])  # noqa: E731
+        route = groups if algorithm == "usp" else {}
+        call = lambda q, k, v: attend(q, k, v, is_causal=spec["causal"], layout=spec["layout"], **route)  # noqa: E731
         for phase, fn in phases(call, (q, k, v), dout).items():
             report[f"{algorithm} {phase}"] = median_seconds(fn, spec["rounds"], device, barrier)
         report[f"{algorithm} peak_mib"] = peak_mib(phases(call, (q, k, v), dout)["fwd+bwd"], device)
@@ -258,7 +293,8 @@ def algorithm_rows(spec, world_size, args, algorithm, ranks, peer_times, peer_mi
     ring.update({key: value for key, value in ranks.items() if key.startswith("torch_cp")})
     err = None
     if reference is not None:
-        whole = cp.unshard_sequence(ring["outs"], 2, layout=spec["layout"])
+        whole = (usp_unshard(ring["outs"], spec, world_size) if algorithm == "usp"
+                 else cp.unshard_sequence(ring["outs"], 2, layout=spec["layout"]))
         err = max_err(whole, reference)
     rows = []
     ours = f"{algorithm} {world_size} GPUs" if cuda else f"{algorithm} {world_size} × {max(1, threads // world_size)} threads"
@@ -341,7 +377,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=None, help="d (default 128; --quick 64)")
     p.add_argument("--layout", choices=cp.LAYOUTS, default="zigzag")
     p.add_argument("--algorithm", type=lambda t: t.split(","), default=["ring"],
-                   help="comma list of ring,ulysses (default ring)")
+                   help="comma list of ring,ulysses,usp (default ring; usp: W/2 ring groups of 2 Ulysses ranks)")
     p.add_argument("--check-max", type=int, default=65536,
                    help="CUDA: check the ring against one GPU on the whole sequence up to this many tokens")
     p.add_argument("--no-torch-cp", action="store_true", help="CUDA: skip torch's context_parallel")

@@ -23,7 +23,8 @@ def run_bench(tmp_path, *args):
     # softcap and ALiBi vs plain flash, ALiBi vs SDPA + bias: 3 rows x 2 dtypes x causal off and on
     (("logits", "--shapes", "1,2,128,32"), "logits", 12),
     (("trainpacked",), "trainpacked", 2),  # a tiny Llama, packed vs sdpa padded: float32, bf16 autocast
-    (("ring", "--seq", "256"), "ring", 4),  # 2 gloo processes vs one: fwd, fwd+bwd x 2 dtypes
+    # 2 gloo processes vs one: fwd, fwd+bwd x 2 dtypes x ring and usp (one Ulysses group of 2 here)
+    (("ring", "--seq", "256", "--algorithm", "ring,usp"), "ring", 8),
 ])
 def test_bench_quick_json(tmp_path, args, bench, min_rows):
     doc, stdout = run_bench(tmp_path, *args)
