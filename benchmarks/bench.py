@@ -27,7 +27,7 @@ Subcommands:
               --suite masked,varlen,decode: masked attention, packed sequences, KV-cache decoding (bench_cuda.py)
     ring      context-parallel ring attention (cs149gpt.distributed) over W gloo processes vs one process with all
               threads; --device cuda: W GPUs (NCCL) vs one GPU at the same per-GPU length, and vs torch's
-              context_parallel
+              context_parallel; --algorithm ring,ulysses,usp: the other routes too
     tiles     the flash kernel under each block_q x block_k vs its default and torch SDPA (cuda --configs: on the GPU)
 
 Every row: ours, the peer, their median times over interleaved rounds (each round in the reverse order of the one
