@@ -1053,8 +1053,11 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh=Non
     if world_size > 1:
         q, k, v = _Exchange.apply(True, "q, k, v", group, world_size, "contiguous", q.contiguous(), k.contiguous(),
                                   v.contiguous())
-    mode = {"none": False, "top_left": "top_left", "bottom_right": "bottom_right"}[causal]
-    out, lse = ring_attention(q, k, v, group=ring_group, is_causal=mode, scale=scale, layout=layout, return_lse=True)
+    # The ring over the ring group, without ring_attention's own agreement: both groups' checks above cover it
+    ring_group, ring_rank, ring_size = ring
+    plan = _Ring(ring_group, ring_rank, ring_size, scale, causal, layout, q.shape[2], k.shape[2],
+                 _HostBlocks.of(ring_group, ring_rank, ring_size, q.device))
+    out, lse = _RingAttention.apply(q, k, v, plan)
     if world_size > 1:
         (out,) = _Exchange.apply(False, "out", group, world_size, "contiguous", out.contiguous())
         if return_lse:
