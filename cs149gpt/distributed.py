@@ -115,7 +115,7 @@ _TAG_FWD, _TAG_BWD_KV, _TAG_BWD_GRAD = 0, 2, 4
 
 
 # ------------------------------------------------------------------------------------------------- the group
-def _resolve_group(group, mesh_dim):
+def _resolve_group(group, mesh_dim, who: str = "ring_attention"):
     """(process group or None for the default one, this rank's index in it, its size)."""
     try:
         from torch.distributed.device_mesh import DeviceMesh
@@ -123,13 +123,13 @@ def _resolve_group(group, mesh_dim):
         DeviceMesh = ()
     if isinstance(group, DeviceMesh):
         if mesh_dim is None and group.ndim != 1:
-            raise ValueError(f"group is a {group.ndim}-D DeviceMesh: pass mesh_dim (the dimension the sequence is "
-                             "sharded over)")
+            raise ValueError(f"{who}: group is a {group.ndim}-D DeviceMesh: pass mesh_dim (the dimension the "
+                             "sequence is sharded over)")
         group = group.get_group(mesh_dim if mesh_dim is not None else 0)
     elif mesh_dim is not None:
-        raise ValueError("mesh_dim needs group to be a DeviceMesh")
+        raise ValueError(f"{who}: mesh_dim needs group to be a DeviceMesh")
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_attention needs torch.distributed initialised (dist.init_process_group)")
+        raise RuntimeError(f"{who} needs torch.distributed initialised (dist.init_process_group)")
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -805,7 +805,7 @@ def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_
     the ranks (ulysses_attention). then: (group, world size) of a second agreement that every rank makes after this
     group's, fine or not (usp_attention: the Ulysses group, then the ring group, whose rank then holds the group's
     whole local sequence: an error anywhere in the mesh raises on every rank)."""
-    group, rank, world_size = _resolve_group(group, mesh_dim)
+    group, rank, world_size = _resolve_group(group, mesh_dim, who)
     error = _local_error(q, k, v, who)
     if error is None and heads_per_rank and q.shape[1] % world_size:
         error = ValueError(f"{who}: q's {q.shape[1]} heads do not divide over the group's {world_size} ranks (each "
@@ -1043,7 +1043,11 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh=Non
         ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
     elif ring_group is None or ulysses_group is None:
         raise ValueError("usp_attention: pass mesh (a 2-D DeviceMesh), or both ring_group and ulysses_group")
-    ring = _resolve_group(ring_group, None)
+    for name, g in (("ring_group", ring_group), ("ulysses_group", ulysses_group)):
+        if getattr(g, "ndim", 1) != 1:
+            raise ValueError(f"usp_attention: {name} is a {g.ndim}-D DeviceMesh: pass it as mesh= (dimension 0 the "
+                             "ring, 1 Ulysses), or a ProcessGroup (or 1-D DeviceMesh) for each")
+    ring = _resolve_group(ring_group, None, "usp_attention")
     group, _, world_size, q, k, v, causal, scale = _prepare(
         q, k, v, ulysses_group, None, is_causal, scale, layout, "usp_attention", heads_per_rank=True,
         then=(ring[0], ring[2]))

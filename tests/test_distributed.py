@@ -538,8 +538,9 @@ def world1(tmp_path):
 
 
 def test_one_rank_is_one_kernel_call(world1):
-    """W = 1: the ring is the kernel, bit for bit, forward and backward; a DeviceMesh stands for the group; autocast
-    casts as torch SDPA does; torch.compile runs it (a graph break)."""
+    """W = 1: the ring (and Ulysses, and USP on a 1 x 1 mesh) is the kernel, bit for bit, forward and backward; a
+    DeviceMesh stands for the group; autocast casts as torch SDPA does; torch.compile runs it (a graph break); USP
+    without its groups, or with a 2-D mesh as one of them, is refused naming the argument."""
     from torch.distributed.device_mesh import init_device_mesh
 
     g = torch.Generator().manual_seed(0)
@@ -550,7 +551,9 @@ def test_one_rank_is_one_kernel_call(world1):
     for fn in (lambda: cs149gpt.attention(q, k, v, is_causal=True),
                lambda: cp.ring_attention(q, k, v, is_causal=True, layout="zigzag"),
                lambda: cp.ring_attention(q, k, v, group=init_device_mesh("cpu", (1,)), is_causal=True),
-               lambda: cp.ulysses_attention(q, k, v, is_causal=True, layout="zigzag")):
+               lambda: cp.ulysses_attention(q, k, v, is_causal=True, layout="zigzag"),
+               lambda: cp.usp_attention(q, k, v, mesh=init_device_mesh("cpu", (1, 1)), is_causal=True,
+                                        layout="zigzag")):
         q.grad = k.grad = v.grad = None
         out = fn()
         out.backward(dout)
@@ -559,6 +562,11 @@ def test_one_rank_is_one_kernel_call(world1):
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert cp.ring_attention(q, k, v).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="usp_attention: pass mesh"):
+        cp.usp_attention(q, k, v, ring_group=torch.distributed.group.WORLD)
+    with pytest.raises(ValueError, match="usp_attention: ring_group is a 2-D DeviceMesh: pass it as mesh="):
+        cp.usp_attention(q, k, v, ring_group=init_device_mesh("cpu", (1, 1)),
+                         ulysses_group=torch.distributed.group.WORLD)
     compiled = torch.compile(lambda q, k, v: cp.ring_attention(q, k, v, is_causal=True) * 2)
     assert torch.equal(compiled(q, k, v), results[0][0] * 2)
 
