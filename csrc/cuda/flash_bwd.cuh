@@ -239,8 +239,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   zero_frags(dk);
   zero_frags(dv);
   [[maybe_unused]] const bool dropout = kGeneral && p.dropout_p > 0.f;
-  // kGeneral: a step whose rows all see the block's keys whole (`whole`) takes tile_backward_whole's shortcut, without
-  // dropout, softcap or ALiBi.
+  // kGeneral: a step whose rows all see the block's keys whole (`whole`) takes tile_backward's kWhole shortcut,
+  // without dropout, softcap or ALiBi.
   [[maybe_unused]] const bool plain_logits = kGeneral && !dropout && !(p.softcap > 0.f) && p.alibi_slopes == nullptr;
 
   for (int s = 0; s < steps; ++s) {
@@ -286,7 +286,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       warp_gemm_ss<T, kSdpMi, kSdpNj, kD, kLdKV, false, kLdQ, false>(dst, sV + sdp_key0 * kLdKV,
                                                                      sdOs + sdp_q0 * kLdQ, lane);
       if (whole && plain_logits) {
-        tile_backward_whole(pt, dst, p, lse2, d_row, sdp_q0, lane);
+        tile_backward<kSdpMi, kSdpNj, true>(pt, dst, p, Logits(), Dropout(), false, nullptr, lse2, d_row, m0, n0,
+                                            sdp_key0, sdp_q0, lane);
       } else {
         const Logits logits(p, b, h);
         const Dropout z = dropout ? Dropout(p, b, h) : Dropout();

@@ -209,7 +209,10 @@ __device__ __forceinline__ void tile_dropout(float (&s)[kNj][4], const Attention
 // the step's queries, indexed by query within the tile):
 //   P = exp2(x − lse·log2 e) (0 where hidden);   dS = P ∘ (Z ∘ dP − D) ∘ (1 − tanh²) (0 where hidden);   Pᵀ ∘ Z -> pt
 // (dS without softcap's scale: dK and dQ take it afterwards, as in the plain kernel).
-template <int kMi, int kNj>
+// kWhole: a step every query row of which sees every key of the tile, with no attn_mask entry to read, no softcap,
+// ALiBi or dropout (logits, z, dropout and spans unused): x = s · scale · log2 e, what Logits gives there, the same
+// values bit for bit without reading the spans or the logit options per entry.
+template <int kMi, int kNj, bool kWhole = false>
 __device__ __forceinline__ void tile_backward(float (&pt)[kMi][kNj][4], float (&dst)[kMi][kNj][4],
                                               const AttentionParams& p, const Logits& logits, const Dropout& z,
                                               bool dropout, const int4* spans, const float* lse2,
@@ -223,36 +226,18 @@ __device__ __forceinline__ void tile_backward(float (&pt)[kMi][kNj][4], float (&
       for (int e = 0; e < 4; ++e) {
         const int qi = q0 + n * 8 + (lane % 4) * 2 + (e % 2);
         const int64_t i = m0 + qi, j = n0 + key0 + mi * 16 + lane / 4 + (e / 2) * 8;
-        const int4 span = spans[qi];  // lo, hi, exact
-        float d_cap = 1.f;
-        const float x = j >= span.x && j < span.y ? logits(p, pt[mi][n][e], i, j, span.z == 0, &d_cap) : -INFINITY;
-        const bool hidden = x == -INFINITY;
+        float d_cap = 1.f, x;
+        if constexpr (kWhole) {
+          x = pt[mi][n][e] * (p.scale * kLog2e);
+        } else {
+          const int4 span = spans[qi];  // lo, hi, exact
+          x = j >= span.x && j < span.y ? logits(p, pt[mi][n][e], i, j, span.z == 0, &d_cap) : -INFINITY;
+        }
+        const bool hidden = x == -INFINITY;  // (a −inf logit hides its key)
         const float prob = hidden ? 0.f : exp2_approx(x - lse2[qi]);
-        const float keep = dropout ? z(p, i, j) : 1.f;
+        const float keep = !kWhole && dropout ? z(p, i, j) : 1.f;
         dst[mi][n][e] = hidden ? 0.f : prob * (dst[mi][n][e] * keep - d_row[qi]) * d_cap;
         pt[mi][n][e] = prob * keep;
-      }
-}
-
-// tile_backward's shortcut for a step every query row of which sees every key of the tile, with no attn_mask entry to
-// read, no softcap, ALiBi or dropout: the same values, bit for bit (x = s · scale · log2 e; P = exp2(x − lse·log2 e);
-// dS = P ∘ (dP − D)), without reading the spans or the logit options per entry.
-template <int kMi, int kNj>
-__device__ __forceinline__ void tile_backward_whole(float (&pt)[kMi][kNj][4], float (&dst)[kMi][kNj][4],
-                                                    const AttentionParams& p, const float* lse2, const float* d_row,
-                                                    int q0, int lane) {
-#pragma unroll
-  for (int mi = 0; mi < kMi; ++mi)
-#pragma unroll
-    for (int n = 0; n < kNj; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = q0 + n * 8 + (lane % 4) * 2 + (e % 2);
-        const float x = pt[mi][n][e] * (p.scale * kLog2e);
-        const bool hidden = x == -INFINITY;  // (a −inf logit hides its key, as in tile_backward)
-        const float prob = hidden ? 0.f : exp2_approx(x - lse2[qi]);
-        dst[mi][n][e] = hidden ? 0.f : prob * (dst[mi][n][e] - d_row[qi]);
-        pt[mi][n][e] = prob;
       }
 }
 
