@@ -601,7 +601,7 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
                                                   float (&dv)[Traits::kHeadDim / 2]) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr bool kIsCausal = kMask == kMaskCausal;
-  constexpr bool kDqDefer = Traits::kDqDefer && kBwdDqDefer<Traits::kHeadDim, kMask>;
+  constexpr bool kDqDefer = Traits::kDqDefer;
   // Br 64 (d 128): the rows' lse·log2e and D go to registers on arrival, ahead of the products' operand reads in the
   // shared-memory pipe (after them, their loads waited behind those reads); Br 128 (d 64) reads them where used (their
   // 64 registers would pass the consumers' 240).

@@ -194,15 +194,11 @@ struct BwdTraits {
 // The shipped backward per head dim: FlashAttention-3's tiles and dQ path, D with 16-byte loads, dV before dSᵀ at d 64.
 // On an H200 (bf16/fp16, d 64/128, N 2048-8192): 1.11-1.25x the register-reduction dQ with dV after dSᵀ; the polynomial
 // exponentials gain at d 64 causal only (+2 %) and lose elsewhere. kDvEarly at d 128: 7-8 % slower without the causal
-// mask, the same with it (bf16, N 2048-8192). kDqDefer: see kBwdDqDefer.
+// mask, the same with it (bf16, N 2048-8192). kDqDefer, same run vs cuDNN: +6-7 % at d 64; at d 128 +3-4 % causal and
+// GQA (its unmasked tiles deferred too: fp16 N 16384 causal 0.91 -> 0.95x), within 1 % unmasked.
 template <int kHeadDim, class T>
 using DefaultBwdTraits = BwdTraits<kHeadDim, T, /*kDqTma=*/true, /*kDvEarly=*/kHeadDim == 64, /*kPolyExpEvery=*/0,
                                    /*kDeltaVec=*/true, /*kBlockM=*/kHeadDim == 64 ? 128 : 64, /*kDqDefer=*/true>;
-
-// Which kernels of a kDqDefer backward defer dQ's reduction (same run vs cuDNN, H200): +6-7 % at d 64 with and without
-// the causal mask and at d 128 with it; -1 % at d 128 without it (bf16 N 2048, fp16 N 8192), which keeps the old order.
-template <int kHeadDim, int kMask>
-constexpr bool kBwdDqDefer = kHeadDim == 64 || kMask != kMaskNone;
 
 }  // namespace hopper
 }  // namespace cuda
