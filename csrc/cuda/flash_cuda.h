@@ -130,7 +130,9 @@ struct DecodeParams {
 // kernel and merge:
 // - 2 stages, 3 blocks an SM and the splits sized for 3: batch 64 +3-4 %, batch 8 at 8k keys and batch 1 at 32k -2 %;
 // - 8 warps on 128-key tiles: batch 1 +11-18 % to 8k keys, -4 % at 32k; batch 8 and 64 -2-9 %;
-// - one block an SM with 4 or 6 stages: -14-44 % (fewer splits, fewer loads in flight).
+// - one block an SM with 4 or 6 stages: -14-44 % (fewer splits, fewer loads in flight);
+// - the tile after the ring's prefetched into L2 (prefetch.global.L2, a 128-byte line a thread): -12-20 % at batch >= 8;
+//   cp.async with the L2::256B prefetch hint: within 1 %.
 constexpr int kDecodeThreads = 128;        // 4 warps (tensor cores: each a 16-key slice of every key tile)
 constexpr int kDecodeTileRows = 16;        // rows a block on tensor cores: one m16 tile (G x q_len <= 16: K, V read once)
 constexpr int kDecodeBlockKeys = 64;       // keys a tile: 16 a warp, the k of one m16n8k16 P V product
