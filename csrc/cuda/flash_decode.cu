@@ -719,12 +719,18 @@ __global__ void __launch_bounds__(kDecodeThreads) scalar_split_kernel(const Deco
 }
 
 // ---- the merge of the splits ------------------------------------------------------------------------
-// A block per output row (batch, kv head, ρ). Its lanes find M and l together, a split a lane; its warps sum O over
-// every kWarps-th split, several splits' loads in flight; warp 0 adds the warps' sums in order and writes out = O / l
-// and lse. 3.7 µs at B 1, 8192 keys, 31 splits on an H200; one warp a row walking the splits a load at a time, 12.5 µs.
+// A block per output row (batch, kv head, ρ). Every warp loads m_s, l_s of every split (a split a lane) and, in the
+// same round trip, the O_s rows of its first kFirstSplits splits (s = warp + kWarps·i); M, l and the weights
+// 2^(m_s − M) then come from shuffles, and each warp sums its splits' weighted O rows (every kWarps-th split; past
+// kWarps·kFirstSplits splits, 32 more a round trip); warp 0 adds the warps' sums in order and writes out = O / l and
+// lse. One dependent round trip through L2 for up to 32 splits, where M first, then l, then O took three (H200, B 1:
+// 8192 keys 16.5 -> 15.8 us a step, 32768 keys 44.3 -> 43.0 us; the same bits).
 template <int D, class T>
 __global__ void __launch_bounds__(kDecodeThreads) combine_kernel(const DecodeParams dp) {
   constexpr int kCols = D / 32, kWarps = kDecodeThreads / 32;  // columns per lane: c = lane + 32·k, coalesced
+  constexpr int kFirstSplits = 32 / kWarps, kLaneSplits = kDecodeMaxSplits / 32;
+  static_assert(kFirstSplits * kWarps == 32 && kLaneSplits * 32 == kDecodeMaxSplits, "the first 32 splits' weights on "
+                "lanes 0 .. 31 of w_s[0]");
   __shared__ float sm_o[kWarps - 1][D];
   const AttentionParams& p = dp.p;
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
@@ -739,21 +745,56 @@ __global__ void __launch_bounds__(kDecodeThreads) combine_kernel(const DecodePar
   const int64_t split_stride = static_cast<int64_t>(rows_total);
   const float* ml = dp.part_ml + 2 * (bk * splits * rows_total + rho);
   const float* po = dp.part_o + (bk * splits * rows_total + rho) * D;
+  const auto o_of = [&](int s, int k) { return po[s * split_stride * D + lane + 32 * k]; };
+  float first[kFirstSplits][kCols];
+#pragma unroll
+  for (int i = 0; i < kFirstSplits; ++i) {
+    const int s = warp + kWarps * i;
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) first[i][k] = s < splits ? o_of(s, k) : 0.0f;
+  }
+  float m_s[kLaneSplits], l_s[kLaneSplits];  // split lane + 32·j
+#pragma unroll
+  for (int j = 0; j < kLaneSplits; ++j) {
+    const int s = lane + 32 * j;
+    m_s[j] = s < splits ? ml[2 * s * split_stride] : kNegInf;
+    l_s[j] = s < splits ? ml[2 * s * split_stride + 1] : 0.0f;
+  }
   float M = kNegInf;
-  for (int s = lane; s < splits; s += 32) M = max_nan(M, ml[2 * s * split_stride]);
+#pragma unroll
+  for (int j = 0; j < kLaneSplits; ++j) M = max_nan(M, m_s[j]);
   for (int offset = 16; offset > 0; offset /= 2) M = max_nan(M, __shfl_xor_sync(0xffffffffu, M, offset));
-  auto weight = [&](int s) { return M == kNegInf ? 0.0f : exp2f(ml[2 * s * split_stride] - M); };
-  float L = 0.0f;
-  for (int s = lane; s < splits; s += 32) L = fmaf(weight(s), ml[2 * s * split_stride + 1], L);
+  float w_s[kLaneSplits], L = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kLaneSplits; ++j) {
+    w_s[j] = M == kNegInf ? 0.0f : exp2f(m_s[j] - M);  // even when 0: a NaN in O_s must show
+    if (lane + 32 * j < splits) L = fmaf(w_s[j], l_s[j], L);
+  }
   for (int offset = 16; offset > 0; offset /= 2) L += __shfl_xor_sync(0xffffffffu, L, offset);
   float O[kCols];
 #pragma unroll
   for (int k = 0; k < kCols; ++k) O[k] = 0.0f;
-#pragma unroll 4
-  for (int s = warp; s < splits; s += kWarps) {
-    const float w = weight(s);
 #pragma unroll
-    for (int k = 0; k < kCols; ++k) O[k] = fmaf(w, po[s * split_stride * D + lane + 32 * k], O[k]);
+  for (int i = 0; i < kFirstSplits; ++i) {
+    const int s = warp + kWarps * i;  // (< 32: its weight on lane s of w_s[0])
+    if (s < splits) {
+      const float w = __shfl_sync(0xffffffffu, w_s[0], s);
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) O[k] = fmaf(w, first[i][k], O[k]);
+    }
+  }
+#pragma unroll
+  for (int j = 1; j < kLaneSplits; ++j) {
+    if (32 * j >= splits) break;
+#pragma unroll
+    for (int i = 0; i < kFirstSplits; ++i) {
+      const int s = 32 * j + warp + kWarps * i;
+      if (s < splits) {
+        const float w = __shfl_sync(0xffffffffu, w_s[j], s % 32);
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) O[k] = fmaf(w, o_of(s, k), O[k]);
+      }
+    }
   }
   if (warp > 0) {
 #pragma unroll
