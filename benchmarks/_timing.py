@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -332,8 +333,32 @@ def write_json(path: Path, machine: dict, argv: Sequence[str], tables: dict[str,
     print(f"results written to {path}", file=sys.stderr)
 
 
-def write_plot(path: Path, machine: dict, tables: dict[str, list[Row]]) -> None:
-    """Horizontal bars of peer/ours per row (1 = as fast as the peer, log scale), one panel per table."""
+def tables_from_markdown(text: str) -> dict[str, tuple[str, list[Row]]]:
+    """The tables markdown_table printed, read back from text (the README's): {title: (its machine line, rows)}."""
+    tables: dict[str, tuple[str, list[Row]]] = {}
+    title, header, rows = None, None, None
+    for line in text.splitlines():
+        heading = re.match(r"\*\*(.+?)\*\* — (.+?)\.?$", line)
+        if heading:
+            title, header, rows = heading.group(1), None, []
+            tables[title] = (heading.group(2), rows)
+        elif title is not None and line.startswith("|"):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+            if header is None:
+                header = cells
+            elif not all(set(c) <= set(":-") for c in cells):
+                cell = dict(zip(header, cells))
+                number = lambda key: float(cell[key]) if cell.get(key) else None  # noqa: E731
+                rows.append(Row("cuda" if title.startswith("CUDA") else "cpu", cell["case"], cell["dtype"],
+                                int(cell["threads"]) if cell.get("threads") else None, cell["ours"], cell["peer"],
+                                number("ours ms"), number("peer ms"), number("peer/ours"), note=cell.get("note", "")))
+    return tables
+
+
+def write_plot(path: Path, machine: Optional[dict], tables: dict[str, list[Row]],
+               headings: Optional[dict[str, str]] = None) -> None:
+    """Horizontal bars of peer/ours per row (1 = as fast as the peer, log scale), one panel per table. headings: a
+    machine line per table (tables measured on different machines or commits), in place of one for the figure."""
     try:
         import matplotlib
 
@@ -363,9 +388,10 @@ def write_plot(path: Path, machine: dict, tables: dict[str, list[Row]]) -> None:
         ax.set_yticks(range(len(rows)), labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("peer time / our time (> 1: ours faster)")
-        ax.set_title(name, fontsize=9)
-    device = "cuda" if any(r.bench == "cuda" for rows in panels.values() for r in rows) else "cpu"
-    fig.suptitle(machine_line(machine, device), fontsize=8)
+        ax.set_title(f"{name}\n{headings[name]}" if headings else name, fontsize=9)
+    if not headings:
+        device = "cuda" if any(r.bench == "cuda" for rows in panels.values() for r in rows) else "cpu"
+        fig.suptitle(machine_line(machine, device), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)

@@ -29,6 +29,7 @@ Subcommands:
               threads; --device cuda: W GPUs (NCCL) vs one GPU at the same per-GPU length, and vs torch's
               context_parallel; --algorithm ring,ulysses,usp: the other routes too
     tiles     the flash kernel under each block_q x block_k vs its default and torch SDPA (cuda --configs: on the GPU)
+    plot      docs/perf.png redrawn from the README's tables (each panel headed by its table's machine and commit)
 
 Every row: ours, the peer, their median times over interleaved rounds (each round in the reverse order of the one
 before), and peer/ours = peer time / our time (> 1: ours faster). Every callable runs once first and its answer is
@@ -118,6 +119,17 @@ def run_summary(args) -> dict[str, list[Row]]:
     return tables
 
 
+def run_plot(args) -> int:
+    """The README's tables (between its perf markers) as bars, each panel under its own table's machine line."""
+    tables = _timing.tables_from_markdown(args.readme.read_text())
+    if not tables:
+        print(f"plot: no benchmark tables in {args.readme}", file=sys.stderr)
+        return 1
+    _timing.write_plot(args.plot, None, {t: rows for t, (_, rows) in tables.items()},
+                       headings={t: line for t, (line, _) in tables.items()})
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------- command line
 def parse_threads(text: str) -> list[int]:
     out = []
@@ -171,6 +183,11 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=run_summary)
     p.add_argument("--device", choices=("cpu", "cuda", "all"), default=None,
                    help="which table (default: cpu, and cuda too where there is a GPU)")
+    root = Path(__file__).resolve().parents[1]
+    p = sub.add_parser("plot", help="docs/perf.png from the README's tables")
+    p.add_argument("--readme", type=Path, default=root / "README.md", help="the tables' file (default: README.md)")
+    p.add_argument("--plot", type=Path, default=root / "docs" / "perf.png", metavar="FILE.png",
+                   help="the figure (default: docs/perf.png; needs matplotlib)")
     bench_cpu.register(sub, common)
     bench_models.register(sub, common)
     bench_cuda.register(sub, common)
@@ -181,6 +198,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    if args.command == "plot":  # (nothing timed: no machine header)
+        return run_plot(args)
     args.threads = args.threads or [_timing.usable_cpus()]
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.seconds = args.seconds or (0.15 if args.quick else 1.0)

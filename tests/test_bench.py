@@ -51,3 +51,26 @@ def test_bench_markdown_and_cuda_skip(tmp_path):
     rows = doc["tables"]["cuda"]
     assert [r["status"] for r in rows] == ["skipped"] and "no CUDA GPU" in rows[0]["note"]
     assert "`python benchmarks/bench.py cuda --markdown" in stdout and "| peer/ours |" in stdout
+
+
+def test_readme_tables_read_back_and_plot(tmp_path):
+    """The README's tables parse back into rows whose ratio is their peer time over ours (as bench.py printed them),
+    each table under its own machine line; `bench.py plot` draws them (where matplotlib is installed)."""
+    sys.path.insert(0, str(BENCH.parent))
+    import _timing
+
+    readme = (BENCH.parents[1] / "README.md").read_text()
+    tables = _timing.tables_from_markdown(readme)
+    assert any(t.startswith("CPU") for t in tables) and any(t.startswith("CUDA") for t in tables)
+    for title, (machine, rows) in tables.items():
+        assert "torch " in machine and "commit " in machine, (title, machine)
+        assert len(rows) >= 4, title
+        for row in rows:
+            assert row.bench == ("cuda" if title.startswith("CUDA") else "cpu")
+            assert row.ratio == pytest.approx(row.peer_ms / row.ours_ms, rel=0.02), (title, row)
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "perf.png"
+    done = subprocess.run([sys.executable, str(BENCH), "plot", "--plot", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
