@@ -212,6 +212,14 @@ def test_long_cache_split(page, nq):
     check(torch.bfloat16, 2, 32, 8, nq, 20480, 128, 1, page, seed=17, lengths=[20479, 700])
 
 
+@pytest.mark.parametrize("dtype, page", [(torch.bfloat16, None), (torch.bfloat16, 256), (torch.float32, None)],
+                         ids=["bf16", "bf16-paged256", "float32"])
+def test_merge_of_many_splits(dtype, page):
+    """One (batch, kv head) against 40k keys: a block a split, so the splits fill the GPU (more than 32 on a GPU of 17
+    SMs or more, up to kDecodeMaxSplits = 128): the merge weighs splits past its first 32 too."""
+    check(dtype, 1, 4, 1, 1, 40960, 64, 0, page, seed=29, lengths=[40000])
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_rows_over_several_tiles_with_splits(dtype):
     """GQA group 8 at q_len 3: 24 rows, a full row tile and one of 8 rows and 8 padding rows; long caches (several
