@@ -334,24 +334,40 @@ def write_json(path: Path, machine: dict, argv: Sequence[str], tables: dict[str,
 
 
 def tables_from_markdown(text: str) -> dict[str, tuple[str, list[Row]]]:
-    """The tables markdown_table printed, read back from text (the README's): {title: (its machine line, rows)}."""
+    """The tables markdown_table printed, read back from text (the README's, between its perf markers where it has
+    them): {title: (its machine line, rows)}. A missing number (—) reads as None, a "skipped: ..." note as the status."""
+    begin, end = text.find("<!-- perf:begin -->"), text.find("<!-- perf:end -->")
+    if 0 <= begin < end:
+        text = text[begin:end]
     tables: dict[str, tuple[str, list[Row]]] = {}
-    title, header, rows = None, None, None
+    title, header, rows = None, None, []
     for line in text.splitlines():
         heading = re.match(r"\*\*(.+?)\*\* — (.+?)\.?$", line)
         if heading:
             title, header, rows = heading.group(1), None, []
             tables[title] = (heading.group(2), rows)
-        elif title is not None and line.startswith("|"):
-            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
-            if header is None:
-                header = cells
-            elif not all(set(c) <= set(":-") for c in cells):
-                cell = dict(zip(header, cells))
-                number = lambda key: float(cell[key]) if cell.get(key) else None  # noqa: E731
-                rows.append(Row("cuda" if title.startswith("CUDA") else "cpu", cell["case"], cell["dtype"],
-                                int(cell["threads"]) if cell.get("threads") else None, cell["ours"], cell["peer"],
-                                number("ours ms"), number("peer ms"), number("peer/ours"), note=cell.get("note", "")))
+            continue
+        if title is None:
+            continue
+        if not line.startswith("|"):
+            if header is not None:  # the table has ended
+                title = None
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+        if header is None:
+            header = cells
+            continue
+        if all(set(c) <= set(":-") for c in cells):  # the alignment row
+            continue
+        cell = dict(zip(header, cells))
+        status, note = "ok", cell.get("note", "")
+        prefixed = re.match(r"(skipped|unsupported|error): (.*)$", note)
+        if prefixed:
+            status, note = prefixed.groups()
+        number = lambda key: float(cell[key]) if cell.get(key, "") not in ("", "—") else None  # noqa: E731
+        rows.append(Row("cuda" if title.startswith("CUDA") else "cpu", cell["case"], cell["dtype"],
+                        int(cell["threads"]) if cell.get("threads") else None, cell["ours"], cell["peer"],
+                        number("ours ms"), number("peer ms"), number("peer/ours"), status=status, note=note))
     return tables
 
 

@@ -53,11 +53,34 @@ def test_bench_markdown_and_cuda_skip(tmp_path):
     assert "`python benchmarks/bench.py cuda --markdown" in stdout and "| peer/ours |" in stdout
 
 
-def test_readme_tables_read_back_and_plot(tmp_path):
+def bench_timing(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import _timing
+
+    return _timing
+
+
+def test_markdown_tables_read_back(monkeypatch):
+    """What markdown_table prints reads back as the same rows: missing times, a skipped row's status, a threads column,
+    a '|' in a case; a table after the perf markers is not read."""
+    _timing = bench_timing(monkeypatch)
+    Row = _timing.Row
+    machine = {"gpu": None, "cpu_model": "X", "physical_cores": 2, "logical_cpus": 2, "usable_cpus": 2, "isa": "avx2",
+               "torch": "2", "commit": "abc", "date": "2026-01-01"}
+    rows = [Row("cpu", "fwd (1,2,3,4) a|b", "float32", 2, "flash", "torch sdpa", 1.5, 3.0, 2.0, note="n"),
+            Row("cpu", "decode", "bfloat16", 1, "attention", "torch sdpa", status="skipped", note="no GPU")]
+    text = "\n".join(["intro", "<!-- perf:begin -->", _timing.markdown_table(rows, "CPU: t", machine, ["x"]), "",
+                      "<!-- perf:end -->", "| case | dtype |", "|:---|:---|", "| other | table |"])
+    (line, back), = _timing.tables_from_markdown(text).values()
+    assert line.startswith("X (2 cores") and "commit abc" in line
+    assert [(r.case, r.threads, r.ours_ms, r.peer_ms, r.ratio, r.status, r.note) for r in back] == [
+        ("fwd (1,2,3,4) a|b", 2, 1.5, 3.0, 2.0, "ok", "n"), ("decode", 1, None, None, None, "skipped", "no GPU")]
+
+
+def test_readme_tables_read_back_and_plot(tmp_path, monkeypatch):
     """The README's tables parse back into rows whose ratio is their peer time over ours (as bench.py printed them),
     each table under its own machine line; `bench.py plot` draws them (where matplotlib is installed)."""
-    sys.path.insert(0, str(BENCH.parent))
-    import _timing
+    _timing = bench_timing(monkeypatch)
 
     readme = (BENCH.parents[1] / "README.md").read_text()
     tables = _timing.tables_from_markdown(readme)

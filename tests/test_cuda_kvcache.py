@@ -220,6 +220,41 @@ def test_merge_of_many_splits(dtype, page):
     check(dtype, 1, 4, 1, 1, 40960, 64, 0, page, seed=29, lengths=[40000])
 
 
+def test_decode_steps_replayed_from_a_cuda_graph():
+    """A decoding step (append a token, attend over a long cache: split-KV, its merge launched dependent on the splits)
+    captured in a CUDA graph, replayed with new tokens and the lengths advanced in place: each replay gives the eager
+    step's bits, and the caches the same rows."""
+    g = gen(31)
+    B, hq, hkv, cap, d, dt = 2, 8, 2, 8192, 128, torch.bfloat16
+    k, v = (randn((B, hkv, cap, d), g, dt).to(CUDA) for _ in "kv")
+    tokens = [[randn(shape, g, dt).to(CUDA) for shape in ((B, hq, 1, d), (B, hkv, 1, d), (B, hkv, 1, d))]
+              for _ in range(3)]
+    lengths = torch.tensor([6000, 8000], dtype=torch.int32, device=CUDA)
+
+    kc, vc, lens = k.clone(), v.clone(), lengths.clone()
+    q, k_new, v_new = (t.clone() for t in tokens[0])
+    step = lambda: cs149gpt.attention_with_kvcache(q, kc, vc, lens, k_new=k_new, v_new=v_new)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    kc.copy_(k), vc.copy_(v), lens.copy_(lengths)  # the warm-up's append undone
+
+    kr, vr, lens_r = k.clone(), v.clone(), lengths.clone()
+    for t, (q_t, k_t, v_t) in enumerate(tokens):
+        q.copy_(q_t), k_new.copy_(k_t), v_new.copy_(v_t)
+        graph.replay()
+        expected = cs149gpt.attention_with_kvcache(q_t, kr, vr, lens_r, k_new=k_t, v_new=v_t)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"step {t}")
+        lens.add_(1), lens_r.add_(1)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_rows_over_several_tiles_with_splits(dtype):
     """GQA group 8 at q_len 3: 24 rows, a full row tile and one of 8 rows and 8 padding rows; long caches (several

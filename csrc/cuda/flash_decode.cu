@@ -82,7 +82,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 
 // Programmatic dependent launch (sm_90+; no-ops below, and in a grid launched without it): a split block lets the
 // merge's grid launch once its own loads are done, and the merge waits for every split block's partials before
-// reading them. The merge's launch then overlaps the splits' tail (B 1, 8192 keys on an H200: 23.2 -> 21.9 us a step).
+// reading them. The merge's launch then overlaps the splits' tail: 6 % of a step at B 1, 8192 keys (H200).
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -723,8 +723,8 @@ __global__ void __launch_bounds__(kDecodeThreads) scalar_split_kernel(const Deco
 // same round trip, the O_s rows of its first kFirstSplits splits (s = warp + kWarps·i); M, l and the weights
 // 2^(m_s − M) then come from shuffles, and each warp sums its splits' weighted O rows (every kWarps-th split; past
 // kWarps·kFirstSplits splits, 32 more a round trip); warp 0 adds the warps' sums in order and writes out = O / l and
-// lse. One dependent round trip through L2 for up to 32 splits, where M first, then l, then O took three (H200, B 1:
-// 8192 keys 16.5 -> 15.8 us a step, 32768 keys 44.3 -> 43.0 us; the same bits).
+// lse. One dependent round trip through L2 for up to 32 splits: loading M, then l, then O in turn made B 1 steps 3-4 %
+// longer (H200, 8192 and 32768 keys).
 template <int D, class T>
 __global__ void __launch_bounds__(kDecodeThreads) combine_kernel(const DecodeParams dp) {
   constexpr int kCols = D / 32, kWarps = kDecodeThreads / 32;  // columns per lane: c = lane + 32·k, coalesced
@@ -860,6 +860,21 @@ cudaError_t launch_split(const DecodeParams& dp, const dim3& grid, cudaStream_t 
   return cudaGetLastError();
 }
 
+// Whether the merge's code has its griddepcontrol.wait: compiled for sm_90+ (its PTX version), not PTX of an older
+// architecture compiled for this GPU at load time. Asked once per device.
+template <int D, class T>
+bool merge_waits(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];  // 0 not asked yet, 1 no, 2 yes
+  const bool cached = device >= 0 && device < kDevices;
+  if (cached && known[device].load(std::memory_order_acquire) != 0) return known[device].load() == 2;
+  cudaFuncAttributes attributes{};
+  const bool waits = cudaFuncGetAttributes(&attributes, combine_kernel<D, T>) == cudaSuccess &&
+                     attributes.ptxVersion >= 90;
+  if (cached) known[device].store(waits ? 2 : 1, std::memory_order_release);
+  return waits;
+}
+
 template <int D, class T>
 cudaError_t run(const DecodeParams& dp, cudaStream_t stream) {
   const AttentionParams& p = dp.p;
@@ -875,6 +890,7 @@ cudaError_t run(const DecodeParams& dp, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch * p.num_kv_heads * dp.row_tiles), dp.splits);
   const cudaError_t err = launch_split<D, T>(dp, grid, stream);
   if (err != cudaSuccess || dp.splits == 1) return err;
+  if (dp.splits > kDecodeMaxSplits) return cudaErrorInvalidValue;  // (the merge reads at most that many partials)
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(rows));
   config.blockDim = dim3(kDecodeThreads);
@@ -883,7 +899,7 @@ cudaError_t run(const DecodeParams& dp, cudaStream_t stream) {
   dependent[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependent[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = dependent;
-  config.numAttrs = dp.dependent_launch ? 1 : 0;
+  config.numAttrs = dp.dependent_launch && merge_waits<D, T>(dp.device) ? 1 : 0;
   return cudaLaunchKernelEx(&config, combine_kernel<D, T>, dp);
 }
 

@@ -195,7 +195,7 @@ struct BwdTraits {
 // On an H200 (bf16/fp16, d 64/128, N 2048-8192): 1.11-1.25x the register-reduction dQ with dV after dSᵀ; the polynomial
 // exponentials gain at d 64 causal only (+2 %) and lose elsewhere. kDvEarly at d 128: 7-8 % slower without the causal
 // mask, the same with it (bf16, N 2048-8192). kDqDefer, same run vs cuDNN: +6-7 % at d 64; at d 128 +3-4 % causal and
-// GQA (its unmasked tiles deferred too: fp16 N 16384 causal 0.91 -> 0.95x), within 1 % unmasked.
+// GQA (the causal call's unmasked tiles too), within 1 % unmasked.
 template <int kHeadDim, class T>
 using DefaultBwdTraits = BwdTraits<kHeadDim, T, /*kDqTma=*/true, /*kDvEarly=*/kHeadDim == 64, /*kPolyExpEvery=*/0,
                                    /*kDeltaVec=*/true, /*kBlockM=*/kHeadDim == 64 ? 128 : 64, /*kDqDefer=*/true>;
