@@ -41,7 +41,8 @@ Every argument of these functions is honoured. Differences: S_dmask (return_attn
 probabilities (FlashAttention's are scaled per block: "possibly with different scaling"); a paged varlen call has no
 backward (it runs with grad mode on; its backward raises); input errors are ValueError/TypeError/IndexError, and those
 naming block_table are also RuntimeError, as FlashAttention raises them.
-deterministic is accepted (every result is bitwise the same for any thread count) and num_splits is ignored.
+deterministic is accepted: on the CPU every result is bitwise the same for any thread count; on CUDA the backward sums
+dQ over key tiles with atomic additions, whose order (so dQ's last bits) varies from run to run. num_splits is ignored.
 """
 import contextlib
 import math

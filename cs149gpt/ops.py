@@ -153,7 +153,8 @@ def attention(
     causal attention, forward only; other arguments there are a NotImplementedError/ValueError from the op's check.
 
     Autograd: impl="flash" is differentiable in q, k and v (FlashAttention-2's backward from the saved lse; nothing
-    N×N is saved). The other impls raise on backward rather than return missing gradients. The operators behind
+    N×N is saved; on CUDA dQ is summed over key tiles with atomic additions, so its last bits vary from run to run).
+    The other impls raise on backward rather than return missing gradients. The operators behind
     it, torch.ops.cs149gpt.attention, .flash_attention (→ out, lse) and .flash_attention_backward (→ dq, dk, dv),
     have autograd and fake implementations: torch.compile(fullgraph=True) traces through them, forward and
     backward, and torch.library.opcheck passes on each.
