@@ -613,7 +613,6 @@ at::Tensor attention_with_kvcache(const at::Tensor& q, const at::Tensor& k_cache
   dp.row_tiles = static_cast<int>((rows + dp.rows_per_block - 1) / dp.rows_per_block);
   dp.splits = decode_splits(p, capacity, dp.rows_per_block, device_attribute(cudaDevAttrMultiProcessorCount, device));
   dp.smem_per_block = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  dp.dependent_launch = major >= 9;
   dp.device = device;
   at::Tensor parts;
   if (dp.splits > 1) {  // the splits' partials: O_s (d floats), then m_s, l_s, per (batch, kv head, split, row)

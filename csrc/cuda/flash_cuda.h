@@ -119,7 +119,6 @@ struct DecodeParams {
   int page_shift = -1;     // paged: log2(page_size) where it is a power of two (a shift per key, not a division)
   int smem_per_block = 0;  // the device's shared memory a block may opt into (the ring's stages: launch_split)
   int device = 0;          // the device's index: launch_split raises a kernel's shared memory limit once per device
-  bool dependent_launch = false;  // sm_90+: the merge launches while the splits finish (programmatic dependent launch)
   float* part_o = nullptr;   // (batch x Hkv, splits, G x q_len, head_dim) float32
   float* part_ml = nullptr;  // (batch x Hkv, splits, G x q_len, 2) float32: m_s, l_s (base 2)
 };

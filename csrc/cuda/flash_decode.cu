@@ -860,8 +860,8 @@ cudaError_t launch_split(const DecodeParams& dp, const dim3& grid, cudaStream_t 
   return cudaGetLastError();
 }
 
-// Whether the merge's code has its griddepcontrol.wait: compiled for sm_90+ (its PTX version), not PTX of an older
-// architecture compiled for this GPU at load time. Asked once per device.
+// Whether the merge launches dependent on the splits: where its code has its griddepcontrol.wait, compiled for sm_90+
+// (its PTX version; so the GPU is one too), not PTX of an older architecture compiled at load time. Once per device.
 template <int D, class T>
 bool merge_waits(int device) {
   constexpr int kDevices = 64;
@@ -887,10 +887,10 @@ cudaError_t run(const DecodeParams& dp, cudaStream_t stream) {
   }
   const int64_t rows = p.batch * p.num_kv_heads * (p.num_heads / p.num_kv_heads) * p.q_len;
   if (rows == 0) return cudaSuccess;  // no query row: nothing to write
+  if (dp.splits > kDecodeMaxSplits) return cudaErrorInvalidValue;  // (the merge reads at most that many partials)
   const dim3 grid(static_cast<unsigned>(p.batch * p.num_kv_heads * dp.row_tiles), dp.splits);
   const cudaError_t err = launch_split<D, T>(dp, grid, stream);
   if (err != cudaSuccess || dp.splits == 1) return err;
-  if (dp.splits > kDecodeMaxSplits) return cudaErrorInvalidValue;  // (the merge reads at most that many partials)
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(rows));
   config.blockDim = dim3(kDecodeThreads);
@@ -899,7 +899,7 @@ cudaError_t run(const DecodeParams& dp, cudaStream_t stream) {
   dependent[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependent[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = dependent;
-  config.numAttrs = dp.dependent_launch && merge_waits<D, T>(dp.device) ? 1 : 0;
+  config.numAttrs = merge_waits<D, T>(dp.device) ? 1 : 0;
   return cudaLaunchKernelEx(&config, combine_kernel<D, T>, dp);
 }
 
