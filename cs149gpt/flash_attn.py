@@ -41,11 +41,15 @@ Every argument of these functions is honoured. Differences: S_dmask (return_attn
 probabilities (FlashAttention's are scaled per block: "possibly with different scaling"); a paged varlen call has no
 backward (it runs with grad mode on; its backward raises); input errors are ValueError/TypeError/IndexError, and those
 naming block_table are also RuntimeError, as FlashAttention raises them.
-deterministic is accepted: on the CPU every result is bitwise the same for any thread count; on CUDA the backward sums
-dQ over key tiles with atomic additions, whose order (so dQ's last bits) varies from run to run. num_splits is ignored.
+deterministic: on the CPU every result is bitwise the same for any thread count; on CUDA, under
+torch.use_deterministic_algorithms(True), the backward is bitwise repeatable where Hopper's kernels take the call and
+elsewhere (softcap, ALiBi, dropout, varlen windows, other GPUs) torch's switch raises or warns (cs149gpt.attention's
+docstring); deterministic=True without the switch warns that dQ's additions have no fixed order. num_splits is
+ignored.
 """
 import contextlib
 import math
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -128,6 +132,15 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     return out, lse, probs
 
 
+def _deterministic_asked(deterministic, q, *tensors):
+    """deterministic=True on CUDA without torch's switch: say what it takes (the backward reads torch's switch)."""
+    wants_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if (deterministic and wants_grad and isinstance(q, torch.Tensor) and q.is_cuda
+            and not torch.are_deterministic_algorithms_enabled()):
+        warnings.warn("deterministic=True: cs149gpt's CUDA backward adds dQ in a fixed order under "
+                      "torch.use_deterministic_algorithms(True); without it, in no fixed order", stacklevel=3)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """softmax(softmax_scale · q kᵀ, masked) v, FlashAttention's flash_attn_func.
@@ -137,7 +150,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             heads_kv (MQA/GQA).
         dropout_p, softmax_scale, causal (bottom-right), window_size: as in the module docstring.
         softcap: > 0 caps the scaled logits to softcap · tanh(s / softcap). alibi_slopes: (heads,) or
-            (batch, heads) float32, adds −slope · |i + seqlen_k − seqlen_q − j|. deterministic: accepted.
+            (batch, heads) float32, adds −slope · |i + seqlen_k − seqlen_q − j|. deterministic: see the module
+            docstring.
         return_attn_probs: also return softmax_lse (batch, heads, seqlen_q) float32 and S_dmask, the attention
             probabilities (batch, heads, seqlen_q, seqlen_k) before dropout, negated where dropout dropped them
             (for testing: materialised).
@@ -146,6 +160,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         out (batch, seqlen_q, heads, head_dim) in q's dtype, differentiable in q, k and v;
         or (out, softmax_lse, S_dmask) with return_attn_probs.
     """
+    _deterministic_asked(deterministic, q, q, k, v)
     return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
@@ -154,6 +169,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim), read through views (no copy)."""
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv: expected (batch, seqlen, 3, heads, head_dim), got shape {tuple(qkv.shape)}")
+    _deterministic_asked(deterministic, qkv, qkv)
     return _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
                   softcap, alibi_slopes, return_attn_probs)
 
@@ -163,6 +179,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """flash_attn_func on q (batch, seqlen_q, heads, head_dim) and kv (batch, seqlen_k, 2, heads_kv, head_dim)."""
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv: expected (batch, seqlen_k, 2, heads_kv, head_dim), got shape {tuple(kv.shape)}")
+    _deterministic_asked(deterministic, q, q, kv)
     return _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                   alibi_slopes, return_attn_probs)
 
@@ -241,13 +258,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             heads_kv, head_dim) and sequence b's keys are 0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] - 1, key t at row
             t % page_block_size of block block_table[b, t // page_block_size] (FlashAttention's meaning; any
             page_block_size). One call prefills and decodes many sequences (seqlen_q 1: a decode step). Inference
-            only: the backward of such a call raises. deterministic: accepted.
+            only: the backward of such a call raises. deterministic: the module docstring's.
 
     Returns:
         out (total_q, heads, head_dim) in q's dtype, differentiable in q, k and v (without block_table); or
         (out, softmax_lse, S_dmask).
     One kernel call takes every sequence (no padding, no (N, N) mask); so does the backward.
     """
+    _deterministic_asked(deterministic, q, q, k, v)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, return_attn_probs, block_table)
 
@@ -258,6 +276,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """flash_attn_varlen_func on qkv (total, 3, heads, head_dim), one cu_seqlens for all three (views, no copy)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv: expected (total_tokens, 3, heads, head_dim), got shape {tuple(qkv.shape)}")
+    _deterministic_asked(deterministic, qkv, qkv)
     return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
@@ -268,6 +287,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """flash_attn_varlen_func on q (total_q, heads, head_dim) and kv (total_k, 2, heads_kv, head_dim)."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv: expected (total_tokens, 2, heads_kv, head_dim), got shape {tuple(kv.shape)}")
+    _deterministic_asked(deterministic, q, q, kv)
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 

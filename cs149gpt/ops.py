@@ -153,11 +153,18 @@ def attention(
     causal attention, forward only; other arguments there are a NotImplementedError/ValueError from the op's check.
 
     Autograd: impl="flash" is differentiable in q, k and v (FlashAttention-2's backward from the saved lse; nothing
-    N×N is saved; on CUDA dQ is summed over key tiles with atomic additions, so its last bits vary from run to run).
-    The other impls raise on backward rather than return missing gradients. The operators behind
-    it, torch.ops.cs149gpt.attention, .flash_attention (→ out, lse) and .flash_attention_backward (→ dq, dk, dv),
-    have autograd and fake implementations: torch.compile(fullgraph=True) traces through them, forward and
-    backward, and torch.library.opcheck passes on each.
+    N×N is saved). The other impls raise on backward rather than return missing gradients. The operators behind it,
+    torch.ops.cs149gpt.attention, .flash_attention (→ out, lse) and .flash_attention_backward (→ dq, dk, dv), have
+    autograd and fake implementations: torch.compile(fullgraph=True) traces through them, forward and backward, and
+    torch.library.opcheck passes on each.
+
+    Determinism: on the CPU every result's bits are the same for any thread count. On CUDA the backward sums each dQ
+    row over key tiles with atomic additions in no fixed order, unless torch.use_deterministic_algorithms(True) is
+    set: then Hopper's kernels (plain, causal, GQA, packed sequences; boolean attn_mask and windows on dense calls)
+    add them in key order, bitwise repeatable and slower; FlashAttention-2's (an attn_mask that adds a bias,
+    dropout, softcap, ALiBi, a scale <= 0, windows on packed sequences; GPUs or layouts Hopper's sm_90a kernel does
+    not take) follow torch's rule for an op without a deterministic implementation (RuntimeError; a warning with
+    warn_only=True).
 
     Errors: bad input raises before any kernel runs, naming the argument and what was expected: ValueError
     (shapes, GQA, tiles, scale, tensors on different devices), TypeError (dtypes; sparse, nested or quantized

@@ -553,3 +553,108 @@ def test_compile_with_masks_and_dropout():
     torch._dynamo.reset()
     assert any(ours(n) and "fwd" in n for n in names) and any(ours(n) and "bwd" in n for n in names), names
     assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.use_deterministic_algorithms
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def deterministic_mode():
+    """Sets torch.use_deterministic_algorithms(True, warn_only=...) for the test (a function of warn_only), restored."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def grads(q, k, v, dout, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    torch.autograd.backward(cs149gpt.attention(q, k, v, **kw), dout)
+    return q.grad, k.grad, v.grad
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the deterministic dQ order is the Hopper kernels'")
+@pytest.mark.parametrize("spans", [None, "key padding", "window", "random bool"])
+@pytest.mark.parametrize("gqa_split", ["1", "0"], ids=["per_query_head", "group_in_block"])
+@pytest.mark.parametrize("shape", [(2, 4, 4, 700, 900), (2, 8, 2, 1024, 1024), (2, 4, 2, 900, 500)],
+                         ids=["ragged", "gqa", "nq>nk"])
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_deterministic_backward_repeats_its_bits(dtype, d, causal, shape, gqa_split, spans, deterministic_mode,
+                                                 monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the Hopper backward adds each query tile's dQ blocks in key order:
+    repeated calls give the same bits (several key tiles add into every dQ row here), so does batch element 0 alone
+    (another grid, other timing), the gradients are the default order's within its rounding and float64's within the
+    usual bar. gqa_split=0: a block walks its kv head's query heads (CS149GPT_BWD_GQA_SPLIT). spans: the key-spans
+    kernels (a boolean key-padding mask; a window, whose query tiles start at their own first key tiles; a random
+    boolean mask, read in partial tiles)."""
+    monkeypatch.setenv("CS149GPT_BWD_GQA_SPLIT", gqa_split)
+    B, _, _, Nq, Nk = shape
+    q, k, v = make_qkv(dtype, d, seed=7 + d, shape=shape)
+    dout = rand(q.shape, dtype, 99)
+    kw = dict(is_causal=causal)
+    if spans == "key padding":
+        kw["attn_mask"] = (torch.arange(Nk, device=CUDA) < torch.tensor([Nk, Nk // 3], device=CUDA)[:B, None])[
+            :, None, None, :]
+    elif spans == "window":
+        kw["window"] = (300, 40)
+    elif spans == "random bool":  # (partial tiles: the rows' bits)
+        g = torch.Generator(device=CUDA).manual_seed(d)
+        kw["attn_mask"] = torch.rand(B, 1, Nq, Nk, generator=g, device=CUDA) < 0.9
+    free = grads(q, k, v, dout, **kw)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out_ref, _ = reference(*leaves, causal=causal, attn_mask=kw.get("attn_mask"), window=kw.get("window"))
+    # (the float64 matmuls before the switch: cuBLAS is not deterministic)
+    torch.autograd.backward(out_ref, dout.double())
+    deterministic_mode()
+    first = grads(q, k, v, dout, **kw)
+    names = kernel_names(lambda: grads(q, k, v, dout, **kw))
+    assert any("flash_bwd_hopper_kernel" in n for n in names), names
+    for _ in range(3):
+        again = grads(q, k, v, dout, **kw)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name}: bits differ between two deterministic calls"
+    kw_alone = dict(kw, attn_mask=kw["attn_mask"][:1]) if "attn_mask" in kw else kw
+    alone = grads(q[:1], k[:1], v[:1], dout[:1], **kw_alone)
+    for name, a, b in zip(("dq", "dk", "dv"), first, alone):
+        assert torch.equal(a[:1], b), f"{name}: batch element 0 alone differs from it within the batch"
+    scale = max(ref.grad.abs().max().item() for ref in leaves) + 1e-6
+    for name, got, want, ref in zip(("dq", "dk", "dv"), first, free, leaves):
+        assert max_err(got, want) / scale <= GRAD_CAP[dtype] / 4, name
+        assert max_err(got, ref.grad) / scale <= GRAD_CAP[dtype], name
+
+
+@pytest.mark.parametrize("warn_only", [False, True], ids=["error", "warn_only"])
+def test_nondeterministic_backward_says_so(warn_only, deterministic_mode):
+    """A backward whose dQ additions have no fixed order (softcap: FlashAttention-2's general kernel, on every GPU)
+    follows torch's rule under deterministic mode: RuntimeError, or with warn_only a UserWarning."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(torch.bfloat16, 64, seed=3))
+    out = cs149gpt.attention(q, k, v, softcap=5.0)
+    deterministic_mode(warn_only)
+    if warn_only:
+        with pytest.warns(UserWarning, match="cs149gpt's CUDA flash backward"):
+            out.sum().backward()
+        assert q.grad is not None
+    else:
+        with pytest.raises(RuntimeError, match="cs149gpt's CUDA flash backward.*deterministic"):
+            out.sum().backward()
+
+
+@pytest.mark.skipif(not HOPPER, reason="a deterministic CUDA backward is the Hopper kernels'")
+def test_flash_attn_deterministic_flag(deterministic_mode):
+    """flash_attn_func(deterministic=True) on CUDA warns where torch's switch is off (the backward reads the switch),
+    and not where it is on."""
+    import warnings
+
+    from cs149gpt.flash_attn import flash_attn_func
+
+    q, k, v = (t.transpose(1, 2).requires_grad_() for t in make_qkv(torch.bfloat16, 64, seed=5))
+    with pytest.warns(UserWarning, match="use_deterministic_algorithms"):
+        flash_attn_func(q, k, v, deterministic=True)
+    deterministic_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attn_func(q, k, v, deterministic=True, causal=True).sum().backward()

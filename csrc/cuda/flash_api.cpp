@@ -174,10 +174,28 @@ void launch_forward(const AttentionParams& p, bool fast, const at::TensorOptions
 
 // The backward of bp on the current stream: Hopper's kernel where it takes the call (CS149GPT_HOPPER=0: the
 // FlashAttention-2 kernel everywhere), else FlashAttention-2's. what: a word errors name the call with ("", "varlen ").
-void launch_backward(const AttentionBackwardParams& bp, float* stats, float* dq_accum, bool per_query_head,
-                     const std::string& what) {
+// Under torch.use_deterministic_algorithms(True), Hopper's kernels (plain, causal, key spans, packed) add dQ's blocks
+// in key order (AttentionBackwardParams::dq_tickets); FlashAttention-2's add them in whatever order the blocks reach
+// them, which torch's rule then reports (an error, or with warn_only a warning).
+void launch_backward(AttentionBackwardParams bp, float* stats, float* dq_accum, bool per_query_head,
+                     const std::string& what, const at::Device& device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp))
+  const bool hopper = config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp);
+  at::Tensor tickets;
+  if (at::globalContext().deterministicAlgorithms()) {
+    if (hopper) {  // (packed: batch sequences of at most q_len rows)
+      bp.dq_ticket_tiles = (bp.fwd.q_len + 63) / 64;
+      tickets = at::zeros({checked_product({bp.fwd.batch, bp.fwd.num_heads, bp.dq_ticket_tiles, 2})},
+                          at::TensorOptions().dtype(at::kInt).device(device));
+      bp.dq_tickets = tickets.data_ptr<int>();
+    } else {
+      at::globalContext().alertNotDeterministic(
+          "cs149gpt's CUDA flash " + what + "backward with an attn_mask that adds a bias, dropout, softcap, ALiBi, a "
+          "scale <= 0 or a window on packed sequences, or where Hopper's sm_90a kernel does not take the call (other "
+          "GPUs, CS149GPT_HOPPER=0, layouts it refuses): its dQ is summed by atomic additions in no fixed order");
+    }
+  }
+  if (hopper)
     check_launch(flash_bwd_hopper(bp, stats, dq_accum, per_query_head, stream),
                  (what + "Hopper flash backward").c_str());
   else
@@ -365,7 +383,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
   at::Tensor dq_accum = at::zeros({bp.fwd.batch, bp.fwd.num_heads, bp.fwd.q_len, bp.fwd.head_dim}, f32);
   at::Tensor delta = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
   if (bp.fwd.batch * bp.fwd.num_heads > 0)
-    launch_backward(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, "");
+    launch_backward(bp, delta.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, "", q.device());
   if (per_query_head) {  // (batch, kv heads, group, kv_len, d) summed over the group
     const auto grouped = [&](const at::Tensor& t) {
       return t.view({bp.fwd.batch, bp.fwd.num_kv_heads, group, bp.fwd.kv_len, bp.fwd.head_dim});
@@ -464,7 +482,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_attention_backward(
   const bool launch = bp.fwd.q_len > 0 && bp.fwd.kv_len > 0 && heads > 0;
   if (launch) {
     at::Tensor stats = at::empty({bwd_row_stats_floats(bp.fwd)}, f32);
-    launch_backward(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, "varlen ");
+    launch_backward(bp, stats.data_ptr<float>(), dq_accum.data_ptr<float>(), per_query_head, "varlen ", q.device());
     if (per_query_head) {  // (total_k, kv heads, group, d) summed over the group
       at::sum_out(dk, dk_heads.view({total_k, kv_heads, group, d}), {2});
       at::sum_out(dv, dv_heads.view({total_k, kv_heads, group, d}), {2});

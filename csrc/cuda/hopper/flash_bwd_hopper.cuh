@@ -103,11 +103,17 @@ struct BwdSharedTiles {
   __device__ uint32_t* bits_of(int stage) const { return row_bits + stage * Traits::kBlockM * 4; }
 };
 
-// Key spans: a step as the producer hands it to the consumers (an int4 in shared memory). valid = 0 ends the block.
+// Key spans: a step as the producer hands it to the consumers (an int4 in shared memory). valid = false ends the
+// block. first_key_tile: the first key tile any row of the query tile sees (the key tiles that see it are that one and
+// the next ones, each visiting it: the deterministic dQ order counts from it).
 struct BwdStep {
-  int h, m_tile, needs_mask, valid;
-  __device__ static BwdStep from(int4 x) { return {x.x, x.y, x.z, x.w}; }
-  __device__ int4 packed() const { return make_int4(h, m_tile, needs_mask, valid); }
+  int h, m_tile;
+  bool needs_mask, valid;
+  int first_key_tile;
+  __device__ static BwdStep from(int4 x) { return {x.x, x.y, (x.z & 1) != 0, (x.z & 2) != 0, x.w}; }
+  __device__ int4 packed() const {
+    return make_int4(h, m_tile, (needs_mask ? 1 : 0) | (valid ? 2 : 0), first_key_tile);
+  }
 };
 
 // The block's steps: the (query head, query tile) pairs that see some key of the block, query tiles fastest; step s
@@ -299,9 +305,10 @@ __device__ __forceinline__ void load_bwd_tiles_spans(const BwdSharedTiles<Traits
           keys_whole && (m_tile + 1) * kBlockM <= seq.q_len && tile.full_lo <= n0 && n_end <= tile.full_hi;
       uint32_t visit = __ballot_sync(0xffffffffu, sees);
       const uint32_t masked = __ballot_sync(0xffffffffu, sees && !whole);
-      while (visit != 0) {
+      while (visit != 0) {  // (visit is the warp's: every lane runs these iterations)
         const int i = __ffs(visit) - 1;
         visit &= visit - 1;
+        const int first_key_tile = __shfl_sync(0xffffffffu, tile.first, i) / kBlockN;
         const int stage = bwd_stage<Traits>(s);
         const uint32_t released = bwd_phase<Traits>(s) ^ 1;
         const int m0 = (base + i) * kBlockM;
@@ -313,7 +320,7 @@ __device__ __forceinline__ void load_bwd_tiles_spans(const BwdSharedTiles<Traits
         if (needs_mask) write_row_bits<Traits>(sm.bits_of(stage), p, b, h, m0, n0, lane);
         __syncwarp();
         if (lane == 0) {
-          sm.steps[stage] = BwdStep{static_cast<int>(h), base + i, needs_mask, 1}.packed();
+          sm.steps[stage] = BwdStep{static_cast<int>(h), base + i, needs_mask, true, first_key_tile}.packed();
           mbarrier_arrive(&sm.q_full[stage]);
         }
         ++s;
@@ -324,7 +331,7 @@ __device__ __forceinline__ void load_bwd_tiles_spans(const BwdSharedTiles<Traits
   const int stage = bwd_stage<Traits>(s);
   mbarrier_wait(&sm.q_empty[stage], bwd_phase<Traits>(s) ^ 1);
   if (lane == 0) {
-    sm.steps[stage] = BwdStep{0, 0, 0, 0}.packed();
+    sm.steps[stage] = BwdStep{0, 0, false, false, 0}.packed();
     mbarrier_arrive(&sm.q_full[stage]);
   }
 }
@@ -568,19 +575,40 @@ constexpr int kDqWrittenBarrier = 2;
 constexpr int kKeysZeroedBarrier = 4;
 constexpr int kRowsZeroedBarrier = 6;
 
+// The deterministic order of dQ's additions (AttentionBackwardParams::dq_tickets). The key tiles that add into query
+// tile m are consecutive: key tiles 0, 1, ... of its batch element or packed sequence, or with key spans those from
+// the tile's first one on. A block adds its dQ block of tile m once the counter of (batch, head h, m, warpgroup) has
+// reached its rank among them (the key tiles before its own have added theirs), and counts it on once its additions
+// are done. Blocks start in key order (grid order, grouped_heavy_first), so a block waits only on started ones.
+// (The counter is found from bp's fields where it is used: no register of the loop holds it.)
+
 // kDqTma: once each of the warpgroup's threads has written its part of the dQ block to shared memory, one thread adds
-// the block into rows row .. row + 63 of head h's dq_accum (two bulk tensor reduce-adds, committed as one group).
+// the block into rows row .. row + 63 of head h's dq_accum (two bulk tensor reduce-adds, committed as one group);
+// batch, m_tile, rank: the call's batch element (or sequence), the block's query tile and its rank (deterministic).
 template <class Traits>
 __device__ __forceinline__ void reduce_dq_block(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_dq, int wg,
-                                                int warp, int lane, int col0, int row, int h, int bm) {
+                                                int warp, int lane, int col0, int row, int h, int bm,
+                                                const AttentionBackwardParams& bp, int64_t batch, int m_tile,
+                                                int rank) {
   fence_proxy_async();  // the copy engine reads what this thread's stores wrote
   if (warp == 0) {
     named_barrier_sync(kDqWrittenBarrier + wg, 128);
     if (lane == 0) {
+      int* ticket = nullptr;
+      if (bp.dq_tickets != nullptr) {
+        ticket = bp.dq_tickets + ((batch * bp.fwd.num_heads + h) * bp.dq_ticket_tiles + m_tile) * 2 + wg;
+        while (load_acquire_gpu(ticket) != rank) __nanosleep(64);
+        fence_proxy_async_global();  // the reductions below come after the ones the counter counted
+      }
 #pragma unroll
       for (int box = 0; box < 2; ++box)
         tma_reduce_add_4d(tm_dq, sm.dq_block(wg) + box * Traits::kDqBoxBytes, col0 + 32 * box, row, h, bm);
       bulk_commit_group();
+      if (ticket != nullptr) {
+        bulk_wait_group<0>();  // the additions are done
+        fence_proxy_async_global();
+        add_release_gpu(ticket, 1);
+      }
     }
   } else {
     named_barrier_arrive(kDqWrittenBarrier + wg, 128);
@@ -596,8 +624,8 @@ __device__ __forceinline__ void reduce_dq_block(const BwdSharedTiles<Traits>& sm
 template <class Traits, int kMask, bool kPacked>
 __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& sm, const AttentionParams& p,
                                                   const BwdSteps& steps, const SequenceRows& seq, float* dq_accum,
-                                                  const CUtensorMap* tm_dq, int64_t b, int64_t n0, int wg,
-                                                  float (&dk)[Traits::kHeadDim / 2],
+                                                  const CUtensorMap* tm_dq, const AttentionBackwardParams& bp,
+                                                  int64_t b, int64_t n0, int wg, float (&dk)[Traits::kHeadDim / 2],
                                                   float (&dv)[Traits::kHeadDim / 2]) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr bool kIsCausal = kMask == kMaskCausal;
@@ -629,10 +657,14 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
   }
   // kDqDefer: the dQ block in shared memory whose reduction is still to be issued, and its rows and head.
   bool dq_pending = false;
-  int dq_pending_row = 0, dq_pending_h = 0;
+  int dq_pending_row = 0, dq_pending_h = 0, dq_pending_first = 0;
   // Step s visits query tile m_tile of head h (steps.head(s), steps.m_tile(s), counted on instead of divided out).
   int64_t h = steps.h_first;
   int m_tile = steps.m_first;
+  int first_key_tile = 0;  // (key spans: the step's; else the key tiles adding into a query tile start at 0)
+  const int key_tile = static_cast<int>(n0 / Traits::kBlockN);
+  // The query tile of dq_accum row `row` (the deterministic order's counters).
+  const auto tile_of_row = [&](int row) { return (row - seq.q_row0 - dq_row0) / kBlockM; };
   for (int s = 0; kMask == kMaskSpans || s < steps.count; ++s) {
     const int stage = bwd_stage<Traits>(s);
     const uint32_t phase = bwd_phase<Traits>(s);
@@ -644,6 +676,7 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
       h = step.h;
       m_tile = step.m_tile;
       spans_masked = step.needs_mask;
+      first_key_tile = step.first_key_tile;
     }
     const int64_t m0 = static_cast<int64_t>(m_tile) * kBlockM;
     const TileMask mask = tile_mask<Traits, kIsCausal>(seq, static_cast<int>(n0), static_cast<int>(m0));
@@ -673,7 +706,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     const Stats delta(StageStats{sm.delta_rows(stage), lane});
     gemm_keys_x_queries<Traits>(dpt, v_w, do_tile);
     if (kDqDefer && dq_pending)  // the previous step's dQ block, under these two products
-      reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm);
+      reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm, bp, b,
+                              tile_of_row(dq_pending_row), key_tile - dq_pending_first);
 
     // Pᵀ (under dPᵀ's product), then dSᵀ.
     wgmma_wait<1>();
@@ -755,8 +789,10 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
         dq_pending = true;
         dq_pending_row = dq_row;
         dq_pending_h = static_cast<int>(h);
+        dq_pending_first = first_key_tile;
       } else {
-        reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_row, static_cast<int>(h), seq.bm);
+        reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_row, static_cast<int>(h), seq.bm, bp, b,
+                                m_tile, key_tile - first_key_tile);
       }
     } else {
       add_dq_block(dq_accum + dq_accum_offset(p, b, h, Traits::kHeadDim), seq.q_len, head_dim,
@@ -772,7 +808,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     }
   }
   if (kDqDefer && dq_pending)
-    reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm);
+    reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm, bp, b,
+                            tile_of_row(dq_pending_row), key_tile - dq_pending_first);
   // The block's shared memory outlives the last reductions' reads.
   if (Traits::kDqTma && threadIdx.x % 128 == 0) bulk_wait_group<0>();
 }
@@ -862,7 +899,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
     if (kMask == kMaskSpans || steps.count > 0)
-      consumer_mainloop<Traits, kMask, kPacked>(sm, p, steps, seq, dq_accum, &tm_dq, b, n0, wg, dk, dv);
+      consumer_mainloop<Traits, kMask, kPacked>(sm, p, steps, seq, dq_accum, &tm_dq, bp, b, n0, wg, dk, dv);
 
     // dK (scaled) and dV of the warpgroup's keys, summed over the query heads the block visited; 0 where none saw them.
     using T = typename Traits::T;
