@@ -41,11 +41,9 @@ Every argument of these functions is honoured. Differences: S_dmask (return_attn
 probabilities (FlashAttention's are scaled per block: "possibly with different scaling"); a paged varlen call has no
 backward (it runs with grad mode on; its backward raises); input errors are ValueError/TypeError/IndexError, and those
 naming block_table are also RuntimeError, as FlashAttention raises them.
-deterministic: on the CPU every result is bitwise the same for any thread count; on CUDA, under
-torch.use_deterministic_algorithms(True), the backward is bitwise repeatable where Hopper's kernels take the call and
-elsewhere (softcap, ALiBi, dropout, varlen windows, other GPUs) torch's switch raises or warns (cs149gpt.attention's
-docstring); deterministic=True without the switch warns that dQ's additions have no fixed order. num_splits is
-ignored.
+deterministic: on the CPU every result is bitwise the same for any thread count; on CUDA the backward is bitwise
+repeatable under torch.use_deterministic_algorithms(True) (cs149gpt.attention's docstring), and deterministic=True
+without the switch warns that dQ's additions then have no fixed order. num_splits is ignored.
 """
 import contextlib
 import math

@@ -160,11 +160,8 @@ def attention(
 
     Determinism: on the CPU every result's bits are the same for any thread count. On CUDA the backward sums each dQ
     row over key tiles with atomic additions in no fixed order, unless torch.use_deterministic_algorithms(True) is
-    set: then Hopper's kernels (plain, causal, GQA, packed sequences; boolean attn_mask and windows on dense calls)
-    add them in key order, bitwise repeatable and slower; FlashAttention-2's (an attn_mask that adds a bias,
-    dropout, softcap, ALiBi, a scale <= 0, windows on packed sequences; GPUs or layouts Hopper's sm_90a kernel does
-    not take) follow torch's rule for an op without a deterministic implementation (RuntimeError; a warning with
-    warn_only=True).
+    set: then every CUDA backward kernel adds them in key order (a counter per query tile that each key tile waits
+    its turn on), bitwise repeatable and slower.
 
     Errors: bad input raises before any kernel runs, naming the argument and what was expected: ValueError
     (shapes, GQA, tiles, scale, tensors on different devices), TypeError (dtypes; sparse, nested or quantized

@@ -309,10 +309,10 @@ struct AttentionBackwardParams {
   int64_t dk_strides[3] = {0, 0, 0};
   int64_t dv_strides[3] = {0, 0, 0};
   // CUDA, deterministic (torch.use_deterministic_algorithms): a counter per (batch, query head, query tile, consumer
-  // warpgroup), zeroed, through which Hopper's key tiles add their dQ blocks in key order (its bulk-reduction dQ path,
-  // kDqTma: the shipped traits'); null: in any order.
+  // warpgroup), zeroed, through which the key tiles add their dQ blocks in key order (Hopper: its bulk-reduction dQ
+  // path, kDqTma, the shipped traits'); null: in any order.
   int* dq_tickets = nullptr;
-  int64_t dq_ticket_tiles = 0;  // counters a (batch, head) has: ceil(q_len / 64), enough for 64- and 128-row tiles
+  int64_t dq_ticket_tiles = 0;  // query tiles a (batch, head) has counters for: ceil(q_len / 32), any tile's rows
 };
 
 // The backward's view of sequence b (sequence_view): dout and dq moved to its first query row, dk and dv to its first key.

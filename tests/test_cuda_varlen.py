@@ -782,10 +782,8 @@ def test_bad_offsets_are_refused_as_on_the_cpu(cu_q, cu_k, max_q, error, match):
         cs149gpt.varlen_attention(q, k, v, int32(cu_q).cpu(), int32(cu_k), max_q, 9)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-                    reason="the deterministic dQ order is the Hopper kernels'")
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_backward_of_packed_sequences(causal):
+def test_deterministic_backward_of_packed_sequences(causal, forward_path):
     """torch.use_deterministic_algorithms(True): the packed backward adds each sequence's dQ blocks in key order, so
     repeated calls give the same bits, the same as each sequence's own dense deterministic call."""
     lengths = [(700, 700), (1, 300), (1030, 900), (300, 1)]

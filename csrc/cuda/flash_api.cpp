@@ -174,28 +174,19 @@ void launch_forward(const AttentionParams& p, bool fast, const at::TensorOptions
 
 // The backward of bp on the current stream: Hopper's kernel where it takes the call (CS149GPT_HOPPER=0: the
 // FlashAttention-2 kernel everywhere), else FlashAttention-2's. what: a word errors name the call with ("", "varlen ").
-// Under torch.use_deterministic_algorithms(True), Hopper's kernels (plain, causal, key spans, packed) add dQ's blocks
-// in key order (AttentionBackwardParams::dq_tickets); FlashAttention-2's add them in whatever order the blocks reach
-// them, which torch's rule then reports (an error, or with warn_only a warning).
+// Under torch.use_deterministic_algorithms(True) both add dQ's blocks in key order (AttentionBackwardParams::
+// dq_tickets: one counter per 32 query rows, the smallest query tile of any configuration).
 void launch_backward(AttentionBackwardParams bp, float* stats, float* dq_accum, bool per_query_head,
                      const std::string& what, const at::Device& device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool hopper = config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp);
   at::Tensor tickets;
   if (at::globalContext().deterministicAlgorithms()) {
-    if (hopper) {  // (packed: batch sequences of at most q_len rows)
-      bp.dq_ticket_tiles = (bp.fwd.q_len + 63) / 64;
-      tickets = at::zeros({checked_product({bp.fwd.batch, bp.fwd.num_heads, bp.dq_ticket_tiles, 2})},
-                          at::TensorOptions().dtype(at::kInt).device(device));
-      bp.dq_tickets = tickets.data_ptr<int>();
-    } else {
-      at::globalContext().alertNotDeterministic(
-          "cs149gpt's CUDA flash " + what + "backward with an attn_mask that adds a bias, dropout, softcap, ALiBi, a "
-          "scale <= 0 or a window on packed sequences, or where Hopper's sm_90a kernel does not take the call (other "
-          "GPUs, CS149GPT_HOPPER=0, layouts it refuses): its dQ is summed by atomic additions in no fixed order");
-    }
+    bp.dq_ticket_tiles = (bp.fwd.q_len + 31) / 32;  // (packed: batch sequences of at most q_len rows)
+    tickets = at::zeros({checked_product({bp.fwd.batch, bp.fwd.num_heads, bp.dq_ticket_tiles, 2})},
+                        at::TensorOptions().dtype(at::kInt).device(device));
+    bp.dq_tickets = tickets.data_ptr<int>();
   }
-  if (hopper)
+  if (config_flag("CS149GPT_HOPPER", true) && hopper_bwd_supports(bp))
     check_launch(flash_bwd_hopper(bp, stats, dq_accum, per_query_head, stream),
                  (what + "Hopper flash backward").c_str());
   else

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "flash_common.cuh"
 #include "flash_cuda.h"
@@ -130,7 +131,7 @@ __device__ __forceinline__ void store_c_frags(T* tile, const float (&c)[kMi][kNj
 // caller sums the group), so that GQA has as many blocks as plain attention. Without a mask the key blocks of a
 // head run side by side and share its Q, dO in L2; under a causal mask the grid is one dimension in
 // grouped_heavy_first's order (flash_common.cuh).
-template <class Traits, bool kIsCausal, bool kPerQueryHead, bool kGeneral = false>
+template <class Traits, bool kIsCausal, bool kPerQueryHead, bool kGeneral = false, bool kDeterministic = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_kernel(const AttentionBackwardParams params, const float* stats, float* dq_accum, int heads_per_group) {
   using T = typename Traits::T;
@@ -264,7 +265,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     if (s + 1 < steps) load_step(h_next, static_cast<int64_t>(mt_next) * kBlockM, buf ^ 1);
     cp_async_commit();
+    // The deterministic order (AttentionBackwardParams::dq_tickets): the counter of query tile mt, and this block's
+    // rank among the key tiles that visit it, consecutive ones: from key tile 0, or under a left window bound from the
+    // first whose keys reach the tile's first row's window. (Found where used: no register of the loop holds them.)
+    const auto ticket = [&] { return params.dq_tickets + ((b * all.num_heads + h) * params.dq_ticket_tiles + mt) * 2; };
+    const auto rank = [&] {
+      const int64_t first_key = kGeneral && p.window_left >= 0 ? m0 + p.window_offset - p.window_left : 0;
+      return n_block - static_cast<int>(max64(0, first_key) / kBlockN);
+    };
     if (!seen) {
+      if (kDeterministic && threadIdx.x == 0) {  // its turn passed on, with nothing added
+        while (load_acquire_gpu(ticket()) != rank()) __nanosleep(32);
+        add_release_gpu(ticket(), 1);
+      }
       h = h_next;
       mt = mt_next;
       continue;
@@ -341,7 +354,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float dq[kDqMi][kDqNj][4];
     zero_frags(dq);
     warp_gemm_ss<T, kDqMi, kDqNj, kBlockN, kLdP, true, kLdKV, true>(dq, sdSt + dq_row0, sK + dq_col0, lane);
+    if constexpr (kDeterministic) {  // after the key tiles before this one (every thread's additions after the wait)
+      if (threadIdx.x == 0)
+        while (load_acquire_gpu(ticket()) != rank()) __nanosleep(32);
+      __syncthreads();
+    }
     add_dq<kD>(dq_accum + dq_accum_offset(all, b, h, kD), p.q_len, m0 + dq_row0, dq_col0, dq, lane);
+    if constexpr (kDeterministic) {  // every thread's additions before the count
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        add_release_gpu(ticket(), 1);
+      }
+    }
     h = h_next;
     mt = mt_next;
   }
@@ -390,9 +415,15 @@ cudaError_t launch_flash_bwd(const AttentionBackwardParams& bp, float* stats, fl
   const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
   if (heads == 0 || n_blocks == 0) return cudaSuccess;  // no keys: dK, dV are empty, dQ stays 0
   const dim3 grid = p.is_causal ? dim3(heads * n_blocks) : dim3(n_blocks, heads_here, static_cast<unsigned>(p.batch));
-  auto kernel = p.is_causal
-                    ? (per_query_head ? flash_bwd_kernel<Traits, true, true> : flash_bwd_kernel<Traits, true, false>)
-                    : (per_query_head ? flash_bwd_kernel<Traits, false, true> : flash_bwd_kernel<Traits, false, false>);
+  // kDeterministic: instantiations of their own, so that the default kernels carry none of the order's code.
+  const auto pick = [&](auto deterministic) {
+    constexpr bool kDet = decltype(deterministic)::value;
+    return p.is_causal ? (per_query_head ? flash_bwd_kernel<Traits, true, true, false, kDet>
+                                         : flash_bwd_kernel<Traits, true, false, false, kDet>)
+                       : (per_query_head ? flash_bwd_kernel<Traits, false, true, false, kDet>
+                                         : flash_bwd_kernel<Traits, false, false, false, kDet>);
+  };
+  auto kernel = bp.dq_tickets != nullptr ? pick(std::true_type{}) : pick(std::false_type{});
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
   int heads_per_group = 1;
@@ -413,7 +444,12 @@ cudaError_t launch_flash_bwd_general(const AttentionBackwardParams& bp, float* s
   const unsigned heads_here = static_cast<unsigned>(per_query_head ? p.num_heads : p.num_kv_heads);
   const unsigned n_blocks = static_cast<unsigned>((p.kv_len + Traits::kBlockN - 1) / Traits::kBlockN);
   if (p.batch * heads_here == 0 || n_blocks == 0) return cudaSuccess;
-  auto kernel = per_query_head ? flash_bwd_kernel<Traits, false, true, true> : flash_bwd_kernel<Traits, false, false, true>;
+  const auto pick = [&](auto deterministic) {
+    constexpr bool kDet = decltype(deterministic)::value;
+    return per_query_head ? flash_bwd_kernel<Traits, false, true, true, kDet>
+                          : flash_bwd_kernel<Traits, false, false, true, kDet>;
+  };
+  auto kernel = bp.dq_tickets != nullptr ? pick(std::true_type{}) : pick(std::false_type{});
   const int smem = Traits::kSmemBytes + 2 * Traits::kBlockM * static_cast<int>(sizeof(int4));
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;

@@ -123,6 +123,17 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
 #endif
 }
 
+// A counter in global memory read with acquire semantics at GPU scope, and added to with release semantics (the
+// backward's deterministic dQ order: AttentionBackwardParams::dq_tickets).
+__device__ __forceinline__ int load_acquire_gpu(const int* counter) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+__device__ __forceinline__ void add_release_gpu(int* counter, int value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(value) : "memory");
+}
+
 // ---- fast math -----------------------------------------------------------------------------------------
 // 2^x by the special-function unit (relative error ~2^-22; ex2(-inf) = 0).
 __device__ __forceinline__ float exp2_approx(float x) {

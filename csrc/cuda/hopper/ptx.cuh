@@ -109,15 +109,6 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // The same between ordinary global-memory accesses and the async proxy's (bulk tensor reductions).
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-// A counter in global memory read with acquire semantics at GPU scope, and added to with release semantics.
-__device__ __forceinline__ int load_acquire_gpu(const int* counter) {
-  int value;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
-  return value;
-}
-__device__ __forceinline__ void add_release_gpu(int* counter, int value) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(value) : "memory");
-}
 // A barrier among `threads` threads (a multiple of 32) under id 1..15 (0 is __syncthreads').
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
