@@ -308,11 +308,12 @@ struct AttentionBackwardParams {
   int64_t dq_strides[3] = {0, 0, 0};
   int64_t dk_strides[3] = {0, 0, 0};
   int64_t dv_strides[3] = {0, 0, 0};
-  // CUDA, deterministic (torch.use_deterministic_algorithms): a counter per (batch, query head, query tile, consumer
-  // warpgroup), zeroed, through which the key tiles add their dQ blocks in key order (Hopper: its bulk-reduction dQ
-  // path, kDqTma, the shipped traits'); null: in any order.
+  // CUDA, deterministic (torch.use_deterministic_algorithms): zeroed counters, (batch, query head, row, 2), through
+  // which the key tiles add each query tile's dQ blocks in key order, a tile's on the counter of its first row (and
+  // consumer warpgroup: Hopper's bulk-reduction dQ path, kDqTma, the shipped traits'); null: in any order. Packed
+  // sequences: one batch of the packed rows.
   int* dq_tickets = nullptr;
-  int64_t dq_ticket_tiles = 0;  // query tiles a (batch, head) has counters for: ceil(q_len / 32), any tile's rows
+  int64_t dq_ticket_rows = 0;  // q_len, or the packed rows (total_q)
 };
 
 // The backward's view of sequence b (sequence_view): dout and dq moved to its first query row, dk and dv to its first key.

@@ -175,14 +175,15 @@ void launch_forward(const AttentionParams& p, bool fast, const at::TensorOptions
 // The backward of bp on the current stream: Hopper's kernel where it takes the call (CS149GPT_HOPPER=0: the
 // FlashAttention-2 kernel everywhere), else FlashAttention-2's. what: a word errors name the call with ("", "varlen ").
 // Under torch.use_deterministic_algorithms(True) both add dQ's blocks in key order (AttentionBackwardParams::
-// dq_tickets: one counter per 32 query rows, the smallest query tile of any configuration).
+// dq_tickets).
 void launch_backward(AttentionBackwardParams bp, float* stats, float* dq_accum, bool per_query_head,
                      const std::string& what, const at::Device& device) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor tickets;
   if (at::globalContext().deterministicAlgorithms()) {
-    bp.dq_ticket_tiles = (bp.fwd.q_len + 31) / 32;  // (packed: batch sequences of at most q_len rows)
-    tickets = at::zeros({checked_product({bp.fwd.batch, bp.fwd.num_heads, bp.dq_ticket_tiles, 2})},
+    const bool packed = bp.fwd.cu_seqlens_q != nullptr;
+    bp.dq_ticket_rows = packed ? bp.fwd.total_q : bp.fwd.q_len;
+    tickets = at::zeros({checked_product({packed ? 1 : bp.fwd.batch, bp.fwd.num_heads, bp.dq_ticket_rows, 2})},
                         at::TensorOptions().dtype(at::kInt).device(device));
     bp.dq_tickets = tickets.data_ptr<int>();
   }

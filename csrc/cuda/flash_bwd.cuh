@@ -268,14 +268,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // The deterministic order (AttentionBackwardParams::dq_tickets): the counter of query tile mt, and this block's
     // rank among the key tiles that visit it, consecutive ones: from key tile 0, or under a left window bound from the
     // first whose keys reach the tile's first row's window. (Found where used: no register of the loop holds them.)
-    const auto ticket = [&] { return params.dq_tickets + ((b * all.num_heads + h) * params.dq_ticket_tiles + mt) * 2; };
+    const auto ticket = [&] {  // (the tile's first row's; packed: its packed row, in one batch)
+      const int64_t bm = all.cu_seqlens_q != nullptr ? 0 : b;
+      const int64_t row = (all.cu_seqlens_q != nullptr ? all.cu_seqlens_q[b] : 0) + m0;
+      return params.dq_tickets + ((bm * all.num_heads + h) * params.dq_ticket_rows + row) * 2;
+    };
     const auto rank = [&] {
       const int64_t first_key = kGeneral && p.window_left >= 0 ? m0 + p.window_offset - p.window_left : 0;
       return n_block - static_cast<int>(max64(0, first_key) / kBlockN);
     };
     if (!seen) {
       if (kDeterministic && threadIdx.x == 0) {  // its turn passed on, with nothing added
-        while (load_acquire_gpu(ticket()) != rank()) __nanosleep(32);
+        wait_for_turn(ticket(), rank());
         add_release_gpu(ticket(), 1);
       }
       h = h_next;
@@ -355,8 +359,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     zero_frags(dq);
     warp_gemm_ss<T, kDqMi, kDqNj, kBlockN, kLdP, true, kLdKV, true>(dq, sdSt + dq_row0, sK + dq_col0, lane);
     if constexpr (kDeterministic) {  // after the key tiles before this one (every thread's additions after the wait)
-      if (threadIdx.x == 0)
-        while (load_acquire_gpu(ticket()) != rank()) __nanosleep(32);
+      if (threadIdx.x == 0) wait_for_turn(ticket(), rank());
       __syncthreads();
     }
     add_dq<kD>(dq_accum + dq_accum_offset(all, b, h, kD), p.q_len, m0 + dq_row0, dq_col0, dq, lane);

@@ -584,20 +584,20 @@ constexpr int kRowsZeroedBarrier = 6;
 
 // kDqTma: once each of the warpgroup's threads has written its part of the dQ block to shared memory, one thread adds
 // the block into rows row .. row + 63 of head h's dq_accum (two bulk tensor reduce-adds, committed as one group);
-// batch, m_tile, rank: the call's batch element (or sequence), the block's query tile and its rank (deterministic).
+// rank: the block's among the key tiles adding into these rows (the deterministic order's; the counter is the one of
+// the block's first row, dq_accum's row `row` of batch bm, which no other query tile shares).
 template <class Traits>
 __device__ __forceinline__ void reduce_dq_block(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_dq, int wg,
                                                 int warp, int lane, int col0, int row, int h, int bm,
-                                                const AttentionBackwardParams& bp, int64_t batch, int m_tile,
-                                                int rank) {
+                                                const AttentionBackwardParams& bp, int rank) {
   fence_proxy_async();  // the copy engine reads what this thread's stores wrote
   if (warp == 0) {
     named_barrier_sync(kDqWrittenBarrier + wg, 128);
     if (lane == 0) {
       int* ticket = nullptr;
       if (bp.dq_tickets != nullptr) {
-        ticket = bp.dq_tickets + ((batch * bp.fwd.num_heads + h) * bp.dq_ticket_tiles + m_tile) * 2 + wg;
-        while (load_acquire_gpu(ticket) != rank) __nanosleep(64);
+        ticket = bp.dq_tickets + ((static_cast<int64_t>(bm) * bp.fwd.num_heads + h) * bp.dq_ticket_rows + row) * 2 + wg;
+        wait_for_turn(ticket, rank);
         fence_proxy_async_global();  // the reductions below come after the ones the counter counted
       }
 #pragma unroll
@@ -663,8 +663,6 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
   int m_tile = steps.m_first;
   int first_key_tile = 0;  // (key spans: the step's; else the key tiles adding into a query tile start at 0)
   const int key_tile = static_cast<int>(n0 / Traits::kBlockN);
-  // The query tile of dq_accum row `row` (the deterministic order's counters).
-  const auto tile_of_row = [&](int row) { return (row - seq.q_row0 - dq_row0) / kBlockM; };
   for (int s = 0; kMask == kMaskSpans || s < steps.count; ++s) {
     const int stage = bwd_stage<Traits>(s);
     const uint32_t phase = bwd_phase<Traits>(s);
@@ -706,8 +704,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     const Stats delta(StageStats{sm.delta_rows(stage), lane});
     gemm_keys_x_queries<Traits>(dpt, v_w, do_tile);
     if (kDqDefer && dq_pending)  // the previous step's dQ block, under these two products
-      reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm, bp, b,
-                              tile_of_row(dq_pending_row), key_tile - dq_pending_first);
+      reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm, bp,
+                              key_tile - dq_pending_first);
 
     // Pᵀ (under dPᵀ's product), then dSᵀ.
     wgmma_wait<1>();
@@ -791,8 +789,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
         dq_pending_h = static_cast<int>(h);
         dq_pending_first = first_key_tile;
       } else {
-        reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_row, static_cast<int>(h), seq.bm, bp, b,
-                                m_tile, key_tile - first_key_tile);
+        reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_row, static_cast<int>(h), seq.bm, bp,
+                                key_tile - first_key_tile);
       }
     } else {
       add_dq_block(dq_accum + dq_accum_offset(p, b, h, Traits::kHeadDim), seq.q_len, head_dim,
@@ -808,8 +806,8 @@ __device__ __forceinline__ void consumer_mainloop(const BwdSharedTiles<Traits>& 
     }
   }
   if (kDqDefer && dq_pending)
-    reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm, bp, b,
-                            tile_of_row(dq_pending_row), key_tile - dq_pending_first);
+    reduce_dq_block<Traits>(sm, tm_dq, wg, warp, lane, dq_col0, dq_pending_row, dq_pending_h, seq.bm, bp,
+                            key_tile - dq_pending_first);
   // The block's shared memory outlives the last reductions' reads.
   if (Traits::kDqTma && threadIdx.x % 128 == 0) bulk_wait_group<0>();
 }
