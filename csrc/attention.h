@@ -313,7 +313,7 @@ struct AttentionBackwardParams {
   // consumer warpgroup: Hopper's bulk-reduction dQ path, kDqTma, the shipped traits'); null: in any order. Packed
   // sequences: one batch of the packed rows.
   int* dq_tickets = nullptr;
-  int64_t dq_ticket_rows = 0;  // q_len, or the packed rows (total_q)
+  int64_t dq_ticket_rows = 0;  // q_len, or the packed rows (total_q), + 64
 };
 
 // The backward's view of sequence b (sequence_view): dout and dq moved to its first query row, dk and dv to its first key.

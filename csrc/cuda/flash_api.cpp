@@ -182,7 +182,9 @@ void launch_backward(AttentionBackwardParams bp, float* stats, float* dq_accum, 
   at::Tensor tickets;
   if (at::globalContext().deterministicAlgorithms()) {
     const bool packed = bp.fwd.cu_seqlens_q != nullptr;
-    bp.dq_ticket_rows = packed ? bp.fwd.total_q : bp.fwd.q_len;
+    // (+ 64: at d 64 Hopper's second warpgroup counts on its own first row, 64 below the tile's, which in a short last
+    // tile lies past the rows)
+    bp.dq_ticket_rows = (packed ? bp.fwd.total_q : bp.fwd.q_len) + 64;
     tickets = at::zeros({checked_product({packed ? 1 : bp.fwd.batch, bp.fwd.num_heads, bp.dq_ticket_rows, 2})},
                         at::TensorOptions().dtype(at::kInt).device(device));
     bp.dq_tickets = tickets.data_ptr<int>();

@@ -585,7 +585,7 @@ constexpr int kRowsZeroedBarrier = 6;
 // kDqTma: once each of the warpgroup's threads has written its part of the dQ block to shared memory, one thread adds
 // the block into rows row .. row + 63 of head h's dq_accum (two bulk tensor reduce-adds, committed as one group);
 // rank: the block's among the key tiles adding into these rows (the deterministic order's; the counter is the one of
-// the block's first row, dq_accum's row `row` of batch bm, which no other query tile shares).
+// row `row` of batch bm and warpgroup wg, which no other query tile's block shares: each tile's first row differs).
 template <class Traits>
 __device__ __forceinline__ void reduce_dq_block(const BwdSharedTiles<Traits>& sm, const CUtensorMap* tm_dq, int wg,
                                                 int warp, int lane, int col0, int row, int h, int bm,
