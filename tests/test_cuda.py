@@ -18,7 +18,7 @@ CUDA = "cuda"
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 CAUSAL = (False, "top_left", "bottom_right")
 # (B, Hq, Hkv, Nq, Nk): square, ragged (not tile multiples), Nq < Nk, Nq > Nk, one query row, GQA, MQA, past 2048
-# keys (d 128's wider key tile on Hopper)
+# keys (d 128's wider key tiles on Hopper: Bc 192 at 2100 keys, 160 at 3000)
 SHAPES = [
     (2, 3, 3, 128, 128),
     (1, 2, 2, 200, 333),
@@ -27,6 +27,7 @@ SHAPES = [
     (1, 8, 2, 257, 190),
     (2, 4, 1, 64, 1000),
     (1, 2, 2, 200, 2100),
+    (1, 2, 2, 200, 3000),
 ]
 
 
@@ -132,12 +133,13 @@ def test_fast_forward_and_lse(dtype, d, causal, shape, forward_path):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("shape", [(4, 8, 2, 1024, 1024), (8, 8, 8, 1000, 300), (4, 8, 4, 600, 2100)],
+@pytest.mark.parametrize("shape", [(4, 8, 2, 1024, 1024), (8, 8, 8, 1000, 300), (4, 8, 4, 600, 2100),
+                                   (2, 8, 2, 600, 3000)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_forward_with_more_query_tiles_than_sms(d, causal, shape, forward_path):
     """Several query tiles a block where a grid is persistent (one block an SM walking the tiles), tiles whose rows
-    see no key among them (Nq > Nk, bottom-right), and past 2048 keys (d 128's wider key tile when not causal): out
-    and lse against float64."""
+    see no key among them (Nq > Nk, bottom-right), and past 2048 keys (d 128's wider key tiles when not causal,
+    Bc 192 and 160): out and lse against float64."""
     B, Hq, Hkv, Nq, Nk = shape
     q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, d, torch.bfloat16, seed=d + Nq)
     poison_allocator()

@@ -216,11 +216,13 @@ def test_each_sequence_gets_its_dense_call(causal, forward_path):
         assert torch.equal(lse[:, rows], dense_lse), f"sequence {b}: lse"
 
 
+@pytest.mark.parametrize("longest", [3000, 4500])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sequences_past_2048_keys(causal, forward_path):
+def test_sequences_past_2048_keys(causal, longest, forward_path):
     """A longest sequence past 2048 keys beside short ones: d 128 without the causal mask then takes the Hopper
-    forward's wider key tile (Bc 176, O staged in Q's buffer) for every sequence; and the backward."""
-    lengths = [(2500, 2500), (300, 3000), (77, 77), (3000, 300)]
+    forward's wider key tile for every sequence (Bc 160 at 3000 keys; Bc 192, O staged in Q's buffer, at 4500); and
+    the backward."""
+    lengths = [(2500, 2500), (300, longest), (77, 77), (longest, 300)]
     q, k, v, cu_q, cu_k = packed(lengths, 4, 2, 128, torch.bfloat16, seed=13)
     poison_allocator()
     out, lse = call(q, k, v, cu_q, cu_k, is_causal=causal)

@@ -36,8 +36,8 @@ struct FwdTraits {
   static constexpr int kNThreads = 128 * (1 + kConsumerWarpgroups);  // 384 or 512
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;           // query rows per block (Br)
   // Bc 128: S (64 x 128) and O (64 x d) float32 fragments, 64 + 64 registers per thread at d 128, fit the consumers'
-  // 240 with room for P; 2 stages of K and V then take 128 KB (d 128) of the 227 KB. 176 (FlashAttention-3's Bc for
-  // d 128 without a causal mask; ours there past 2048 keys) fits too: 208 KB, S 88 + P 44 + O 64 registers, no spill.
+  // 240 with room for P; 2 stages of K and V then take 128 KB (d 128) of the 227 KB. Wider tiles fit at d 128 without
+  // a spill: 160 (192 KB, S 80 + P 40 + O 64 registers) and 192 (224 KB, S 96 + P 48).
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 2;  // (K, V) tiles in flight: the copy of tile j + 1 runs under the products of tile j
   // setmaxnreg: 128 x 24 + 256 x 240 (or 384 x 160) = 64512 <= 65536 registers of the SM (one block per SM). Three
@@ -61,7 +61,7 @@ struct FwdTraits {
   static constexpr int kSmemV = kSmemK + kStages * kKVBytes;
   static constexpr int kBarriers = 2 + 4 * kStages;  // Q full, Q empty; K full, V full, K empty, V empty per stage
   // O is staged in its own buffer where one fits (the next tile's Q then arrives under this tile's epilogue), else in
-  // Q's (d 128 at Bc 176: 208 KB without it).
+  // Q's (d 128 at Bc 192: 224 KB without it).
   static constexpr bool kOwnOBuffer = kSmemV + kStages * kKVBytes + kQBytes + 8 * kBarriers + 16 + 1024 <= 227 * 1024;
   static constexpr int kSmemO = kOwnOBuffer ? kSmemV + kStages * kKVBytes : kSmemQ;
   static constexpr int kSmemBarriers = kSmemV + kStages * kKVBytes + (kOwnOBuffer ? kQBytes : 0);
@@ -78,15 +78,15 @@ struct FwdTraits {
 };
 
 // The plain schedule per head dim (H100, B 4, H 16, N 8192, bf16): ping-pong with Bc 176 at d 128, 711 TFLOP/s full
-// (overlap with Bc 128: 680); causal and short calls at d 128 take Bc 128 (fwd_d128_narrow_key_tile). At d 64 three
+// (overlap with Bc 128: 680); d 128 picks its key tile by N_k (fwd_d128_key_tile). At d 64 three
 // consumer warpgroups (Br 192) in ping-pong (H200, B·N 16384, H 32): 1.17-1.21x two (Br 128) full, 1.06-1.12x causal
 // at N >= 8192, 0.98-1.01x at N 2048-4096 (before each warpgroup skipped the key tiles past its rows' diagonal, which
 // took causal N 2048 from 0.95x to 1.02x cuDNN); Bc 192 with two is 1.03-1.09x two at Bc 128 full, 0.95-1.05x causal.
 // Tried at d 128, Bc 128 (H200, bf16/fp16, N 1024-16384): two Q buffers, or Q handed back after a warpgroup's last S
 // rather than its last P V, +1 to -1% full, -1 to -3% causal; one pipeline across work tiles (a tile's S_0 issued with
 // the previous tile's last P V, its softmax under it) -7% full, -14% causal.
-template <int kHeadDim, class T>
-using DefaultFwdTraits = std::conditional_t<kHeadDim == 128, FwdTraits<128, T, /*kOverlap=*/true, /*kPingPong=*/true, 176>,
+template <int kHeadDim, class T, int kBlockN = 128>
+using DefaultFwdTraits = std::conditional_t<kHeadDim == 128, FwdTraits<128, T, /*kOverlap=*/true, /*kPingPong=*/true, kBlockN>,
                                             FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128, 3>>;
 // The plain and causal forwards' grids: persistent, their blocks taking tiles from a counter (dynamic); else the plain
 // one persistent with a static schedule, the causal one a block per tile. Dynamic: causal d 64 +2-4% at N 2048-4096 on
@@ -95,13 +95,23 @@ constexpr bool kFwdDynamicSchedule = true;
 // attn_mask and windows (key spans): Bc 128 at both head dims (ptxas, d 128: 36 bytes of spill; at Bc 176, 1.5 KB).
 template <int kHeadDim, class T>
 using SpansFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128>;
-// d 128 without mask or window: Bc 128 (SpansFwdTraits' tile) when causal or N_k <= 2048, else Bc 176. H200, bf16,
-// B·N 32768, H 16, dynamic schedule, Bc 128 vs 176: causal +11-14% at N 2048, +5-8% at 4096, +4-7% at 8192, +0-7% at
-// 16384; full +3-4% at 2048, -1-3% at 4096, -1% at 8192, -3-4% at 16384.
+// d 128 without mask or window, the key tile (Bc): 128 when causal (H200, bf16, B·N 32768, H 16, vs Bc 176: +11-14%
+// at N 2048, +4-7% at 8192) or N_k <= 2048 (within 2% of 160 there, and the tile of every short sequence, packed or
+// dense: their bits agree); past 2048 keys, of 160 and 192 the one that computes fewer keys (N_k rounded up to the
+// tile) at its speed, 1 and 1.01. H200, bf16, B·N 16384, H 16, same-run ratio to cuDNN for Bc 128 / 160 / 176 / 192:
+// N 1024 0.96 / 0.90 / - / 0.86; N 2048 0.97 / 0.99 / 0.96 / 0.98; N 2560 - / 1.02 / - / 0.97; N 3072 - / 0.98 / 0.96
+// / 1.02; N 4096 0.98 / 1.02 / 0.99 / 1.00 (fp16 alike); N 6144 - / 1.02 / 1.02 / 1.05; N 8192 - / 1.03 / 1.03 / 1.05;
+// N 16384 - / 1.05 / 1.04 / 1.06.
 // A paged KV cache: Bc 128 at both head dims, whose pages (a multiple of kPagedKeyTile rows) hold whole key tiles.
-constexpr bool fwd_d128_narrow_key_tile(bool causal, int64_t kv_len, bool paged) {
-  return causal || kv_len <= 2048 || paged;
+constexpr int64_t keys_computed(int64_t kv_len, int block_n) { return (kv_len + block_n - 1) / block_n * block_n; }
+constexpr int fwd_d128_key_tile(bool causal, int64_t kv_len, bool paged) {
+  if (causal || paged || kv_len <= 2048) return 128;
+  return keys_computed(kv_len, 192) * 100 <= keys_computed(kv_len, 160) * 101 ? 192 : 160;
 }
+static_assert(fwd_d128_key_tile(false, 2560, false) == 160 && fwd_d128_key_tile(false, 3072, false) == 192 &&
+                  fwd_d128_key_tile(false, 4096, false) == 160 && fwd_d128_key_tile(false, 8192, false) == 192 &&
+                  fwd_d128_key_tile(false, 16384, false) == 192,
+              "the key tiles measured best");
 constexpr int kPagedKeyTile = 128;
 
 // ---- the backward -----------------------------------------------------------------------------------------------------

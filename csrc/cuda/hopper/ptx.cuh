@@ -206,7 +206,7 @@ template <int N, int M> __device__ __forceinline__ void fence_fragment(uint32_t 
 // d[8s'+2,3], d[8s'+4,5], d[8s'+6,7]), is the A operand of k-slice s' of the next product: P = softmax(S) feeds P V
 // without a shuffle.
 //   wgmma_ss: A and B from shared memory, both K-major (imm-trans 0, 0): S = Q Kᵀ with Q and K stored (rows, d);
-//             N = 64, 128, 176, 192.
+//             N = 64, 128, 160, 192.
 //   wgmma_rs: A from registers, B MN-major (imm-trans-b 1): O += P V with V stored (keys, d), keys being K; N = 64, 128.
 //   wgmma_ss_mn: A and B from shared memory, both MN-major (imm-trans 1, 1): the backward's dQ = dS K with dS stored
 //             as dSᵀ (keys, queries) and K stored (keys, d), keys being K; N = 64.
@@ -234,8 +234,8 @@ __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t des
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-#define HOPPER_WGMMA_REGS88 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
-#define HOPPER_WGMMA_OPERANDS88(d) \
+#define HOPPER_WGMMA_REGS80 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}"
+#define HOPPER_WGMMA_OPERANDS80(d) \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
@@ -245,8 +245,7 @@ __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t des
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
   "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
 
 #define HOPPER_WGMMA_REGS96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
 #define HOPPER_WGMMA_OPERANDS96(d) \
@@ -283,12 +282,12 @@ __device__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t des
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                         \
   }                                                                                                                    \
   template <>                                                                                                          \
-  __device__ __forceinline__ void wgmma_ss<176, TYPE>(float (&d)[88], uint64_t desc_a, uint64_t desc_b,                \
+  __device__ __forceinline__ void wgmma_ss<160, TYPE>(float (&d)[80], uint64_t desc_a, uint64_t desc_b,                \
                                                       int accumulate) {                                                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                                                          \
-                 "wgmma.mma_async.sync.aligned.m64n176k16.f32." PTX "." PTX " " HOPPER_WGMMA_REGS88                    \
-                 ", %88, %89, p, 1, 1, 0, 0;\n}\n"                                                                     \
-                 : HOPPER_WGMMA_OPERANDS88(d)                                                                          \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n160k16.f32." PTX "." PTX " " HOPPER_WGMMA_REGS80                    \
+                 ", %80, %81, p, 1, 1, 0, 0;\n}\n"                                                                     \
+                 : HOPPER_WGMMA_OPERANDS80(d)                                                                          \
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                         \
   }                                                                                                                    \
   template <>                                                                                                          \
