@@ -7,6 +7,10 @@
   varlen   packed sequences (16 of N/8..N, causal), forward and forward+backward: flash_attn_varlen_func vs our own
            padded call (key padding mask + is_causal) and vs cuDNN (else SDPA's default) on the padded batch with its
            (B, 1, N, N) mask;
+  deterministic
+           the backward under torch.use_deterministic_algorithms(True) (dQ added in key order) against our default
+           backward and against cuDNN's and FlashAttention-2's under the same switch (a backend without a
+           deterministic backward says skipped), the plain shapes; the note says whether two calls gave the same bits;
   decode   one query row per sequence against a KV cache (Hq 32, Hkv 8, d 128, bf16, 1k-32k cached keys, batch
            1-64): attention_with_kvcache vs torch SDPA's best backend (each that runs is timed, the fastest kept), and
            GB/s (K and V read once) as a share of a device-to-device copy's bandwidth measured in the same run, and
@@ -25,6 +29,7 @@ error): ours must be within 2× (+ 2e-3) of the best backend's own error, else t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
@@ -69,6 +74,29 @@ def backend_fn(name: str, gqa: bool):
     return attend
 
 
+def backend_impls(names, q, k, v, causal: bool, group: int, impls: dict) -> dict:
+    """impls[name] = (fn, k, v) for each backend that runs this case; returns {name: why} for the others. GQA: a backend
+    that refuses enable_gqa gets k, v expanded to the query heads once, outside the timing."""
+    skipped = {}
+    for name in names:
+        fn = backend_fn(name, group > 1)
+        try:
+            fn(q, k, v, causal)
+            impls[name] = (fn, k, v)
+            continue
+        except RuntimeError:
+            pass
+        try:
+            ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            fn = backend_fn(name, False)
+            fn(q, ke, ve, causal)
+            impls[name] = (fn, ke, ve)
+        except RuntimeError as e:
+            skipped[name] = first_line(e)
+    torch.cuda.synchronize()
+    return skipped
+
+
 def matmul_peak() -> float:
     """TFLOP/s of a plain bf16 8192³ matrix product on this GPU: the ceiling each row is put against."""
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -88,23 +116,7 @@ def case_rows(dtype: str, shape: tuple, causal: bool, args, peak: float) -> list
     case = f"({b},{hq}{'/' + str(hkv) if group > 1 else ''},{n},{d}){' causal' if causal else ''}"
     print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
     impls = {"ours": (lambda q, k, v, c: cs149gpt.attention(q, k, v, is_causal=c), k, v)}
-    skipped = {}
-    for name in args.backends:
-        fn = backend_fn(name, group > 1)
-        try:
-            fn(q, k, v, causal)
-            impls[name] = (fn, k, v)
-            continue
-        except RuntimeError:
-            pass
-        try:  # no enable_gqa in this backend: k, v expanded once, outside the timing
-            ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            fn = backend_fn(name, False)
-            fn(q, ke, ve, causal)
-            impls[name] = (fn, ke, ve)
-        except RuntimeError as e:
-            skipped[name] = first_line(e)
-    torch.cuda.synchronize()
+    skipped = backend_impls(args.backends, q, k, v, causal, group, impls)
 
     # The check: float32 inputs (the same rounded values) through SDPA's float32 math, forward and gradients.
     qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
@@ -457,7 +469,80 @@ def decode_rows(args, bandwidth: float, cases: Sequence[tuple] = ()) -> list[Row
     return rows
 
 
-SUITES = ("plain", "masked", "varlen", "decode")
+SUITES = ("plain", "masked", "varlen", "deterministic", "decode")
+
+
+@contextlib.contextmanager
+def deterministic_mode(on: bool):
+    """torch.use_deterministic_algorithms(on) inside, the switch as it was after."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def deterministic_rows(dtype: str, shape: tuple, causal: bool, args) -> list[Row]:
+    """Our backward in torch's deterministic mode vs our default backward and vs cuDNN's and FlashAttention-2's in
+    that mode, timed in the same rounds (a backward of a forward recorded once)."""
+    b, hq, hkv, n, d = shape
+    group = hq // hkv
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", generator=g).to(DTYPES[dtype]) for h in (hq, hkv, hkv, hq))
+    case = f"bwd ({b},{hq}{'/' + str(hkv) if group > 1 else ''},{n},{d}){' causal' if causal else ''}"
+    print(f"  cuda deterministic {case} {dtype} ...", file=sys.stderr, flush=True)
+    impls = {"ours": (lambda q, k, v, c: cs149gpt.attention(q, k, v, is_causal=c), k, v)}
+    skipped = backend_impls(("cudnn", "flash"), q, k, v, causal, group, impls)
+    grads = {}
+    for name, (fn, kk, vv) in impls.items():
+        qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, kk, vv))
+        out = fn(qi, ki, vi, causal)
+        grads[name] = lambda out=out, qi=qi, ki=ki, vi=vi: torch.autograd.grad(out, (qi, ki, vi), dout,
+                                                                              retain_graph=True)
+    calls = {"ours default": grads["ours"]}
+    for name, grad in grads.items():
+        def in_mode(grad=grad):
+            with deterministic_mode(True):
+                return grad()
+        try:
+            first = in_mode()
+        except RuntimeError as e:  # a backend without a deterministic backward (ours has one: its error propagates)
+            if name == "ours":
+                raise
+            skipped[name] = f"deterministic mode: {first_line(e)}"
+            continue
+        calls[name] = in_mode
+        if name == "ours":
+            repeat = all(torch.equal(a, c) for a, c in zip(first, in_mode()))
+            spread = max(rel_err(a, c.float()) for a, c in zip(first, grads["ours"]()))
+    times = interleave(calls, args.rounds, args.seconds, sync=torch.cuda.synchronize)
+    work = 2.5 * flops(b, hq, n, d, causal)
+    ours = times["ours"]
+    rows = []
+    for peer, label in (("ours default", "ours default"), ("cudnn", "sdpa cudnn deterministic"),
+                        ("flash", "sdpa flash deterministic")):
+        row = Row("cuda", case, dtype, None, "ours deterministic", label, unit="TFLOP/s")
+        if peer in skipped:
+            row.status, row.note = "skipped", skipped[peer]
+            rows.append(row)
+            continue
+        t = times[peer]
+        row.ours_ms, row.peer_ms, row.ratio = ours.median * 1e3, t.median * 1e3, t.median / ours.median
+        row.rate = work / ours.median / 1e12
+        row.add_note(f"peer {work / t.median / 1e12:.0f} TFLOP/s")
+        if peer == "ours default":
+            row.err = spread
+            row.add_note(f"two deterministic calls {'bitwise equal' if repeat else 'DIFFER'}; rel. difference from "
+                         f"the default's {spread:.1e}")
+            if not repeat:
+                row.status = "wrong"
+        for who, tt in (("ours", ours), (peer, t)):
+            if tt.noisy:
+                row.add_note(f"noisy: {who} IQR {100 * tt.iqr / tt.median:.0f}% of median")
+        rows.append(row)
+    torch.cuda.empty_cache()
+    return rows
 
 
 def run_cuda(args) -> list[Row]:
@@ -468,8 +553,8 @@ def run_cuda(args) -> list[Row]:
     if args.configs:
         return config_rows(args)
     rows = []
+    causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal or "both"]
     if "plain" in args.suite:
-        causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal or "both"]
         peak = matmul_peak()
         print(f"cuda: a bf16 8192³ matmul runs at {peak:.0f} TFLOP/s on this GPU", file=sys.stderr)
         rows += [row for dtype in args.dtype or ["bfloat16"] for shape in shapes(args) for causal in causals
@@ -478,6 +563,9 @@ def run_cuda(args) -> list[Row]:
         rows += masked_rows(args)
     if "varlen" in args.suite:
         rows += varlen_rows(args)
+    if "deterministic" in args.suite:
+        rows += [row for dtype in args.dtype or ["bfloat16"] for shape in shapes(args) for causal in causals
+                 for row in deterministic_rows(dtype, shape, causal, args)]
     if "decode" in args.suite:
         bandwidth = copy_bandwidth()
         print(f"cuda: a device-to-device copy runs at {bandwidth:.0f} GB/s on this GPU", file=sys.stderr)

@@ -47,7 +47,7 @@ def test_bench_markdown_and_cuda_skip(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the skip path is not taken")
-    doc, stdout = run_bench(tmp_path, "cuda", "--markdown", "--suite", "plain,masked,varlen,decode")
+    doc, stdout = run_bench(tmp_path, "cuda", "--markdown", "--suite", "plain,masked,varlen,deterministic,decode")
     rows = doc["tables"]["cuda"]
     assert [r["status"] for r in rows] == ["skipped"] and "no CUDA GPU" in rows[0]["note"]
     assert "`python benchmarks/bench.py cuda --markdown" in stdout and "| peer/ours |" in stdout
