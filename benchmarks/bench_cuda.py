@@ -108,15 +108,24 @@ def rel_err(a, ref) -> float:
     return ((a.float() - ref).norm() / ref.norm()).item()
 
 
-def case_rows(dtype: str, shape: tuple, causal: bool, args, peak: float) -> list[Row]:
+def case_inputs(dtype: str, shape: tuple, causal: bool, backends: Sequence[str]):
+    """q, k, v, dout of a (B, Hq, Hkv, N, d) case, its label, and impls (ours and each backend that runs it: name ->
+    (fn, k, v)) with {name: why} for the backends that do not."""
     b, hq, hkv, n, d = shape
     group = hq // hkv
     g = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", generator=g).to(DTYPES[dtype]) for h in (hq, hkv, hkv, hq))
     case = f"({b},{hq}{'/' + str(hkv) if group > 1 else ''},{n},{d}){' causal' if causal else ''}"
-    print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
     impls = {"ours": (lambda q, k, v, c: cs149gpt.attention(q, k, v, is_causal=c), k, v)}
-    skipped = backend_impls(args.backends, q, k, v, causal, group, impls)
+    skipped = backend_impls(backends, q, k, v, causal, group, impls)
+    return q, k, v, dout, case, impls, skipped
+
+
+def case_rows(dtype: str, shape: tuple, causal: bool, args, peak: float) -> list[Row]:
+    b, hq, hkv, n, d = shape
+    group = hq // hkv
+    q, k, v, dout, case, impls, skipped = case_inputs(dtype, shape, causal, args.backends)
+    print(f"  cuda {case} {dtype} ...", file=sys.stderr, flush=True)
 
     # The check: float32 inputs (the same rounded values) through SDPA's float32 math, forward and gradients.
     qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
@@ -487,13 +496,9 @@ def deterministic_rows(dtype: str, shape: tuple, causal: bool, args) -> list[Row
     """Our backward in torch's deterministic mode vs our default backward and vs cuDNN's and FlashAttention-2's in
     that mode, timed in the same rounds (a backward of a forward recorded once)."""
     b, hq, hkv, n, d = shape
-    group = hq // hkv
-    g = torch.Generator(device="cuda").manual_seed(n + d)
-    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", generator=g).to(DTYPES[dtype]) for h in (hq, hkv, hkv, hq))
-    case = f"bwd ({b},{hq}{'/' + str(hkv) if group > 1 else ''},{n},{d}){' causal' if causal else ''}"
+    q, k, v, dout, case, impls, skipped = case_inputs(dtype, shape, causal, ("cudnn", "flash"))
+    case = f"bwd {case}"
     print(f"  cuda deterministic {case} {dtype} ...", file=sys.stderr, flush=True)
-    impls = {"ours": (lambda q, k, v, c: cs149gpt.attention(q, k, v, is_causal=c), k, v)}
-    skipped = backend_impls(("cudnn", "flash"), q, k, v, causal, group, impls)
     grads = {}
     for name, (fn, kk, vv) in impls.items():
         qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, kk, vv))
