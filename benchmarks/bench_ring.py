@@ -11,7 +11,9 @@ context_parallel with its SDPA on the same GPUs and sequence (skipped where it c
 Every rank builds only its own tokens (the whole sequence is 2·lcm(W) chunks, each from its own seed), so a rank's
 peak memory is that of its N / W tokens; the largest rank's peak (torch's allocator, one forward + backward) is in the note.
 The ring's output is checked against one process on the whole sequence (CUDA: up to --check-max tokens).
-Times: the median over --rounds calls after one probe call, each call started by a barrier; the slowest rank's.
+Times: the median over --rounds rounds after one probe call, a round --calls calls back to back (CUDA 4: a model's
+layers call it so, the host queueing a call while the GPU runs the one before) started by a barrier; the slowest
+rank's. The process group: torch's default on CUDA, 'cpu:gloo,cuda:nccl' (--dist-backend).
 """
 from __future__ import annotations
 
@@ -101,7 +103,9 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn, rounds: int, device, barrier=None) -> float:
+def median_seconds(fn, rounds: int, device, barrier=None, calls: int = 1) -> float:
+    """Seconds a call: the median over rounds of `calls` calls back to back (as a model's layers make them: the host
+    queues a call while the GPU runs the one before), each round started by a barrier."""
     fn()  # the probe: warms up
     times = []
     for _ in range(rounds):
@@ -109,9 +113,10 @@ def median_seconds(fn, rounds: int, device, barrier=None) -> float:
         if barrier:
             barrier()
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -160,7 +165,7 @@ def rank_run(rank: int, world_size: int, spec: dict, store_path: str) -> dict:
             os.sched_setaffinity(0, cpus[rank * per:(rank + 1) * per])
         torch.set_num_threads(per)
     store = torch.distributed.FileStore(store_path, world_size)
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world_size,
+    torch.distributed.init_process_group(spec["backend"], store=store, rank=rank, world_size=world_size,
                                          timeout=timedelta(seconds=600), device_id=device if cuda else None)
     barrier = torch.distributed.barrier
     report = {}
@@ -178,7 +183,7 @@ def rank_run(rank: int, world_size: int, spec: dict, store_path: str) -> dict:
         route = groups if algorithm == "usp" else {}
         call = lambda q, k, v: attend(q, k, v, is_causal=spec["causal"], layout=spec["layout"], **route)  # noqa: E731
         for phase, fn in phases(call, (q, k, v), dout).items():
-            report[f"{algorithm} {phase}"] = median_seconds(fn, spec["rounds"], device, barrier)
+            report[f"{algorithm} {phase}"] = median_seconds(fn, spec["rounds"], device, barrier, spec["calls"])
         report[f"{algorithm} peak_mib"] = peak_mib(phases(call, (q, k, v), dout)["fwd+bwd"], device)
         with torch.no_grad():
             out = call(q, k, v)
@@ -210,7 +215,7 @@ def torch_context_parallel(spec: dict, world_size: int, device, barrier) -> dict
             for t in (q, k, v):
                 t.requires_grad_()
             call = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=spec["causal"])  # noqa: E731
-            return {f"torch_cp {phase}": median_seconds(fn, spec["rounds"], device, barrier)
+            return {f"torch_cp {phase}": median_seconds(fn, spec["rounds"], device, barrier, spec["calls"])
                     for phase, fn in phases(call, (q, k, v), dout).items()}
     except Exception as e:  # noqa: BLE001 (an experimental API: say why it did not run)
         return {"torch_cp error": f"{type(e).__name__}: {first_line(e)}"}
@@ -259,7 +264,7 @@ def one_device(spec: dict, n: int, device, threads: int):
         t.requires_grad_()
     call = lambda q, k, v: cs149gpt.attention(q, k, v, is_causal=spec["causal"])  # noqa: E731
     fns = phases(call, (q, k, v), dout)
-    times = {phase: median_seconds(fn, spec["rounds"], device) for phase, fn in fns.items()}
+    times = {phase: median_seconds(fn, spec["rounds"], device, calls=spec["calls"]) for phase, fn in fns.items()}
     mib = peak_mib(fns["fwd+bwd"], device)
     with torch.no_grad():
         out = call(q, k, v).cpu()
@@ -352,7 +357,9 @@ def run_ring(args) -> list[Row]:
                 print(f"warning: {threads} threads do not split evenly over {world_size} processes", file=sys.stderr)
             spec = dict(device=args.device, dtype=dtype, b=b, h=h, n=n, d=d, chunks=chunks,
                         causal=(args.causal or "on") == "on", layout=args.layout, threads=threads,
-                        rounds=args.rounds, torch_cp=cuda and not args.no_torch_cp, algorithms=args.algorithm)
+                        rounds=args.rounds, torch_cp=cuda and not args.no_torch_cp, algorithms=args.algorithm,
+                        calls=args.calls or (4 if cuda else 1),
+                        backend=args.dist_backend or ("cpu:gloo,cuda:nccl" if cuda else "gloo"))
             try:
                 rows += ring_rows(spec, world_size, args)
             except RuntimeError as e:
@@ -381,3 +388,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--check-max", type=int, default=65536,
                    help="CUDA: check the ring against one GPU on the whole sequence up to this many tokens")
     p.add_argument("--no-torch-cp", action="store_true", help="CUDA: skip torch's context_parallel")
+    p.add_argument("--calls", type=int, default=None,
+                   help="calls back to back in a timed round (default CUDA 4, as a model's layers; CPU 1)")
+    p.add_argument("--dist-backend", default=None,
+                   help="init_process_group's backend (default CUDA 'cpu:gloo,cuda:nccl', torch's default there, "
+                        "whose CPU side takes the ranks' agreement off the GPU; CPU 'gloo')")

@@ -59,15 +59,17 @@ visible logit of a row is −inf contributes exactly 0 to that row, even where i
 process multiplies them by the weight 0: NaN).
 
 Checks: before the ring starts, one all_gather of a few int64 per rank (the shapes, dtype, layout, causal mode,
-scale and whether a backward will run; on CUDA on a stream of its own, so the host waits for it alone, not for the
-kernels queued before the call) — ranks that disagree get a ValueError on every rank naming the argument
+scale and whether a backward will run) — over the group's CPU backend where it has one (a group made by
+init_process_group() without a backend on a CUDA machine: "cpu:gloo,cuda:nccl"), so that the host goes on queueing
+while the GPU runs earlier work; over NCCL alone on a stream of its own, whose kernel waits for a free SM (the
+GPU's earlier kernels to end) — ranks that disagree get a ValueError on every rank naming the argument
 and each rank's value, never a hang. A rank whose own input is wrong (not 4-D, heads not dividing, head dims or
 dtypes differing, ...) raises ValueError/TypeError naming the argument, and the others raise ValueError naming that
 rank. A transfer that fails or times out (the process group's timeout) raises RuntimeError naming the step.
 
-Devices: the tensors' device. CPU tensors need a gloo group, CUDA tensors an NCCL group (one process per GPU); the
-kernels are cs149gpt's for that device (on CUDA: bfloat16/float16 with d 64 or 128, or the float32 teaching
-kernel). group may be a ProcessGroup, None (the default group) or a DeviceMesh (mesh_dim names the dimension of an
+Devices: the tensors' device. CPU tensors need a gloo group, CUDA tensors an NCCL group (one process per GPU;
+"cpu:gloo,cuda:nccl" best, for the checks above); the kernels are cs149gpt's for that device (on CUDA:
+bfloat16/float16 with d 64 or 128, or the float32 teaching kernel). group may be a ProcessGroup, None (the default group) or a DeviceMesh (mesh_dim names the dimension of an
 n-D mesh).
 
 Autocast: q, k, v are cast to autocast's dtype (torch SDPA's rule); out is in it, lse float32.
@@ -362,13 +364,25 @@ def _side_stream(device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[index]
 
 
+def _host_collectives(group) -> bool:
+    """Whether the group runs collectives on CPU tensors: gloo, or a group with a CPU backend beside NCCL
+    ("cpu:gloo,cuda:nccl", what init_process_group() without a backend makes where there is CUDA)."""
+    name = str(dist.get_backend(group))
+    return name == "gloo" or "cpu:" in name
+
+
 def _agree(group, world_size: int, device, local_error, fields: List[int], who: str = "ring_attention",
            extra: Sequence[Tuple[str, int]] = ()) -> None:
     """One all_gather of (status, *fields, *extra values) from every rank; raises on every rank unless all are fine
     and equal (ranks named by their global rank). extra: (name, value) pairs past _FIELDS."""
     fields = [*fields, *(value for _, value in extra)]
-    # On CUDA, on a stream of its own: the host waits for the all_gather only, not for the kernels queued before
-    # the call (NCCL's stream waits on the stream current at the call).
+    # On the host where the group has a CPU backend: the GPU's queue is not involved, so the host goes on queueing
+    # the call's kernels while the GPU still runs earlier work. Else on CUDA, on a stream of its own: the host waits
+    # for the all_gather only, not for the kernels queued before the call (NCCL's stream waits on the stream current
+    # at the call); but NCCL's kernel needs a free SM, which a persistent attention kernel running then does not
+    # leave until it ends, so the host waits for the GPU to drain.
+    if device.type == "cuda" and _host_collectives(group):
+        device = torch.device("cpu")
     side = _side_stream(device) if device.type == "cuda" else None
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         mine = torch.tensor([0 if local_error is None else 1, *fields], dtype=torch.int64, device=device)

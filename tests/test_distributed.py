@@ -122,7 +122,7 @@ def error_cases(rank):
             ("bad_local_heads", x, torch.randn(1, 3, 8, 16) if odd else x, torch.randn(1, 3, 8, 16) if odd else x, {})]
 
 
-def worker(rank, world_size, store_path, results, device="cpu"):
+def worker(rank, world_size, store_path, results, device="cpu", backend=None):
     try:
         torch.set_num_threads(1)
         cp._HostBlocks.min_bytes = 0  # the small cases through shared memory too
@@ -130,7 +130,7 @@ def worker(rank, world_size, store_path, results, device="cpu"):
         if cuda:
             torch.cuda.set_device(rank)
         store = torch.distributed.FileStore(store_path, world_size)
-        torch.distributed.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
+        torch.distributed.init_process_group(backend or ("nccl" if cuda else "gloo"), store=store, rank=rank,
                                              world_size=world_size, timeout=timedelta(seconds=60))
         for c in (CUDA_CASES if cuda else CASES)[world_size]:
             q, k, v, dout = (t.to(device) for t in inputs(c))
@@ -188,6 +188,16 @@ def worker(rank, world_size, store_path, results, device="cpu"):
                 results.put(("error", "usp_not_a_mesh", rank, "no error"))
             except Exception as e:  # noqa: BLE001
                 results.put(("error", "usp_not_a_mesh", rank, f"{type(e).__name__}: {e}"))
+        if world_size == 2 and cuda:
+            # Ranks that disagree on CUDA tensors: raised on both, by the agreement (over the group's CPU backend
+            # where it has one, else NCCL on a side stream)
+            for name, q, k, v, kwargs in error_cases(rank)[:2]:
+                try:
+                    cp.ring_attention(q.to(device), k.to(device), v.to(device), **kwargs)
+                    results.put(("error", name, rank, "no error"))
+                except Exception as e:  # noqa: BLE001
+                    results.put(("error", name, rank, f"{type(e).__name__}: {e}"))
+            results.put(("error", "host_agreement", rank, cp._host_collectives(torch.distributed.group.WORLD)))
         if world_size == 2 and not cuda:
             # Which operators a causal zigzag forward runs (torch.profiler), summed over the ranks
             xp = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(rank))
@@ -285,11 +295,11 @@ def worker(rank, world_size, store_path, results, device="cpu"):
         results.put(("crash", None, rank, f"{type(e).__name__}: {e}"))
 
 
-def spawn(world_size, tmp_path, device="cpu"):
+def spawn(world_size, tmp_path, device="cpu", backend=None):
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world_size, str(tmp_path / "store"), results, device), daemon=True)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=worker, args=(r, world_size, str(tmp_path / "store"), results, device, backend),
+                         daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     collected, done = [], 0
@@ -418,18 +428,27 @@ def test_ulysses(world2, world4, c):
     check(c, cases[c["name"] + "/ulysses"])
 
 
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_ring_nccl(world_size, tmp_path):
-    """One process a GPU over NCCL (NVLink multicast off): out, lse and gradients as one GPU's call and float64."""
+def test_ring_nccl(world_size, backend, tmp_path):
+    """One process a GPU over NCCL (NVLink multicast off): out, lse and gradients as one GPU's call and float64;
+    with a CPU backend beside NCCL (init_process_group()'s default with CUDA) the ranks agree on the host. At 2
+    ranks, ranks that disagree raise on both, as on the CPU."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} CUDA GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    cases, _ = spawn(world_size, tmp_path, "cuda")
+    cases, errors = spawn(world_size, tmp_path, "cuda", backend)
     for c in CUDA_CASES[world_size]:
         check(c, cases[c["name"]], "cuda")
         check(c, cases[c["name"] + "/ulysses"], "cuda")
         if world_size == 4:
             check(c, cases[c["name"] + "/usp"], "cuda")
+    if world_size == 2:
+        assert errors["host_agreement"] == {0: backend != "nccl", 1: backend != "nccl"}
+        for name in ("disagree_causal", "disagree_length"):
+            assert sorted(errors[name]) == [0, 1], errors[name]
+            assert all(text.startswith("ValueError: ring_attention: the ranks disagree on ")
+                       for text in errors[name].values()), errors[name]
 
 
 @pytest.mark.parametrize("c", CASES[4], ids=[c["name"] for c in CASES[4]])
@@ -661,3 +680,11 @@ def test_accumulators_start_uninitialised(spans):
             acc[:, :, lo:hi].add_(part)
     reached.finish(acc, 0.0)
     assert torch.equal(acc, want)
+
+
+@pytest.mark.parametrize("backend, on_host", [("gloo", True), ("cpu:gloo,cuda:nccl", True), ("nccl", False)])
+def test_agreement_on_the_host_where_the_group_has_a_cpu_backend(monkeypatch, backend, on_host):
+    """The ranks' agreement of CUDA tensors goes over the group's CPU backend where it has one (the host never waits
+    for the GPU); an NCCL-only group agrees on the GPU."""
+    monkeypatch.setattr(cp.dist, "get_backend", lambda group=None: backend)
+    assert cp._host_collectives(None) is on_host
