@@ -24,7 +24,8 @@ Subcommands:
     trainpacked  padding-free training steps of a Llama (DataCollatorWithFlattening, our varlen through
               transformers' flash path) vs "sdpa" on the same sequences padded, tokens/s of real tokens
     cuda      the CUDA kernels vs each torch SDPA backend (cuDNN, flash, efficient, math); skipped without a GPU;
-              --suite masked,varlen,decode: masked attention, packed sequences, KV-cache decoding (bench_cuda.py)
+              --suite masked,varlen,deterministic,decode: masked attention, packed sequences, the backward in
+              torch's deterministic mode, KV-cache decoding (bench_cuda.py)
     ring      context-parallel ring attention (cs149gpt.distributed) over W gloo processes vs one process with all
               threads; --device cuda: W GPUs (NCCL) vs one GPU at the same per-GPU length, and vs torch's
               context_parallel; --algorithm ring,ulysses,usp: the other routes too

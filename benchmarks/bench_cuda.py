@@ -9,8 +9,8 @@
            (B, 1, N, N) mask;
   deterministic
            the backward under torch.use_deterministic_algorithms(True) (dQ added in key order) against our default
-           backward and against cuDNN's and FlashAttention-2's under the same switch (a backend without a
-           deterministic backward says skipped), the plain shapes; the note says whether two calls gave the same bits;
+           backward and against cuDNN's and FlashAttention-2's under the same switch (a backend torch refuses there
+           says skipped), the plain shapes; the note says whether two calls gave the same bits;
   decode   one query row per sequence against a KV cache (Hq 32, Hkv 8, d 128, bf16, 1k-32k cached keys, batch
            1-64): attention_with_kvcache vs torch SDPA's best backend (each that runs is timed, the fastest kept), and
            GB/s (K and V read once) as a share of a device-to-device copy's bandwidth measured in the same run, and
@@ -494,17 +494,21 @@ def deterministic_mode(on: bool):
 
 def deterministic_rows(dtype: str, shape: tuple, causal: bool, args) -> list[Row]:
     """Our backward in torch's deterministic mode vs our default backward and vs cuDNN's and FlashAttention-2's in
-    that mode, timed in the same rounds (a backward of a forward recorded once)."""
+    that mode, timed in the same rounds (a backward of a forward recorded once). The backends are probed and their
+    forwards recorded in the mode, where torch picks a backend (cuDNN's backward is not deterministic: torch refuses
+    it there). The mode also fills every new tensor (torch.utils.deterministic.fill_uninitialized_memory): part of
+    its cost."""
     b, hq, hkv, n, d = shape
-    q, k, v, dout, case, impls, skipped = case_inputs(dtype, shape, causal, ("cudnn", "flash"))
-    case = f"bwd {case}"
-    print(f"  cuda deterministic {case} {dtype} ...", file=sys.stderr, flush=True)
-    grads = {}
-    for name, (fn, kk, vv) in impls.items():
-        qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, kk, vv))
-        out = fn(qi, ki, vi, causal)
-        grads[name] = lambda out=out, qi=qi, ki=ki, vi=vi: torch.autograd.grad(out, (qi, ki, vi), dout,
-                                                                              retain_graph=True)
+    with deterministic_mode(True):
+        q, k, v, dout, case, impls, skipped = case_inputs(dtype, shape, causal, ("cudnn", "flash"))
+        case = f"bwd {case}"
+        print(f"  cuda deterministic {case} {dtype} ...", file=sys.stderr, flush=True)
+        grads = {}
+        for name, (fn, kk, vv) in impls.items():
+            qi, ki, vi = (t.detach().clone().requires_grad_() for t in (q, kk, vv))
+            out = fn(qi, ki, vi, causal)
+            grads[name] = lambda out=out, qi=qi, ki=ki, vi=vi: torch.autograd.grad(out, (qi, ki, vi), dout,
+                                                                                  retain_graph=True)
     calls = {"ours default": grads["ours"]}
     for name, grad in grads.items():
         def in_mode(grad=grad):

@@ -13,7 +13,7 @@ peak memory is that of its N / W tokens; the largest rank's peak (torch's alloca
 The ring's output is checked against one process on the whole sequence (CUDA: up to --check-max tokens).
 Times: the median over --rounds rounds after one probe call, a round --calls calls back to back (CUDA 4: a model's
 layers call it so, the host queueing a call while the GPU runs the one before) started by a barrier; the slowest
-rank's. The process group: torch's default on CUDA, 'cpu:gloo,cuda:nccl' (--dist-backend).
+rank's. The process group on CUDA: 'cpu:gloo,cuda:nccl' (--dist-backend), whose CPU side carries the ranks' agreement.
 """
 from __future__ import annotations
 
@@ -391,5 +391,5 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=None,
                    help="calls back to back in a timed round (default CUDA 4, as a model's layers; CPU 1)")
     p.add_argument("--dist-backend", default=None,
-                   help="init_process_group's backend (default CUDA 'cpu:gloo,cuda:nccl', torch's default there, "
-                        "whose CPU side takes the ranks' agreement off the GPU; CPU 'gloo')")
+                   help="init_process_group's backend (default CUDA 'cpu:gloo,cuda:nccl', whose CPU side takes the "
+                        "ranks' agreement off the GPU; CPU 'gloo')")

@@ -59,18 +59,18 @@ visible logit of a row is −inf contributes exactly 0 to that row, even where i
 process multiplies them by the weight 0: NaN).
 
 Checks: before the ring starts, one all_gather of a few int64 per rank (the shapes, dtype, layout, causal mode,
-scale and whether a backward will run) — over the group's CPU backend where it has one (a group made by
-init_process_group() without a backend on a CUDA machine: "cpu:gloo,cuda:nccl"), so that the host goes on queueing
-while the GPU runs earlier work; over NCCL alone on a stream of its own, whose kernel waits for a free SM (the
-GPU's earlier kernels to end) — ranks that disagree get a ValueError on every rank naming the argument
+scale and whether a backward will run) — over the group's CPU backend where it has one (init_process_group(
+backend="cpu:gloo,cuda:nccl")), so that the host goes on queueing while the GPU runs earlier work; over NCCL alone
+on a stream of its own, whose kernel waits for a free SM (the GPU's earlier kernels to end) — ranks that disagree
+get a ValueError on every rank naming the argument
 and each rank's value, never a hang. A rank whose own input is wrong (not 4-D, heads not dividing, head dims or
 dtypes differing, ...) raises ValueError/TypeError naming the argument, and the others raise ValueError naming that
 rank. A transfer that fails or times out (the process group's timeout) raises RuntimeError naming the step.
 
 Devices: the tensors' device. CPU tensors need a gloo group, CUDA tensors an NCCL group (one process per GPU;
 "cpu:gloo,cuda:nccl" best, for the checks above); the kernels are cs149gpt's for that device (on CUDA:
-bfloat16/float16 with d 64 or 128, or the float32 teaching kernel). group may be a ProcessGroup, None (the default group) or a DeviceMesh (mesh_dim names the dimension of an
-n-D mesh).
+bfloat16/float16 with d 64 or 128, or the float32 teaching kernel). group may be a ProcessGroup, None (the default
+group) or a DeviceMesh (mesh_dim names the dimension of an n-D mesh).
 
 Autocast: q, k, v are cast to autocast's dtype (torch SDPA's rule); out is in it, lse float32.
 
@@ -334,7 +334,8 @@ def _local_error(q, k, v, who: str = "ring_attention") -> Optional[Exception]:
 
 _FIELDS = ("batch (q.shape[0])", "query heads (q.shape[1])", "key/value heads (k.shape[1])",
            "local query length (q.shape[2])", "local key length (k.shape[2])", "head dim (q.shape[3])", "dtype",
-           "layout", "is_causal", "scale", "requires grad (a backward will run)", "CS149GPT_RING_SHM")
+           "layout", "is_causal", "scale", "requires grad (a backward will run)", "CS149GPT_RING_SHM",
+           "device (q.device)")
 
 
 def _describe(field: int, value: int) -> str:
@@ -351,6 +352,8 @@ def _describe(field: int, value: int) -> str:
         return str(bool(value))
     if name == "CS149GPT_RING_SHM":
         return "shared memory allowed" if value else "0 (or no /dev/shm)"
+    if name.startswith("device"):
+        return ("cpu", "cuda")[value]
     return str(value)
 
 
@@ -366,9 +369,17 @@ def _side_stream(device) -> "torch.cuda.Stream":
 
 def _host_collectives(group) -> bool:
     """Whether the group runs collectives on CPU tensors: gloo, or a group with a CPU backend beside NCCL
-    ("cpu:gloo,cuda:nccl", what init_process_group() without a backend makes where there is CUDA)."""
-    name = str(dist.get_backend(group))
-    return name == "gloo" or "cpu:" in name
+    (init_process_group(backend="cpu:gloo,cuda:nccl")). Asked of the group's backends themselves: the name says
+    nothing for a group made without a backend ("undefined", whose devices depend on the machine)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        pg._get_backend(torch.device("cpu"))
+        return True
+    except AttributeError:  # (not a ProcessGroup of this torch: by the backend's name)
+        name = str(dist.get_backend(group))
+        return name == "gloo" or "cpu:" in name
+    except RuntimeError:  # no backend for CPU tensors
+        return False
 
 
 def _agree(group, world_size: int, device, local_error, fields: List[int], who: str = "ring_attention",
@@ -381,8 +392,10 @@ def _agree(group, world_size: int, device, local_error, fields: List[int], who: 
     # for the all_gather only, not for the kernels queued before the call (NCCL's stream waits on the stream current
     # at the call); but NCCL's kernel needs a free SM, which a persistent attention kernel running then does not
     # leave until it ends, so the host waits for the GPU to drain.
-    if device.type == "cuda" and _host_collectives(group):
+    if _host_collectives(group):
         device = torch.device("cpu")
+    elif device.type == "cpu" and torch.cuda.is_available():  # (CPU tensors in an NCCL group: meet the others)
+        device = torch.device("cuda", torch.cuda.current_device())
     side = _side_stream(device) if device.type == "cuda" else None
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         mine = torch.tensor([0 if local_error is None else 1, *fields], dtype=torch.int64, device=device)
@@ -845,14 +858,15 @@ def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         fields = [*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
                   LAYOUTS.index(layout), ("none", "top_left", "bottom_right").index(causal),
-                  struct.unpack("<q", struct.pack("<d", scale))[0], int(needs_grad), int(_shm_allowed())]
+                  struct.unpack("<q", struct.pack("<d", scale))[0], int(needs_grad), int(_shm_allowed()),
+                  int(q.device.type == "cuda")]
         device = q.device
     else:
         fields = [0] * len(_FIELDS)
         device = next((t.device for t in (q, k, v) if isinstance(t, torch.Tensor)), None)
         if device is None:  # the device the group's collectives take
-            device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group))
-                      else torch.device("cpu"))
+            device = (torch.device("cpu") if _host_collectives(group)
+                      else torch.device("cuda", torch.cuda.current_device()))
     if then is None:
         _agree(group, world_size, device, error, fields, who)
     else:

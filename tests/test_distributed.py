@@ -191,9 +191,12 @@ def worker(rank, world_size, store_path, results, device="cpu", backend=None):
         if world_size == 2 and cuda:
             # Ranks that disagree on CUDA tensors: raised on both, by the agreement (over the group's CPU backend
             # where it has one, else NCCL on a side stream)
-            for name, q, k, v, kwargs in error_cases(rank)[:2]:
+            x = torch.randn(1, 2, 8, 16)
+            on = "cpu" if rank == 1 else device  # rank 1's tensors on the CPU
+            for name, q, k, v, kwargs in error_cases(rank)[:2] + [("disagree_device", x, x, x, {})]:
                 try:
-                    cp.ring_attention(q.to(device), k.to(device), v.to(device), **kwargs)
+                    to = on if name == "disagree_device" else device
+                    cp.ring_attention(q.to(to), k.to(to), v.to(to), **kwargs)
                     results.put(("error", name, rank, "no error"))
                 except Exception as e:  # noqa: BLE001
                     results.put(("error", name, rank, f"{type(e).__name__}: {e}"))
@@ -432,8 +435,8 @@ def test_ulysses(world2, world4, c):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_nccl(world_size, backend, tmp_path):
     """One process a GPU over NCCL (NVLink multicast off): out, lse and gradients as one GPU's call and float64;
-    with a CPU backend beside NCCL (init_process_group()'s default with CUDA) the ranks agree on the host. At 2
-    ranks, ranks that disagree raise on both, as on the CPU."""
+    with a CPU backend beside NCCL the ranks agree on the host. At 2 ranks, ranks that disagree (a mask, a length,
+    a rank's tensors on the CPU) raise on both, as on the CPU."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} CUDA GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -445,10 +448,11 @@ def test_ring_nccl(world_size, backend, tmp_path):
             check(c, cases[c["name"] + "/usp"], "cuda")
     if world_size == 2:
         assert errors["host_agreement"] == {0: backend != "nccl", 1: backend != "nccl"}
-        for name in ("disagree_causal", "disagree_length"):
+        for name in ("disagree_causal", "disagree_length", "disagree_device"):
             assert sorted(errors[name]) == [0, 1], errors[name]
             assert all(text.startswith("ValueError: ring_attention: the ranks disagree on ")
                        for text in errors[name].values()), errors[name]
+        assert "device (q.device): rank 0: cuda, rank 1: cpu" in errors["disagree_device"][0]
 
 
 @pytest.mark.parametrize("c", CASES[4], ids=[c["name"] for c in CASES[4]])
@@ -682,9 +686,29 @@ def test_accumulators_start_uninitialised(spans):
     assert torch.equal(acc, want)
 
 
-@pytest.mark.parametrize("backend, on_host", [("gloo", True), ("cpu:gloo,cuda:nccl", True), ("nccl", False)])
-def test_agreement_on_the_host_where_the_group_has_a_cpu_backend(monkeypatch, backend, on_host):
+class _Group:
+    """A process group as _host_collectives sees it: a backend for CPU tensors or not."""
+
+    def __init__(self, cpu):
+        self.cpu = cpu
+
+    def _get_backend(self, device):
+        if device.type == "cpu" and self.cpu:
+            return object()
+        raise RuntimeError(f"No backend type associated with device type {device.type}")
+
+
+@pytest.mark.parametrize("group, on_host", [(_Group(True), True), (_Group(False), False)])
+def test_agreement_on_the_host_where_the_group_has_a_cpu_backend(group, on_host):
     """The ranks' agreement of CUDA tensors goes over the group's CPU backend where it has one (the host never waits
-    for the GPU); an NCCL-only group agrees on the GPU."""
-    monkeypatch.setattr(cp.dist, "get_backend", lambda group=None: backend)
-    assert cp._host_collectives(None) is on_host
+    for the GPU); an NCCL-only group agrees on the GPU. A real gloo group has one."""
+    assert cp._host_collectives(group) is on_host
+
+
+def test_a_gloo_group_agrees_on_the_host(tmp_path):
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "s"), 1), rank=0,
+                                         world_size=1)
+    try:
+        assert cp._host_collectives(None) and cp._host_collectives(torch.distributed.new_group([0]))
+    finally:
+        torch.distributed.destroy_process_group()

@@ -77,8 +77,8 @@ struct FwdTraits {
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3, "Br 128 or 192");
 };
 
-// The plain schedule per head dim (H100, B 4, H 16, N 8192, bf16): ping-pong with Bc 176 at d 128, 711 TFLOP/s full
-// (overlap with Bc 128: 680); d 128 picks its key tile by N_k (fwd_d128_key_tile). At d 64 three
+// The plain schedule per head dim (H100, B 4, H 16, N 8192, bf16): ping-pong at d 128, 711 TFLOP/s full with Bc 176
+// (overlap with Bc 128: 680; the key tile is now fwd_d128_key_tile's, by N_k). At d 64 three
 // consumer warpgroups (Br 192) in ping-pong (H200, B·N 16384, H 32): 1.17-1.21x two (Br 128) full, 1.06-1.12x causal
 // at N >= 8192, 0.98-1.01x at N 2048-4096 (before each warpgroup skipped the key tiles past its rows' diagonal, which
 // took causal N 2048 from 0.95x to 1.02x cuDNN); Bc 192 with two is 1.03-1.09x two at Bc 128 full, 0.95-1.05x causal.
@@ -96,12 +96,12 @@ constexpr bool kFwdDynamicSchedule = true;
 template <int kHeadDim, class T>
 using SpansFwdTraits = FwdTraits<kHeadDim, T, /*kOverlap=*/true, /*kPingPong=*/true, 128>;
 // d 128 without mask or window, the key tile (Bc): 128 when causal (H200, bf16, B·N 32768, H 16, vs Bc 176: +11-14%
-// at N 2048, +4-7% at 8192) or N_k <= 2048 (within 2% of 160 there, and the tile of every short sequence, packed or
-// dense: their bits agree); past 2048 keys, of 160 and 192 the one that computes fewer keys (N_k rounded up to the
-// tile) at its speed, 1 and 1.01. H200, bf16, B·N 16384, H 16, same-run ratio to cuDNN for Bc 128 / 160 / 176 / 192:
-// N 1024 0.96 / 0.90 / - / 0.86; N 2048 0.97 / 0.99 / 0.96 / 0.98; N 2560 - / 1.02 / - / 0.97; N 3072 - / 0.98 / 0.96
-// / 1.02; N 4096 0.98 / 1.02 / 0.99 / 1.00 (fp16 alike); N 6144 - / 1.02 / 1.02 / 1.05; N 8192 - / 1.03 / 1.03 / 1.05;
-// N 16384 - / 1.05 / 1.04 / 1.06.
+// at N 2048, +4-7% at 8192) or N_k <= 2048 (within 2% of 160 there, and the tile of every short sequence: a packed
+// call whose longest has <= 2048 keys gives each sequence its dense call's bits); past 2048 keys, of 160 and 192 the
+// one that computes fewer keys (N_k rounded up to the tile) at its speed, 1 and 1.01. H200, bf16, B·N 16384, H 16,
+// same-run ratio to cuDNN for Bc 128 / 160 / 176 / 192: N 1024 0.96 / 0.90 / - / 0.86; N 2048 0.97 / 0.99 / 0.96 /
+// 0.98; N 2560 - / 1.02 / - / 0.97; N 3072 - / 0.98 / 0.96 / 1.02; N 4096 0.98 / 1.02 / 0.99 / 1.00 (fp16 alike);
+// N 6144 - / 1.02 / 1.02 / 1.05; N 8192 - / 1.03 / 1.03 / 1.05; N 16384 - / 1.05 / 1.04 / 1.06.
 // A paged KV cache: Bc 128 at both head dims, whose pages (a multiple of kPagedKeyTile rows) hold whole key tiles.
 constexpr int64_t keys_computed(int64_t kv_len, int block_n) { return (kv_len + block_n - 1) / block_n * block_n; }
 constexpr int fwd_d128_key_tile(bool causal, int64_t kv_len, bool paged) {
