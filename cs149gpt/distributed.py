@@ -863,10 +863,8 @@ def _prepare(q, k, v, group, mesh_dim, is_causal, scale, layout, who, heads_per_
         device = q.device
     else:
         fields = [0] * len(_FIELDS)
-        device = next((t.device for t in (q, k, v) if isinstance(t, torch.Tensor)), None)
-        if device is None:  # the device the group's collectives take
-            device = (torch.device("cpu") if _host_collectives(group)
-                      else torch.device("cuda", torch.cuda.current_device()))
+        # (no tensor: the CPU, which _agree trades for CUDA where the group has no CPU backend)
+        device = next((t.device for t in (q, k, v) if isinstance(t, torch.Tensor)), torch.device("cpu"))
     if then is None:
         _agree(group, world_size, device, error, fields, who)
     else:
